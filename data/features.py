@@ -1,0 +1,268 @@
+"""The feature cache: the target's hidden states over a prepared dataset, for offline training.
+
+The feature is the hidden state that enters ``lm_head`` (``hidden_states[-1]``, after the final
+norm); extra layers (indices into ``hidden_states``, 0 = embeddings) are optional. Storage is
+sharded safetensors (bf16 by default) plus a manifest; each shard is written atomically and listed
+in the manifest only when complete, so an interrupted run resumes at the first missing shard. Each
+shard's sha256 is checked when it is read, so a truncated or tampered shard is reported, not used.
+
+Layout::
+
+    manifest.json              target, dataset, dtype, layers, shards (file, ids, tokens, sha256, bytes)
+    shard-00000.safetensors    input_ids, loss_mask, offsets, feature, hidden_states.<layer> ...
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import save as save_safetensors
+from tqdm.auto import tqdm
+
+from draftsmith.data.io import atomic_write_bytes, atomic_write_json
+from draftsmith.data.prepared import PreparedDataset
+from draftsmith.inference.target import Target, TargetIdentity
+
+CACHE_FORMAT = "draftsmith.features/1"
+MANIFEST = "manifest.json"
+DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
+          "fp32": torch.float32, "float32": torch.float32}
+
+
+class FeatureCacheError(RuntimeError):
+    """A feature cache that is damaged, incomplete or made for something else."""
+
+
+@dataclass
+class CacheSettings:
+    dtype: str = "bf16"
+    layers: tuple[int, ...] = ()  # extra hidden_states indices besides the feature
+    shard_tokens: int = 1 << 20
+    batch_tokens: int = 4096
+
+
+def _dataset_fingerprint(dataset: PreparedDataset) -> str:
+    return hashlib.sha256(json.dumps(dataset.manifest, sort_keys=True).encode()).hexdigest()
+
+
+def _plan_shards(dataset: PreparedDataset, shard_tokens: int) -> list[list[int]]:
+    """Consecutive sample indices per shard; deterministic, so a resumed run plans the same shards."""
+    shards, current, tokens = [], [], 0
+    for index in range(len(dataset)):
+        length = int(dataset.offsets[index + 1] - dataset.offsets[index])
+        if current and tokens + length > shard_tokens:
+            shards.append(current)
+            current, tokens = [], 0
+        current.append(index)
+        tokens += length
+    if current:
+        shards.append(current)
+    return shards
+
+
+def _batches(dataset: PreparedDataset, indices: list[int], batch_tokens: int) -> list[list[int]]:
+    """Group samples so that batch size x longest sample stays within ``batch_tokens``."""
+    by_length = sorted(indices, key=lambda i: int(dataset.offsets[i + 1] - dataset.offsets[i]))
+    batches, current = [], []
+    for index in by_length:
+        length = int(dataset.offsets[index + 1] - dataset.offsets[index])
+        if current and length * (len(current) + 1) > batch_tokens:
+            batches.append(current)
+            current = []
+        current.append(index)
+    if current:
+        batches.append(current)
+    return batches
+
+
+@torch.no_grad()
+def target_features(target: Target, input_ids: list[torch.Tensor], layers: tuple[int, ...]) -> list[dict[str, torch.Tensor]]:
+    """Run the target over right-padded sequences; per sequence, ``feature`` (T, h) and extra layers."""
+    model = target.model
+    device = next(model.parameters()).device
+    lengths = [len(ids) for ids in input_ids]
+    batch = torch.zeros(len(input_ids), max(lengths), dtype=torch.long)
+    attention = torch.zeros_like(batch)
+    for row, ids in enumerate(input_ids):
+        batch[row, : len(ids)] = ids
+        attention[row, : len(ids)] = 1
+    # The base model (no lm_head): its last_hidden_state is the feature, and computing V logits
+    # per token would cost more than the rest of the forward on small targets.
+    out = model.base_model(input_ids=batch.to(device), attention_mask=attention.to(device),
+                           output_hidden_states=bool(layers))
+    hidden = out.hidden_states
+    results = []
+    for row, length in enumerate(lengths):
+        item = {"feature": out.last_hidden_state[row, :length].float().cpu()}
+        for layer in layers:
+            item[f"hidden_states.{layer}"] = hidden[layer][row, :length].float().cpu()
+        results.append(item)
+    return results
+
+
+def _shard_bytes(dataset: PreparedDataset, indices: list[int], features: dict[int, dict[str, torch.Tensor]],
+                 dtype: torch.dtype) -> bytes:
+    samples = [dataset[i] for i in indices]
+    offsets = [0]
+    for sample in samples:
+        offsets.append(offsets[-1] + len(sample.input_ids))
+    tensors = {
+        "input_ids": torch.cat([s.input_ids for s in samples]).to(torch.int32),
+        "loss_mask": torch.cat([s.loss_mask for s in samples]).to(torch.uint8),
+        "offsets": torch.tensor(offsets, dtype=torch.int64),
+    }
+    for key in features[indices[0]]:
+        tensors[key] = torch.cat([features[i][key] for i in indices]).to(dtype).contiguous()
+    return save_safetensors(tensors)
+
+
+def _new_manifest(dataset: PreparedDataset, target: Target, settings: CacheSettings) -> dict[str, Any]:
+    return {
+        "format": CACHE_FORMAT,
+        "target": target.identity.to_dict(),
+        "dataset": {"path": str(dataset.path), "fingerprint": _dataset_fingerprint(dataset)},
+        "feature": "hidden_states[-1] (input of lm_head, after the final norm)",
+        "hidden_size": target.hidden_size,
+        "dtype": settings.dtype,
+        "layers": list(settings.layers),
+        "shard_tokens": settings.shard_tokens,
+        "shards": [],
+        "complete": False,
+    }
+
+
+def _check_resumable(manifest: dict[str, Any], fresh: dict[str, Any], out: Path) -> None:
+    for key, what in (("target", "target"), ("dataset", "prepared dataset"), ("dtype", "dtype"),
+                      ("layers", "layers"), ("shard_tokens", "shard size")):
+        if key == "dataset":
+            same = manifest[key]["fingerprint"] == fresh[key]["fingerprint"]
+        else:
+            same = manifest[key] == fresh[key]
+        if not same:
+            raise FeatureCacheError(f"{out} holds a feature cache for another {what}; "
+                                    "choose another --out or pass --overwrite to rebuild it")
+
+
+def build_feature_cache(dataset: PreparedDataset, target: Target, out: Path, settings: CacheSettings,
+                        overwrite: bool = False, on_shard: Callable[[int], None] | None = None) -> dict[str, Any]:
+    """Compute (or resume computing) the feature cache of ``dataset`` in ``out``; returns the manifest."""
+    dataset.check_target(target.identity)
+    out = Path(out)
+    manifest = _new_manifest(dataset, target, settings)
+    manifest_path = out / MANIFEST
+    if manifest_path.is_file() and not overwrite:
+        existing = json.loads(manifest_path.read_text())
+        _check_resumable(existing, manifest, out)
+        manifest["shards"] = existing["shards"]
+    elif out.exists() and any(out.iterdir()) and not overwrite and not manifest_path.is_file():
+        raise FeatureCacheError(f"{out} is not empty and holds no feature cache; choose another --out")
+    out.mkdir(parents=True, exist_ok=True)
+    plan = _plan_shards(dataset, settings.shard_tokens)
+    done = len(manifest["shards"])
+    total_tokens = int(dataset.offsets[-1])
+    progress = tqdm(total=total_tokens, unit="tok", desc="caching features", dynamic_ncols=True)
+    progress.update(int(sum(s["n_tokens"] for s in manifest["shards"])))
+    for shard_index in range(done, len(plan)):
+        indices = plan[shard_index]
+        features: dict[int, dict[str, torch.Tensor]] = {}
+        for batch in _batches(dataset, indices, settings.batch_tokens):
+            outputs = target_features(target, [dataset[i].input_ids for i in batch], settings.layers)
+            features.update(zip(batch, outputs))
+            progress.update(sum(len(dataset[i].input_ids) for i in batch))
+        blob = _shard_bytes(dataset, indices, features, DTYPES[settings.dtype])
+        name = f"shard-{shard_index:05d}.safetensors"
+        atomic_write_bytes(out / name, blob)
+        manifest["shards"].append({
+            "file": name, "sample_ids": [dataset.sample_ids[i] for i in indices],
+            "n_tokens": int(sum(len(dataset[i].input_ids) for i in indices)),
+            "sha256": hashlib.sha256(blob).hexdigest(), "bytes": len(blob),
+        })
+        manifest["complete"] = shard_index + 1 == len(plan)
+        atomic_write_json(manifest_path, manifest)
+        if on_shard:
+            on_shard(shard_index)
+    progress.close()
+    if not plan:
+        manifest["complete"] = True
+        atomic_write_json(manifest_path, manifest)
+    return manifest
+
+
+class FeatureCache:
+    """Read access to a feature cache; each shard is checked against its manifest checksum when read."""
+
+    def __init__(self, path: Path, require_complete: bool = True) -> None:
+        self.path = Path(path)
+        try:
+            self.manifest = json.loads((self.path / MANIFEST).read_text())
+        except FileNotFoundError:
+            raise FeatureCacheError(f"{self.path} is not a feature cache (no {MANIFEST}); make one with "
+                                    "`draftsmith data cache-features PREPARED_DIR --out DIR`") from None
+        except json.JSONDecodeError as exc:
+            raise FeatureCacheError(f"{self.path}/{MANIFEST} is damaged ({exc.msg}); rebuild with --overwrite") from None
+        if self.manifest.get("format") != CACHE_FORMAT:
+            raise FeatureCacheError(f"{self.path} has format {self.manifest.get('format')!r}, expected {CACHE_FORMAT}")
+        if require_complete and not self.manifest["complete"]:
+            raise FeatureCacheError(f"{self.path} is incomplete ({len(self.manifest['shards'])} shards); "
+                                    "run the same cache-features command again to finish it")
+        self._index = [(s, k) for s, shard in enumerate(self.manifest["shards"]) for k in range(len(shard["sample_ids"]))]
+        self._loaded: tuple[int, dict[str, torch.Tensor]] | None = None
+
+    @property
+    def identity(self) -> TargetIdentity:
+        return TargetIdentity.from_dict(self.manifest["target"])
+
+    @property
+    def n_tokens(self) -> int:
+        return int(sum(s["n_tokens"] for s in self.manifest["shards"]))
+
+    @property
+    def n_bytes(self) -> int:
+        return int(sum(s["bytes"] for s in self.manifest["shards"]))
+
+    def check_target(self, identity: TargetIdentity) -> None:
+        problem = self.identity.mismatch(identity)
+        if problem:
+            raise FeatureCacheError(f"{self.path} was cached for another target: {problem}; cache features again")
+
+    def load_shard(self, shard_index: int) -> dict[str, torch.Tensor]:
+        entry = self.manifest["shards"][shard_index]
+        path = self.path / entry["file"]
+        if not path.is_file():
+            raise FeatureCacheError(f"{path} is missing; run cache-features again with --overwrite")
+        blob = path.read_bytes()
+        if len(blob) != entry["bytes"]:
+            raise FeatureCacheError(f"{path} is truncated or padded ({len(blob)} bytes, manifest says {entry['bytes']}); "
+                                    "rebuild the cache with --overwrite")
+        if hashlib.sha256(blob).hexdigest() != entry["sha256"]:
+            raise FeatureCacheError(f"{path} does not match its checksum (modified after writing); rebuild with --overwrite")
+        return load_safetensors(blob)
+
+    def verify(self) -> None:
+        """Read and check every shard (what ``draftsmith data cache-features --verify`` does)."""
+        for shard_index in range(len(self.manifest["shards"])):
+            self.load_shard(shard_index)
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        shard_index, k = self._index[index]
+        if self._loaded is None or self._loaded[0] != shard_index:
+            self._loaded = (shard_index, self.load_shard(shard_index))
+        tensors = self._loaded[1]
+        start, end = int(tensors["offsets"][k]), int(tensors["offsets"][k + 1])
+        item: dict[str, Any] = {"id": self.manifest["shards"][shard_index]["sample_ids"][k]}
+        for key, value in tensors.items():
+            if key != "offsets":
+                item[key] = value[start:end]
+        item["input_ids"] = item["input_ids"].long()
+        item["loss_mask"] = item["loss_mask"].long()
+        return item

@@ -1,0 +1,236 @@
+"""Reading chat datasets: ShareGPT, OpenAI messages and UltraChat, from local files or the HF hub.
+
+Every record becomes a :class:`Conversation` (a list of ``{"role", "content"}`` turns with roles
+``system``, ``user`` and ``assistant``) or a :class:`RecordError` whose ``reason`` is counted, so a
+run can always report ``used + skipped == read``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SHAREGPT_ROLES = {
+    "human": "user", "user": "user",
+    "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant", "bard": "assistant",
+    "bing": "assistant", "model": "assistant",
+    "system": "system",
+}
+MESSAGE_ROLES = {"user": "user", "assistant": "assistant", "system": "system"}
+
+
+class DataError(RuntimeError):
+    """A dataset that cannot be read at all (missing file, not JSON, unknown layout)."""
+
+
+class RecordError(ValueError):
+    """One record that cannot be used; ``reason`` is a short stable key used in skip counts."""
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+        self.detail = detail
+
+
+@dataclass
+class Conversation:
+    """A normalised conversation; ``id`` is the record's own id or its position in the file."""
+
+    id: str
+    turns: list[dict[str, str]]
+
+    def to_sharegpt(self) -> dict[str, Any]:
+        back = {"user": "human", "assistant": "gpt", "system": "system"}
+        return {"id": self.id, "conversations": [{"from": back[t["role"]], "value": t["content"]} for t in self.turns]}
+
+
+@dataclass
+class ReadStats:
+    """Counts of a read: every record is either used or skipped for exactly one reason."""
+
+    read: int = 0
+    used: int = 0
+    skipped: Counter = field(default_factory=Counter)
+    examples: dict[str, str] = field(default_factory=dict)
+
+    def skip(self, record_id: str, error: RecordError) -> None:
+        self.skipped[error.reason] += 1
+        self.examples.setdefault(error.reason, f"record {record_id}: {error}")
+
+    @property
+    def n_skipped(self) -> int:
+        return sum(self.skipped.values())
+
+    def check(self) -> None:
+        if self.used + self.n_skipped != self.read:
+            raise AssertionError(f"record counts do not add up: used {self.used} + skipped {self.n_skipped} != read {self.read}")
+
+    def summary(self) -> str:
+        lines = [f"read {self.read}, used {self.used}, skipped {self.n_skipped}"]
+        for reason, count in self.skipped.most_common():
+            lines.append(f"  skipped {count:>6} {reason:<24} e.g. {self.examples[reason]}")
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"read": self.read, "used": self.used, "skipped": dict(self.skipped)}
+
+
+def _json_error(path: Path, exc: json.JSONDecodeError, line_offset: int = 0) -> DataError:
+    line = exc.lineno + line_offset
+    return DataError(f"{path} is not valid JSON at line {line}, column {exc.colno}: {exc.msg}")
+
+
+def _records_from_json(path: Path, text: str) -> list[Any]:
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise _json_error(path, exc) from None
+    if isinstance(data, dict):
+        for key in ("data", "conversations", "train", "records"):
+            if isinstance(data.get(key), list) and data[key] and isinstance(data[key][0], dict):
+                return data[key]
+        return [data]
+    if not isinstance(data, list):
+        raise DataError(f"{path} holds a JSON {type(data).__name__}; expected a list of conversation records")
+    return data
+
+
+def _records_from_jsonl(path: Path, text: str) -> list[Any]:
+    records = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as exc:
+            raise _json_error(path, exc, line_offset=number - 1) from None
+    return records
+
+
+def _records_from_file(path: Path) -> list[Any]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise DataError(f"{path} is not UTF-8 text (byte {exc.start}); expected a .json or .jsonl file") from None
+    if not text.strip():
+        raise DataError(f"{path} is empty; expected ShareGPT, OpenAI-messages or UltraChat records")
+    if path.suffix == ".jsonl" or (path.suffix != ".json" and not text.lstrip().startswith("[")):
+        return _records_from_jsonl(path, text)
+    return _records_from_json(path, text)
+
+
+def read_records(source: str, split: str = "train") -> Iterator[Any]:
+    """Raw records from a local .json/.jsonl file, or from a HF hub dataset id through ``datasets``."""
+    path = Path(source).expanduser()
+    if path.is_dir():
+        raise DataError(f"{path} is a directory; give a .json or .jsonl file")
+    if path.exists():
+        yield from _records_from_file(path)
+        return
+    if source.count("/") != 1 or source.startswith((".", "/", "~")):
+        raise DataError(f"{source} does not exist (expected a .json/.jsonl file or a hub dataset id like org/name)")
+    yield from _records_from_hub(source, split)
+
+
+def _records_from_hub(dataset_id: str, split: str) -> Iterator[Any]:
+    """Hub datasets stream through ``datasets``; needs network or a warm HF cache."""
+    try:
+        import datasets
+
+        dataset = datasets.load_dataset(dataset_id, split=split, streaming=True)
+    except Exception as exc:  # datasets raises many types for "not found" / "offline"
+        raise DataError(f"cannot load hub dataset {dataset_id!r} (split {split!r}): {str(exc).splitlines()[0]}") from None
+    yield from dataset
+
+
+def _turn(role: str, content: Any) -> dict[str, str]:
+    if not isinstance(content, str):
+        raise RecordError("bad_content", f"turn content is {type(content).__name__}, not text")
+    if not content.strip():
+        raise RecordError("empty_turn", f"empty {role} turn")
+    return {"role": role, "content": content}
+
+
+def _sharegpt_turns(turns: list[Any]) -> list[dict[str, str]]:
+    out = []
+    for turn in turns:
+        if not isinstance(turn, dict) or "from" not in turn or "value" not in turn:
+            raise RecordError("missing_field", "a ShareGPT turn needs 'from' and 'value'")
+        role = SHAREGPT_ROLES.get(str(turn["from"]).lower())
+        if role is None:
+            raise RecordError("unknown_role", f"role {turn['from']!r}")
+        out.append(_turn(role, turn["value"]))
+    return out
+
+
+def _message_turns(turns: list[Any]) -> list[dict[str, str]]:
+    out = []
+    for turn in turns:
+        if not isinstance(turn, dict) or "role" not in turn or "content" not in turn:
+            raise RecordError("missing_field", "a message needs 'role' and 'content'")
+        role = MESSAGE_ROLES.get(str(turn["role"]).lower())
+        if role is None:
+            raise RecordError("unknown_role", f"role {turn['role']!r}")
+        out.append(_turn(role, turn["content"]))
+    return out
+
+
+def _ultrachat_turns(turns: list[Any]) -> list[dict[str, str]]:
+    """UltraChat's original layout: a list of strings alternating user, assistant."""
+    return [_turn("user" if i % 2 == 0 else "assistant", text) for i, text in enumerate(turns)]
+
+
+def _check_order(turns: list[dict[str, str]], prompts_only: bool) -> list[dict[str, str]]:
+    body = turns[1:] if turns and turns[0]["role"] == "system" else turns
+    if any(t["role"] == "system" for t in body):
+        raise RecordError("misplaced_system", "a system turn after the first turn")
+    if not body:
+        raise RecordError("no_turns", "no user or assistant turns")
+    if body[0]["role"] == "assistant":
+        raise RecordError("assistant_first", "the first turn is from the assistant")
+    if prompts_only:  # regeneration fills assistant turns in, so user turns alone are enough
+        return turns
+    # A trailing user turn has nothing to supervise; drop it instead of losing the record.
+    while body and body[-1]["role"] == "user":
+        body = body[:-1]
+    if not body:
+        raise RecordError("no_assistant_turn", "no assistant turn to learn from")
+    return (turns[:1] if turns[0]["role"] == "system" else []) + body
+
+
+def normalize_record(record: Any, index: int, prompts_only: bool = False) -> Conversation:
+    """Turn one raw record of any supported layout into a Conversation, or raise RecordError.
+    With ``prompts_only``, conversations without assistant turns are accepted (for regeneration)."""
+    if not isinstance(record, dict):
+        raise RecordError("not_an_object", f"record is a JSON {type(record).__name__}")
+    record_id = str(record.get("id", record.get("question_id", index)))
+    if isinstance(record.get("conversations"), list):
+        turns = _sharegpt_turns(record["conversations"])
+    elif isinstance(record.get("messages"), list):
+        turns = _message_turns(record["messages"])
+    elif isinstance(record.get("data"), list):
+        turns = _ultrachat_turns(record["data"])
+    else:
+        raise RecordError("missing_field", "no 'conversations', 'messages' or 'data' list")
+    return Conversation(id=record_id, turns=_check_order(turns, prompts_only))
+
+
+def read_conversations(source: str, stats: ReadStats | None = None, split: str = "train",
+                       limit: int | None = None, prompts_only: bool = False) -> Iterator[Conversation]:
+    """Well-formed conversations of a dataset. Malformed records are counted in ``stats`` by reason;
+    the caller counts each yielded conversation as used or skips it (e.g. too long for the budget)."""
+    stats = stats if stats is not None else ReadStats()
+    for index, record in enumerate(read_records(source, split)):
+        if limit is not None and stats.read >= limit:
+            break
+        stats.read += 1
+        try:
+            conversation = normalize_record(record, index, prompts_only)
+        except RecordError as error:
+            stats.skip(str(record.get("id", index)) if isinstance(record, dict) else str(index), error)
+            continue
+        yield conversation

@@ -1,0 +1,120 @@
+"""Prepared (tokenised) datasets: ``input_ids`` and ``loss_mask`` of every usable conversation.
+
+Layout of a prepared directory::
+
+    manifest.json        target identity, template hash, max length, read/used/skipped counts, ids
+    tokens.safetensors   input_ids (int32), loss_mask (uint8), offsets (int64, n + 1)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from draftsmith.data.formats import ReadStats
+from draftsmith.data.io import atomic_directory, atomic_write_json
+from draftsmith.data.templates import TokenizedConversation
+from draftsmith.inference.target import TargetIdentity
+
+PREPARED_FORMAT = "draftsmith.prepared/1"
+MANIFEST = "manifest.json"
+TOKENS = "tokens.safetensors"
+
+
+class PreparedDataError(RuntimeError):
+    """A prepared directory that is missing, damaged or made for another target."""
+
+
+def template_hash(chat_template: str) -> str:
+    return hashlib.sha256(chat_template.encode()).hexdigest()
+
+
+def write_prepared(out: Path, samples: Iterable[TokenizedConversation], stats: ReadStats, *,
+                   identity: TargetIdentity, chat_template: str, max_length: int | None, source: str,
+                   overwrite: bool = False) -> dict[str, Any]:
+    """Write samples and a manifest into ``out`` atomically; returns the manifest."""
+    ids, masks, offsets, sample_ids = [], [], [0], []
+    for sample in samples:
+        ids.append(torch.tensor(sample.input_ids, dtype=torch.int32))
+        masks.append(torch.tensor(sample.loss_mask, dtype=torch.uint8))
+        offsets.append(offsets[-1] + len(sample.input_ids))
+        sample_ids.append(sample.id)
+    stats.check()
+    if not sample_ids:
+        raise PreparedDataError(f"no usable conversation in {source}:\n{stats.summary()}")
+    tensors = {
+        "input_ids": torch.cat(ids),
+        "loss_mask": torch.cat(masks),
+        "offsets": torch.tensor(offsets, dtype=torch.int64),
+    }
+    manifest = {
+        "format": PREPARED_FORMAT,
+        "source": source,
+        "target": identity.to_dict(),
+        "chat_template_sha256": template_hash(chat_template),
+        "max_length": max_length,
+        "counts": stats.to_dict(),
+        "n_samples": len(sample_ids),
+        "n_tokens": int(tensors["input_ids"].numel()),
+        "n_supervised": int(tensors["loss_mask"].sum()),
+        "sample_ids": sample_ids,
+    }
+    with atomic_directory(Path(out), overwrite=overwrite) as tmp:
+        save_file(tensors, str(tmp / TOKENS))
+        atomic_write_json(tmp / MANIFEST, manifest)
+    return manifest
+
+
+@dataclass
+class PreparedSample:
+    id: str
+    input_ids: torch.Tensor  # (T,) int64
+    loss_mask: torch.Tensor  # (T,) int64, 1 on supervised tokens
+
+
+class PreparedDataset:
+    """Read access to a prepared directory, checked on open."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        manifest_path = self.path / MANIFEST
+        if not manifest_path.is_file():
+            raise PreparedDataError(f"{self.path} is not a prepared dataset (no {MANIFEST}); "
+                                    "make one with `draftsmith data prepare INPUT --out DIR`")
+        try:
+            self.manifest = json.loads(manifest_path.read_text())
+            tensors = load_file(str(self.path / TOKENS))
+        except Exception as exc:  # json / safetensors errors on damaged files
+            raise PreparedDataError(f"{self.path} is damaged ({type(exc).__name__}: {exc}); prepare it again") from None
+        if self.manifest.get("format") != PREPARED_FORMAT:
+            raise PreparedDataError(f"{self.path} has format {self.manifest.get('format')!r}, expected {PREPARED_FORMAT}")
+        self.input_ids = tensors["input_ids"]
+        self.loss_mask = tensors["loss_mask"]
+        self.offsets = tensors["offsets"]
+        self.sample_ids: list[str] = self.manifest["sample_ids"]
+        if len(self.offsets) != len(self.sample_ids) + 1 or int(self.offsets[-1]) != self.input_ids.numel():
+            raise PreparedDataError(f"{self.path} is damaged: offsets do not match the tokens; prepare it again")
+
+    @property
+    def identity(self) -> TargetIdentity:
+        return TargetIdentity.from_dict(self.manifest["target"])
+
+    def check_target(self, identity: TargetIdentity) -> None:
+        problem = self.identity.mismatch(identity)
+        if problem:
+            raise PreparedDataError(f"{self.path} was prepared for another target: {problem}; "
+                                    "prepare the data again with --target set to the model you train for")
+
+    def __len__(self) -> int:
+        return len(self.sample_ids)
+
+    def __getitem__(self, index: int) -> PreparedSample:
+        start, end = int(self.offsets[index]), int(self.offsets[index + 1])
+        return PreparedSample(self.sample_ids[index], self.input_ids[start:end].long(), self.loss_mask[start:end].long())

@@ -1,0 +1,116 @@
+"""Shared fixtures: a small in-test BPE tokenizer with real chat templates and a tiny random Llama."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+# SmolLM2-135M-Instruct's chat template, verbatim (ChatML with a default system prompt).
+SMOLLM2_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\n"
+    "You are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}{% endif %}"
+    "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+# The Llama-3 Instruct template's structure: BOS, header tokens, content trimmed, <|eot_id|> per turn.
+LLAMA3_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' + message['content'] | trim + '<|eot_id|>' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
+)
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|begin_of_text|>", "<|start_header_id|>",
+            "<|end_header_id|>", "<|eot_id|>"]
+
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.", "Hello! How can I help you today?",
+    "What is the capital of France? Paris is the capital of France.", "def add(a, b):\n    return a + b\n",
+    "Two plus two equals four. Three times three is nine.", "You are a helpful AI assistant named SmolLM",
+    "system user assistant", "Summarise the passage in one sentence.", "Sure, here is a short poem about snow.",
+]
+
+
+def make_tokenizer(template: str = SMOLLM2_TEMPLATE, eos: str = "<|im_end|>"):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=SPECIALS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    backend.train_from_iterator(CORPUS * 4, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=eos, pad_token="<|endoftext|>",
+                                   bos_token="<|begin_of_text|>", chat_template=template)
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    return make_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def llama3_tokenizer():
+    return make_tokenizer(LLAMA3_TEMPLATE, eos="<|eot_id|>")
+
+
+def tiny_llama(vocab_size: int, seed: int = 0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         eos_token_id=2, pad_token_id=0, bos_token_id=3)
+    return LlamaForCausalLM(config).eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_target_dir(tmp_path_factory, tokenizer) -> Path:
+    """A saved tiny Llama + tokenizer: a local target directory, as a user would pass with --target."""
+    path = tmp_path_factory.mktemp("tiny-target")
+    model = tiny_llama(len(tokenizer))
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def other_target_dir(tmp_path_factory, tokenizer) -> Path:
+    """A second tiny target whose config differs (a wider hidden size): artifacts must not mix."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path = tmp_path_factory.mktemp("other-target")
+    torch.manual_seed(1)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1)
+    LlamaForCausalLM(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def write_jsonl(path: Path, records: list) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def sharegpt(*turns: tuple[str, str], id: str | None = None) -> dict:
+    record = {"conversations": [{"from": role, "value": text} for role, text in turns]}
+    if id is not None:
+        record["id"] = id
+    return record
+
+
+@pytest.fixture()
+def chat_records() -> list[dict]:
+    return [
+        sharegpt(("human", "What is the capital of France?"), ("gpt", "Paris is the capital of France."), id="c0"),
+        sharegpt(("system", "Be brief."), ("human", "Two plus two?"), ("gpt", "Four."),
+                 ("human", "Three times three?"), ("gpt", "Nine."), id="c1"),
+        sharegpt(("human", "Write a poem about snow."), ("gpt", "Sure, here is a short poem about snow."), id="c2"),
+    ]

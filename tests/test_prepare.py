@@ -1,0 +1,107 @@
+"""`draftsmith data prepare` and `data show` on a local tiny target: outputs, counts and clear errors."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import sharegpt, write_jsonl
+from draftsmith.data.prepared import PreparedDataError, PreparedDataset
+from draftsmith.inference.target import load_tokenizer
+from draftsmith.train.cli import main
+
+
+def run_cli(*argv):
+    return subprocess.run([sys.executable, "-m", "draftsmith.train.cli", *map(str, argv)],
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_prepare_writes_masks_and_counts(tmp_path, tiny_target_dir, chat_records, capsys):
+    bad = [sharegpt(("human", "x"), ("alien", "y")), sharegpt(("human", "x"), ("gpt", "")), {"nothing": 1}]
+    data = write_jsonl(tmp_path / "d.jsonl", chat_records + bad)
+    out = tmp_path / "prepared"
+    main(["data", "prepare", str(data), "--out", str(out), "--target", str(tiny_target_dir), "--max-length", "256"])
+    printed = capsys.readouterr().out
+    assert "read 6, used 3, skipped 3" in printed
+    dataset = PreparedDataset(out)
+    counts = dataset.manifest["counts"]
+    assert counts["used"] + sum(counts["skipped"].values()) == counts["read"] == 6
+    assert counts["skipped"] == {"unknown_role": 1, "empty_turn": 1, "missing_field": 1}
+    assert dataset.sample_ids == ["c0", "c1", "c2"]
+    sample = dataset[1]
+    assert sample.input_ids.shape == sample.loss_mask.shape and 0 < int(sample.loss_mask.sum()) < len(sample.loss_mask)
+    _, identity = load_tokenizer(str(tiny_target_dir))
+    assert dataset.identity == identity
+
+
+def test_prepare_refuses_to_overwrite_and_prepared_data_checks_target(tmp_path, tiny_target_dir, other_target_dir,
+                                                                     chat_records):
+    data = write_jsonl(tmp_path / "d.jsonl", chat_records)
+    out = tmp_path / "prepared"
+    main(["data", "prepare", str(data), "--out", str(out), "--target", str(tiny_target_dir)])
+    before = (out / "tokens.safetensors").read_bytes()
+    result = run_cli("data", "prepare", data, "--out", out, "--target", tiny_target_dir)
+    assert result.returncode == 2 and "already exists" in result.stderr and "--overwrite" in result.stderr
+    assert (out / "tokens.safetensors").read_bytes() == before  # nothing lost
+    _, other = load_tokenizer(str(other_target_dir))
+    with pytest.raises(PreparedDataError, match="prepared for another target: model config differs"):
+        PreparedDataset(out).check_target(other)
+
+
+@pytest.mark.parametrize("content, message", [
+    ("[{\"conversations\": [}", "is not valid JSON at line 1, column 21"),
+    ("", "bad.json is empty"),
+    ("[]", "no usable conversation"),
+])
+def test_user_mistakes_are_one_line_errors(tmp_path, tiny_target_dir, content, message):
+    data = tmp_path / "bad.json"
+    data.write_text(content)
+    result = run_cli("data", "prepare", data, "--out", tmp_path / "o", "--target", tiny_target_dir)
+    assert result.returncode == 2
+    assert message in result.stderr and "Traceback" not in result.stderr
+    assert not (tmp_path / "o").exists()
+
+
+def test_wrong_target_is_a_one_line_error(tmp_path, chat_records):
+    data = write_jsonl(tmp_path / "d.jsonl", chat_records)
+    result = run_cli("data", "prepare", data, "--out", tmp_path / "o", "--target", tmp_path)
+    assert result.returncode == 2 and "is not a model directory" in result.stderr
+    assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_damaged_prepared_directory_is_reported(tmp_path, tiny_target_dir, chat_records):
+    data = write_jsonl(tmp_path / "d.jsonl", chat_records)
+    out = tmp_path / "prepared"
+    main(["data", "prepare", str(data), "--out", str(out), "--target", str(tiny_target_dir)])
+    (out / "tokens.safetensors").write_bytes((out / "tokens.safetensors").read_bytes()[:100])
+    with pytest.raises(PreparedDataError, match="damaged"):
+        PreparedDataset(out)
+    with pytest.raises(PreparedDataError, match="not a prepared dataset"):
+        PreparedDataset(tmp_path)
+
+
+def test_show_prints_the_mask(tmp_path, tiny_target_dir, chat_records, capsys):
+    data = write_jsonl(tmp_path / "d.jsonl", chat_records)
+    main(["data", "show", str(data), "--index", "1", "--target", str(tiny_target_dir), "--color", "never"])
+    printed = capsys.readouterr().out
+    assert "# c1:" in printed and "⟦Four.<|im_end|>⟧" in printed and "⟦Nine.<|im_end|>⟧" in printed
+    out = tmp_path / "prepared"
+    main(["data", "prepare", str(data), "--out", str(out), "--target", str(tiny_target_dir)])
+    capsys.readouterr()
+    main(["data", "show", str(out), "--id", "c1", "--target", str(tiny_target_dir), "--color", "never"])
+    assert "⟦Nine.<|im_end|>⟧" in capsys.readouterr().out
+
+
+def test_prepare_with_llama3_template_file(tmp_path, tiny_target_dir, chat_records):
+    from conftest import LLAMA3_TEMPLATE
+
+    template = tmp_path / "llama3.jinja"
+    template.write_text(LLAMA3_TEMPLATE)
+    data = write_jsonl(tmp_path / "d.jsonl", chat_records)
+    out = tmp_path / "prepared"
+    main(["data", "prepare", str(data), "--out", str(out), "--target", str(tiny_target_dir),
+          "--chat-template", str(template)])
+    manifest = json.loads((out / "manifest.json").read_text())
+    import hashlib
+    assert manifest["chat_template_sha256"] == hashlib.sha256(LLAMA3_TEMPLATE.encode()).hexdigest()

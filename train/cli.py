@@ -1,0 +1,65 @@
+"""The ``draftsmith`` command: one entry point, one sub-command per job."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from draftsmith.data.cli import add_data_commands
+from draftsmith.inference.cli import add_inference_commands
+
+# Jobs whose issues have not landed yet say so plainly instead of pretending to work.
+PENDING = {
+    "train": ("train a drafter from a recipe", "the trainer (EAGLE/FSPAD issue)"),
+    "export": ("export a training run as a safetensors drafter checkpoint", "the trainer (EAGLE/FSPAD issue)"),
+}
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    """Errors that are a user's mistake: printed as one line, never as a traceback."""
+    from draftsmith.data.features import FeatureCacheError
+    from draftsmith.data.formats import DataError
+    from draftsmith.data.prepared import PreparedDataError
+    from draftsmith.data.regenerate import RegenerateError
+    from draftsmith.data.templates import TemplateError
+    from draftsmith.inference.target import TargetError
+    from draftsmith.train.recipe import RecipeError
+
+    return (DataError, TargetError, TemplateError, PreparedDataError, FeatureCacheError, RegenerateError,
+            RecipeError, FileExistsError, FileNotFoundError, IsADirectoryError, PermissionError)
+
+
+def _pending(name: str, what: str):
+    def run(_args: argparse.Namespace) -> None:
+        raise SystemExit(f"draftsmith {name}: not implemented yet; it arrives with {what}")
+    return run
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="draftsmith",
+        description="Train speculative-decoding drafters for a target LLM and decode losslessly with them.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    add_data_commands(commands)
+    for name, (help_text, issue) in PENDING.items():
+        commands.add_parser(name, help=f"{help_text} (not implemented yet)").set_defaults(func=_pending(name, issue))
+    add_inference_commands(commands)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except _user_errors() as error:
+        print(f"draftsmith: error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
+    except KeyboardInterrupt:
+        print("draftsmith: interrupted; rerun the same command to resume where supported", file=sys.stderr)
+        raise SystemExit(130) from None
+
+
+if __name__ == "__main__":
+    main()

@@ -126,6 +126,8 @@ def cmd_cache_features(args: argparse.Namespace) -> None:
         print(f"{args.out}: {len(cache.manifest['shards'])} shards verified, {cache.n_tokens} tokens, "
               f"complete={cache.manifest['complete']}")
         return
+    if args.prepared is None:
+        raise SystemExit("draftsmith: error: give the prepared dataset directory (from `draftsmith data prepare`)")
     dataset = PreparedDataset(Path(args.prepared))
     target = load_target(args.target, dtype=args.model_dtype, device=args.device)
     n_layers = target.model.config.num_hidden_layers

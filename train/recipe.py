@@ -26,6 +26,20 @@ class RecipeError(ValueError):
     """A recipe or override that does not fit the schema; the message names the key."""
 
 
+def shipped_recipes() -> Path:
+    """The folder of YAML recipes and accelerate configs shipped inside the package.
+
+    ``draftsmith.recipes`` holds YAML only (no ``__init__``), so it is a namespace package whose
+    search path also carries the editable-install hook; the real folder is the existing directory."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("draftsmith.recipes")
+    for location in (spec.submodule_search_locations or []) if spec else []:
+        if Path(location).is_dir():
+            return Path(location)
+    raise RecipeError("the shipped recipes folder is missing from this installation; reinstall draftsmith")
+
+
 def parse_override(item: str) -> tuple[list[str], Any]:
     """``train.lr=5e-5`` -> (["train", "lr"], 5e-05); values are parsed as YAML scalars/lists."""
     key, sep, raw = item.partition("=")

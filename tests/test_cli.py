@@ -1,0 +1,48 @@
+"""The command line: help everywhere, honest answers for jobs that are not built yet, shipped data."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from draftsmith.data.cli import default_dataset_path
+from draftsmith.data.formats import ReadStats, read_conversations
+from draftsmith.train.cli import main
+
+COMMANDS = [[], ["data"], ["data", "prepare"], ["data", "show"], ["data", "regenerate"], ["data", "cache-features"],
+            ["train"], ["export"], ["generate"], ["bench"]]
+
+
+@pytest.mark.parametrize("argv", COMMANDS, ids=lambda a: " ".join(a) or "draftsmith")
+def test_help_everywhere(argv, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(argv + ["--help"])
+    assert info.value.code == 0
+    assert "usage: draftsmith" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("command", ["train", "export", "generate", "bench"])
+def test_unbuilt_jobs_say_so(command):
+    with pytest.raises(SystemExit) as info:
+        main([command])
+    assert "not implemented yet" in str(info.value.code)
+
+
+def test_console_script_is_installed():
+    result = subprocess.run([sys.executable, "-m", "draftsmith.train.cli", "--help"], capture_output=True, text=True)
+    assert result.returncode == 0 and "data" in result.stdout
+
+
+def test_bundled_default_dataset_is_complete_and_usable():
+    path = default_dataset_path()
+    assert path.is_file(), "the default dataset must ship inside the package"
+    stats = ReadStats()
+    conversations = list(read_conversations(str(path), stats))
+    assert stats.read == len(conversations) >= 250 and not stats.skipped
+    categories = {c.id.rsplit("-", 1)[0] for c in conversations}
+    assert categories == {"chat", "writing", "coding", "math", "summarisation", "extraction"}
+    assert sum(len(c.turns) > 2 for c in conversations) >= 20  # multi-turn conversations are in it
+    meta = json.loads(path.with_name(path.name + ".meta.json").read_text())
+    assert meta["target"]["name"].startswith("HuggingFaceTB/SmolLM2-135M-Instruct")
+

@@ -1,0 +1,120 @@
+"""Feature cache: round trip against a direct target forward, resume, and corruption detection."""
+
+import json
+
+import pytest
+import torch
+
+from conftest import sharegpt, write_jsonl
+from draftsmith.data.features import CacheSettings, FeatureCache, FeatureCacheError, build_feature_cache
+from draftsmith.data.prepared import PreparedDataError, PreparedDataset
+from draftsmith.inference.target import load_target
+from draftsmith.train.cli import main
+
+
+@pytest.fixture()
+def prepared(tmp_path, tiny_target_dir, chat_records):
+    records = chat_records + [sharegpt(("human", f"Question {i}?"), ("gpt", "Answer " * (i + 1))) for i in range(5)]
+    data = write_jsonl(tmp_path / "d.jsonl", records)
+    out = tmp_path / "prepared"
+    main(["data", "prepare", str(data), "--out", str(out), "--target", str(tiny_target_dir)])
+    return PreparedDataset(out)
+
+
+@pytest.fixture(scope="module")
+def tiny_target(tiny_target_dir):
+    return load_target(str(tiny_target_dir))
+
+
+def small_shards(**kw):
+    return CacheSettings(shard_tokens=60, batch_tokens=128, **kw)
+
+
+def test_round_trip_matches_the_target_forward(tmp_path, prepared, tiny_target):
+    out = tmp_path / "cache"
+    manifest = build_feature_cache(prepared, tiny_target, out, small_shards(dtype="fp32", layers=(0, 1)))
+    assert manifest["complete"] and len(manifest["shards"]) > 2
+    cache = FeatureCache(out)
+    assert len(cache) == len(prepared) and cache.n_tokens == int(prepared.offsets[-1])
+    for index in range(len(prepared)):
+        item, sample = cache[index], prepared[index]
+        assert item["id"] == sample.id
+        assert torch.equal(item["input_ids"], sample.input_ids) and torch.equal(item["loss_mask"], sample.loss_mask)
+        with torch.no_grad():
+            direct = tiny_target.model(sample.input_ids[None], output_hidden_states=True).hidden_states
+        # unpadded forward vs padded batch: same math, float32 reassociation only
+        torch.testing.assert_close(item["feature"], direct[-1][0], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(item["hidden_states.0"], direct[0][0], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(item["hidden_states.1"], direct[1][0], rtol=1e-4, atol=1e-5)
+    assert cache.identity == tiny_target.identity
+
+
+def test_bf16_is_the_default_and_halves_the_bytes(tmp_path, prepared, tiny_target):
+    fp32 = build_feature_cache(prepared, tiny_target, tmp_path / "fp32", small_shards(dtype="fp32"))
+    bf16 = build_feature_cache(prepared, tiny_target, tmp_path / "bf16", small_shards())
+    assert FeatureCache(tmp_path / "bf16")[0]["feature"].dtype == torch.bfloat16
+    assert bf16["dtype"] == "bf16"
+    assert sum(s["bytes"] for s in bf16["shards"]) < 0.6 * sum(s["bytes"] for s in fp32["shards"])
+
+
+def test_interrupted_run_resumes_to_the_same_cache(tmp_path, prepared, tiny_target):
+    whole = tmp_path / "whole"
+    build_feature_cache(prepared, tiny_target, whole, small_shards())
+    part = tmp_path / "part"
+
+    def die_after_second_shard(index):
+        if index == 1:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        build_feature_cache(prepared, tiny_target, part, small_shards(), on_shard=die_after_second_shard)
+    partial = json.loads((part / "manifest.json").read_text())
+    assert len(partial["shards"]) == 2 and not partial["complete"]
+    with pytest.raises(FeatureCacheError, match="incomplete"):
+        FeatureCache(part)
+    resumed_shards = []
+    build_feature_cache(prepared, tiny_target, part, small_shards(), on_shard=resumed_shards.append)
+    assert resumed_shards[0] == 2  # the finished shards were not recomputed
+    a, b = json.loads((whole / "manifest.json").read_text()), json.loads((part / "manifest.json").read_text())
+    assert [s["sha256"] for s in a["shards"]] == [s["sha256"] for s in b["shards"]]
+
+
+def test_resume_with_other_settings_is_refused(tmp_path, prepared, tiny_target):
+    out = tmp_path / "cache"
+    build_feature_cache(prepared, tiny_target, out, small_shards())
+    with pytest.raises(FeatureCacheError, match="another dtype"):
+        build_feature_cache(prepared, tiny_target, out, small_shards(dtype="fp32"))
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda b: b[: len(b) // 2], "truncated"),
+    (lambda b: b[:-10] + bytes(x ^ 0xFF for x in b[-10:]), "does not match its checksum"),
+])
+def test_damaged_shards_are_reported_not_used(tmp_path, prepared, tiny_target, damage, message):
+    out = tmp_path / "cache"
+    build_feature_cache(prepared, tiny_target, out, small_shards())
+    shard = out / "shard-00001.safetensors"
+    shard.write_bytes(damage(shard.read_bytes()))
+    cache = FeatureCache(out)
+    cache[0]  # shard 0 is intact and still readable
+    with pytest.raises(FeatureCacheError, match=message):
+        cache.verify()
+    with pytest.raises(FeatureCacheError, match=message):
+        [cache[i] for i in range(len(cache))]
+
+
+def test_cache_refuses_data_prepared_for_another_target(tmp_path, prepared, other_target_dir):
+    with pytest.raises(PreparedDataError, match="another target"):
+        build_feature_cache(prepared, load_target(str(other_target_dir)), tmp_path / "c", small_shards())
+
+
+def test_cli_prints_bytes_per_token_and_verifies(tmp_path, prepared, tiny_target_dir, capsys):
+    out = tmp_path / "cache"
+    main(["data", "cache-features", str(prepared.path), "--out", str(out), "--target", str(tiny_target_dir),
+          "--shard-tokens", "100"])
+    printed = capsys.readouterr().out
+    # bf16 feature (64 x 2 bytes) + int32 id + uint8 mask per token, plus headers
+    per_token = int(printed.split(" bytes per token")[0].split("= ")[-1])
+    assert 64 * 2 + 5 <= per_token < 64 * 2 + 40
+    main(["data", "cache-features", "--out", str(out), "--verify"])
+    assert "verified" in capsys.readouterr().out

@@ -1,0 +1,101 @@
+"""Regeneration: turn-by-turn conditioning, resume after an interruption, and refusals."""
+
+import json
+
+import pytest
+
+from conftest import sharegpt, write_jsonl
+from draftsmith.data.regenerate import RegenerateError, RegenerateSettings, _generate_batch, meta_path, regenerate
+from draftsmith.inference.target import load_target
+
+
+@pytest.fixture(scope="module")
+def tiny_target(tiny_target_dir):
+    return load_target(str(tiny_target_dir))
+
+
+@pytest.fixture()
+def source(tmp_path):
+    records = [
+        sharegpt(("human", "What is the capital of France?"), ("gpt", "old answer"), ("human", "And a poem?"),
+                 ("gpt", "old poem"), id="two-turns"),
+        sharegpt(("human", "Two plus two?"), id="prompt-only"),
+        sharegpt(("system", "Be brief."), ("human", "Hello!"), ("gpt", "old"), id="with-system"),
+        sharegpt(("human", "Summarise the passage."), ("gpt", "old"), id="d"),
+        sharegpt(("gpt", "assistant first"), ("human", "x"), id="bad"),
+        sharegpt(("human", "Two plus two?"), id="prompt-only"),
+    ]
+    return write_jsonl(tmp_path / "src.jsonl", records)
+
+
+SETTINGS = RegenerateSettings(max_new_tokens=6, batch_size=1)
+
+
+def read_out(path):
+    return {r["id"]: r for r in map(json.loads, path.read_text().splitlines())}
+
+
+def test_every_turn_is_regenerated_from_the_regenerated_history(tmp_path, source, tiny_target):
+    out = tmp_path / "out.jsonl"
+    report = regenerate(str(source), out, tiny_target, SETTINGS)
+    assert report.stats.read == 6 and report.written == 4
+    assert dict(report.stats.skipped) == {"assistant_first": 1, "duplicate_id": 1}
+    records = read_out(out)
+    assert set(records) == {"two-turns", "prompt-only", "with-system", "d"}
+    turns = records["two-turns"]["conversations"]
+    assert [t["from"] for t in turns] == ["human", "gpt", "human", "gpt"]
+    assert "old" not in turns[1]["value"] and "old" not in turns[3]["value"]
+    history = [{"role": "user", "content": turns[0]["value"]}]
+    first = _generate_batch(tiny_target, [history], SETTINGS)[0][0]
+    assert turns[1]["value"] == first
+    history += [{"role": "assistant", "content": first}, {"role": "user", "content": turns[2]["value"]}]
+    assert turns[3]["value"] == _generate_batch(tiny_target, [history], SETTINGS)[0][0]
+    assert records["prompt-only"]["conversations"][1]["from"] == "gpt"  # a reply was added to the prompt
+    meta = json.loads(meta_path(out).read_text())
+    assert meta["target"] == tiny_target.identity.to_dict()
+
+
+def test_interrupted_run_resumes_and_matches_an_uninterrupted_one(tmp_path, source, tiny_target):
+    whole = tmp_path / "whole.jsonl"
+    regenerate(str(source), whole, tiny_target, SETTINGS)
+    part = tmp_path / "part.jsonl"
+    first = regenerate(str(source), part, tiny_target, SETTINGS, limit=2)
+    assert first.written == 2
+    with open(part, "a") as handle:  # the process died while writing the next record
+        handle.write('{"id": "with-system", "conversa')
+    second = regenerate(str(source), part, tiny_target, SETTINGS)
+    assert second.already_done == 2 and second.written == 2
+    assert second.stats.used + second.stats.n_skipped == second.stats.read
+    assert read_out(part) == read_out(whole)
+    third = regenerate(str(source), part, tiny_target, SETTINGS)
+    assert third.written == 0 and third.already_done == 4
+
+
+def test_batched_generation_writes_every_conversation(tmp_path, source, tiny_target):
+    out = tmp_path / "batched.jsonl"
+    report = regenerate(str(source), out, tiny_target, RegenerateSettings(max_new_tokens=4, batch_size=3))
+    assert report.written == 4 and len(read_out(out)) == 4 and report.new_tokens > 0
+
+
+def test_sampled_regeneration_is_reproducible_with_a_seed(tmp_path, source, tiny_target):
+    sampled = RegenerateSettings(max_new_tokens=8, batch_size=1, temperature=1.0, seed=3)
+    regenerate(str(source), tmp_path / "a.jsonl", tiny_target, sampled)
+    regenerate(str(source), tmp_path / "b.jsonl", tiny_target, sampled)
+    assert read_out(tmp_path / "a.jsonl") == read_out(tmp_path / "b.jsonl")
+
+
+def test_resume_with_other_settings_or_target_is_refused(tmp_path, source, tiny_target, other_target_dir):
+    out = tmp_path / "out.jsonl"
+    regenerate(str(source), out, tiny_target, SETTINGS, limit=1)
+    with pytest.raises(RegenerateError, match="another settings"):
+        regenerate(str(source), out, tiny_target, RegenerateSettings(max_new_tokens=9, batch_size=1))
+    with pytest.raises(RegenerateError, match="another target"):
+        regenerate(str(source), out, load_target(str(other_target_dir)), SETTINGS)
+
+
+def test_output_that_is_not_ours_is_refused(tmp_path, source, tiny_target):
+    out = tmp_path / "out.jsonl"
+    out.write_text("not json\n")
+    with pytest.raises(RegenerateError, match="line 1 is not a regenerated record"):
+        regenerate(str(source), out, tiny_target, SETTINGS)
+    assert out.read_text() == "not json\n"

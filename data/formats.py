@@ -155,27 +155,16 @@ def _turn(role: str, content: Any) -> dict[str, str]:
     return {"role": role, "content": content}
 
 
-def _sharegpt_turns(turns: list[Any]) -> list[dict[str, str]]:
+def _keyed_turns(turns: list[Any], role_key: str, content_key: str, roles: dict[str, str]) -> list[dict[str, str]]:
+    """Turns stored as objects: ShareGPT's ``{from, value}`` or OpenAI's ``{role, content}``."""
     out = []
     for turn in turns:
-        if not isinstance(turn, dict) or "from" not in turn or "value" not in turn:
-            raise RecordError("missing_field", "a ShareGPT turn needs 'from' and 'value'")
-        role = SHAREGPT_ROLES.get(str(turn["from"]).lower())
+        if not isinstance(turn, dict) or role_key not in turn or content_key not in turn:
+            raise RecordError("missing_field", f"a turn needs {role_key!r} and {content_key!r}")
+        role = roles.get(str(turn[role_key]).lower())
         if role is None:
-            raise RecordError("unknown_role", f"role {turn['from']!r}")
-        out.append(_turn(role, turn["value"]))
-    return out
-
-
-def _message_turns(turns: list[Any]) -> list[dict[str, str]]:
-    out = []
-    for turn in turns:
-        if not isinstance(turn, dict) or "role" not in turn or "content" not in turn:
-            raise RecordError("missing_field", "a message needs 'role' and 'content'")
-        role = MESSAGE_ROLES.get(str(turn["role"]).lower())
-        if role is None:
-            raise RecordError("unknown_role", f"role {turn['role']!r}")
-        out.append(_turn(role, turn["content"]))
+            raise RecordError("unknown_role", f"role {turn[role_key]!r}")
+        out.append(_turn(role, turn[content_key]))
     return out
 
 
@@ -209,9 +198,9 @@ def normalize_record(record: Any, index: int, prompts_only: bool = False) -> Con
         raise RecordError("not_an_object", f"record is a JSON {type(record).__name__}")
     record_id = str(record.get("id", record.get("question_id", index)))
     if isinstance(record.get("conversations"), list):
-        turns = _sharegpt_turns(record["conversations"])
+        turns = _keyed_turns(record["conversations"], "from", "value", SHAREGPT_ROLES)
     elif isinstance(record.get("messages"), list):
-        turns = _message_turns(record["messages"])
+        turns = _keyed_turns(record["messages"], "role", "content", MESSAGE_ROLES)
     elif isinstance(record.get("data"), list):
         turns = _ultrachat_turns(record["data"])
     else:

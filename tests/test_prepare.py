@@ -105,3 +105,14 @@ def test_prepare_with_llama3_template_file(tmp_path, tiny_target_dir, chat_recor
     manifest = json.loads((out / "manifest.json").read_text())
     import hashlib
     assert manifest["chat_template_sha256"] == hashlib.sha256(LLAMA3_TEMPLATE.encode()).hexdigest()
+
+
+def test_hub_dataset_without_network_is_a_one_line_error(tmp_path, tiny_target_dir):
+    import os
+
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", HF_HOME=str(tmp_path / "hf"))
+    result = subprocess.run([sys.executable, "-m", "draftsmith.train.cli", "data", "prepare", "someorg/somedata",
+                             "--out", str(tmp_path / "o"), "--target", str(tiny_target_dir)],
+                            capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 2 and "cannot load hub dataset 'someorg/somedata'" in result.stderr
+    assert "Traceback" not in result.stderr

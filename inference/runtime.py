@@ -1,0 +1,89 @@
+"""The tree-decoding loop: draft, verify in one target forward, commit exactly what the target says.
+
+Greedy only for now: every committed token is the target's argmax given all tokens before it, so the
+output is token-identical to ``model.generate(do_sample=False)`` (checked in float32 by the tests).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+from transformers import DynamicCache
+
+from draftsmith.inference.cache import commit_tree_path
+from draftsmith.inference.tree import DraftTree, tree_attention_inputs
+from draftsmith.inference.verify import verify_greedy
+
+
+@dataclass
+class DraftContext:
+    """What a drafter sees each round: all committed tokens (prompt first; the last one is the root
+    of the next tree and is not yet in the target's KV cache)."""
+
+    tokens: list[int]
+    prompt_length: int
+
+
+class Drafter(Protocol):
+    """Anything that proposes a token tree from the committed context."""
+
+    name: str
+
+    def propose(self, context: DraftContext) -> DraftTree: ...
+
+
+@dataclass
+class GenerationResult:
+    tokens: list[int]  # new tokens, EOS included if it was produced
+    target_forwards: int  # prefill included: plain decoding has tau == 1
+    accept_lengths: list[int] = field(default_factory=list)  # tokens committed per verification forward
+    seconds: float = 0.0
+
+    @property
+    def tau(self) -> float:
+        return len(self.tokens) / self.target_forwards if self.target_forwards else 0.0
+
+
+def _finish(tokens: list[int], max_new_tokens: int, eos: set[int]) -> tuple[list[int], bool]:
+    """Cut at the first EOS (kept) or at the token budget; True when generation is over."""
+    for i, token in enumerate(tokens[:max_new_tokens]):
+        if token in eos:
+            return tokens[: i + 1], True
+    return tokens[:max_new_tokens], len(tokens) >= max_new_tokens
+
+
+@torch.no_grad()
+def generate_greedy(model, prompt_ids: list[int], drafter: Drafter | None = None, *, max_new_tokens: int = 128,
+                    eos_token_ids: list[int] | tuple[int, ...] = ()) -> GenerationResult:
+    """Greedy speculative decoding of one prompt; ``drafter=None`` is plain decoding through the runtime."""
+    start = time.perf_counter()
+    device = next(model.parameters()).device
+    dtype = next(model.parameters()).dtype
+    eos = set(eos_token_ids)
+    cache = DynamicCache(config=model.config)
+    logits = model(torch.tensor([prompt_ids], device=device), past_key_values=cache, use_cache=True).logits
+    new, done = _finish([int(logits[0, -1].argmax())], max_new_tokens, eos)
+    result = GenerationResult(new, target_forwards=1)
+    limit = getattr(model.config, "max_position_embeddings", None)
+    while not done:
+        committed = prompt_ids + new
+        past = len(committed) - 1
+        tree = drafter.propose(DraftContext(committed, len(prompt_ids))) if drafter else DraftTree.empty()
+        if limit is not None and past + 1 + len(tree) > limit:
+            tree = DraftTree.empty()  # no speculation past the model's context window
+        mask, positions = tree_attention_inputs(tree, past, dtype, device)
+        input_ids = torch.cat([torch.tensor([committed[-1]]), tree.tokens]).to(device)[None]
+        logits = model(input_ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                       use_cache=True).logits[0]
+        verdict = verify_greedy(tree, logits)
+        commit_tree_path(cache, past, verdict.accepted_nodes)
+        step = [int(tree.tokens[i]) for i in verdict.accepted_nodes] + [verdict.next_token]
+        result.target_forwards += 1
+        result.accept_lengths.append(len(step))
+        new, done = _finish(new + step, max_new_tokens, eos)
+    result.tokens = new
+    result.seconds = time.perf_counter() - start
+    return result

@@ -1,0 +1,92 @@
+"""Draft token trees and the attention inputs that verify them in one target forward.
+
+A tree holds ``n`` draft nodes in topological order (every parent before its children). Node ``i``
+has a token, a parent (``-1`` = the root, i.e. the last committed token, which is not yet in the
+KV cache) and optionally the draft probability of its token. The verification forward runs over
+``[root, node_0, ..., node_{n-1}]``: row 0 is the root, row ``i + 1`` is node ``i``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    tokens: torch.Tensor  # (n,) long
+    parents: torch.Tensor  # (n,) long, -1 for children of the root
+    draft_probs: torch.Tensor | None = None  # (n,) q(token | parent path), where the drafter has it
+
+    def __post_init__(self) -> None:
+        if self.tokens.shape != self.parents.shape or self.tokens.dim() != 1:
+            raise ValueError("tokens and parents must be 1-D tensors of the same length")
+        for i, parent in enumerate(self.parents.tolist()):
+            if not -1 <= parent < i:
+                raise ValueError(f"node {i} has parent {parent}: parents must come before their children")
+
+    @classmethod
+    def empty(cls) -> DraftTree:
+        return cls(torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.long))
+
+    @classmethod
+    def chain(cls, tokens: list[int], draft_probs: list[float] | None = None) -> DraftTree:
+        """A single path: node i's parent is node i - 1."""
+        probs = torch.tensor(draft_probs, dtype=torch.float32) if draft_probs is not None else None
+        return cls(torch.tensor(tokens, dtype=torch.long), torch.arange(-1, len(tokens) - 1, dtype=torch.long), probs)
+
+    @classmethod
+    def from_paths(cls, paths: list[list[int]]) -> DraftTree:
+        """Merge token paths from the root into a tree (shared prefixes become shared nodes); nodes are
+        numbered in the order they first appear."""
+        index: dict[tuple[int, ...], int] = {}
+        tokens, parents = [], []
+        for path in paths:
+            for depth in range(1, len(path) + 1):
+                key = tuple(path[:depth])
+                if key not in index:
+                    index[key] = len(tokens)
+                    tokens.append(path[depth - 1])
+                    parents.append(index[key[:-1]] if depth > 1 else -1)
+        # Each prefix is added before its extension, so the order is topological.
+        return cls(torch.tensor(tokens, dtype=torch.long), torch.tensor(parents, dtype=torch.long))
+
+    def __len__(self) -> int:
+        return int(self.tokens.numel())
+
+    def depths(self) -> torch.Tensor:
+        """Depth of each node (children of the root have depth 1)."""
+        depth = torch.zeros(len(self), dtype=torch.long)
+        for i, parent in enumerate(self.parents.tolist()):
+            depth[i] = 1 if parent < 0 else depth[parent] + 1
+        return depth
+
+    def children(self, node: int) -> list[int]:
+        """Children of ``node`` (``-1`` = root), in node order."""
+        return [i for i, p in enumerate(self.parents.tolist()) if p == node]
+
+    def ancestor_mask(self) -> torch.Tensor:
+        """(n + 1, n + 1) bool over [root, nodes]: row i may attend to column j (ancestor or self)."""
+        n = len(self)
+        allowed = torch.zeros(n + 1, n + 1, dtype=torch.bool)
+        allowed[:, 0] = True
+        allowed[0, 0] = True
+        for i, parent in enumerate(self.parents.tolist()):
+            allowed[i + 1] = allowed[parent + 1]
+            allowed[i + 1, i + 1] = True
+        return allowed
+
+
+def tree_attention_inputs(tree: DraftTree, past_length: int, dtype: torch.dtype,
+                          device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """The 4D additive mask ``(1, 1, n + 1, past + n + 1)`` and position ids ``(1, n + 1)`` for one
+    verification forward over the root and the tree on top of ``past_length`` cached tokens."""
+    allowed = tree.ancestor_mask()
+    q = allowed.shape[0]
+    mask = torch.full((1, 1, q, past_length + q), torch.finfo(dtype).min, dtype=dtype)
+    mask[..., :past_length] = 0
+    mask[0, 0, :, past_length:].masked_fill_(allowed, 0)
+    depths = torch.cat([torch.zeros(1, dtype=torch.long), tree.depths()])
+    positions = (past_length + depths)[None]
+    return mask.to(device), positions.to(device)

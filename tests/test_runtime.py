@@ -1,0 +1,156 @@
+"""Tree-decoding runtime (greedy): trees, masks, KV compaction and token identity with HF generate."""
+
+import random
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from conftest import tiny_llama
+from draftsmith.inference.cache import cache_length, commit_tree_path
+from draftsmith.inference.pld import PromptLookupDrafter
+from draftsmith.inference.runtime import DraftContext, generate_greedy
+from draftsmith.inference.tree import DraftTree, tree_attention_inputs
+from draftsmith.inference.verify import verify_greedy
+
+VOCAB = 97
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llama(VOCAB, seed=0)
+
+
+def hf_greedy(model, prompt, max_new_tokens, eos=()):
+    out = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=max_new_tokens,
+                         eos_token_id=list(eos) or None, pad_token_id=0, temperature=None, top_p=None, top_k=None)
+    return out[0, len(prompt):].tolist()
+
+
+def prompts(n, seed=0):
+    rng = random.Random(seed)
+    made = []
+    for i in range(n):
+        base = [rng.randrange(4, VOCAB) for _ in range(rng.randint(3, 12))]
+        made.append(base * (1 + i % 3))  # repeated spans give prompt lookup something to find
+    return made
+
+
+class OracleDrafter:
+    """Knows the true greedy continuation; proposes the true path cut at a chosen length (cycling
+    0..depth, so every acceptance length happens) plus a wrong sibling at every level."""
+
+    name = "oracle"
+
+    def __init__(self, truth, prompt_length, depth=5):
+        self.truth, self.prompt_length, self.depth, self.round = truth, prompt_length, depth, 0
+
+    def propose(self, context: DraftContext) -> DraftTree:
+        done = len(context.tokens) - self.prompt_length
+        upcoming = self.truth[done:]
+        k = self.round % (self.depth + 1)
+        self.round += 1
+        paths = [upcoming[:d] for d in range(1, min(k, len(upcoming)) + 1)]
+        paths += [upcoming[:d - 1] + [(upcoming[d - 1] + 1) % VOCAB] for d in range(1, min(k + 1, len(upcoming)) + 1)]
+        return DraftTree.from_paths(paths) if paths else DraftTree.empty()
+
+
+class RandomDrafter:
+    name = "random"
+
+    def __init__(self, seed=0):
+        self.rng = random.Random(seed)
+
+    def propose(self, context):
+        return DraftTree.from_paths([[self.rng.randrange(VOCAB) for _ in range(self.rng.randint(1, 4))]
+                                     for _ in range(self.rng.randint(0, 4))])
+
+
+def test_tree_from_paths_and_masks():
+    tree = DraftTree.from_paths([[5, 6, 7], [5, 8], [9]])
+    assert tree.tokens.tolist() == [5, 6, 7, 8, 9] and tree.parents.tolist() == [-1, 0, 1, 0, -1]
+    assert tree.depths().tolist() == [1, 2, 3, 2, 1]
+    expected = torch.tensor([  # rows/cols: root, 5, 6, 7, 8, 9
+        [1, 0, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0, 0],
+        [1, 1, 1, 0, 0, 0],
+        [1, 1, 1, 1, 0, 0],
+        [1, 1, 0, 0, 1, 0],
+        [1, 0, 0, 0, 0, 1],
+    ], dtype=torch.bool)
+    assert torch.equal(tree.ancestor_mask(), expected)
+    mask, positions = tree_attention_inputs(tree, past_length=4, dtype=torch.float32)
+    assert mask.shape == (1, 1, 6, 10) and positions.tolist() == [[4, 5, 6, 7, 6, 5]]
+    assert (mask[0, 0, :, :4] == 0).all() and torch.equal(mask[0, 0, :, 4:] == 0, expected)
+    with pytest.raises(ValueError, match="parents must come before"):
+        DraftTree(torch.tensor([1, 2]), torch.tensor([1, -1]))
+
+
+def test_greedy_verdict_follows_the_argmax():
+    tree = DraftTree.from_paths([[5, 6, 7], [5, 8], [9]])  # nodes 0..4: 5, 6, 7, 8, 9
+    logits = torch.zeros(6, 10)
+    for row, best in enumerate([5, 8, 0, 0, 2, 0]):  # row 0 = root, row i + 1 = node i
+        logits[row, best] = 1
+    verdict = verify_greedy(tree, logits)
+    assert verdict.accepted_nodes == [0, 3] and verdict.next_token == 2  # 5 then 8 accepted; node 8 says 2
+    logits[0] = 0
+    logits[0, 3] = 1
+    assert verify_greedy(tree, logits).accepted_nodes == [] and verify_greedy(tree, logits).next_token == 3
+
+
+def test_compacted_cache_equals_plain_cache(model):
+    torch.manual_seed(0)
+    prefix = torch.randint(4, VOCAB, (1, 9))
+    cache = DynamicCache(config=model.config)
+    model(prefix[:, :-1], past_key_values=cache, use_cache=True)
+    tree = DraftTree.from_paths([[11, 12, 13], [11, 14], [15, 16]])  # nodes: 11, 12, 13, 14, 15, 16
+    mask, positions = tree_attention_inputs(tree, 8, torch.float32)
+    model(torch.cat([prefix[:, -1:], tree.tokens[None]], 1), attention_mask=mask, position_ids=positions,
+          past_key_values=cache, use_cache=True)
+    commit_tree_path(cache, 8, [0, 3])  # the non-contiguous path 11 -> 14
+    plain = DynamicCache(config=model.config)
+    model(torch.cat([prefix, torch.tensor([[11, 14]])], 1), past_key_values=plain, use_cache=True)
+    assert cache_length(cache) == cache_length(plain) == 11
+    for ours, theirs in zip(cache.layers, plain.layers):
+        torch.testing.assert_close(ours.keys, theirs.keys, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(ours.values, theirs.values, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("drafter_name", ["none", "pld", "oracle", "random"])
+def test_greedy_output_is_identical_to_hf_generate(model, drafter_name):
+    for prompt in prompts(6, seed=hash(drafter_name) % 100):
+        truth = hf_greedy(model, prompt, 48)
+        drafter = {"none": None, "pld": PromptLookupDrafter(), "random": RandomDrafter(),
+                   "oracle": OracleDrafter(truth, len(prompt))}[drafter_name]
+        result = generate_greedy(model, prompt, drafter, max_new_tokens=48)
+        assert result.tokens == truth
+        assert sum(result.accept_lengths) + 1 == len(result.tokens) or len(result.tokens) == 48
+
+
+def test_oracle_reaches_every_acceptance_length(model):
+    prompt = prompts(1)[0]
+    truth = hf_greedy(model, prompt, 60)
+    result = generate_greedy(model, prompt, OracleDrafter(truth, len(prompt), depth=5), max_new_tokens=60)
+    assert result.tokens == truth
+    assert set(result.accept_lengths) >= {1, 2, 3, 4, 5, 6}
+    assert result.tau > 1.5 and result.target_forwards < len(truth)
+
+
+@pytest.mark.parametrize("max_new_tokens", [1, 2, 7, 13])
+def test_eos_inside_an_accepted_span_and_the_token_budget(model, max_new_tokens):
+    prompt = prompts(2)[1]
+    truth = hf_greedy(model, prompt, 30)
+    eos = truth[9]  # a token the target really produces: generation must stop right after it
+    expected = hf_greedy(model, prompt, max_new_tokens, eos=[eos])
+    oracle = OracleDrafter(truth, len(prompt), depth=8)
+    oracle.round = 8  # propose the full depth at once, so EOS falls inside an accepted span
+    result = generate_greedy(model, prompt, oracle, max_new_tokens=max_new_tokens, eos_token_ids=[eos])
+    assert result.tokens == expected
+    assert len(result.tokens) <= max_new_tokens
+
+
+def test_prompt_lookup_proposes_the_continuation_of_the_latest_match():
+    drafter = PromptLookupDrafter(max_ngram=2, num_draft=3)
+    tree = drafter.propose(DraftContext([1, 2, 3, 4, 9, 2, 3, 5, 6, 2, 3], 0))
+    assert tree.tokens.tolist() == [5, 6, 2] and tree.parents.tolist() == [-1, 0, 1]
+    assert len(drafter.propose(DraftContext([1, 2, 3], 0))) == 0

@@ -1,12 +1,15 @@
 """The tree-decoding loop: draft, verify in one target forward, commit exactly what the target says.
 
-Greedy only for now: every committed token is the target's argmax given all tokens before it, so the
-output is token-identical to ``model.generate(do_sample=False)`` (checked in float32 by the tests).
+Greedy: every committed token is the target's argmax given all tokens before it, so the output is
+token-identical to ``model.generate(do_sample=False)`` (checked in float32 by the tests). Sampling:
+every committed token is distributed exactly as plain sampling with the same temperature, top-k and
+top-p (lossless rules only; see ``verify.verify_sampling``).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -15,7 +18,7 @@ from transformers import DynamicCache
 
 from draftsmith.inference.cache import commit_tree_path
 from draftsmith.inference.tree import DraftTree, tree_attention_inputs
-from draftsmith.inference.verify import verify_greedy
+from draftsmith.inference.verify import SamplingConfig, verify_greedy, verify_sampling
 
 
 @dataclass
@@ -25,6 +28,8 @@ class DraftContext:
 
     tokens: list[int]
     prompt_length: int
+    sampling: SamplingConfig | None = None  # None = greedy
+    generator: torch.Generator | None = None  # for drafters that sample their drafts
 
 
 class Drafter(Protocol):
@@ -56,34 +61,44 @@ def _finish(tokens: list[int], max_new_tokens: int, eos: set[int]) -> tuple[list
 
 
 @torch.no_grad()
-def generate_greedy(model, prompt_ids: list[int], drafter: Drafter | None = None, *, max_new_tokens: int = 128,
-                    eos_token_ids: list[int] | tuple[int, ...] = ()) -> GenerationResult:
-    """Greedy speculative decoding of one prompt; ``drafter=None`` is plain decoding through the runtime."""
+def generate(model, prompt_ids: list[int], drafter: Drafter | None = None, *, max_new_tokens: int = 128,
+             eos_token_ids: list[int] | tuple[int, ...] = (), sampling: SamplingConfig | None = None,
+             generator: torch.Generator | None = None,
+             on_tokens: Callable[[list[int]], None] | None = None) -> GenerationResult:
+    """Speculative decoding of one prompt, greedy (``sampling=None``) or sampled; ``drafter=None`` is
+    plain decoding through the runtime. ``on_tokens`` receives all new tokens so far after every commit."""
     start = time.perf_counter()
     device = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
     eos = set(eos_token_ids)
     cache = DynamicCache(config=model.config)
     logits = model(torch.tensor([prompt_ids], device=device), past_key_values=cache, use_cache=True).logits
-    new, done = _finish([int(logits[0, -1].argmax())], max_new_tokens, eos)
+    first = int(logits[0, -1].argmax()) if sampling is None else int(
+        torch.multinomial(sampling.probs(logits[0, -1]), 1, generator=generator))
+    new, done = _finish([first], max_new_tokens, eos)
     result = GenerationResult(new, target_forwards=1)
+    if on_tokens:
+        on_tokens(new)
     limit = getattr(model.config, "max_position_embeddings", None)
     while not done:
         committed = prompt_ids + new
         past = len(committed) - 1
-        tree = drafter.propose(DraftContext(committed, len(prompt_ids))) if drafter else DraftTree.empty()
+        context = DraftContext(committed, len(prompt_ids), sampling, generator)
+        tree = drafter.propose(context) if drafter else DraftTree.empty()
         if limit is not None and past + 1 + len(tree) > limit:
             tree = DraftTree.empty()  # no speculation past the model's context window
         mask, positions = tree_attention_inputs(tree, past, dtype, device)
         input_ids = torch.cat([torch.tensor([committed[-1]]), tree.tokens]).to(device)[None]
         logits = model(input_ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
                        use_cache=True).logits[0]
-        verdict = verify_greedy(tree, logits)
+        verdict = verify_greedy(tree, logits) if sampling is None else verify_sampling(tree, logits, sampling, generator)
         commit_tree_path(cache, past, verdict.accepted_nodes)
         step = [int(tree.tokens[i]) for i in verdict.accepted_nodes] + [verdict.next_token]
         result.target_forwards += 1
         result.accept_lengths.append(len(step))
         new, done = _finish(new + step, max_new_tokens, eos)
+        if on_tokens:
+            on_tokens(new)
     result.tokens = new
     result.seconds = time.perf_counter() - start
     return result

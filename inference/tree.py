@@ -2,7 +2,7 @@
 
 A tree holds ``n`` draft nodes in topological order (every parent before its children). Node ``i``
 has a token, a parent (``-1`` = the root, i.e. the last committed token, which is not yet in the
-KV cache) and optionally the draft probability of its token. The verification forward runs over
+KV cache) and, for sampled drafts, the distribution its token was sampled from. The verification forward runs over
 ``[root, node_0, ..., node_{n-1}]``: row 0 is the root, row ``i + 1`` is node ``i``.
 """
 
@@ -17,7 +17,7 @@ import torch
 class DraftTree:
     tokens: torch.Tensor  # (n,) long
     parents: torch.Tensor  # (n,) long, -1 for children of the root
-    draft_probs: torch.Tensor | None = None  # (n,) q(token | parent path), where the drafter has it
+    draft_dists: torch.Tensor | None = None  # (n, V): the distribution each node's token was sampled from
 
     def __post_init__(self) -> None:
         if self.tokens.shape != self.parents.shape or self.tokens.dim() != 1:
@@ -31,10 +31,10 @@ class DraftTree:
         return cls(torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.long))
 
     @classmethod
-    def chain(cls, tokens: list[int], draft_probs: list[float] | None = None) -> DraftTree:
+    def chain(cls, tokens: list[int], draft_dists: torch.Tensor | None = None) -> DraftTree:
         """A single path: node i's parent is node i - 1."""
-        probs = torch.tensor(draft_probs, dtype=torch.float32) if draft_probs is not None else None
-        return cls(torch.tensor(tokens, dtype=torch.long), torch.arange(-1, len(tokens) - 1, dtype=torch.long), probs)
+        return cls(torch.tensor(tokens, dtype=torch.long), torch.arange(-1, len(tokens) - 1, dtype=torch.long),
+                   draft_dists)
 
     @classmethod
     def from_paths(cls, paths: list[list[int]]) -> DraftTree:

@@ -9,7 +9,7 @@ from transformers import DynamicCache
 from conftest import tiny_llama
 from draftsmith.inference.cache import cache_length, commit_tree_path
 from draftsmith.inference.pld import PromptLookupDrafter
-from draftsmith.inference.runtime import DraftContext, generate_greedy
+from draftsmith.inference.runtime import DraftContext, generate
 from draftsmith.inference.tree import DraftTree, tree_attention_inputs
 from draftsmith.inference.verify import verify_greedy
 
@@ -122,7 +122,7 @@ def test_greedy_output_is_identical_to_hf_generate(model, drafter_name):
         truth = hf_greedy(model, prompt, 48)
         drafter = {"none": None, "pld": PromptLookupDrafter(), "random": RandomDrafter(),
                    "oracle": OracleDrafter(truth, len(prompt))}[drafter_name]
-        result = generate_greedy(model, prompt, drafter, max_new_tokens=48)
+        result = generate(model, prompt, drafter, max_new_tokens=48)
         assert result.tokens == truth
         assert sum(result.accept_lengths) + 1 == len(result.tokens) or len(result.tokens) == 48
 
@@ -130,7 +130,7 @@ def test_greedy_output_is_identical_to_hf_generate(model, drafter_name):
 def test_oracle_reaches_every_acceptance_length(model):
     prompt = prompts(1)[0]
     truth = hf_greedy(model, prompt, 60)
-    result = generate_greedy(model, prompt, OracleDrafter(truth, len(prompt), depth=5), max_new_tokens=60)
+    result = generate(model, prompt, OracleDrafter(truth, len(prompt), depth=5), max_new_tokens=60)
     assert result.tokens == truth
     assert set(result.accept_lengths) >= {1, 2, 3, 4, 5, 6}
     assert result.tau > 1.5 and result.target_forwards < len(truth)
@@ -144,7 +144,7 @@ def test_eos_inside_an_accepted_span_and_the_token_budget(model, max_new_tokens)
     expected = hf_greedy(model, prompt, max_new_tokens, eos=[eos])
     oracle = OracleDrafter(truth, len(prompt), depth=8)
     oracle.round = 8  # propose the full depth at once, so EOS falls inside an accepted span
-    result = generate_greedy(model, prompt, oracle, max_new_tokens=max_new_tokens, eos_token_ids=[eos])
+    result = generate(model, prompt, oracle, max_new_tokens=max_new_tokens, eos_token_ids=[eos])
     assert result.tokens == expected
     assert len(result.tokens) <= max_new_tokens
 
@@ -154,3 +154,60 @@ def test_prompt_lookup_proposes_the_continuation_of_the_latest_match():
     tree = drafter.propose(DraftContext([1, 2, 3, 4, 9, 2, 3, 5, 6, 2, 3], 0))
     assert tree.tokens.tolist() == [5, 6, 2] and tree.parents.tolist() == [-1, 0, 1]
     assert len(drafter.propose(DraftContext([1, 2, 3], 0))) == 0
+
+
+def test_generate_command_streams_the_same_text_with_and_without_a_drafter(tiny_target_dir, capsys):
+    from draftsmith.train.cli import main
+
+    outputs = {}
+    for method in ["none", "pld"]:
+        main(["generate", "Hello! How can I help you today?", "--method", method, "--target", str(tiny_target_dir),
+              "--max-new-tokens", "24"])
+        captured = capsys.readouterr()
+        outputs[method] = captured.out
+        assert f"[{method}]" in captured.err and "tau" in captured.err
+    assert outputs["none"] == outputs["pld"] and outputs["none"].strip()
+
+
+def test_unknown_method_is_a_clear_error(tiny_target_dir):
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-m", "draftsmith.train.cli", "generate", "hi", "--method", "magic",
+                             "--target", str(tiny_target_dir)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2 and "unknown method 'magic'; available: none, pld" in result.stderr
+
+
+def test_bench_writes_the_contract(tmp_path, tiny_target_dir):
+    import json
+
+    from draftsmith.train.cli import main
+
+    questions = tmp_path / "q.jsonl"
+    questions.write_text("".join(json.dumps(q) + "\n" for q in [
+        {"question_id": 1, "category": "writing", "turns": ["Write a poem about snow.", "Make it shorter."]},
+        {"question_id": 2, "category": "math", "turns": ["Two plus two?"]},
+        {"question_id": 3, "category": "math", "turns": ["Three times three?"]},
+    ]))
+    out = tmp_path / "bench"
+    main(["bench", "--questions", str(questions), "--methods", "pld", "--limit", "2", "--max-new-tokens", "12",
+          "--target", str(tiny_target_dir), "--out", str(out)])
+    results = json.loads((out / "results.json").read_text())
+    assert results["questions"] == 2  # one per category, spread
+    for method in ["hf-generate", "none", "pld"]:
+        overall = results["methods"][method]["overall"]
+        assert {"tau", "speedup", "tokens_per_s", "identical", "total"} <= set(overall)
+        assert overall["total"] == 3 and overall["identical"] == 3  # two turns + one turn, all lossless
+        assert set(results["methods"][method]) == {"overall", "writing", "math"}
+    assert results["methods"]["none"]["overall"]["tau"] == 1.0
+    assert (out / "results.md").read_text().count("| pld |") == 3
+    assert (out / "chart.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bench_rejects_a_bad_question_file(tmp_path, tiny_target_dir):
+    from draftsmith.inference.bench import BenchError, read_questions
+
+    bad = tmp_path / "q.jsonl"
+    bad.write_text('{"question_id": 1, "turns": ["x"]}\n')
+    with pytest.raises(BenchError, match="line 1 is not a Spec-Bench question"):
+        read_questions(bad, None, None)

@@ -40,3 +40,36 @@ def test_smollm2_template_masks_each_assistant_turn(cached):
     supervised = [t for t, m in zip(sample.input_ids, sample.loss_mask) if m]
     assert tokenizer.decode(supervised) == "Blue.<|im_end|>Green, like grass.<|im_end|>"
     assert "You are a helpful AI assistant named SmolLM" in tokenizer.decode(sample.input_ids)
+
+
+def _dev_prompts(n):
+    import json
+    from pathlib import Path
+
+    spec_bench = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "spec_bench_dev.jsonl"
+    if spec_bench.is_file():
+        questions = [json.loads(line) for line in spec_bench.read_text().splitlines() if line.strip()]
+        by_category = {}
+        for q in questions:
+            by_category.setdefault(q["category"], []).append(q["turns"][0])
+        spread = [p for group in zip(*by_category.values()) for p in group]
+        return spread[:n]
+    from draftsmith.data.cli import default_dataset_path
+    from draftsmith.data.formats import read_conversations
+
+    return [c.turns[0]["content"] for c in read_conversations(str(default_dataset_path()))][:n]
+
+
+def test_runtime_is_lossless_on_smollm2(cached):
+    from draftsmith.inference.bench import _eos_ids, _prompt_ids, hf_greedy
+    from draftsmith.inference.pld import PromptLookupDrafter
+    from draftsmith.inference.runtime import generate
+
+    eos = _eos_ids(cached)
+    prompts = _dev_prompts(20)
+    assert len(prompts) == 20
+    for text in prompts:
+        prompt = _prompt_ids(cached, [{"role": "user", "content": text}])
+        reference, _ = hf_greedy(cached, prompt, 32, eos)
+        for drafter in (None, PromptLookupDrafter()):
+            assert generate(cached.model, prompt, drafter, max_new_tokens=32, eos_token_ids=eos).tokens == reference

@@ -23,10 +23,12 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from draftsmith.data.prepared import PreparedDataError
     from draftsmith.data.regenerate import RegenerateError
     from draftsmith.data.templates import TemplateError
+    from draftsmith.inference.bench import BenchError
+    from draftsmith.inference.methods import MethodError
     from draftsmith.inference.target import TargetError
     from draftsmith.train.recipe import RecipeError
 
-    return (DataError, TargetError, TemplateError, PreparedDataError, FeatureCacheError, RegenerateError,
+    return (DataError, TargetError, MethodError, BenchError, TemplateError, PreparedDataError, FeatureCacheError, RegenerateError,
             RecipeError, FileExistsError, FileNotFoundError, IsADirectoryError, PermissionError)
 
 

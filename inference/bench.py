@@ -1,0 +1,208 @@
+"""``draftsmith bench``: every method against plain decoding on the same prompts, in one process.
+
+For each question turn, HF ``generate`` (greedy) runs first and defines both the reference output
+and the baseline time; then each method runs on the same prompt. Multi-turn questions ask the second
+turn after the model's own first answer (the reference one, so every method sees the same prompt).
+Methods run interleaved prompt by prompt, so machine noise hits all of them alike.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from draftsmith.data.io import atomic_write_bytes, atomic_write_json
+from draftsmith.inference.methods import build_drafter
+from draftsmith.inference.runtime import generate
+from draftsmith.inference.target import Target
+
+BASELINE = "hf-generate"
+
+
+class BenchError(ValueError):
+    """A question file that cannot be benchmarked."""
+
+
+@dataclass
+class Question:
+    id: str
+    category: str
+    turns: list[str]
+
+
+@dataclass
+class Tally:
+    tokens: int = 0
+    forwards: int = 0
+    seconds: float = 0.0
+    baseline_seconds: float = 0.0
+    identical: int = 0
+    total: int = 0
+    first_differences: list[dict[str, Any]] = field(default_factory=list)
+
+    def add(self, tokens: list[int], forwards: int, seconds: float, baseline_seconds: float, reference: list[int],
+            where: str) -> None:
+        self.tokens += len(tokens)
+        self.forwards += forwards
+        self.seconds += seconds
+        self.baseline_seconds += baseline_seconds
+        self.total += 1
+        if tokens == reference:
+            self.identical += 1
+        else:
+            position = next((i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b), min(len(tokens), len(reference)))
+            self.first_differences.append({"turn": where, "position": position})
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "tau": self.tokens / self.forwards if self.forwards else 0.0,
+            "speedup": self.baseline_seconds / self.seconds if self.seconds else 0.0,
+            "tokens_per_s": self.tokens / self.seconds if self.seconds else 0.0,
+            "identical": self.identical,
+            "total": self.total,
+            "tokens": self.tokens,
+            "target_forwards": self.forwards,
+            "seconds": round(self.seconds, 3),
+            "first_differences": self.first_differences[:10],
+        }
+
+
+def read_questions(path: Path, categories: list[str] | None, limit: int | None) -> list[Question]:
+    """Spec-Bench format: one JSON object per line with ``question_id``, ``category`` and ``turns``."""
+    questions = []
+    for number, line in enumerate(Path(path).read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            question = Question(str(record["question_id"]), str(record["category"]), [str(t) for t in record["turns"]])
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise BenchError(f"{path} line {number} is not a Spec-Bench question (question_id, category, turns): "
+                             f"{type(exc).__name__}") from None
+        if categories is None or question.category in categories:
+            questions.append(question)
+    if limit is not None:
+        questions = _spread(questions, limit)
+    if not questions:
+        raise BenchError(f"no questions in {path} for categories {categories}")
+    return questions
+
+
+def _spread(questions: list[Question], limit: int) -> list[Question]:
+    """At most ``limit`` questions, taken round-robin across categories so each one is represented."""
+    by_category: dict[str, list[Question]] = defaultdict(list)
+    for question in questions:
+        by_category[question.category].append(question)
+    picked: list[Question] = []
+    while len(picked) < limit and any(by_category.values()):
+        for category in list(by_category):
+            if by_category[category] and len(picked) < limit:
+                picked.append(by_category[category].pop(0))
+    return picked
+
+
+def _eos_ids(target: Target) -> list[int]:
+    eos = target.model.generation_config.eos_token_id
+    ids = (eos if isinstance(eos, list) else [eos]) + [target.tokenizer.eos_token_id]
+    return sorted({i for i in ids if i is not None})
+
+
+def _prompt_ids(target: Target, messages: list[dict[str, str]]) -> list[int]:
+    text = target.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return target.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+@torch.no_grad()
+def hf_greedy(target: Target, prompt: list[int], max_new_tokens: int, eos: list[int]) -> tuple[list[int], float]:
+    start = time.perf_counter()
+    out = target.model.generate(torch.tensor([prompt], device=target.model.device), do_sample=False,
+                                max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=eos[0],
+                                temperature=None, top_p=None, top_k=None)
+    return out[0, len(prompt):].tolist(), time.perf_counter() - start
+
+
+def run_bench(target: Target, questions: list[Question], methods: list[str], max_new_tokens: int) -> dict[str, Any]:
+    """Per method, overall and per category: tau, speedup, tokens_per_s, identical, total."""
+    eos = _eos_ids(target)
+    methods = ["none"] + [m for m in methods if m != "none"]  # runtime overhead is always shown
+    drafters = {name: build_drafter(name, target) for name in methods}
+    tallies: dict[str, dict[str, Tally]] = {name: defaultdict(Tally) for name in [BASELINE, *methods]}
+    hf_greedy(target, _prompt_ids(target, [{"role": "user", "content": "Hi"}]), 4, eos)  # warm-up
+    progress = tqdm(total=sum(len(q.turns) for q in questions), desc="bench", unit="turn", dynamic_ncols=True)
+    for question in questions:
+        messages: list[dict[str, str]] = []
+        for turn_index, turn in enumerate(question.turns):
+            messages.append({"role": "user", "content": turn})
+            prompt = _prompt_ids(target, messages)
+            reference, base_seconds = hf_greedy(target, prompt, max_new_tokens, eos)
+            where = f"{question.id}/{turn_index}"
+            for scope in ("overall", question.category):
+                tallies[BASELINE][scope].add(reference, len(reference), base_seconds, base_seconds, reference, where)
+            for name, drafter in drafters.items():
+                result = generate(target.model, prompt, drafter, max_new_tokens=max_new_tokens, eos_token_ids=eos)
+                for scope in ("overall", question.category):
+                    tallies[name][scope].add(result.tokens, result.target_forwards, result.seconds, base_seconds,
+                                             reference, where)
+            messages.append({"role": "assistant", "content": target.tokenizer.decode(reference, skip_special_tokens=True)})
+            progress.update(1)
+    progress.close()
+    return {
+        "target": target.identity.to_dict(),
+        "max_new_tokens": max_new_tokens,
+        "threads": torch.get_num_threads(),
+        "questions": len(questions),
+        "baseline": BASELINE,
+        "methods": {name: {scope: t.summary() for scope, t in scopes.items()} for name, scopes in tallies.items()},
+    }
+
+
+def markdown_table(results: dict[str, Any]) -> str:
+    scopes = ["overall"] + sorted(s for s in results["methods"][BASELINE] if s != "overall")
+    lines = [f"Greedy, max {results['max_new_tokens']} new tokens, {results['threads']} threads; "
+             f"speedup = {BASELINE} time / method time on the same prompts.", "",
+             "| method | scope | tau | speedup | tokens/s | identical |", "| --- | --- | --- | --- | --- | --- |"]
+    for name, by_scope in results["methods"].items():
+        for scope in scopes:
+            s = by_scope.get(scope)
+            if s:
+                lines.append(f"| {name} | {scope} | {s['tau']:.2f} | {s['speedup']:.2f}x | {s['tokens_per_s']:.1f} | "
+                             f"{s['identical']}/{s['total']} |")
+    return "\n".join(lines) + "\n"
+
+
+def write_chart(results: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [n for n in results["methods"] if n != BASELINE]
+    scopes = ["overall"] + sorted(s for s in results["methods"][BASELINE] if s != "overall")
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    width = 0.8 / max(1, len(names))
+    for i, name in enumerate(names):
+        xs = [j + i * width for j in range(len(scopes))]
+        axes[0].bar(xs, [results["methods"][name][s]["tau"] for s in scopes], width, label=name)
+        axes[1].bar(xs, [results["methods"][name][s]["speedup"] for s in scopes], width, label=name)
+    for axis, title in zip(axes, ["tau (tokens per target forward)", f"speedup vs {BASELINE}"]):
+        axis.set_xticks([j + width * (len(names) - 1) / 2 for j in range(len(scopes))], scopes, rotation=20)
+        axis.set_title(title)
+        axis.axhline(1.0, color="grey", linewidth=0.8)
+        axis.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_results(results: dict[str, Any], out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(out / "results.json", results)
+    atomic_write_bytes(out / "results.md", markdown_table(results).encode())
+    write_chart(results, out / "chart.png")

@@ -1,0 +1,119 @@
+"""Sampling is lossless: the empirical distribution of the first three tokens under speculative
+sampling matches the exact distribution, enumerated on a tiny model; a lossy verifier fails the test."""
+
+import itertools
+from collections import Counter
+
+import pytest
+import torch
+
+from conftest import tiny_llama
+from draftsmith.inference import runtime
+from draftsmith.inference.runtime import generate
+from draftsmith.inference.tree import DraftTree
+from draftsmith.inference.verify import SamplingConfig, Verdict
+
+V = 5
+PROMPT = [1, 3, 2, 4]
+N_SAMPLES = 4000
+CONFIGS = [SamplingConfig(temperature=1.0), SamplingConfig(temperature=0.7, top_k=4, top_p=0.9)]
+
+
+@pytest.fixture(scope="module")
+def model():
+    model = tiny_llama(V, seed=3)
+    with torch.no_grad():  # a peaked distribution, far from uniform, so lossy rules show
+        model.lm_head.weight.mul_(8.0)
+    return model
+
+
+@torch.no_grad()
+def exact_distribution(model, config, steps=3):
+    """P(x1..x_steps | prompt) by enumeration."""
+    result = {}
+    for tokens in itertools.product(range(V), repeat=steps):
+        logits = model(torch.tensor([PROMPT + list(tokens[:-1])])).logits[0, len(PROMPT) - 1:]
+        probs = config.probs(logits)
+        result[tokens] = float(torch.prod(torch.stack([probs[i, t] for i, t in enumerate(tokens)])))
+    return result
+
+
+def chi_square_p_value(counts, expected_probs, n):
+    """Pearson's test, cells with expected count < 5 pooled; p-value from the chi-square tail."""
+    stat, dof, pool_obs, pool_exp = 0.0, -1, 0, 0.0
+    for cell, prob in expected_probs.items():
+        expected, observed = prob * n, counts.get(cell, 0)
+        if expected < 5:
+            pool_obs, pool_exp = pool_obs + observed, pool_exp + expected
+            continue
+        stat += (observed - expected) ** 2 / expected
+        dof += 1
+    if pool_exp > 0:
+        stat += (pool_obs - pool_exp) ** 2 / max(pool_exp, 1e-9)
+        dof += 1
+    assert dof >= 2, "degenerate distribution: the test would have no power"
+    return float(torch.special.gammaincc(torch.tensor(dof / 2.0), torch.tensor(stat / 2.0)))
+
+
+class FixedTree:
+    """A deterministic tree with siblings at two depths (recursive rejection over siblings)."""
+
+    name = "fixed-tree"
+
+    def propose(self, context):
+        return DraftTree.from_paths([[0, 1], [0, 2], [3, 0], [4]])
+
+
+class SampledChain:
+    """Samples a 2-token chain from a fixed distribution q (Leviathan's rule applies)."""
+
+    name = "sampled-chain"
+
+    def __init__(self):
+        self.q = torch.tensor([0.4, 0.3, 0.1, 0.1, 0.1])
+
+    def propose(self, context):
+        tokens = torch.multinomial(self.q, 2, replacement=True, generator=context.generator).tolist()
+        return DraftTree.chain(tokens, self.q.repeat(2, 1))
+
+
+def sample_counts(model, drafter, config, seed):
+    generator = torch.Generator().manual_seed(seed)
+    counts = Counter()
+    for _ in range(N_SAMPLES):
+        result = generate(model, PROMPT, drafter, max_new_tokens=3, sampling=config, generator=generator)
+        counts[tuple(result.tokens)] += 1
+    return counts
+
+
+@pytest.mark.parametrize("drafter, config", [
+    (None, CONFIGS[1]), (FixedTree(), CONFIGS[0]), (FixedTree(), CONFIGS[1]), (SampledChain(), CONFIGS[0]),
+    (SampledChain(), CONFIGS[1]),
+], ids=["plain-t0.7-k4-p0.9", "tree-t1", "tree-t0.7-k4-p0.9", "chain-t1", "chain-t0.7-k4-p0.9"])
+def test_speculative_sampling_matches_the_exact_distribution(model, drafter, config):
+    exact = exact_distribution(model, config)
+    assert abs(sum(exact.values()) - 1) < 1e-5
+    counts = sample_counts(model, drafter, config, seed=11)
+    assert chi_square_p_value(counts, exact, N_SAMPLES) > 1e-3
+
+
+def lossy_verify(tree, logits, config, generator=None):
+    """A lossy shortcut of the kind some public code ships: accept any drafted child whose
+    probability is at least 0.05 ('plausible enough'), else sample."""
+    probs = config.probs(logits)
+    accepted, current = [], -1
+    while True:
+        p = probs[current + 1]
+        children = [i for i, parent in enumerate(tree.parents.tolist()) if parent == current]
+        chosen = next((c for c in children if float(p[int(tree.tokens[c])]) >= 0.05), None)
+        if chosen is None:
+            return Verdict(accepted, int(torch.multinomial(p, 1, generator=generator)))
+        accepted.append(chosen)
+        current = chosen
+
+
+def test_the_test_catches_a_lossy_verifier(model, monkeypatch):
+    monkeypatch.setattr(runtime, "verify_sampling", lossy_verify)
+    config = CONFIGS[0]
+    counts = sample_counts(model, FixedTree(), config, seed=11)
+    assert chi_square_p_value(counts, exact_distribution(model, config), N_SAMPLES) < 1e-6

@@ -46,8 +46,12 @@ def cmd_prepare(args: argparse.Namespace) -> None:
 
     def samples():
         nonlocal dropped_turns
-        for conversation in tqdm(read_conversations(source, stats, split=args.split, limit=args.limit),
-                                 desc="tokenising", unit="conv", dynamic_ncols=True):
+        for conversation in tqdm(
+            read_conversations(source, stats, split=args.split, limit=args.limit),
+            desc="tokenising",
+            unit="conv",
+            dynamic_ncols=True,
+        ):
             try:
                 sample = tokenize_conversation(tokenizer, conversation, args.max_length)
             except RecordError as error:
@@ -57,12 +61,22 @@ def cmd_prepare(args: argparse.Namespace) -> None:
             dropped_turns += sample.dropped_turns
             yield sample
 
-    manifest = write_prepared(Path(args.out), samples(), stats, identity=identity, chat_template=tokenizer.chat_template,
-                              max_length=args.max_length, source=source, overwrite=args.overwrite)
+    manifest = write_prepared(
+        Path(args.out),
+        samples(),
+        stats,
+        identity=identity,
+        chat_template=tokenizer.chat_template,
+        max_length=args.max_length,
+        source=source,
+        overwrite=args.overwrite,
+    )
     print(stats.summary())
-    print(f"{manifest['n_samples']} samples, {manifest['n_tokens']} tokens, {manifest['n_supervised']} supervised "
-          f"({manifest['n_supervised'] / manifest['n_tokens']:.0%}); {dropped_turns} trailing turns dropped to fit "
-          f"--max-length {args.max_length}; written to {args.out}")
+    print(
+        f"{manifest['n_samples']} samples, {manifest['n_tokens']} tokens, {manifest['n_supervised']} supervised "
+        f"({manifest['n_supervised'] / manifest['n_tokens']:.0%}); {dropped_turns} trailing turns dropped to fit "
+        f"--max-length {args.max_length}; written to {args.out}"
+    )
 
 
 def cmd_show(args: argparse.Namespace) -> None:
@@ -79,8 +93,14 @@ def cmd_show(args: argparse.Namespace) -> None:
         sample = dataset[index]
         sample_id, ids, mask = sample.id, sample.input_ids.tolist(), sample.loss_mask.tolist()
     else:
-        conversation = next((c for i, c in enumerate(read_conversations(source))
-                             if (c.id == args.id if args.id is not None else i == args.index)), None)
+        conversation = next(
+            (
+                c
+                for i, c in enumerate(read_conversations(source))
+                if (c.id == args.id if args.id is not None else i == args.index)
+            ),
+            None,
+        )
         if conversation is None:
             raise SystemExit(f"draftsmith: error: no usable conversation {args.id or args.index} in {source}")
         try:
@@ -99,13 +119,21 @@ def cmd_regenerate(args: argparse.Namespace) -> None:
     from draftsmith.inference.target import load_target
 
     target = load_target(args.target, dtype=args.dtype, device=args.device)
-    settings = RegenerateSettings(max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
-                                  temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+    settings = RegenerateSettings(
+        max_new_tokens=args.max_new_tokens,
+        batch_size=args.batch_size,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+    )
     report = regenerate(_source(args.input), Path(args.out), target, settings, limit=args.limit)
     print(report.stats.summary())
-    print(f"{report.already_done} already done, {report.written} written now; {report.new_tokens} new tokens in "
-          f"{report.seconds:.1f} s ({report.tokens_per_s:.1f} tokens/s); {report.truncated_turns} turns stopped at "
-          f"--max-new-tokens {args.max_new_tokens}; output {args.out}")
+    print(
+        f"{report.already_done} already done, {report.written} written now; {report.new_tokens} new tokens in "
+        f"{report.seconds:.1f} s ({report.tokens_per_s:.1f} tokens/s); {report.truncated_turns} turns stopped at "
+        f"--max-new-tokens {args.max_new_tokens}; output {args.out}"
+    )
 
 
 def _parse_layers(text: str) -> tuple[int, ...]:
@@ -123,8 +151,10 @@ def cmd_cache_features(args: argparse.Namespace) -> None:
     if args.verify:
         cache = FeatureCache(Path(args.out), require_complete=False)
         cache.verify()
-        print(f"{args.out}: {len(cache.manifest['shards'])} shards verified, {cache.n_tokens} tokens, "
-              f"complete={cache.manifest['complete']}")
+        print(
+            f"{args.out}: {len(cache.manifest['shards'])} shards verified, {cache.n_tokens} tokens, "
+            f"complete={cache.manifest['complete']}"
+        )
         return
     if args.prepared is None:
         raise SystemExit("draftsmith: error: give the prepared dataset directory (from `draftsmith data prepare`)")
@@ -133,41 +163,58 @@ def cmd_cache_features(args: argparse.Namespace) -> None:
     n_layers = target.model.config.num_hidden_layers
     if any(not -n_layers - 1 <= layer <= n_layers for layer in args.layers):
         raise SystemExit(f"draftsmith: error: --layers must be within 0..{n_layers} (hidden_states indices)")
-    settings = CacheSettings(dtype=args.dtype, layers=args.layers, shard_tokens=args.shard_tokens,
-                             batch_tokens=args.batch_tokens)
+    settings = CacheSettings(
+        dtype=args.dtype, layers=args.layers, shard_tokens=args.shard_tokens, batch_tokens=args.batch_tokens
+    )
     manifest = build_feature_cache(dataset, target, Path(args.out), settings, overwrite=args.overwrite)
     cache = FeatureCache(Path(args.out))
-    print(f"{len(manifest['shards'])} shards, {cache.n_tokens} tokens, {cache.n_bytes / 1e6:.1f} MB "
-          f"= {cache.n_bytes / cache.n_tokens:.0f} bytes per token ({args.dtype}, hidden {target.hidden_size}, "
-          f"{1 + len(args.layers)} layer(s)); written to {args.out}")
+    print(
+        f"{len(manifest['shards'])} shards, {cache.n_tokens} tokens, {cache.n_bytes / 1e6:.1f} MB "
+        f"= {cache.n_bytes / cache.n_tokens:.0f} bytes per token ({args.dtype}, hidden {target.hidden_size}, "
+        f"{1 + len(args.layers)} layer(s)); written to {args.out}"
+    )
 
 
 def _add_target(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--target", default=None,
-                        help="target model: 'smollm2' (embedded default), a model directory, a .gguf file or a hub id")
+    parser.add_argument(
+        "--target",
+        default=None,
+        help="target model: 'smollm2' (embedded default), a model directory, a .gguf file or a hub id",
+    )
 
 
 def add_data_commands(subparsers: Any) -> None:
-    data = subparsers.add_parser("data", help="prepare, inspect, regenerate and cache training data",
-                                 description="Data pipeline: tokenise chat datasets with the target's template, "
-                                             "regenerate answers with the target, cache its features.")
+    data = subparsers.add_parser(
+        "data",
+        help="prepare, inspect, regenerate and cache training data",
+        description="Data pipeline: tokenise chat datasets with the target's template, "
+        "regenerate answers with the target, cache its features.",
+    )
     commands = data.add_subparsers(dest="data_command", required=True, metavar="COMMAND")
 
-    p = commands.add_parser("prepare", help="tokenise a dataset with assistant-only loss masks",
-                            description="Tokenise a ShareGPT / OpenAI-messages / UltraChat dataset (.json, .jsonl "
-                                        "or hub id) with the target's chat template into DIR.")
+    p = commands.add_parser(
+        "prepare",
+        help="tokenise a dataset with assistant-only loss masks",
+        description="Tokenise a ShareGPT / OpenAI-messages / UltraChat dataset (.json, .jsonl "
+        "or hub id) with the target's chat template into DIR.",
+    )
     p.add_argument("input", nargs="?", default=None, help=f"dataset file or hub id (default: {DEFAULT_DATASET_HELP})")
     p.add_argument("--out", required=True, help="output directory")
     _add_target(p)
-    p.add_argument("--max-length", type=int, default=2048, help="max tokens per sample; whole trailing turns are dropped to fit")
+    p.add_argument(
+        "--max-length", type=int, default=2048, help="max tokens per sample; whole trailing turns are dropped to fit"
+    )
     p.add_argument("--chat-template", default=None, help="a Jinja chat template file to use instead of the target's")
     p.add_argument("--split", default="train", help="split, for hub datasets")
     p.add_argument("--limit", type=int, default=None, help="read at most this many records")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
     p.set_defaults(func=cmd_prepare)
 
-    p = commands.add_parser("show", help="print a conversation with its supervised tokens highlighted",
-                            description="Show one conversation as the model sees it, supervised tokens highlighted.")
+    p = commands.add_parser(
+        "show",
+        help="print a conversation with its supervised tokens highlighted",
+        description="Show one conversation as the model sees it, supervised tokens highlighted.",
+    )
     p.add_argument("input", nargs="?", default=None, help="dataset file or prepared directory (default: bundled data)")
     p.add_argument("--index", type=int, default=0, help="which conversation (0-based)")
     p.add_argument("--id", default=None, help="pick the conversation by id instead")
@@ -177,9 +224,12 @@ def add_data_commands(subparsers: Any) -> None:
     p.add_argument("--color", choices=["auto", "always", "never"], default="auto")
     p.set_defaults(func=cmd_show)
 
-    p = commands.add_parser("regenerate", help="regenerate every assistant turn with the target (self-distillation)",
-                            description="Regenerate assistant turns turn by turn with the target; writes ShareGPT "
-                                        "JSONL incrementally and resumes where an earlier run stopped.")
+    p = commands.add_parser(
+        "regenerate",
+        help="regenerate every assistant turn with the target (self-distillation)",
+        description="Regenerate assistant turns turn by turn with the target; writes ShareGPT "
+        "JSONL incrementally and resumes where an earlier run stopped.",
+    )
     p.add_argument("input", help="dataset file or hub id (prompt-only conversations are fine)")
     p.add_argument("--out", required=True, help="output .jsonl (appended to and resumed if it exists)")
     _add_target(p)
@@ -194,9 +244,12 @@ def add_data_commands(subparsers: Any) -> None:
     p.add_argument("--dtype", default="float32", help="model dtype (float32, bfloat16, float16)")
     p.set_defaults(func=cmd_regenerate)
 
-    p = commands.add_parser("cache-features", help="store the target's features for offline training",
-                            description="Run the target over a prepared dataset and store input_ids, loss_mask and "
-                                        "hidden_states[-1] (plus --layers) in sharded safetensors. Resumable.")
+    p = commands.add_parser(
+        "cache-features",
+        help="store the target's features for offline training",
+        description="Run the target over a prepared dataset and store input_ids, loss_mask and "
+        "hidden_states[-1] (plus --layers) in sharded safetensors. Resumable.",
+    )
     p.add_argument("prepared", nargs="?", default=None, help="prepared dataset directory (from `data prepare`)")
     p.add_argument("--out", required=True, help="cache directory (resumed if it holds a partial cache)")
     _add_target(p)

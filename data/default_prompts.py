@@ -19,39 +19,89 @@ from collections.abc import Callable
 from pathlib import Path
 
 CHAT = [
-    "What is the difference between weather and climate?", "How do vaccines train the immune system?",
-    "Why is the sky blue?", "What are some good habits for getting better sleep?",
-    "Can you explain what inflation is in simple terms?", "How does a refrigerator keep food cold?",
-    "What should I pack for a three-day hiking trip?", "Why do cats purr?",
-    "What is the best way to learn a new language as an adult?", "How do solar panels produce electricity?",
-    "What are the main causes of traffic jams?", "How can I make my houseplants healthier?",
-    "What is the difference between a virus and a bacterium?", "Why do we have leap years?",
-    "How does compound interest work?", "What are some tips for a successful job interview?",
-    "How do airplanes stay in the air?", "What is photosynthesis?", "Why do onions make people cry?",
-    "How can I reduce my household's energy use?", "What makes a good team leader?",
-    "How do earthquakes happen?", "What is the water cycle?", "How should I prepare for a marathon?",
-    "What is machine learning, in one paragraph?", "Why is biodiversity important?",
-    "How do I start a vegetable garden on a balcony?", "What is the purpose of a central bank?",
-    "How can I stay focused while working from home?", "What is the difference between a comet and an asteroid?",
+    "What is the difference between weather and climate?",
+    "How do vaccines train the immune system?",
+    "Why is the sky blue?",
+    "What are some good habits for getting better sleep?",
+    "Can you explain what inflation is in simple terms?",
+    "How does a refrigerator keep food cold?",
+    "What should I pack for a three-day hiking trip?",
+    "Why do cats purr?",
+    "What is the best way to learn a new language as an adult?",
+    "How do solar panels produce electricity?",
+    "What are the main causes of traffic jams?",
+    "How can I make my houseplants healthier?",
+    "What is the difference between a virus and a bacterium?",
+    "Why do we have leap years?",
+    "How does compound interest work?",
+    "What are some tips for a successful job interview?",
+    "How do airplanes stay in the air?",
+    "What is photosynthesis?",
+    "Why do onions make people cry?",
+    "How can I reduce my household's energy use?",
+    "What makes a good team leader?",
+    "How do earthquakes happen?",
+    "What is the water cycle?",
+    "How should I prepare for a marathon?",
+    "What is machine learning, in one paragraph?",
+    "Why is biodiversity important?",
+    "How do I start a vegetable garden on a balcony?",
+    "What is the purpose of a central bank?",
+    "How can I stay focused while working from home?",
+    "What is the difference between a comet and an asteroid?",
 ]
-WRITING_FORMS = ["a short poem", "a haiku", "a two-paragraph story", "a product description", "a polite email",
-                 "a limerick", "a motivational speech opening", "a diary entry", "a short dialogue", "a tweet"]
-WRITING_TOPICS = ["a lighthouse keeper's last night on duty", "a new reusable water bottle", "the first snow of winter",
-                  "asking a neighbour to water my plants", "a robot learning to paint", "a rainy day in the city",
-                  "a team finishing a difficult project", "an old bicycle", "a cat who owns a bookshop",
-                  "moving to a new town", "a late train", "a community garden opening"]
-CODE_TASKS = ["reverses a string", "checks whether a number is prime", "returns the n-th Fibonacci number",
-              "counts the words in a sentence", "removes duplicates from a list while keeping order",
-              "computes the factorial of n", "merges two sorted lists", "finds the largest element of a list",
-              "converts Celsius to Fahrenheit", "checks whether a string is a palindrome",
-              "returns the sum of the digits of an integer", "flattens a nested list one level deep"]
+WRITING_FORMS = [
+    "a short poem",
+    "a haiku",
+    "a two-paragraph story",
+    "a product description",
+    "a polite email",
+    "a limerick",
+    "a motivational speech opening",
+    "a diary entry",
+    "a short dialogue",
+    "a tweet",
+]
+WRITING_TOPICS = [
+    "a lighthouse keeper's last night on duty",
+    "a new reusable water bottle",
+    "the first snow of winter",
+    "asking a neighbour to water my plants",
+    "a robot learning to paint",
+    "a rainy day in the city",
+    "a team finishing a difficult project",
+    "an old bicycle",
+    "a cat who owns a bookshop",
+    "moving to a new town",
+    "a late train",
+    "a community garden opening",
+]
+CODE_TASKS = [
+    "reverses a string",
+    "checks whether a number is prime",
+    "returns the n-th Fibonacci number",
+    "counts the words in a sentence",
+    "removes duplicates from a list while keeping order",
+    "computes the factorial of n",
+    "merges two sorted lists",
+    "finds the largest element of a list",
+    "converts Celsius to Fahrenheit",
+    "checks whether a string is a palindrome",
+    "returns the sum of the digits of an integer",
+    "flattens a nested list one level deep",
+]
 CODE_LANGUAGES = ["Python", "JavaScript", "Python", "C", "Rust", "Go"]
 NAMES = ["Ana", "Ben", "Chen", "Dara", "Eli", "Fatima", "Goran", "Hana", "Ivan", "Jade", "Kofi", "Lena", "Mateo", "Nia"]
 ITEMS = [("apples", 0.5), ("notebooks", 2.25), ("pencils", 0.75), ("tickets", 12.0), ("muffins", 1.5), ("stamps", 0.9)]
 CITIES = ["Lisbon", "Nairobi", "Osaka", "Quito", "Tampere", "Valencia", "Perth", "Montreal"]
 COMPANIES = ["Brightwater Labs", "Northfield Foods", "Kestrel Robotics", "Amberline Books", "Solace Health"]
-FOLLOW_UPS = ["Can you make that shorter?", "Can you explain that to a ten-year-old?", "Give me one more example.",
-              "Now summarise your answer in one sentence.", "What is the most important point here?"]
+FOLLOW_UPS = [
+    "Can you make that shorter?",
+    "Can you explain that to a ten-year-old?",
+    "Give me one more example.",
+    "Now summarise your answer in one sentence.",
+    "What is the most important point here?",
+]
 
 
 def _writing(rng: random.Random) -> str:
@@ -84,7 +134,9 @@ def _math(rng: random.Random) -> str:
 def _passage(rng: random.Random) -> str:
     company, city = rng.choice(COMPANIES), rng.choice(CITIES)
     year, staff, growth = rng.randint(2005, 2022), rng.randint(12, 900), rng.randint(3, 60)
-    product = rng.choice(["a water filter", "a reading app", "a delivery robot", "a plant-based snack", "a clinic scheduler"])
+    product = rng.choice(
+        ["a water filter", "a reading app", "a delivery robot", "a plant-based snack", "a clinic scheduler"]
+    )
     return (
         f"{company} was founded in {city} in {year}. It began with a small team that wanted to build {product} "
         f"for people who could not afford existing options. Today it employs {staff} people, and last year its "
@@ -95,8 +147,13 @@ def _passage(rng: random.Random) -> str:
 
 
 def _summarise(rng: random.Random) -> str:
-    ask = rng.choice(["Summarise this passage in two sentences:", "Give a one-sentence summary of the text below.",
-                      "Summarise the key points of this passage as a short bullet list:"])
+    ask = rng.choice(
+        [
+            "Summarise this passage in two sentences:",
+            "Give a one-sentence summary of the text below.",
+            "Summarise the key points of this passage as a short bullet list:",
+        ]
+    )
     return f"{ask}\n\n{_passage(rng)}"
 
 
@@ -105,11 +162,17 @@ def _extract(rng: random.Random) -> str:
     city = rng.choice(CITIES)
     day, month = rng.randint(1, 28), rng.choice(["March", "June", "September", "November"])
     price = rng.randint(20, 400)
-    text = (f"Hi {other}, this is {name}. I booked the conference room in {city} for {month} {day} at 10:30. "
-            f"The total comes to ${price}, which I paid by card. Please bring the projector and call me at 555-01{day:02d}.")
-    ask = rng.choice(["Extract every name, date, place and amount from this message as JSON:",
-                      "List the people, the date and the price mentioned in this note:",
-                      "What is the phone number and the total cost in this message?"])
+    text = (
+        f"Hi {other}, this is {name}. I booked the conference room in {city} for {month} {day} at 10:30. "
+        f"The total comes to ${price}, which I paid by card. Please bring the projector and call me at 555-01{day:02d}."
+    )
+    ask = rng.choice(
+        [
+            "Extract every name, date, place and amount from this message as JSON:",
+            "List the people, the date and the price mentioned in this note:",
+            "What is the phone number and the total cost in this message?",
+        ]
+    )
     return f"{ask}\n\n{text}"
 
 

@@ -32,8 +32,14 @@ from draftsmith.inference.target import Target, TargetIdentity
 
 CACHE_FORMAT = "draftsmith.features/1"
 MANIFEST = "manifest.json"
-DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
-          "fp32": torch.float32, "float32": torch.float32}
+DTYPES = {
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "fp32": torch.float32,
+    "float32": torch.float32,
+}
 
 
 class FeatureCacheError(RuntimeError):
@@ -83,7 +89,9 @@ def _batches(dataset: PreparedDataset, indices: list[int], batch_tokens: int) ->
 
 
 @torch.no_grad()
-def target_features(target: Target, input_ids: list[torch.Tensor], layers: tuple[int, ...]) -> list[dict[str, torch.Tensor]]:
+def target_features(
+    target: Target, input_ids: list[torch.Tensor], layers: tuple[int, ...]
+) -> list[dict[str, torch.Tensor]]:
     """Run the target over right-padded sequences; per sequence, ``feature`` (T, h) and extra layers."""
     model = target.model
     device = next(model.parameters()).device
@@ -95,8 +103,9 @@ def target_features(target: Target, input_ids: list[torch.Tensor], layers: tuple
         attention[row, : len(ids)] = 1
     # The base model (no lm_head): its last_hidden_state is the feature, and computing V logits
     # per token would cost more than the rest of the forward on small targets.
-    out = model.base_model(input_ids=batch.to(device), attention_mask=attention.to(device),
-                           output_hidden_states=bool(layers))
+    out = model.base_model(
+        input_ids=batch.to(device), attention_mask=attention.to(device), output_hidden_states=bool(layers)
+    )
     hidden = out.hidden_states
     results = []
     for row, length in enumerate(lengths):
@@ -107,8 +116,9 @@ def target_features(target: Target, input_ids: list[torch.Tensor], layers: tuple
     return results
 
 
-def _shard_bytes(dataset: PreparedDataset, indices: list[int], features: dict[int, dict[str, torch.Tensor]],
-                 dtype: torch.dtype) -> bytes:
+def _shard_bytes(
+    dataset: PreparedDataset, indices: list[int], features: dict[int, dict[str, torch.Tensor]], dtype: torch.dtype
+) -> bytes:
     samples = [dataset[i] for i in indices]
     offsets = [0]
     for sample in samples:
@@ -139,19 +149,32 @@ def _new_manifest(dataset: PreparedDataset, target: Target, settings: CacheSetti
 
 
 def _check_resumable(manifest: dict[str, Any], fresh: dict[str, Any], out: Path) -> None:
-    for key, what in (("target", "target"), ("dataset", "prepared dataset"), ("dtype", "dtype"),
-                      ("layers", "layers"), ("shard_tokens", "shard size")):
+    for key, what in (
+        ("target", "target"),
+        ("dataset", "prepared dataset"),
+        ("dtype", "dtype"),
+        ("layers", "layers"),
+        ("shard_tokens", "shard size"),
+    ):
         if key == "dataset":
             same = manifest[key]["fingerprint"] == fresh[key]["fingerprint"]
         else:
             same = manifest[key] == fresh[key]
         if not same:
-            raise FeatureCacheError(f"{out} holds a feature cache for another {what}; "
-                                    "choose another --out or pass --overwrite to rebuild it")
+            raise FeatureCacheError(
+                f"{out} holds a feature cache for another {what}; "
+                "choose another --out or pass --overwrite to rebuild it"
+            )
 
 
-def build_feature_cache(dataset: PreparedDataset, target: Target, out: Path, settings: CacheSettings,
-                        overwrite: bool = False, on_shard: Callable[[int], None] | None = None) -> dict[str, Any]:
+def build_feature_cache(
+    dataset: PreparedDataset,
+    target: Target,
+    out: Path,
+    settings: CacheSettings,
+    overwrite: bool = False,
+    on_shard: Callable[[int], None] | None = None,
+) -> dict[str, Any]:
     """Compute (or resume computing) the feature cache of ``dataset`` in ``out``; returns the manifest."""
     dataset.check_target(target.identity)
     out = Path(out)
@@ -179,11 +202,15 @@ def build_feature_cache(dataset: PreparedDataset, target: Target, out: Path, set
         blob = _shard_bytes(dataset, indices, features, DTYPES[settings.dtype])
         name = f"shard-{shard_index:05d}.safetensors"
         atomic_write_bytes(out / name, blob)
-        manifest["shards"].append({
-            "file": name, "sample_ids": [dataset.sample_ids[i] for i in indices],
-            "n_tokens": int(sum(len(dataset[i].input_ids) for i in indices)),
-            "sha256": hashlib.sha256(blob).hexdigest(), "bytes": len(blob),
-        })
+        manifest["shards"].append(
+            {
+                "file": name,
+                "sample_ids": [dataset.sample_ids[i] for i in indices],
+                "n_tokens": int(sum(len(dataset[i].input_ids) for i in indices)),
+                "sha256": hashlib.sha256(blob).hexdigest(),
+                "bytes": len(blob),
+            }
+        )
         manifest["complete"] = shard_index + 1 == len(plan)
         atomic_write_json(manifest_path, manifest)
         if on_shard:
@@ -203,16 +230,24 @@ class FeatureCache:
         try:
             self.manifest = json.loads((self.path / MANIFEST).read_text())
         except FileNotFoundError:
-            raise FeatureCacheError(f"{self.path} is not a feature cache (no {MANIFEST}); make one with "
-                                    "`draftsmith data cache-features PREPARED_DIR --out DIR`") from None
+            raise FeatureCacheError(
+                f"{self.path} is not a feature cache (no {MANIFEST}); make one with "
+                "`draftsmith data cache-features PREPARED_DIR --out DIR`"
+            ) from None
         except json.JSONDecodeError as exc:
-            raise FeatureCacheError(f"{self.path}/{MANIFEST} is damaged ({exc.msg}); rebuild with --overwrite") from None
+            raise FeatureCacheError(
+                f"{self.path}/{MANIFEST} is damaged ({exc.msg}); rebuild with --overwrite"
+            ) from None
         if self.manifest.get("format") != CACHE_FORMAT:
             raise FeatureCacheError(f"{self.path} has format {self.manifest.get('format')!r}, expected {CACHE_FORMAT}")
         if require_complete and not self.manifest["complete"]:
-            raise FeatureCacheError(f"{self.path} is incomplete ({len(self.manifest['shards'])} shards); "
-                                    "run the same cache-features command again to finish it")
-        self._index = [(s, k) for s, shard in enumerate(self.manifest["shards"]) for k in range(len(shard["sample_ids"]))]
+            raise FeatureCacheError(
+                f"{self.path} is incomplete ({len(self.manifest['shards'])} shards); "
+                "run the same cache-features command again to finish it"
+            )
+        self._index = [
+            (s, k) for s, shard in enumerate(self.manifest["shards"]) for k in range(len(shard["sample_ids"]))
+        ]
         self._loaded: tuple[int, dict[str, torch.Tensor]] | None = None
 
     @property
@@ -239,10 +274,14 @@ class FeatureCache:
             raise FeatureCacheError(f"{path} is missing; run cache-features again with --overwrite")
         blob = path.read_bytes()
         if len(blob) != entry["bytes"]:
-            raise FeatureCacheError(f"{path} is truncated or padded ({len(blob)} bytes, manifest says {entry['bytes']}); "
-                                    "rebuild the cache with --overwrite")
+            raise FeatureCacheError(
+                f"{path} is truncated or padded ({len(blob)} bytes, manifest says {entry['bytes']}); "
+                "rebuild the cache with --overwrite"
+            )
         if hashlib.sha256(blob).hexdigest() != entry["sha256"]:
-            raise FeatureCacheError(f"{path} does not match its checksum (modified after writing); rebuild with --overwrite")
+            raise FeatureCacheError(
+                f"{path} does not match its checksum (modified after writing); rebuild with --overwrite"
+            )
         return load_safetensors(blob)
 
     def verify(self) -> None:

@@ -15,9 +15,14 @@ from pathlib import Path
 from typing import Any
 
 SHAREGPT_ROLES = {
-    "human": "user", "user": "user",
-    "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant", "bard": "assistant",
-    "bing": "assistant", "model": "assistant",
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "chatgpt": "assistant",
+    "bard": "assistant",
+    "bing": "assistant",
+    "model": "assistant",
     "system": "system",
 }
 MESSAGE_ROLES = {"user": "user", "assistant": "assistant", "system": "system"}
@@ -67,7 +72,9 @@ class ReadStats:
 
     def check(self) -> None:
         if self.used + self.n_skipped != self.read:
-            raise AssertionError(f"record counts do not add up: used {self.used} + skipped {self.n_skipped} != read {self.read}")
+            raise AssertionError(
+                f"record counts do not add up: used {self.used} + skipped {self.n_skipped} != read {self.read}"
+            )
 
     def summary(self) -> str:
         lines = [f"read {self.read}, used {self.used}, skipped {self.n_skipped}"]
@@ -143,7 +150,9 @@ def _records_from_hub(dataset_id: str, split: str) -> Iterator[Any]:
 
         dataset = datasets.load_dataset(dataset_id, split=split, streaming=True)
     except Exception as exc:  # datasets raises many types for "not found" / "offline"
-        raise DataError(f"cannot load hub dataset {dataset_id!r} (split {split!r}): {str(exc).splitlines()[0]}") from None
+        raise DataError(
+            f"cannot load hub dataset {dataset_id!r} (split {split!r}): {str(exc).splitlines()[0]}"
+        ) from None
     yield from dataset
 
 
@@ -208,8 +217,13 @@ def normalize_record(record: Any, index: int, prompts_only: bool = False) -> Con
     return Conversation(id=record_id, turns=_check_order(turns, prompts_only))
 
 
-def read_conversations(source: str, stats: ReadStats | None = None, split: str = "train",
-                       limit: int | None = None, prompts_only: bool = False) -> Iterator[Conversation]:
+def read_conversations(
+    source: str,
+    stats: ReadStats | None = None,
+    split: str = "train",
+    limit: int | None = None,
+    prompts_only: bool = False,
+) -> Iterator[Conversation]:
     """Well-formed conversations of a dataset. Malformed records are counted in ``stats`` by reason;
     the caller counts each yielded conversation as used or skips it (e.g. too long for the budget)."""
     stats = stats if stats is not None else ReadStats()

@@ -36,9 +36,17 @@ def template_hash(chat_template: str) -> str:
     return hashlib.sha256(chat_template.encode()).hexdigest()
 
 
-def write_prepared(out: Path, samples: Iterable[TokenizedConversation], stats: ReadStats, *,
-                   identity: TargetIdentity, chat_template: str, max_length: int | None, source: str,
-                   overwrite: bool = False) -> dict[str, Any]:
+def write_prepared(
+    out: Path,
+    samples: Iterable[TokenizedConversation],
+    stats: ReadStats,
+    *,
+    identity: TargetIdentity,
+    chat_template: str,
+    max_length: int | None,
+    source: str,
+    overwrite: bool = False,
+) -> dict[str, Any]:
     """Write samples and a manifest into ``out`` atomically; returns the manifest."""
     ids, masks, offsets, sample_ids = [], [], [0], []
     for sample in samples:
@@ -86,15 +94,19 @@ class PreparedDataset:
         self.path = Path(path)
         manifest_path = self.path / MANIFEST
         if not manifest_path.is_file():
-            raise PreparedDataError(f"{self.path} is not a prepared dataset (no {MANIFEST}); "
-                                    "make one with `draftsmith data prepare INPUT --out DIR`")
+            raise PreparedDataError(
+                f"{self.path} is not a prepared dataset (no {MANIFEST}); "
+                "make one with `draftsmith data prepare INPUT --out DIR`"
+            )
         try:
             self.manifest = json.loads(manifest_path.read_text())
             tensors = load_file(str(self.path / TOKENS))
         except Exception as exc:  # json / safetensors errors on damaged files
             raise PreparedDataError(f"{self.path} is damaged ({type(exc).__name__}: {exc}); prepare it again") from None
         if self.manifest.get("format") != PREPARED_FORMAT:
-            raise PreparedDataError(f"{self.path} has format {self.manifest.get('format')!r}, expected {PREPARED_FORMAT}")
+            raise PreparedDataError(
+                f"{self.path} has format {self.manifest.get('format')!r}, expected {PREPARED_FORMAT}"
+            )
         self.input_ids = tensors["input_ids"]
         self.loss_mask = tensors["loss_mask"]
         self.offsets = tensors["offsets"]
@@ -109,12 +121,16 @@ class PreparedDataset:
     def check_target(self, identity: TargetIdentity) -> None:
         problem = self.identity.mismatch(identity)
         if problem:
-            raise PreparedDataError(f"{self.path} was prepared for another target: {problem}; "
-                                    "prepare the data again with --target set to the model you train for")
+            raise PreparedDataError(
+                f"{self.path} was prepared for another target: {problem}; "
+                "prepare the data again with --target set to the model you train for"
+            )
 
     def __len__(self) -> int:
         return len(self.sample_ids)
 
     def __getitem__(self, index: int) -> PreparedSample:
         start, end = int(self.offsets[index]), int(self.offsets[index + 1])
-        return PreparedSample(self.sample_ids[index], self.input_ids[start:end].long(), self.loss_mask[start:end].long())
+        return PreparedSample(
+            self.sample_ids[index], self.input_ids[start:end].long(), self.loss_mask[start:end].long()
+        )

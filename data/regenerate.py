@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -83,7 +84,9 @@ def _read_done_ids(out: Path) -> set[str]:
             try:
                 done.add(str(json.loads(line)["id"]))
             except (json.JSONDecodeError, KeyError):
-                raise RegenerateError(f"{out} line {number} is not a regenerated record; choose another --out") from None
+                raise RegenerateError(
+                    f"{out} line {number} is not a regenerated record; choose another --out"
+                ) from None
     return done
 
 
@@ -93,8 +96,10 @@ def _check_meta(out: Path, meta: dict[str, Any], resuming: bool) -> None:
         old = json.loads(path.read_text())
         for key in ("target", "settings"):
             if old.get(key) != meta[key]:
-                raise RegenerateError(f"{out} was regenerated with another {key} ({path}); "
-                                      "use the same options to resume, or choose another --out")
+                raise RegenerateError(
+                    f"{out} was regenerated with another {key} ({path}); "
+                    "use the same options to resume, or choose another --out"
+                )
     atomic_write_json(path, meta)
 
 
@@ -113,22 +118,26 @@ def _start(conversation: Conversation) -> _InFlight:
 
 
 @torch.no_grad()
-def _generate_batch(target: Target, prompts: list[list[dict[str, str]]], settings: RegenerateSettings) -> list[tuple[str, int, bool]]:
+def _generate_batch(
+    target: Target, prompts: list[list[dict[str, str]]], settings: RegenerateSettings
+) -> list[tuple[str, int, bool]]:
     """(text, new tokens, hit max_new_tokens) for each prompt history."""
     tokenizer, model = target.tokenizer, target.model
     texts = [tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in prompts]
     enc = tokenizer(texts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
     device = next(model.parameters()).device
-    kwargs: dict[str, Any] = {"do_sample": not settings.greedy, "max_new_tokens": settings.max_new_tokens,
-                              "pad_token_id": tokenizer.pad_token_id if tokenizer.pad_token_id is not None
-                              else tokenizer.eos_token_id}
+    kwargs: dict[str, Any] = {
+        "do_sample": not settings.greedy,
+        "max_new_tokens": settings.max_new_tokens,
+        "pad_token_id": tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
+    }
     if not settings.greedy:
         kwargs.update(temperature=settings.temperature, top_p=settings.top_p, top_k=settings.top_k or None)
     else:
         kwargs.update(temperature=None, top_p=None, top_k=None)
     out = model.generate(input_ids=enc.input_ids.to(device), attention_mask=enc.attention_mask.to(device), **kwargs)
-    new = out[:, enc.input_ids.shape[1]:].cpu()
-    eos = set(_eos_ids(target))
+    new = out[:, enc.input_ids.shape[1] :].cpu()
+    eos = set(target.eos_token_ids)
     results = []
     for row in new.tolist():
         length = next((j + 1 for j, tok in enumerate(row) if tok in eos), None)
@@ -139,15 +148,9 @@ def _generate_batch(target: Target, prompts: list[list[dict[str, str]]], setting
     return results
 
 
-def _eos_ids(target: Target) -> list[int]:
-    eos = target.model.generation_config.eos_token_id
-    ids = eos if isinstance(eos, list) else [eos]
-    if target.tokenizer.eos_token_id is not None:
-        ids.append(target.tokenizer.eos_token_id)
-    return [i for i in ids if i is not None]
-
-
-def _pending(source: str, stats: ReadStats, done: set[str], report: RegenerateReport, limit: int | None) -> Iterator[Conversation]:
+def _pending(
+    source: str, stats: ReadStats, done: set[str], report: RegenerateReport, limit: int | None
+) -> Iterator[Conversation]:
     seen: set[str] = set()
     for conversation in read_conversations(source, stats, limit=limit, prompts_only=True):
         if conversation.id in seen:
@@ -161,15 +164,17 @@ def _pending(source: str, stats: ReadStats, done: set[str], report: RegenerateRe
         yield conversation
 
 
-def regenerate(source: str, out: Path, target: Target, settings: RegenerateSettings,
-               limit: int | None = None) -> RegenerateReport:
+def regenerate(
+    source: str, out: Path, target: Target, settings: RegenerateSettings, limit: int | None = None
+) -> RegenerateReport:
     """Regenerate ``source`` into ``out`` (ShareGPT JSONL), resuming if ``out`` exists."""
-    import time
-
     out = Path(out)
     done = _read_done_ids(out)
-    _check_meta(out, {"target": target.identity.to_dict(), "settings": asdict(settings), "source": source},
-                resuming=out.is_file())
+    _check_meta(
+        out,
+        {"target": target.identity.to_dict(), "settings": asdict(settings), "source": source},
+        resuming=out.is_file(),
+    )
     if not settings.greedy:
         torch.manual_seed(settings.seed)
     stats = ReadStats()
@@ -219,5 +224,6 @@ def _final_check(out: Path, report: RegenerateReport) -> None:
     lines = sum(1 for line in out.read_text(encoding="utf-8").splitlines() if line.strip())
     expected = report.previously_written + report.written
     if lines != expected:
-        raise RegenerateError(f"{out} holds {lines} records but {expected} were written; "
-                              "another process may be writing to it")
+        raise RegenerateError(
+            f"{out} holds {lines} records but {expected} were written; another process may be writing to it"
+        )

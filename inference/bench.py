@@ -47,8 +47,15 @@ class Tally:
     total: int = 0
     first_differences: list[dict[str, Any]] = field(default_factory=list)
 
-    def add(self, tokens: list[int], forwards: int, seconds: float, baseline_seconds: float, reference: list[int],
-            where: str) -> None:
+    def add(
+        self,
+        tokens: list[int],
+        forwards: int,
+        seconds: float,
+        baseline_seconds: float,
+        reference: list[int],
+        where: str,
+    ) -> None:
         self.tokens += len(tokens)
         self.forwards += forwards
         self.seconds += seconds
@@ -57,7 +64,9 @@ class Tally:
         if tokens == reference:
             self.identical += 1
         else:
-            position = next((i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b), min(len(tokens), len(reference)))
+            position = next(
+                (i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b), min(len(tokens), len(reference))
+            )
             self.first_differences.append({"turn": where, "position": position})
 
     def summary(self) -> dict[str, Any]:
@@ -84,8 +93,10 @@ def read_questions(path: Path, categories: list[str] | None, limit: int | None) 
             record = json.loads(line)
             question = Question(str(record["question_id"]), str(record["category"]), [str(t) for t in record["turns"]])
         except (json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise BenchError(f"{path} line {number} is not a Spec-Bench question (question_id, category, turns): "
-                             f"{type(exc).__name__}") from None
+            raise BenchError(
+                f"{path} line {number} is not a Spec-Bench question (question_id, category, turns): "
+                f"{type(exc).__name__}"
+            ) from None
         if categories is None or question.category in categories:
             questions.append(question)
     if limit is not None:
@@ -108,12 +119,6 @@ def _spread(questions: list[Question], limit: int) -> list[Question]:
     return picked
 
 
-def _eos_ids(target: Target) -> list[int]:
-    eos = target.model.generation_config.eos_token_id
-    ids = (eos if isinstance(eos, list) else [eos]) + [target.tokenizer.eos_token_id]
-    return sorted({i for i in ids if i is not None})
-
-
 def _prompt_ids(target: Target, messages: list[dict[str, str]]) -> list[int]:
     text = target.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return target.tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -122,15 +127,22 @@ def _prompt_ids(target: Target, messages: list[dict[str, str]]) -> list[int]:
 @torch.no_grad()
 def hf_greedy(target: Target, prompt: list[int], max_new_tokens: int, eos: list[int]) -> tuple[list[int], float]:
     start = time.perf_counter()
-    out = target.model.generate(torch.tensor([prompt], device=target.model.device), do_sample=False,
-                                max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=eos[0],
-                                temperature=None, top_p=None, top_k=None)
-    return out[0, len(prompt):].tolist(), time.perf_counter() - start
+    out = target.model.generate(
+        torch.tensor([prompt], device=target.model.device),
+        do_sample=False,
+        max_new_tokens=max_new_tokens,
+        eos_token_id=eos,
+        pad_token_id=eos[0],
+        temperature=None,
+        top_p=None,
+        top_k=None,
+    )
+    return out[0, len(prompt) :].tolist(), time.perf_counter() - start
 
 
 def run_bench(target: Target, questions: list[Question], methods: list[str], max_new_tokens: int) -> dict[str, Any]:
     """Per method, overall and per category: tau, speedup, tokens_per_s, identical, total."""
-    eos = _eos_ids(target)
+    eos = target.eos_token_ids
     methods = ["none"] + [m for m in methods if m != "none"]  # runtime overhead is always shown
     drafters = {name: build_drafter(name, target) for name in methods}
     tallies: dict[str, dict[str, Tally]] = {name: defaultdict(Tally) for name in [BASELINE, *methods]}
@@ -148,9 +160,12 @@ def run_bench(target: Target, questions: list[Question], methods: list[str], max
             for name, drafter in drafters.items():
                 result = generate(target.model, prompt, drafter, max_new_tokens=max_new_tokens, eos_token_ids=eos)
                 for scope in ("overall", question.category):
-                    tallies[name][scope].add(result.tokens, result.target_forwards, result.seconds, base_seconds,
-                                             reference, where)
-            messages.append({"role": "assistant", "content": target.tokenizer.decode(reference, skip_special_tokens=True)})
+                    tallies[name][scope].add(
+                        result.tokens, result.target_forwards, result.seconds, base_seconds, reference, where
+                    )
+            messages.append(
+                {"role": "assistant", "content": target.tokenizer.decode(reference, skip_special_tokens=True)}
+            )
             progress.update(1)
     progress.close()
     return {
@@ -165,15 +180,21 @@ def run_bench(target: Target, questions: list[Question], methods: list[str], max
 
 def markdown_table(results: dict[str, Any]) -> str:
     scopes = ["overall"] + sorted(s for s in results["methods"][BASELINE] if s != "overall")
-    lines = [f"Greedy, max {results['max_new_tokens']} new tokens, {results['threads']} threads; "
-             f"speedup = {BASELINE} time / method time on the same prompts.", "",
-             "| method | scope | tau | speedup | tokens/s | identical |", "| --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        f"Greedy, max {results['max_new_tokens']} new tokens, {results['threads']} threads; "
+        f"speedup = {BASELINE} time / method time on the same prompts.",
+        "",
+        "| method | scope | tau | speedup | tokens/s | identical |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
     for name, by_scope in results["methods"].items():
         for scope in scopes:
             s = by_scope.get(scope)
             if s:
-                lines.append(f"| {name} | {scope} | {s['tau']:.2f} | {s['speedup']:.2f}x | {s['tokens_per_s']:.1f} | "
-                             f"{s['identical']}/{s['total']} |")
+                lines.append(
+                    f"| {name} | {scope} | {s['tau']:.2f} | {s['speedup']:.2f}x | {s['tokens_per_s']:.1f} | "
+                    f"{s['identical']}/{s['total']} |"
+                )
     return "\n".join(lines) + "\n"
 
 

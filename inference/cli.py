@@ -17,7 +17,7 @@ def _stream_printer(tokenizer) -> Any:
         nonlocal printed
         text = tokenizer.decode(tokens, skip_special_tokens=True)
         if text.startswith(printed):
-            sys.stdout.write(text[len(printed):])
+            sys.stdout.write(text[len(printed) :])
             sys.stdout.flush()
             printed = text
 
@@ -25,9 +25,9 @@ def _stream_printer(tokenizer) -> Any:
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
-    from draftsmith.inference.methods import build_drafter
     import torch
 
+    from draftsmith.inference.methods import build_drafter
     from draftsmith.inference.runtime import generate
     from draftsmith.inference.target import load_target
     from draftsmith.inference.verify import SamplingConfig
@@ -38,19 +38,27 @@ def cmd_generate(args: argparse.Namespace) -> None:
     if args.raw:
         ids = target.tokenizer(prompt, add_special_tokens=True)["input_ids"]
     else:
-        text = target.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                                    add_generation_prompt=True)
+        text = target.tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+        )
         ids = target.tokenizer(text, add_special_tokens=False)["input_ids"]
-    eos = target.model.generation_config.eos_token_id
-    eos_ids = (eos if isinstance(eos, list) else [eos]) + [target.tokenizer.eos_token_id]
     sampling = None if args.temperature <= 0 else SamplingConfig(args.temperature, args.top_k, args.top_p)
-    result = generate(target.model, ids, drafter, max_new_tokens=args.max_new_tokens,
-                      eos_token_ids=[e for e in eos_ids if e is not None], sampling=sampling,
-                      generator=torch.Generator().manual_seed(args.seed),
-                      on_tokens=_stream_printer(target.tokenizer))
+    result = generate(
+        target.model,
+        ids,
+        drafter,
+        max_new_tokens=args.max_new_tokens,
+        eos_token_ids=target.eos_token_ids,
+        sampling=sampling,
+        generator=torch.Generator().manual_seed(args.seed),
+        on_tokens=_stream_printer(target.tokenizer),
+    )
     print()
-    print(f"[{args.method}] {len(result.tokens)} tokens, {result.target_forwards} target forwards, "
-          f"tau {result.tau:.2f}, {len(result.tokens) / result.seconds:.1f} tokens/s", file=sys.stderr)
+    print(
+        f"[{args.method}] {len(result.tokens)} tokens, {result.target_forwards} target forwards, "
+        f"tau {result.tau:.2f}, {len(result.tokens) / result.seconds:.1f} tokens/s",
+        file=sys.stderr,
+    )
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
@@ -72,10 +80,13 @@ def cmd_bench(args: argparse.Namespace) -> None:
 
 
 def add_inference_commands(subparsers: Any) -> None:
-    p = subparsers.add_parser("generate", help="decode a prompt with a drafter (lossless), streaming tokens",
-                              description="Generate with the target, drafting with METHOD and verifying every draft; "
-                                          "greedy output is token-identical to plain greedy decoding, sampled output "
-                                          "is distributed exactly as plain sampling.")
+    p = subparsers.add_parser(
+        "generate",
+        help="decode a prompt with a drafter (lossless), streaming tokens",
+        description="Generate with the target, drafting with METHOD and verifying every draft; "
+        "greedy output is token-identical to plain greedy decoding, sampled output "
+        "is distributed exactly as plain sampling.",
+    )
     p.add_argument("prompt", nargs="?", default=None, help="the user message (default: read stdin)")
     p.add_argument("--method", default="pld", help="drafting method: none (plain decoding) or pld (default)")
     p.add_argument("--target", default=None, help="target model (default: the embedded SmolLM2)")
@@ -86,10 +97,13 @@ def add_inference_commands(subparsers: Any) -> None:
     p.add_argument("--top-p", type=float, default=1.0, help="with sampling: nucleus mass to keep")
     p.add_argument("--seed", type=int, default=0, help="with sampling: random seed")
     p.set_defaults(func=cmd_generate)
-    p = subparsers.add_parser("bench", help="benchmark methods against plain decoding on Spec-Bench-format questions",
-                              description="Run HF generate (greedy), the runtime without a drafter and each method on "
-                                          "the same prompts, interleaved; report tau, speedup, tokens/s and whether "
-                                          "outputs are identical to plain decoding, overall and per category.")
+    p = subparsers.add_parser(
+        "bench",
+        help="benchmark methods against plain decoding on Spec-Bench-format questions",
+        description="Run HF generate (greedy), the runtime without a drafter and each method on "
+        "the same prompts, interleaved; report tau, speedup, tokens/s and whether "
+        "outputs are identical to plain decoding, overall and per category.",
+    )
     p.add_argument("--questions", required=True, help="Spec-Bench-format .jsonl (question_id, category, turns)")
     p.add_argument("--methods", default="pld", help="comma-separated methods, e.g. pld (none is always included)")
     p.add_argument("--limit", type=int, default=None, help="at most N questions, spread over categories")

@@ -25,6 +25,6 @@ class PromptLookupDrafter:
             pattern = tokens[-n:]
             # most recent earlier occurrence whose continuation is non-empty
             for start in range(len(tokens) - n - 1, -1, -1):
-                if tokens[start:start + n] == pattern:
-                    return DraftTree.chain(tokens[start + n:start + n + self.num_draft])
+                if tokens[start : start + n] == pattern:
+                    return DraftTree.chain(tokens[start + n : start + n + self.num_draft])
         return DraftTree.empty()

@@ -61,10 +61,17 @@ def _finish(tokens: list[int], max_new_tokens: int, eos: set[int]) -> tuple[list
 
 
 @torch.no_grad()
-def generate(model, prompt_ids: list[int], drafter: Drafter | None = None, *, max_new_tokens: int = 128,
-             eos_token_ids: list[int] | tuple[int, ...] = (), sampling: SamplingConfig | None = None,
-             generator: torch.Generator | None = None,
-             on_tokens: Callable[[list[int]], None] | None = None) -> GenerationResult:
+def generate(
+    model,
+    prompt_ids: list[int],
+    drafter: Drafter | None = None,
+    *,
+    max_new_tokens: int = 128,
+    eos_token_ids: list[int] | tuple[int, ...] = (),
+    sampling: SamplingConfig | None = None,
+    generator: torch.Generator | None = None,
+    on_tokens: Callable[[list[int]], None] | None = None,
+) -> GenerationResult:
     """Speculative decoding of one prompt, greedy (``sampling=None``) or sampled; ``drafter=None`` is
     plain decoding through the runtime. ``on_tokens`` receives all new tokens so far after every commit."""
     start = time.perf_counter()
@@ -73,8 +80,11 @@ def generate(model, prompt_ids: list[int], drafter: Drafter | None = None, *, ma
     eos = set(eos_token_ids)
     cache = DynamicCache(config=model.config)
     logits = model(torch.tensor([prompt_ids], device=device), past_key_values=cache, use_cache=True).logits
-    first = int(logits[0, -1].argmax()) if sampling is None else int(
-        torch.multinomial(sampling.probs(logits[0, -1]), 1, generator=generator))
+    first = (
+        int(logits[0, -1].argmax())
+        if sampling is None
+        else int(torch.multinomial(sampling.probs(logits[0, -1]), 1, generator=generator))
+    )
     new, done = _finish([first], max_new_tokens, eos)
     result = GenerationResult(new, target_forwards=1)
     if on_tokens:
@@ -89,9 +99,12 @@ def generate(model, prompt_ids: list[int], drafter: Drafter | None = None, *, ma
             tree = DraftTree.empty()  # no speculation past the model's context window
         mask, positions = tree_attention_inputs(tree, past, dtype, device)
         input_ids = torch.cat([torch.tensor([committed[-1]]), tree.tokens]).to(device)[None]
-        logits = model(input_ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                       use_cache=True).logits[0]
-        verdict = verify_greedy(tree, logits) if sampling is None else verify_sampling(tree, logits, sampling, generator)
+        logits = model(
+            input_ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True
+        ).logits[0]
+        verdict = (
+            verify_greedy(tree, logits) if sampling is None else verify_sampling(tree, logits, sampling, generator)
+        )
         commit_tree_path(cache, past, verdict.accepted_nodes)
         step = [int(tree.tokens[i]) for i in verdict.accepted_nodes] + [verdict.next_token]
         result.target_forwards += 1

@@ -28,9 +28,20 @@ _CACHE_MARKER = "draftsmith_target.json"
 
 # Config keys that describe how a model was stored or loaded, not what it computes.
 _VOLATILE_CONFIG_KEYS = {
-    "transformers_version", "_name_or_path", "_model_name_or_path", "_commit_hash", "architectures",
-    "dtype", "torch_dtype", "quantization_config", "use_cache", "output_hidden_states",
-    "output_attentions", "return_dict", "_attn_implementation_autoset", "_attn_implementation",
+    "transformers_version",
+    "_name_or_path",
+    "_model_name_or_path",
+    "_commit_hash",
+    "architectures",
+    "dtype",
+    "torch_dtype",
+    "quantization_config",
+    "use_cache",
+    "output_hidden_states",
+    "output_attentions",
+    "return_dict",
+    "_attn_implementation_autoset",
+    "_attn_implementation",
 }
 
 
@@ -79,6 +90,13 @@ class Target:
     def hidden_size(self) -> int:
         return int(self.model.config.hidden_size)
 
+    @property
+    def eos_token_ids(self) -> list[int]:
+        """Every token that ends an answer: the generation config's EOS ids and the tokenizer's."""
+        eos = self.model.generation_config.eos_token_id
+        ids = (eos if isinstance(eos, list) else [eos]) + [self.tokenizer.eos_token_id]
+        return sorted({int(i) for i in ids if i is not None})
+
 
 def cache_root() -> Path:
     """The user cache, ``$DRAFTSMITH_CACHE`` or ``~/.cache/draftsmith``."""
@@ -107,11 +125,13 @@ def config_hash(config: Any) -> str:
 
 def tokenizer_hash(tokenizer: Any) -> str:
     """Hash of the vocabulary, special tokens and chat template: what token ids and prompts mean."""
-    return _sha256_json({
-        "vocab": sorted(tokenizer.get_vocab().items()),
-        "special": {k: str(v) for k, v in sorted(tokenizer.special_tokens_map.items())},
-        "chat_template": tokenizer.chat_template,
-    })
+    return _sha256_json(
+        {
+            "vocab": sorted(tokenizer.get_vocab().items()),
+            "special": {k: str(v) for k, v in sorted(tokenizer.special_tokens_map.items())},
+            "chat_template": tokenizer.chat_template,
+        }
+    )
 
 
 def smollm2_gguf_path() -> Path:
@@ -165,8 +185,9 @@ def _build_smollm2_cache(gguf: Path, gguf_sha: str, dest: Path) -> None:
     try:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
-        identity = TargetIdentity(SMOLLM2_NAME, "gguf-sha256-" + gguf_sha, config_hash(model.config),
-                                  tokenizer_hash(tokenizer))
+        identity = TargetIdentity(
+            SMOLLM2_NAME, "gguf-sha256-" + gguf_sha, config_hash(model.config), tokenizer_hash(tokenizer)
+        )
         (tmp / _CACHE_MARKER).write_text(json.dumps({"identity": identity.to_dict(), "gguf": str(gguf)}, indent=2))
         try:
             os.rename(tmp, dest)
@@ -238,8 +259,9 @@ def load_tokenizer(name: str | None = None) -> tuple[Any, TargetIdentity]:
     return tokenizer, identity
 
 
-def load_target(name: str | None = None, *, dtype: str = "float32", device: str = "cpu",
-                attn_implementation: str | None = None) -> Target:
+def load_target(
+    name: str | None = None, *, dtype: str = "float32", device: str = "cpu", attn_implementation: str | None = None
+) -> Target:
     """Load a target for inference (eval mode, no grad needed): the embedded default when ``name`` is None."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -33,8 +33,9 @@ class DraftTree:
     @classmethod
     def chain(cls, tokens: list[int], draft_dists: torch.Tensor | None = None) -> DraftTree:
         """A single path: node i's parent is node i - 1."""
-        return cls(torch.tensor(tokens, dtype=torch.long), torch.arange(-1, len(tokens) - 1, dtype=torch.long),
-                   draft_dists)
+        return cls(
+            torch.tensor(tokens, dtype=torch.long), torch.arange(-1, len(tokens) - 1, dtype=torch.long), draft_dists
+        )
 
     @classmethod
     def from_paths(cls, paths: list[list[int]]) -> DraftTree:
@@ -78,8 +79,9 @@ class DraftTree:
         return allowed
 
 
-def tree_attention_inputs(tree: DraftTree, past_length: int, dtype: torch.dtype,
-                          device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+def tree_attention_inputs(
+    tree: DraftTree, past_length: int, dtype: torch.dtype, device: torch.device | str = "cpu"
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The 4D additive mask ``(1, 1, n + 1, past + n + 1)`` and position ids ``(1, n + 1)`` for one
     verification forward over the root and the tree on top of ``past_length`` cached tokens."""
     allowed = tree.ancestor_mask()

@@ -64,8 +64,9 @@ def _uniform(generator: torch.Generator | None) -> float:
     return float(torch.rand((), generator=generator))
 
 
-def verify_sampling(tree: DraftTree, logits: torch.Tensor, config: SamplingConfig,
-                    generator: torch.Generator | None = None) -> Verdict:
+def verify_sampling(
+    tree: DraftTree, logits: torch.Tensor, config: SamplingConfig, generator: torch.Generator | None = None
+) -> Verdict:
     """Lossless sampling verification; every committed token is distributed exactly as plain sampling.
 
     A node drafted by sampling from a known distribution ``q`` (``tree.draft_dists``, a sampled chain)

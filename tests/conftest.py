@@ -23,14 +23,26 @@ LLAMA3_TEMPLATE = (
     "{% endfor %}{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
 )
 
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|begin_of_text|>", "<|start_header_id|>",
-            "<|end_header_id|>", "<|eot_id|>"]
+SPECIALS = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|begin_of_text|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|eot_id|>",
+]
 
 CORPUS = [
-    "The quick brown fox jumps over the lazy dog.", "Hello! How can I help you today?",
-    "What is the capital of France? Paris is the capital of France.", "def add(a, b):\n    return a + b\n",
-    "Two plus two equals four. Three times three is nine.", "You are a helpful AI assistant named SmolLM",
-    "system user assistant", "Summarise the passage in one sentence.", "Sure, here is a short poem about snow.",
+    "The quick brown fox jumps over the lazy dog.",
+    "Hello! How can I help you today?",
+    "What is the capital of France? Paris is the capital of France.",
+    "def add(a, b):\n    return a + b\n",
+    "Two plus two equals four. Three times three is nine.",
+    "You are a helpful AI assistant named SmolLM",
+    "system user assistant",
+    "Summarise the passage in one sentence.",
+    "Sure, here is a short poem about snow.",
 ]
 
 
@@ -41,11 +53,20 @@ def make_tokenizer(template: str = SMOLLM2_TEMPLATE, eos: str = "<|im_end|>"):
     backend = Tokenizer(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=SPECIALS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=SPECIALS,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     backend.train_from_iterator(CORPUS * 4, trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=eos, pad_token="<|endoftext|>",
-                                   bos_token="<|begin_of_text|>", chat_template=template)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        eos_token=eos,
+        pad_token="<|endoftext|>",
+        bos_token="<|begin_of_text|>",
+        chat_template=template,
+    )
 
 
 @pytest.fixture(scope="session")
@@ -62,9 +83,18 @@ def tiny_llama(vocab_size: int, seed: int = 0):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                         eos_token_id=2, pad_token_id=0, bos_token_id=3)
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        eos_token_id=2,
+        pad_token_id=0,
+        bos_token_id=3,
+    )
     return LlamaForCausalLM(config).eval()
 
 
@@ -87,8 +117,14 @@ def other_target_dir(tmp_path_factory, tokenizer) -> Path:
 
     path = tmp_path_factory.mktemp("other-target")
     torch.manual_seed(1)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
     LlamaForCausalLM(config).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
@@ -110,7 +146,13 @@ def sharegpt(*turns: tuple[str, str], id: str | None = None) -> dict:
 def chat_records() -> list[dict]:
     return [
         sharegpt(("human", "What is the capital of France?"), ("gpt", "Paris is the capital of France."), id="c0"),
-        sharegpt(("system", "Be brief."), ("human", "Two plus two?"), ("gpt", "Four."),
-                 ("human", "Three times three?"), ("gpt", "Nine."), id="c1"),
+        sharegpt(
+            ("system", "Be brief."),
+            ("human", "Two plus two?"),
+            ("gpt", "Four."),
+            ("human", "Three times three?"),
+            ("gpt", "Nine."),
+            id="c1",
+        ),
         sharegpt(("human", "Write a poem about snow."), ("gpt", "Sure, here is a short poem about snow."), id="c2"),
     ]

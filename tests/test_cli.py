@@ -10,8 +10,18 @@ from draftsmith.data.cli import default_dataset_path
 from draftsmith.data.formats import ReadStats, read_conversations
 from draftsmith.train.cli import main
 
-COMMANDS = [[], ["data"], ["data", "prepare"], ["data", "show"], ["data", "regenerate"], ["data", "cache-features"],
-            ["train"], ["export"], ["generate"], ["bench"]]
+COMMANDS = [
+    [],
+    ["data"],
+    ["data", "prepare"],
+    ["data", "show"],
+    ["data", "regenerate"],
+    ["data", "cache-features"],
+    ["train"],
+    ["export"],
+    ["generate"],
+    ["bench"],
+]
 
 
 @pytest.mark.parametrize("argv", COMMANDS, ids=lambda a: " ".join(a) or "draftsmith")
@@ -45,4 +55,3 @@ def test_bundled_default_dataset_is_complete_and_usable():
     assert sum(len(c.turns) > 2 for c in conversations) >= 20  # multi-turn conversations are in it
     meta = json.loads(path.with_name(path.name + ".meta.json").read_text())
     assert meta["target"]["name"].startswith("HuggingFaceTB/SmolLM2-135M-Instruct")
-

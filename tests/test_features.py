@@ -86,10 +86,13 @@ def test_resume_with_other_settings_is_refused(tmp_path, prepared, tiny_target):
         build_feature_cache(prepared, tiny_target, out, small_shards(dtype="fp32"))
 
 
-@pytest.mark.parametrize("damage, message", [
-    (lambda b: b[: len(b) // 2], "truncated"),
-    (lambda b: b[:-10] + bytes(x ^ 0xFF for x in b[-10:]), "does not match its checksum"),
-])
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (lambda b: b[: len(b) // 2], "truncated"),
+        (lambda b: b[:-10] + bytes(x ^ 0xFF for x in b[-10:]), "does not match its checksum"),
+    ],
+)
 def test_damaged_shards_are_reported_not_used(tmp_path, prepared, tiny_target, damage, message):
     out = tmp_path / "cache"
     build_feature_cache(prepared, tiny_target, out, small_shards())
@@ -110,8 +113,19 @@ def test_cache_refuses_data_prepared_for_another_target(tmp_path, prepared, othe
 
 def test_cli_prints_bytes_per_token_and_verifies(tmp_path, prepared, tiny_target_dir, capsys):
     out = tmp_path / "cache"
-    main(["data", "cache-features", str(prepared.path), "--out", str(out), "--target", str(tiny_target_dir),
-          "--shard-tokens", "100"])
+    main(
+        [
+            "data",
+            "cache-features",
+            str(prepared.path),
+            "--out",
+            str(out),
+            "--target",
+            str(tiny_target_dir),
+            "--shard-tokens",
+            "100",
+        ]
+    )
     printed = capsys.readouterr().out
     # bf16 feature (64 x 2 bytes) + int32 id + uint8 mask per token, plus headers
     per_token = int(printed.split(" bytes per token")[0].split("= ")[-1])

@@ -28,8 +28,13 @@ def test_sharegpt_json_and_jsonl_read_the_same(tmp_path, chat_records):
 
 def test_openai_messages_and_ultrachat_layouts(tmp_path):
     records = [
-        {"messages": [{"role": "system", "content": "S"}, {"role": "user", "content": "Hi"},
-                      {"role": "assistant", "content": "Hello"}]},
+        {
+            "messages": [
+                {"role": "system", "content": "S"},
+                {"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": "Hello"},
+            ]
+        },
         {"id": "u1", "data": ["Question one", "Answer one", "Question two", "Answer two"]},
     ]
     conversations, stats = _read(write_jsonl(tmp_path / "m.jsonl", records))
@@ -47,18 +52,21 @@ def test_json_object_with_data_list(tmp_path, chat_records):
     assert len(conversations) == 3
 
 
-@pytest.mark.parametrize("record, reason", [
-    ({"conversations": [{"from": "human"}]}, "missing_field"),
-    ({"turns": []}, "missing_field"),
-    (sharegpt(("human", "hi"), ("robot", "beep")), "unknown_role"),
-    (sharegpt(("human", "hi"), ("gpt", "   ")), "empty_turn"),
-    (sharegpt(("gpt", "I start"), ("human", "hi"), ("gpt", "ok")), "assistant_first"),
-    (sharegpt(("human", "only a question")), "no_assistant_turn"),
-    (sharegpt(("human", "hi"), ("gpt", "yo"), ("system", "late system")), "misplaced_system"),
-    (sharegpt(("system", "just a system turn")), "no_turns"),
-    ({"messages": [{"role": "user", "content": 3}, {"role": "assistant", "content": "x"}]}, "bad_content"),
-    (["not", "an", "object"], "not_an_object"),
-])
+@pytest.mark.parametrize(
+    "record, reason",
+    [
+        ({"conversations": [{"from": "human"}]}, "missing_field"),
+        ({"turns": []}, "missing_field"),
+        (sharegpt(("human", "hi"), ("robot", "beep")), "unknown_role"),
+        (sharegpt(("human", "hi"), ("gpt", "   ")), "empty_turn"),
+        (sharegpt(("gpt", "I start"), ("human", "hi"), ("gpt", "ok")), "assistant_first"),
+        (sharegpt(("human", "only a question")), "no_assistant_turn"),
+        (sharegpt(("human", "hi"), ("gpt", "yo"), ("system", "late system")), "misplaced_system"),
+        (sharegpt(("system", "just a system turn")), "no_turns"),
+        ({"messages": [{"role": "user", "content": 3}, {"role": "assistant", "content": "x"}]}, "bad_content"),
+        (["not", "an", "object"], "not_an_object"),
+    ],
+)
 def test_bad_records_are_skipped_with_a_reason(record, reason):
     with pytest.raises(RecordError) as info:
         normalize_record(record, 0)

@@ -13,8 +13,9 @@ from draftsmith.train.cli import main
 
 
 def run_cli(*argv):
-    return subprocess.run([sys.executable, "-m", "draftsmith.train.cli", *map(str, argv)],
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "draftsmith.train.cli", *map(str, argv)], capture_output=True, text=True, timeout=300
+    )
 
 
 def test_prepare_writes_masks_and_counts(tmp_path, tiny_target_dir, chat_records, capsys):
@@ -35,8 +36,9 @@ def test_prepare_writes_masks_and_counts(tmp_path, tiny_target_dir, chat_records
     assert dataset.identity == identity
 
 
-def test_prepare_refuses_to_overwrite_and_prepared_data_checks_target(tmp_path, tiny_target_dir, other_target_dir,
-                                                                     chat_records):
+def test_prepare_refuses_to_overwrite_and_prepared_data_checks_target(
+    tmp_path, tiny_target_dir, other_target_dir, chat_records
+):
     data = write_jsonl(tmp_path / "d.jsonl", chat_records)
     out = tmp_path / "prepared"
     main(["data", "prepare", str(data), "--out", str(out), "--target", str(tiny_target_dir)])
@@ -49,11 +51,14 @@ def test_prepare_refuses_to_overwrite_and_prepared_data_checks_target(tmp_path, 
         PreparedDataset(out).check_target(other)
 
 
-@pytest.mark.parametrize("content, message", [
-    ("[{\"conversations\": [}", "is not valid JSON at line 1, column 21"),
-    ("", "bad.json is empty"),
-    ("[]", "no usable conversation"),
-])
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ('[{"conversations": [}', "is not valid JSON at line 1, column 21"),
+        ("", "bad.json is empty"),
+        ("[]", "no usable conversation"),
+    ],
+)
 def test_user_mistakes_are_one_line_errors(tmp_path, tiny_target_dir, content, message):
     data = tmp_path / "bad.json"
     data.write_text(content)
@@ -100,10 +105,22 @@ def test_prepare_with_llama3_template_file(tmp_path, tiny_target_dir, chat_recor
     template.write_text(LLAMA3_TEMPLATE)
     data = write_jsonl(tmp_path / "d.jsonl", chat_records)
     out = tmp_path / "prepared"
-    main(["data", "prepare", str(data), "--out", str(out), "--target", str(tiny_target_dir),
-          "--chat-template", str(template)])
+    main(
+        [
+            "data",
+            "prepare",
+            str(data),
+            "--out",
+            str(out),
+            "--target",
+            str(tiny_target_dir),
+            "--chat-template",
+            str(template),
+        ]
+    )
     manifest = json.loads((out / "manifest.json").read_text())
     import hashlib
+
     assert manifest["chat_template_sha256"] == hashlib.sha256(LLAMA3_TEMPLATE.encode()).hexdigest()
 
 
@@ -111,8 +128,23 @@ def test_hub_dataset_without_network_is_a_one_line_error(tmp_path, tiny_target_d
     import os
 
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", HF_HOME=str(tmp_path / "hf"))
-    result = subprocess.run([sys.executable, "-m", "draftsmith.train.cli", "data", "prepare", "someorg/somedata",
-                             "--out", str(tmp_path / "o"), "--target", str(tiny_target_dir)],
-                            capture_output=True, text=True, timeout=300, env=env)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "draftsmith.train.cli",
+            "data",
+            "prepare",
+            "someorg/somedata",
+            "--out",
+            str(tmp_path / "o"),
+            "--target",
+            str(tiny_target_dir),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert result.returncode == 2 and "cannot load hub dataset 'someorg/somedata'" in result.stderr
     assert "Traceback" not in result.stderr

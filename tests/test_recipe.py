@@ -45,14 +45,17 @@ def test_yaml_and_overrides_are_typed(tmp_path):
     assert recipe.output_dir == "runs/x" and recipe.train.precision == "fp32"
 
 
-@pytest.mark.parametrize("override, message", [
-    ("train.max_stepz=3", "unknown recipe key 'train.max_stepz'; did you mean 'max_steps'?"),
-    ("train.max_steps=three", "train.max_steps must be int, got 'three'"),
-    ("train.precision=fp8", "train.precision must be one of ['fp32', 'bf16']"),
-    ("train.optim=3", "train.optim must be a section"),
-    ("train", "is not of the form key.sub=value"),
-    ("train..lr=1", "is not of the form key.sub=value"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("train.max_stepz=3", "unknown recipe key 'train.max_stepz'; did you mean 'max_steps'?"),
+        ("train.max_steps=three", "train.max_steps must be int, got 'three'"),
+        ("train.precision=fp8", "train.precision must be one of ['fp32', 'bf16']"),
+        ("train.optim=3", "train.optim must be a section"),
+        ("train", "is not of the form key.sub=value"),
+        ("train..lr=1", "is not of the form key.sub=value"),
+    ],
+)
 def test_bad_overrides_name_the_key(tmp_path, override, message):
     path = write(tmp_path, "target: smollm2\n")
     with pytest.raises(RecipeError, match=message.replace("[", r"\[").replace("]", r"\]").replace("?", r"\?")):

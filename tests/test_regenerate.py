@@ -17,8 +17,13 @@ def tiny_target(tiny_target_dir):
 @pytest.fixture()
 def source(tmp_path):
     records = [
-        sharegpt(("human", "What is the capital of France?"), ("gpt", "old answer"), ("human", "And a poem?"),
-                 ("gpt", "old poem"), id="two-turns"),
+        sharegpt(
+            ("human", "What is the capital of France?"),
+            ("gpt", "old answer"),
+            ("human", "And a poem?"),
+            ("gpt", "old poem"),
+            id="two-turns",
+        ),
         sharegpt(("human", "Two plus two?"), id="prompt-only"),
         sharegpt(("system", "Be brief."), ("human", "Hello!"), ("gpt", "old"), id="with-system"),
         sharegpt(("human", "Summarise the passage."), ("gpt", "old"), id="d"),

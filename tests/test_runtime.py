@@ -22,9 +22,17 @@ def model():
 
 
 def hf_greedy(model, prompt, max_new_tokens, eos=()):
-    out = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=max_new_tokens,
-                         eos_token_id=list(eos) or None, pad_token_id=0, temperature=None, top_p=None, top_k=None)
-    return out[0, len(prompt):].tolist()
+    out = model.generate(
+        torch.tensor([prompt]),
+        do_sample=False,
+        max_new_tokens=max_new_tokens,
+        eos_token_id=list(eos) or None,
+        pad_token_id=0,
+        temperature=None,
+        top_p=None,
+        top_k=None,
+    )
+    return out[0, len(prompt) :].tolist()
 
 
 def prompts(n, seed=0):
@@ -51,7 +59,7 @@ class OracleDrafter:
         k = self.round % (self.depth + 1)
         self.round += 1
         paths = [upcoming[:d] for d in range(1, min(k, len(upcoming)) + 1)]
-        paths += [upcoming[:d - 1] + [(upcoming[d - 1] + 1) % VOCAB] for d in range(1, min(k + 1, len(upcoming)) + 1)]
+        paths += [upcoming[: d - 1] + [(upcoming[d - 1] + 1) % VOCAB] for d in range(1, min(k + 1, len(upcoming)) + 1)]
         return DraftTree.from_paths(paths) if paths else DraftTree.empty()
 
 
@@ -62,22 +70,26 @@ class RandomDrafter:
         self.rng = random.Random(seed)
 
     def propose(self, context):
-        return DraftTree.from_paths([[self.rng.randrange(VOCAB) for _ in range(self.rng.randint(1, 4))]
-                                     for _ in range(self.rng.randint(0, 4))])
+        return DraftTree.from_paths(
+            [[self.rng.randrange(VOCAB) for _ in range(self.rng.randint(1, 4))] for _ in range(self.rng.randint(0, 4))]
+        )
 
 
 def test_tree_from_paths_and_masks():
     tree = DraftTree.from_paths([[5, 6, 7], [5, 8], [9]])
     assert tree.tokens.tolist() == [5, 6, 7, 8, 9] and tree.parents.tolist() == [-1, 0, 1, 0, -1]
     assert tree.depths().tolist() == [1, 2, 3, 2, 1]
-    expected = torch.tensor([  # rows/cols: root, 5, 6, 7, 8, 9
-        [1, 0, 0, 0, 0, 0],
-        [1, 1, 0, 0, 0, 0],
-        [1, 1, 1, 0, 0, 0],
-        [1, 1, 1, 1, 0, 0],
-        [1, 1, 0, 0, 1, 0],
-        [1, 0, 0, 0, 0, 1],
-    ], dtype=torch.bool)
+    expected = torch.tensor(
+        [  # rows/cols: root, 5, 6, 7, 8, 9
+            [1, 0, 0, 0, 0, 0],
+            [1, 1, 0, 0, 0, 0],
+            [1, 1, 1, 0, 0, 0],
+            [1, 1, 1, 1, 0, 0],
+            [1, 1, 0, 0, 1, 0],
+            [1, 0, 0, 0, 0, 1],
+        ],
+        dtype=torch.bool,
+    )
     assert torch.equal(tree.ancestor_mask(), expected)
     mask, positions = tree_attention_inputs(tree, past_length=4, dtype=torch.float32)
     assert mask.shape == (1, 1, 6, 10) and positions.tolist() == [[4, 5, 6, 7, 6, 5]]
@@ -105,8 +117,13 @@ def test_compacted_cache_equals_plain_cache(model):
     model(prefix[:, :-1], past_key_values=cache, use_cache=True)
     tree = DraftTree.from_paths([[11, 12, 13], [11, 14], [15, 16]])  # nodes: 11, 12, 13, 14, 15, 16
     mask, positions = tree_attention_inputs(tree, 8, torch.float32)
-    model(torch.cat([prefix[:, -1:], tree.tokens[None]], 1), attention_mask=mask, position_ids=positions,
-          past_key_values=cache, use_cache=True)
+    model(
+        torch.cat([prefix[:, -1:], tree.tokens[None]], 1),
+        attention_mask=mask,
+        position_ids=positions,
+        past_key_values=cache,
+        use_cache=True,
+    )
     commit_tree_path(cache, 8, [0, 3])  # the non-contiguous path 11 -> 14
     plain = DynamicCache(config=model.config)
     model(torch.cat([prefix, torch.tensor([[11, 14]])], 1), past_key_values=plain, use_cache=True)
@@ -120,8 +137,12 @@ def test_compacted_cache_equals_plain_cache(model):
 def test_greedy_output_is_identical_to_hf_generate(model, drafter_name):
     for prompt in prompts(6, seed=hash(drafter_name) % 100):
         truth = hf_greedy(model, prompt, 48)
-        drafter = {"none": None, "pld": PromptLookupDrafter(), "random": RandomDrafter(),
-                   "oracle": OracleDrafter(truth, len(prompt))}[drafter_name]
+        drafter = {
+            "none": None,
+            "pld": PromptLookupDrafter(),
+            "random": RandomDrafter(),
+            "oracle": OracleDrafter(truth, len(prompt)),
+        }[drafter_name]
         result = generate(model, prompt, drafter, max_new_tokens=48)
         assert result.tokens == truth
         assert sum(result.accept_lengths) + 1 == len(result.tokens) or len(result.tokens) == 48
@@ -161,8 +182,18 @@ def test_generate_command_streams_the_same_text_with_and_without_a_drafter(tiny_
 
     outputs = {}
     for method in ["none", "pld"]:
-        main(["generate", "Hello! How can I help you today?", "--method", method, "--target", str(tiny_target_dir),
-              "--max-new-tokens", "24"])
+        main(
+            [
+                "generate",
+                "Hello! How can I help you today?",
+                "--method",
+                method,
+                "--target",
+                str(tiny_target_dir),
+                "--max-new-tokens",
+                "24",
+            ]
+        )
         captured = capsys.readouterr()
         outputs[method] = captured.out
         assert f"[{method}]" in captured.err and "tau" in captured.err
@@ -173,8 +204,22 @@ def test_unknown_method_is_a_clear_error(tiny_target_dir):
     import subprocess
     import sys
 
-    result = subprocess.run([sys.executable, "-m", "draftsmith.train.cli", "generate", "hi", "--method", "magic",
-                             "--target", str(tiny_target_dir)], capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "draftsmith.train.cli",
+            "generate",
+            "hi",
+            "--method",
+            "magic",
+            "--target",
+            str(tiny_target_dir),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 2 and "unknown method 'magic'; available: none, pld" in result.stderr
 
 
@@ -184,14 +229,34 @@ def test_bench_writes_the_contract(tmp_path, tiny_target_dir):
     from draftsmith.train.cli import main
 
     questions = tmp_path / "q.jsonl"
-    questions.write_text("".join(json.dumps(q) + "\n" for q in [
-        {"question_id": 1, "category": "writing", "turns": ["Write a poem about snow.", "Make it shorter."]},
-        {"question_id": 2, "category": "math", "turns": ["Two plus two?"]},
-        {"question_id": 3, "category": "math", "turns": ["Three times three?"]},
-    ]))
+    questions.write_text(
+        "".join(
+            json.dumps(q) + "\n"
+            for q in [
+                {"question_id": 1, "category": "writing", "turns": ["Write a poem about snow.", "Make it shorter."]},
+                {"question_id": 2, "category": "math", "turns": ["Two plus two?"]},
+                {"question_id": 3, "category": "math", "turns": ["Three times three?"]},
+            ]
+        )
+    )
     out = tmp_path / "bench"
-    main(["bench", "--questions", str(questions), "--methods", "pld", "--limit", "2", "--max-new-tokens", "12",
-          "--target", str(tiny_target_dir), "--out", str(out)])
+    main(
+        [
+            "bench",
+            "--questions",
+            str(questions),
+            "--methods",
+            "pld",
+            "--limit",
+            "2",
+            "--max-new-tokens",
+            "12",
+            "--target",
+            str(tiny_target_dir),
+            "--out",
+            str(out),
+        ]
+    )
     results = json.loads((out / "results.json").read_text())
     assert results["questions"] == 2  # one per category, spread
     for method in ["hf-generate", "none", "pld"]:

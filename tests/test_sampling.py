@@ -32,7 +32,7 @@ def exact_distribution(model, config, steps=3):
     """P(x1..x_steps | prompt) by enumeration."""
     result = {}
     for tokens in itertools.product(range(V), repeat=steps):
-        logits = model(torch.tensor([PROMPT + list(tokens[:-1])])).logits[0, len(PROMPT) - 1:]
+        logits = model(torch.tensor([PROMPT + list(tokens[:-1])])).logits[0, len(PROMPT) - 1 :]
         probs = config.probs(logits)
         result[tokens] = float(torch.prod(torch.stack([probs[i, t] for i, t in enumerate(tokens)])))
     return result
@@ -86,10 +86,17 @@ def sample_counts(model, drafter, config, seed):
     return counts
 
 
-@pytest.mark.parametrize("drafter, config", [
-    (None, CONFIGS[1]), (FixedTree(), CONFIGS[0]), (FixedTree(), CONFIGS[1]), (SampledChain(), CONFIGS[0]),
-    (SampledChain(), CONFIGS[1]),
-], ids=["plain-t0.7-k4-p0.9", "tree-t1", "tree-t0.7-k4-p0.9", "chain-t1", "chain-t0.7-k4-p0.9"])
+@pytest.mark.parametrize(
+    "drafter, config",
+    [
+        (None, CONFIGS[1]),
+        (FixedTree(), CONFIGS[0]),
+        (FixedTree(), CONFIGS[1]),
+        (SampledChain(), CONFIGS[0]),
+        (SampledChain(), CONFIGS[1]),
+    ],
+    ids=["plain-t0.7-k4-p0.9", "tree-t1", "tree-t0.7-k4-p0.9", "chain-t1", "chain-t0.7-k4-p0.9"],
+)
 def test_speculative_sampling_matches_the_exact_distribution(model, drafter, config):
     exact = exact_distribution(model, config)
     assert abs(sum(exact.values()) - 1) < 1e-5

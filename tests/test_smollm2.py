@@ -34,8 +34,12 @@ def test_tokenizer_only_load_has_the_same_identity(cached):
 
 def test_smollm2_template_masks_each_assistant_turn(cached):
     tokenizer = cached.tokenizer
-    turns = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Blue."},
-             {"role": "user", "content": "Another one?"}, {"role": "assistant", "content": "Green, like grass."}]
+    turns = [
+        {"role": "user", "content": "Name a colour."},
+        {"role": "assistant", "content": "Blue."},
+        {"role": "user", "content": "Another one?"},
+        {"role": "assistant", "content": "Green, like grass."},
+    ]
     sample = tokenize_conversation(tokenizer, Conversation("x", turns))
     supervised = [t for t, m in zip(sample.input_ids, sample.loss_mask) if m]
     assert tokenizer.decode(supervised) == "Blue.<|im_end|>Green, like grass.<|im_end|>"
@@ -61,11 +65,11 @@ def _dev_prompts(n):
 
 
 def test_runtime_is_lossless_on_smollm2(cached):
-    from draftsmith.inference.bench import _eos_ids, _prompt_ids, hf_greedy
+    from draftsmith.inference.bench import _prompt_ids, hf_greedy
     from draftsmith.inference.pld import PromptLookupDrafter
     from draftsmith.inference.runtime import generate
 
-    eos = _eos_ids(cached)
+    eos = cached.eos_token_ids
     prompts = _dev_prompts(20)
     assert len(prompts) == 20
     for text in prompts:

@@ -27,10 +27,13 @@ def test_identities_of_different_targets_mismatch(tiny_target_dir, other_target_
     assert TargetIdentity.from_dict(a.to_dict()) == a
 
 
-@pytest.mark.parametrize("name, message", [
-    ("missing.gguf", "does not exist"),
-    ("./no/such/dir", "neither 'smollm2'"),
-])
+@pytest.mark.parametrize(
+    "name, message",
+    [
+        ("missing.gguf", "does not exist"),
+        ("./no/such/dir", "neither 'smollm2'"),
+    ],
+)
 def test_bad_target_names(name, message):
     with pytest.raises(TargetError, match=message):
         load_tokenizer(name)

@@ -68,8 +68,10 @@ def test_too_long_first_turn_is_skipped(tokenizer):
 
 def test_template_that_rewrites_history_is_refused():
     # Renders only the last two messages: earlier text changes as the conversation grows.
-    tokenizer = make_tokenizer("{% for m in messages[-2:] %}{{ m['role'] + ': ' + m['content'] + '\n' }}{% endfor %}"
-                               "{% if add_generation_prompt %}assistant: {% endif %}")
+    tokenizer = make_tokenizer(
+        "{% for m in messages[-2:] %}{{ m['role'] + ': ' + m['content'] + '\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}assistant: {% endif %}"
+    )
     with pytest.raises(RecordError) as info:
         tokenize_conversation(tokenizer, Conversation("x", TURNS))
     assert info.value.reason == "template_not_incremental"

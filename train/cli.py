@@ -28,13 +28,27 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from draftsmith.inference.target import TargetError
     from draftsmith.train.recipe import RecipeError
 
-    return (DataError, TargetError, MethodError, BenchError, TemplateError, PreparedDataError, FeatureCacheError, RegenerateError,
-            RecipeError, FileExistsError, FileNotFoundError, IsADirectoryError, PermissionError)
+    return (
+        DataError,
+        TargetError,
+        MethodError,
+        BenchError,
+        TemplateError,
+        PreparedDataError,
+        FeatureCacheError,
+        RegenerateError,
+        RecipeError,
+        FileExistsError,
+        FileNotFoundError,
+        IsADirectoryError,
+        PermissionError,
+    )
 
 
 def _pending(name: str, what: str):
     def run(_args: argparse.Namespace) -> None:
         raise SystemExit(f"draftsmith {name}: not implemented yet; it arrives with {what}")
+
     return run
 
 

@@ -7,7 +7,7 @@ The shipped ``data/default/sharegpt_default.jsonl`` was made with::
 
 so every assistant turn is the embedded target's own greedy answer (self-distillation). The prompt
 set covers chat, writing, coding, math word problems, summarisation of a given passage and
-extraction; about one conversation in eight has a second user turn.
+extraction; each conversation gets a second user turn with probability 1/8 (51 of the 285 do).
 """
 
 from __future__ import annotations

@@ -62,7 +62,7 @@ def _plan_shards(dataset: PreparedDataset, shard_tokens: int) -> list[list[int]]
     """Consecutive sample indices per shard; deterministic, so a resumed run plans the same shards."""
     shards, current, tokens = [], [], 0
     for index in range(len(dataset)):
-        length = int(dataset.offsets[index + 1] - dataset.offsets[index])
+        length = dataset.sample_length(index)
         if current and tokens + length > shard_tokens:
             shards.append(current)
             current, tokens = [], 0
@@ -75,10 +75,10 @@ def _plan_shards(dataset: PreparedDataset, shard_tokens: int) -> list[list[int]]
 
 def _batches(dataset: PreparedDataset, indices: list[int], batch_tokens: int) -> list[list[int]]:
     """Group samples so that batch size x longest sample stays within ``batch_tokens``."""
-    by_length = sorted(indices, key=lambda i: int(dataset.offsets[i + 1] - dataset.offsets[i]))
+    by_length = sorted(indices, key=dataset.sample_length)
     batches, current = [], []
     for index in by_length:
-        length = int(dataset.offsets[index + 1] - dataset.offsets[index])
+        length = dataset.sample_length(index)
         if current and length * (len(current) + 1) > batch_tokens:
             batches.append(current)
             current = []
@@ -198,7 +198,7 @@ def build_feature_cache(
         for batch in _batches(dataset, indices, settings.batch_tokens):
             outputs = target_features(target, [dataset[i].input_ids for i in batch], settings.layers)
             features.update(zip(batch, outputs))
-            progress.update(sum(len(dataset[i].input_ids) for i in batch))
+            progress.update(sum(map(dataset.sample_length, batch)))
         blob = _shard_bytes(dataset, indices, features, DTYPES[settings.dtype])
         name = f"shard-{shard_index:05d}.safetensors"
         atomic_write_bytes(out / name, blob)
@@ -206,7 +206,7 @@ def build_feature_cache(
             {
                 "file": name,
                 "sample_ids": [dataset.sample_ids[i] for i in indices],
-                "n_tokens": int(sum(len(dataset[i].input_ids) for i in indices)),
+                "n_tokens": sum(map(dataset.sample_length, indices)),
                 "sha256": hashlib.sha256(blob).hexdigest(),
                 "bytes": len(blob),
             }

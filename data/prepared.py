@@ -129,6 +129,10 @@ class PreparedDataset:
     def __len__(self) -> int:
         return len(self.sample_ids)
 
+    def sample_length(self, index: int) -> int:
+        """Tokens in sample ``index``, without slicing its tensors."""
+        return int(self.offsets[index + 1] - self.offsets[index])
+
     def __getitem__(self, index: int) -> PreparedSample:
         start, end = int(self.offsets[index]), int(self.offsets[index + 1])
         return PreparedSample(

@@ -119,11 +119,6 @@ def _spread(questions: list[Question], limit: int) -> list[Question]:
     return picked
 
 
-def _prompt_ids(target: Target, messages: list[dict[str, str]]) -> list[int]:
-    text = target.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return target.tokenizer(text, add_special_tokens=False)["input_ids"]
-
-
 @torch.no_grad()
 def hf_greedy(target: Target, prompt: list[int], max_new_tokens: int, eos: list[int]) -> tuple[list[int], float]:
     start = time.perf_counter()
@@ -146,13 +141,13 @@ def run_bench(target: Target, questions: list[Question], methods: list[str], max
     methods = ["none"] + [m for m in methods if m != "none"]  # runtime overhead is always shown
     drafters = {name: build_drafter(name, target) for name in methods}
     tallies: dict[str, dict[str, Tally]] = {name: defaultdict(Tally) for name in [BASELINE, *methods]}
-    hf_greedy(target, _prompt_ids(target, [{"role": "user", "content": "Hi"}]), 4, eos)  # warm-up
+    hf_greedy(target, target.encode_chat([{"role": "user", "content": "Hi"}]), 4, eos)  # warm-up
     progress = tqdm(total=sum(len(q.turns) for q in questions), desc="bench", unit="turn", dynamic_ncols=True)
     for question in questions:
         messages: list[dict[str, str]] = []
         for turn_index, turn in enumerate(question.turns):
             messages.append({"role": "user", "content": turn})
-            prompt = _prompt_ids(target, messages)
+            prompt = target.encode_chat(messages)
             reference, base_seconds = hf_greedy(target, prompt, max_new_tokens, eos)
             where = f"{question.id}/{turn_index}"
             for scope in ("overall", question.category):

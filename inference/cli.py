@@ -38,10 +38,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
     if args.raw:
         ids = target.tokenizer(prompt, add_special_tokens=True)["input_ids"]
     else:
-        text = target.tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
-        )
-        ids = target.tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids = target.encode_chat([{"role": "user", "content": prompt}])
     sampling = None if args.temperature <= 0 else SamplingConfig(args.temperature, args.top_k, args.top_p)
     result = generate(
         target.model,

@@ -18,7 +18,7 @@ from transformers import DynamicCache
 
 from draftsmith.inference.cache import commit_tree_path
 from draftsmith.inference.tree import DraftTree, tree_attention_inputs
-from draftsmith.inference.verify import SamplingConfig, verify_greedy, verify_sampling
+from draftsmith.inference.verify import SamplingConfig, sample, verify_greedy, verify_sampling
 
 
 @dataclass
@@ -80,11 +80,7 @@ def generate(
     eos = set(eos_token_ids)
     cache = DynamicCache(config=model.config)
     logits = model(torch.tensor([prompt_ids], device=device), past_key_values=cache, use_cache=True).logits
-    first = (
-        int(logits[0, -1].argmax())
-        if sampling is None
-        else int(torch.multinomial(sampling.probs(logits[0, -1]), 1, generator=generator))
-    )
+    first = int(logits[0, -1].argmax()) if sampling is None else sample(sampling.probs(logits[0, -1]), generator)
     new, done = _finish([first], max_new_tokens, eos)
     result = GenerationResult(new, target_forwards=1)
     if on_tokens:

@@ -90,6 +90,11 @@ class Target:
     def hidden_size(self) -> int:
         return int(self.model.config.hidden_size)
 
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        """Token ids of a conversation rendered with the chat template, ready for the assistant's turn."""
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
     @property
     def eos_token_ids(self) -> list[int]:
         """Every token that ends an answer: the generation config's EOS ids and the tokenizer's."""

@@ -72,7 +72,6 @@ class DraftTree:
         n = len(self)
         allowed = torch.zeros(n + 1, n + 1, dtype=torch.bool)
         allowed[:, 0] = True
-        allowed[0, 0] = True
         for i, parent in enumerate(self.parents.tolist()):
             allowed[i + 1] = allowed[parent + 1]
             allowed[i + 1, i + 1] = True

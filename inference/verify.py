@@ -21,11 +21,11 @@ def verify_greedy(tree: DraftTree, logits: torch.Tensor) -> Verdict:
     ``logits`` is ``(n + 1, V)`` over ``[root, nodes]``. The result is exactly what greedy decoding
     would produce: each accepted token is the argmax given everything before it."""
     predictions = logits.argmax(dim=-1).tolist()
-    tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
+    tokens = tree.tokens.tolist()
     accepted, current = [], -1
     while True:
         wanted = predictions[current + 1]
-        match = next((i for i, p in enumerate(parents) if p == current and tokens[i] == wanted), None)
+        match = next((i for i in tree.children(current) if tokens[i] == wanted), None)
         if match is None:
             return Verdict(accepted, wanted)
         accepted.append(match)
@@ -56,7 +56,8 @@ class SamplingConfig:
         return scores.softmax(-1)
 
 
-def _sample(p: torch.Tensor, generator: torch.Generator | None) -> int:
+def sample(p: torch.Tensor, generator: torch.Generator | None) -> int:
+    """One token from the distribution ``p`` (need not be normalised)."""
     return int(torch.multinomial(p, 1, generator=generator))
 
 
@@ -75,11 +76,11 @@ def verify_sampling(
     siblings: accept ``x`` with probability ``p(x)``; on rejection set ``p(x) = 0``, renormalise and try
     the next sibling; if none is accepted, sample from what is left."""
     probs = config.probs(logits)
-    tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
+    tokens = tree.tokens.tolist()
     accepted, current = [], -1
     while True:
         p = probs[current + 1].clone()
-        children = [i for i, parent in enumerate(parents) if parent == current]
+        children = tree.children(current)
         if tree.draft_dists is not None and children:
             if len(children) != 1:
                 raise ValueError("sampled drafts (with draft_dists) must be chains")
@@ -88,7 +89,7 @@ def verify_sampling(
         else:
             chosen = _recursive_rejection(p, [(c, tokens[c]) for c in children], generator)
         if chosen is None:
-            return Verdict(accepted, _sample(p / p.sum(), generator))
+            return Verdict(accepted, sample(p, generator))
         accepted.append(chosen)
         current = chosen
 

@@ -65,7 +65,7 @@ def _dev_prompts(n):
 
 
 def test_runtime_is_lossless_on_smollm2(cached):
-    from draftsmith.inference.bench import _prompt_ids, hf_greedy
+    from draftsmith.inference.bench import hf_greedy
     from draftsmith.inference.pld import PromptLookupDrafter
     from draftsmith.inference.runtime import generate
 
@@ -73,7 +73,7 @@ def test_runtime_is_lossless_on_smollm2(cached):
     prompts = _dev_prompts(20)
     assert len(prompts) == 20
     for text in prompts:
-        prompt = _prompt_ids(cached, [{"role": "user", "content": text}])
+        prompt = cached.encode_chat([{"role": "user", "content": text}])
         reference, _ = hf_greedy(cached, prompt, 32, eos)
         for drafter in (None, PromptLookupDrafter()):
             assert generate(cached.model, prompt, drafter, max_new_tokens=32, eos_token_ids=eos).tokens == reference

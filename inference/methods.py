@@ -12,15 +12,42 @@ class MethodError(ValueError):
     """An unknown method name or a bad method argument."""
 
 
+def _draft_model(target, arg: str | None) -> Drafter:
+    # imported here: the draft-model module raises MethodError, so it imports this one
+    from draftsmith.inference.draft_model import build_draft_model_drafter
+
+    return build_draft_model_drafter(target, arg)
+
+
+def _trained(family: str) -> Callable[..., Drafter]:
+    def build(target, arg: str | None) -> Drafter:
+        from draftsmith.inference.learned import load_drafter
+
+        if not arg:
+            raise MethodError(f"{family} needs an exported drafter directory: --method {family}=DIR")
+        return load_drafter(arg, target, expect=family)
+
+    return build
+
+
 # name -> builder(target, argument after '=' or None)
 METHODS: dict[str, Callable[..., Drafter | None]] = {
     "none": lambda target, arg: None,
     "pld": lambda target, arg: PromptLookupDrafter(),
+    "draft": _draft_model,  # draft=PATH_OR_NAME or draft=layers:N, optionally :k=K
+    "eagle": _trained("eagle"),  # eagle=DIR, a directory written by `draftsmith export`
+    "fspad": _trained("fspad"),
 }
 
 
 def build_drafter(spec: str, target) -> Drafter | None:
-    """``pld`` or ``name=ARG`` (e.g. a checkpoint directory for trained drafters)."""
+    """``pld``, ``name=ARG`` (e.g. ``fspad=DIR``) or an exported drafter directory itself."""
+    from pathlib import Path
+
+    if "=" not in spec and Path(spec).is_dir():
+        from draftsmith.inference.learned import load_drafter
+
+        return load_drafter(spec, target)
     name, _, arg = spec.partition("=")
     if name not in METHODS:
         raise MethodError(f"unknown method {name!r}; available: {', '.join(METHODS)}")

@@ -30,10 +30,21 @@ class DraftContext:
     prompt_length: int
     sampling: SamplingConfig | None = None  # None = greedy
     generator: torch.Generator | None = None  # for drafters that sample their drafts
+    # For drafters with ``wants_features = True``: the target's feature (the input of its lm_head) at
+    # every committed token but the last, (len(tokens) - 1, h); rows of accepted tokens come from the
+    # verification forward itself, so features cost no extra target work.
+    features: torch.Tensor | None = None
 
 
 class Drafter(Protocol):
-    """Anything that proposes a token tree from the committed context."""
+    """Anything that proposes a token tree from the committed context.
+
+    A drafter that sets ``wants_features = True`` receives the target's features in the context.
+
+    A drafter may also define ``observe(tree, logits, verdict)``: the runtime calls it after every
+    verification forward with the tree it verified (possibly ``DraftTree.empty()`` when speculation
+    was switched off), the target's logits over ``[root, nodes]`` and the verdict. Drafters that learn
+    from the target's own predictions (SPECTRA's candidate pool) read them there, at no extra forward."""
 
     name: str
 
@@ -79,7 +90,15 @@ def generate(
     dtype = next(model.parameters()).dtype
     eos = set(eos_token_ids)
     cache = DynamicCache(config=model.config)
-    logits = model(torch.tensor([prompt_ids], device=device), past_key_values=cache, use_cache=True).logits
+    wants_features = bool(getattr(drafter, "wants_features", False))
+    out = model(
+        torch.tensor([prompt_ids], device=device),
+        past_key_values=cache,
+        use_cache=True,
+        output_hidden_states=wants_features,
+    )
+    logits = out.logits
+    features = out.hidden_states[-1][0] if wants_features else None
     first = int(logits[0, -1].argmax()) if sampling is None else sample(sampling.probs(logits[0, -1]), generator)
     new, done = _finish([first], max_new_tokens, eos)
     result = GenerationResult(new, target_forwards=1)
@@ -89,19 +108,30 @@ def generate(
     while not done:
         committed = prompt_ids + new
         past = len(committed) - 1
-        context = DraftContext(committed, len(prompt_ids), sampling, generator)
+        context = DraftContext(committed, len(prompt_ids), sampling, generator, features)
         tree = drafter.propose(context) if drafter else DraftTree.empty()
         if limit is not None and past + 1 + len(tree) > limit:
             tree = DraftTree.empty()  # no speculation past the model's context window
         mask, positions = tree_attention_inputs(tree, past, dtype, device)
         input_ids = torch.cat([torch.tensor([committed[-1]]), tree.tokens]).to(device)[None]
-        logits = model(
-            input_ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True
-        ).logits[0]
+        out = model(
+            input_ids,
+            attention_mask=mask,
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
+            output_hidden_states=wants_features,
+        )
+        logits = out.logits[0]
         verdict = (
             verify_greedy(tree, logits) if sampling is None else verify_sampling(tree, logits, sampling, generator)
         )
+        if drafter is not None and hasattr(drafter, "observe"):
+            drafter.observe(tree, logits, verdict)
         commit_tree_path(cache, past, verdict.accepted_nodes)
+        if wants_features:  # the root's row and the accepted nodes' rows, in commit order
+            rows = torch.tensor([0] + [i + 1 for i in verdict.accepted_nodes], device=device)
+            features = torch.cat([features, out.hidden_states[-1][0].index_select(0, rows)])
         step = [int(tree.tokens[i]) for i in verdict.accepted_nodes] + [verdict.next_token]
         result.target_forwards += 1
         result.accept_lengths.append(len(step))

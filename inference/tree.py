@@ -91,3 +91,26 @@ def tree_attention_inputs(
     depths = torch.cat([torch.zeros(1, dtype=torch.long), tree.depths()])
     positions = (past_length + depths)[None]
     return mask.to(device), positions.to(device)
+
+
+def best_first_tree(parents: list[int], tokens: list[int], scores: list[float], budget: int) -> tuple[DraftTree, list[int]]:
+    """EAGLE-2's final re-ranking: keep the ``budget`` candidates with the highest cumulative
+    log-probability, taking a node only after its parent (a child never scores above its parent, so
+    this is the global top-``budget`` whenever scores are distinct). Returns the tree, ordered by
+    depth so parents precede children, and the candidate index of each tree node."""
+    depth: list[int] = []
+    for parent in parents:
+        depth.append(1 if parent < 0 else depth[parent] + 1)
+    chosen: set[int] = set()
+    for i in sorted(range(len(tokens)), key=lambda i: (-scores[i], depth[i], i)):
+        if len(chosen) >= budget:
+            break
+        if parents[i] < 0 or parents[i] in chosen:
+            chosen.add(i)
+    order = sorted(chosen, key=lambda i: (depth[i], i))
+    position = {candidate: node for node, candidate in enumerate(order)}
+    tree = DraftTree(
+        torch.tensor([tokens[i] for i in order], dtype=torch.long),
+        torch.tensor([position[parents[i]] if parents[i] >= 0 else -1 for i in order], dtype=torch.long),
+    )
+    return tree, order

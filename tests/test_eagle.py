@@ -1,0 +1,247 @@
+"""EAGLE / FSPAD drafters: model, loss, EAGLE-2 dynamic trees, export/load and lossless decoding."""
+
+import random
+
+import pytest
+import torch
+
+from conftest import tiny_llama
+from draftsmith.drafters.eagle import EagleConfig, EagleDrafter, causal_mask
+from draftsmith.drafters.io import DrafterCheckpointError, export_drafter
+from draftsmith.inference.runtime import DraftContext, generate
+from draftsmith.inference.tree import best_first_tree
+from draftsmith.train.batch import FrozenTarget, TrainBatch
+from draftsmith.train.families import get_family
+from draftsmith.train.recipe import RecipeError
+
+VOCAB = 97
+EOS = 2
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_llama(VOCAB, seed=0)
+
+
+def hf_greedy(model, prompt, max_new_tokens):
+    out = model.generate(
+        torch.tensor([prompt]),
+        do_sample=False,
+        max_new_tokens=max_new_tokens,
+        eos_token_id=EOS,
+        pad_token_id=0,
+        temperature=None,
+        top_p=None,
+        top_k=None,
+    )
+    return out[0, len(prompt) :].tolist()
+
+
+def random_prompts(n, seed):
+    rng = random.Random(seed)
+    return [[rng.randrange(4, VOCAB) for _ in range(rng.randint(3, 10))] for _ in range(n)]
+
+
+def self_distilled_batch(target, n=16, new_tokens=40, seed=0):
+    """The target's own greedy continuations with their features: what self-distillation trains on."""
+    seqs = [p + hf_greedy(target, p, new_tokens) for p in random_prompts(n, seed)]
+    length = max(map(len, seqs))
+    ids = torch.zeros(len(seqs), length, dtype=torch.long)
+    attention = torch.zeros_like(ids)
+    for row, seq in enumerate(seqs):
+        ids[row, : len(seq)] = torch.tensor(seq)
+        attention[row, : len(seq)] = 1
+    with torch.no_grad():
+        features = target.model(ids, attention_mask=attention).last_hidden_state
+    return TrainBatch(ids, attention.float(), attention, features)
+
+
+def train(family_name, target, batch, steps, **options):
+    torch.manual_seed(0)
+    family = get_family(family_name)
+    model = family.build(target.config, options)
+    frozen = FrozenTarget.from_model(target)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(steps):
+        out = family.compute_loss(model, batch, frozen, {"feature_noise": 0.0})
+        optimizer.zero_grad()
+        out.loss.backward()
+        optimizer.step()
+        losses.append(float(out.loss.detach()))
+    return model.eval(), losses
+
+
+@pytest.fixture(scope="module")
+def trained_fspad(target):
+    model, _ = train("fspad", target, self_distilled_batch(target), 200, tree_depth=4, tree_top_k=3)
+    return model
+
+
+def test_best_first_tree_keeps_the_best_and_parents_first():
+    # candidates: 0:a(-0.1) 1:b(-1.0) 2:a->c(-0.3) 3:a->d(-2.0) 4:a->c->e(-0.35)
+    parents, tokens, scores = [-1, -1, 0, 0, 2], [10, 11, 12, 13, 14], [-0.1, -1.0, -0.3, -2.0, -0.35]
+    tree, order = best_first_tree(parents, tokens, scores, budget=3)
+    assert order == [0, 2, 4]
+    assert tree.tokens.tolist() == [10, 12, 14] and tree.parents.tolist() == [-1, 0, 1]
+    tree, order = best_first_tree(parents, tokens, scores, budget=4)
+    assert sorted(order) == [0, 1, 2, 4] and tree.parents.tolist() == [-1, -1, 0, 2]
+    # a child scoring above its parent (impossible with log-probs) still waits for the parent
+    tree, _ = best_first_tree([-1, 0], [1, 2], [-5.0, -0.1], budget=1)
+    assert tree.tokens.tolist() == [1]
+
+
+@pytest.mark.parametrize("family", ["eagle", "fspad"])
+def test_loss_is_finite_and_trains_only_the_drafter(target, family):
+    batch = self_distilled_batch(target, n=3, new_tokens=8)
+    model = get_family(family).build(target.config, {})
+    frozen = FrozenTarget.from_model(target)
+    out = get_family(family).compute_loss(model, batch, frozen, {})
+    assert torch.isfinite(out.loss)
+    out.loss.backward()
+    assert all(p.grad is not None for p in model.parameters())
+    assert frozen.lm_head.weight.grad is None and frozen.embed_tokens.weight.grad is None
+    assert {"loss/smooth_l1", "loss/ce", "acc/step1", "acc/step3", "sim/accept_length"} <= set(out.metrics)
+    assert (model.feature_sampler is not None) == (family == "fspad") == model.config.partial_alignment
+
+
+def test_fspad_components_switch_off_separately(target):
+    model = get_family("fspad").build(target.config, {"feature_sampler": False})
+    assert model.feature_sampler is None and model.config.partial_alignment
+    assert model.mlp.down_proj.out_features == 2 * target.config.hidden_size
+    with pytest.raises(RecipeError, match="did you mean 'feature_sampler'"):
+        get_family("fspad").build(target.config, {"feature_sampeler": False})
+    with pytest.raises(RecipeError, match="loss.ce_wieght"):
+        get_family("eagle").check_loss_options({"ce_wieght": 0.1})
+
+
+@pytest.mark.parametrize("family", ["eagle", "fspad"])
+def test_overfits_one_batch(target, family):
+    _, losses = train(family, target, self_distilled_batch(target, n=4, new_tokens=12), 60)
+    assert losses[-1] < 0.5 * losses[0]
+
+
+def test_padding_does_not_change_real_positions(target):
+    batch = self_distilled_batch(target, n=2, new_tokens=6)
+    model = get_family("eagle").build(target.config, {}).eval()
+    embeds, features = torch.randn(1, 7, 64), torch.randn(1, 7, 64)
+    positions = torch.arange(7)[None]
+    alone = model(embeds[:, :5], features[:, :5], positions[:, :5]).next_features
+    padded_mask = causal_mask(7, torch.float32, "cpu", torch.tensor([[1, 1, 1, 1, 1, 0, 0]]))
+    padded = model(embeds, features, positions, attention_mask=padded_mask).next_features
+    torch.testing.assert_close(padded[:, :5], alone)
+    assert batch.input_ids.shape[0] == 2
+
+
+def test_export_and_load_round_trip(target, tmp_path, trained_fspad):
+    export_drafter(trained_fspad, {"name": "t", "revision": "r", "config_hash": "c", "tokenizer_hash": "k"}, tmp_path / "d")
+    loaded = EagleDrafter.from_pretrained(tmp_path / "d").eval()
+    assert loaded.config.drafter_family == "fspad" and loaded.config.target_identity["name"] == "t"
+    args = (torch.randn(1, 6, 64), torch.randn(1, 6, 64), torch.arange(6)[None])
+    torch.testing.assert_close(loaded(*args).next_features, trained_fspad(*args).next_features)
+    with pytest.raises(FileExistsError):
+        export_drafter(trained_fspad, {}, tmp_path / "d")
+    (tmp_path / "d" / "model.safetensors").unlink()
+    with pytest.raises(DrafterCheckpointError, match="model.safetensors is missing"):
+        EagleDrafter.from_pretrained(tmp_path / "d")
+
+
+def _context(target, prompt, extra):
+    tokens = prompt + extra
+    with torch.no_grad():
+        features = target.model(torch.tensor([tokens])).last_hidden_state[0, :-1]
+    return DraftContext(tokens, len(prompt), features=features)
+
+
+def test_incremental_drafter_cache_equals_one_pass(target, trained_fspad):
+    family = get_family("fspad")
+    prompt = random_prompts(1, seed=5)[0]
+    full = prompt + hf_greedy(target, prompt, 12)
+    stepwise = family.serve(trained_fspad, target)
+    for cut in (len(prompt) + 1, len(prompt) + 4, len(full)):
+        stepwise.propose(_context(target, full[:cut], []))
+    fresh = family.serve(trained_fspad, target)
+    fresh.propose(_context(target, full, []))
+    assert stepwise._cache.layers[0].keys.shape[-2] == len(full) - 1
+    torch.testing.assert_close(stepwise._cache.layers[0].keys, fresh._cache.layers[0].keys)
+    torch.testing.assert_close(stepwise._root_token_features, fresh._root_token_features)
+
+
+def test_chain_expansion_equals_running_the_drafter_on_its_own_path(target, trained_fspad):
+    """With top_k = 1 the tree is a chain; each node must be what a plain causal forward of the
+    drafter over the committed inputs plus its own predicted (feature, token) pairs gives."""
+    prompt = random_prompts(1, seed=7)[0]
+    context = _context(target, prompt, hf_greedy(target, prompt, 3))
+    drafter = get_family("fspad").serve(trained_fspad, target, depth=5, top_k=1, total_tokens=5)
+    tree = drafter.propose(context)
+    frozen = FrozenTarget.from_model(target)
+    tokens, feats = list(context.tokens), list(context.features)
+    chain = []
+    with torch.no_grad():
+        for _ in range(5):
+            ids = torch.tensor(tokens[1:])
+            out = trained_fspad(frozen.embed_tokens(ids)[None], torch.stack(feats)[None], torch.arange(len(ids))[None])
+            token = int(frozen.lm_head(out.token_features[0, -1]).argmax())
+            chain.append(token)
+            tokens.append(token)
+            feats.append(out.next_features[0, -1])
+    assert tree.tokens.tolist() == chain and tree.parents.tolist() == [-1, 0, 1, 2, 3]
+    assert drafter._cache.layers[0].keys.shape[-2] == len(context.tokens) - 1  # tree KV dropped
+
+
+def test_greedy_decoding_is_lossless(target, trained_fspad):
+    random_eagle = get_family("eagle").build(target.config, {}).eval()
+    taus = {}
+    for name, model in (("random", random_eagle), ("trained", trained_fspad)):
+        drafter = get_family(model.config.drafter_family).serve(model, target, total_tokens=10)
+        results = []
+        for prompt in random_prompts(12, seed=11):
+            reference = hf_greedy(target, prompt, 48)
+            result = generate(target, prompt, drafter, max_new_tokens=48, eos_token_ids=[EOS])
+            assert result.tokens == reference
+            results.append(result)
+        taus[name] = sum(len(r.tokens) for r in results) / sum(r.target_forwards for r in results)
+    assert taus["trained"] > 1.3  # the trained drafter's trees really get accepted
+
+
+def test_sampled_decoding_is_reproducible(target, trained_fspad):
+    from draftsmith.inference.verify import SamplingConfig
+
+    drafter = get_family("fspad").serve(trained_fspad, target)
+    prompt = random_prompts(1, seed=3)[0]
+    runs = [
+        generate(
+            target,
+            prompt,
+            drafter,
+            max_new_tokens=24,
+            sampling=SamplingConfig(0.8, 20, 0.95),
+            generator=torch.Generator().manual_seed(1),
+        ).tokens
+        for _ in range(2)
+    ]
+    assert runs[0] == runs[1] and len(runs[0]) > 0
+
+
+def test_config_follows_target_shape(target):
+    config = EagleConfig.for_target(target.config)
+    assert config.layer["hidden_size"] == 64 and config.layer["num_key_value_heads"] == 2
+    assert config.layer_config().num_hidden_layers == 1
+
+
+def test_loading_checks_the_target(tiny_target_dir, other_target_dir, tmp_path):
+    from draftsmith.inference.methods import build_drafter
+    from draftsmith.inference.target import TargetError, load_target
+
+    tiny, other = load_target(str(tiny_target_dir)), load_target(str(other_target_dir))
+    model = get_family("fspad").build(tiny.model.config, {})
+    export_drafter(model, tiny.identity.to_dict(), tmp_path / "fspad")
+    drafter = build_drafter(f"fspad={tmp_path / 'fspad'}", tiny)
+    assert drafter.wants_features and drafter.name == "fspad"
+    assert build_drafter(str(tmp_path / "fspad"), tiny).name == "fspad"  # a directory alone works too
+    with pytest.raises(TargetError, match="not this target: model config differs"):
+        build_drafter(f"fspad={tmp_path / 'fspad'}", other)
+    with pytest.raises(TargetError, match="holds a 'fspad' drafter, not 'eagle'; use --method fspad="):
+        build_drafter(f"eagle={tmp_path / 'fspad'}", tiny)
+    with pytest.raises(TargetError, match="no config.json"):
+        build_drafter(f"eagle={tmp_path}", tiny)

@@ -326,3 +326,51 @@ class EagleTreeDrafter:
 
         if cache_length(self._cache) > committed:
             keep_positions(self._cache, torch.arange(committed))
+
+
+SPECULATORS_VERSION = "0.1.0"  # the config layout of vLLM's `speculators` EAGLE models this export follows
+
+
+def speculators_layout(model: EagleDrafter, verifier_name: str, speculative_tokens: int = 5):
+    """``(config, state_dict)`` in the layout vLLM's ``speculators`` documents for EAGLE-1/2 models
+    (``EagleSpeculator``: ``fusion_fc`` + one ``LlamaDecoderLayer`` called ``transformer`` whose input
+    norm is an identity; embedding and lm_head come from the verifier).
+
+    Only plain EAGLE fits that layout: FSPAD's feature sampler and two-feature MLP have no place in it."""
+    config = model.config
+    if config.feature_sampler or config.partial_alignment:
+        raise ValueError(
+            "the speculators EAGLE layout has no feature sampler or partial alignment; "
+            "export an eagle drafter (drafter.feature_sampler=false drafter.partial_alignment=false) for vLLM"
+        )
+    layer = {**config.layer_config().to_diff_dict(), "num_hidden_layers": 1, "model_type": "llama"}
+    layer.pop("_attn_implementation_autoset", None)
+    speculators_config = {
+        "architectures": ["EagleSpeculator", "LlamaDecoderLayer"],
+        "speculators_model_type": "eagle",
+        "speculators_version": SPECULATORS_VERSION,
+        "transformer_layer_architecture": "LlamaDecoderLayer",
+        "transformer_layer_config": layer,
+        "layernorms": False,
+        "fusion_bias": True,
+        "speculators_config": {
+            "algorithm": "eagle",
+            "default_proposal_method": "greedy",
+            "proposal_methods": [
+                {
+                    "proposal_type": "greedy",
+                    "speculative_tokens": speculative_tokens,
+                    "verifier_accept_k": 1,
+                    "accept_tolerance": 0.0,
+                }
+            ],
+            "verifier": {"name_or_path": verifier_name, "architectures": ["LlamaForCausalLM"]},
+        },
+    }
+    rename = {"fc.": "fusion_fc.", "self_attn.": "transformer.self_attn.", "mlp.": "transformer.mlp."}
+    rename["post_attention_layernorm."] = "transformer.post_attention_layernorm."
+    state = {}
+    for name, tensor in model.state_dict().items():
+        prefix = next(p for p in rename if name.startswith(p))
+        state[rename[prefix] + name[len(prefix) :]] = tensor.detach().contiguous().cpu()
+    return speculators_config, state

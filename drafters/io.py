@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import shutil
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from safetensors.torch import load_file, save_file
@@ -37,20 +41,16 @@ def load_drafter_weights(cls: type[nn.Module], directory: str | Path) -> nn.Modu
     return model
 
 
-def export_drafter(model: nn.Module, target_identity: dict[str, str], out: str | Path, overwrite: bool = False) -> Path:
-    """Write the self-describing drafter directory (config with family and target identity, weights)
-    atomically: a temp directory renamed into place, so a crash never leaves a half-written export."""
-    import shutil
-    import tempfile
-
+def write_directory_atomically(out: str | Path, write: Callable[[Path], None], overwrite: bool = False) -> Path:
+    """Fill a temp directory beside ``out`` with ``write`` and rename it into place, so a crash never
+    leaves a half-written directory and an existing one is replaced only when asked."""
     out = Path(out)
     if out.exists() and not overwrite:
         raise FileExistsError(f"{out} exists; pass --overwrite to replace it")
     out.parent.mkdir(parents=True, exist_ok=True)
-    model.config.target_identity = dict(target_identity)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
-        save_drafter_weights(model, staging)
+        write(staging)
         if out.exists():
             shutil.rmtree(out)
         staging.rename(out)
@@ -58,3 +58,23 @@ def export_drafter(model: nn.Module, target_identity: dict[str, str], out: str |
         if staging.exists():
             shutil.rmtree(staging)
     return out
+
+
+def export_drafter(model: nn.Module, target_identity: dict[str, str], out: str | Path, overwrite: bool = False) -> Path:
+    """The self-describing drafter directory: config (family, options, target identity) and weights."""
+    model.config.target_identity = dict(target_identity)
+    return write_directory_atomically(out, lambda staging: save_drafter_weights(model, staging), overwrite)
+
+
+def export_speculators(model: nn.Module, verifier_name: str, out: str | Path, overwrite: bool = False) -> Path:
+    """An EAGLE drafter in vLLM ``speculators`` layout (``config.json`` + ``model.safetensors``), for
+    ``vllm serve TARGET --speculative-config '{"model": OUT, "method": "eagle", ...}'``."""
+    from draftsmith.drafters.eagle import speculators_layout
+
+    config, state = speculators_layout(model, verifier_name)
+
+    def write(staging: Path) -> None:
+        (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        save_file(state, str(staging / WEIGHTS_NAME), metadata={"format": "pt"})
+
+    return write_directory_atomically(out, write, overwrite)

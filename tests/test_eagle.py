@@ -245,3 +245,38 @@ def test_loading_checks_the_target(tiny_target_dir, other_target_dir, tmp_path):
         build_drafter(f"eagle={tmp_path / 'fspad'}", tiny)
     with pytest.raises(TargetError, match="no config.json"):
         build_drafter(f"eagle={tmp_path}", tiny)
+
+
+def test_speculators_export_matches_the_documented_layout(target, tmp_path):
+    """Keys and shapes of vLLM speculators' EagleSpeculator: fusion_fc (2h -> h, with bias) and one
+    LlamaDecoderLayer named ``transformer`` without input norm; no embedding or lm_head."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from draftsmith.drafters.io import export_speculators
+
+    model = get_family("eagle").build(target.config, {})
+    export_speculators(model, "tiny/verifier", tmp_path / "vllm")
+    config = json.loads((tmp_path / "vllm" / "config.json").read_text())
+    assert config["speculators_model_type"] == "eagle" and config["layernorms"] is False
+    assert config["speculators_config"]["verifier"]["name_or_path"] == "tiny/verifier"
+    layer = config["transformer_layer_config"]
+    assert layer["num_hidden_layers"] == 1 and layer["hidden_size"] == 64 and layer["num_key_value_heads"] == 2
+    h, i, kv = 64, 128, 2 * 16
+    expected = {
+        "fusion_fc.weight": (h, 2 * h),
+        "fusion_fc.bias": (h,),
+        "transformer.self_attn.q_proj.weight": (h, h),
+        "transformer.self_attn.k_proj.weight": (kv, h),
+        "transformer.self_attn.v_proj.weight": (kv, h),
+        "transformer.self_attn.o_proj.weight": (h, h),
+        "transformer.post_attention_layernorm.weight": (h,),
+        "transformer.mlp.gate_proj.weight": (i, h),
+        "transformer.mlp.up_proj.weight": (i, h),
+        "transformer.mlp.down_proj.weight": (h, i),
+    }
+    weights = load_file(str(tmp_path / "vllm" / "model.safetensors"))
+    assert {k: tuple(v.shape) for k, v in weights.items()} == expected
+    with pytest.raises(ValueError, match="no feature sampler or partial alignment"):
+        export_speculators(get_family("fspad").build(target.config, {}), "x", tmp_path / "fspad")

@@ -98,3 +98,7 @@ def get_family(name: str) -> Family:
     if name not in FAMILIES:
         raise RecipeError(f"unknown drafter family {name!r}; available: {', '.join(FAMILIES) or 'none'}")
     return FAMILIES[name]
+
+
+# Writing the exported directory is family-independent; re-exported here for ``draftsmith export``.
+from draftsmith.drafters.io import export_drafter  # noqa: E402,F401

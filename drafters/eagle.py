@@ -57,6 +57,7 @@ class EagleConfig(PretrainedConfig):
         tree_depth: int = 5,
         tree_top_k: int = 4,
         tree_total_tokens: int = 12,
+        draft_vocab_size: int = 0,
         drafter_family: str = "eagle",
         target_identity: dict[str, str] | None = None,
         **kwargs: Any,
@@ -67,6 +68,7 @@ class EagleConfig(PretrainedConfig):
         self.tree_depth = tree_depth
         self.tree_top_k = tree_top_k
         self.tree_total_tokens = tree_total_tokens
+        self.draft_vocab_size = draft_vocab_size
         self.drafter_family = drafter_family
         self.target_identity = target_identity
         super().__init__(**kwargs)
@@ -80,9 +82,14 @@ class EagleConfig(PretrainedConfig):
         tree_depth: int = 5,
         tree_top_k: int = 4,
         tree_total_tokens: int = 12,
+        draft_vocab_size: int = 0,
     ) -> EagleConfig:
         """A drafter for ``target_config`` (a Llama-architecture config). The tree defaults suit a CPU,
-        where verifying 16 tokens costs ~2x one token; GPU users raise them (EAGLE-2: 6 / 10 / 60)."""
+        where verifying 16 tokens costs ~2x one token; GPU users raise them (EAGLE-2: 6 / 10 / 60).
+
+        ``draft_vocab_size`` > 0 drafts only from that many tokens, the most frequent in the training
+        data (EAGLE-3's reduced draft vocabulary): the target's lm_head over its full vocabulary is
+        the drafter's largest cost per step, and verification stays lossless whatever is proposed."""
         source = target_config.to_dict()
         layer = {key: source[key] for key in _LAYER_KEYS if key in source}
         layer.setdefault("head_dim", source["hidden_size"] // source["num_attention_heads"])
@@ -93,6 +100,7 @@ class EagleConfig(PretrainedConfig):
             tree_depth=tree_depth,
             tree_top_k=tree_top_k,
             tree_total_tokens=tree_total_tokens,
+            draft_vocab_size=draft_vocab_size,
         )
 
     def layer_config(self) -> LlamaConfig:
@@ -159,6 +167,13 @@ class EagleDrafter(nn.Module):
         self.post_attention_layernorm = LlamaRMSNorm(h, eps=layer.rms_norm_eps)
         self.mlp = DrafterMLP(layer, 2 if config.partial_alignment else 1)
         self.rotary_emb = LlamaRotaryEmbedding(layer)
+        # Token ids the drafter may propose, most frequent first (empty = the whole vocabulary).
+        self.register_buffer("draft_vocab", torch.zeros(config.draft_vocab_size, dtype=torch.long))
+
+    def fit_data(self, token_counts: torch.Tensor) -> None:
+        """Choose the draft vocabulary from the training data's token counts (a (V,) tensor)."""
+        if self.config.draft_vocab_size:
+            self.draft_vocab.copy_(token_counts.topk(self.config.draft_vocab_size).indices.sort().values)
 
     def forward(
         self,
@@ -212,6 +227,19 @@ def causal_mask(length: int, dtype: torch.dtype, device: torch.device | str, pad
     return mask.masked_fill(~allowed, torch.finfo(dtype).min)
 
 
+def _draft_head(lm_head: nn.Module, vocab: torch.Tensor) -> tuple[nn.Module, torch.Tensor | None]:
+    """The target's lm_head restricted to the draft vocabulary (its rows copied once), or itself."""
+    if vocab.numel() == 0:
+        return lm_head, None
+    head = nn.Linear(lm_head.in_features, vocab.numel(), bias=lm_head.bias is not None)
+    head = head.to(lm_head.weight.device, lm_head.weight.dtype)
+    with torch.no_grad():
+        head.weight.copy_(lm_head.weight[vocab])
+        if lm_head.bias is not None:
+            head.bias.copy_(lm_head.bias[vocab])
+    return head.requires_grad_(False), vocab.to(lm_head.weight.device)
+
+
 class EagleTreeDrafter:
     """Drafts an EAGLE-2 dynamic tree for the runtime.
 
@@ -234,7 +262,8 @@ class EagleTreeDrafter:
         name: str = "eagle",
     ) -> None:
         self.model = model.eval()
-        self.embed_tokens, self.lm_head = embed_tokens, lm_head
+        self.embed_tokens = embed_tokens
+        self.lm_head, self.vocab = _draft_head(lm_head, model.draft_vocab)
         self.depth = depth or model.config.tree_depth
         self.top_k = top_k or model.config.tree_top_k
         self.total_tokens = total_tokens or model.config.tree_total_tokens
@@ -254,21 +283,19 @@ class EagleTreeDrafter:
         if features is None or features.shape[0] != len(tokens) - 1:
             raise ValueError("EAGLE drafting needs the target's features of every committed token but the root")
         self._catch_up(tokens, features)
-        root_logp = self._log_probs(self._root_token_features)
         parents, node_tokens, scores = [], [], []
-        top = root_logp.topk(self.top_k)
-        for logp, token in zip(top.values.tolist(), top.indices.tolist()):
+        values, ids = self._top(self._root_token_features)
+        for logp, token in zip(values.tolist(), ids.tolist()):
             parents.append(-1), node_tokens.append(token), scores.append(logp)
         frontier = list(range(len(node_tokens)))
         inputs = {i: self._last_feature for i in frontier}  # feature each frontier node reads
         columns: dict[int, int] = {}  # candidate -> its column in the drafter cache
         for depth in range(2, self.depth + 1):
             out = self._expand(frontier, parents, node_tokens, inputs, columns, position=len(tokens) - 3 + depth)
-            logp = self._log_probs(out.token_features[0])
-            top = logp.topk(self.top_k)
+            values, ids = self._top(out.token_features[0])
             children = []
             for row, node in enumerate(frontier):
-                for value, token in zip(top.values[row].tolist(), top.indices[row].tolist()):
+                for value, token in zip(values[row].tolist(), ids[row].tolist()):
                     children.append(len(node_tokens))
                     parents.append(node), node_tokens.append(token), scores.append(scores[node] + value)
                     inputs[children[-1]] = out.next_features[0, row]
@@ -318,8 +345,11 @@ class EagleTreeDrafter:
         positions = torch.full((1, len(frontier)), position, device=device)
         return self.model(embeds, feats, positions, mask.to(device), self._cache)
 
-    def _log_probs(self, token_features: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(token_features).float().log_softmax(-1)
+    def _top(self, token_features: torch.Tensor):
+        """Top-k (log-probability, token id) pairs of the draft head; rows are (k,) or (n, k)."""
+        top = self.lm_head(token_features).float().log_softmax(-1).topk(self.top_k)
+        tokens = top.indices if self.vocab is None else self.vocab[top.indices]
+        return top.values, tokens
 
     def _drop_tree_kv(self, committed: int) -> None:
         from draftsmith.inference.cache import cache_length, keep_positions
@@ -371,6 +401,8 @@ def speculators_layout(model: EagleDrafter, verifier_name: str, speculative_toke
     rename["post_attention_layernorm."] = "transformer.post_attention_layernorm."
     state = {}
     for name, tensor in model.state_dict().items():
+        if name == "draft_vocab":  # speculators' EAGLE drafts over the verifier's whole vocabulary
+            continue
         prefix = next(p for p in rename if name.startswith(p))
         state[rename[prefix] + name[len(prefix) :]] = tensor.detach().contiguous().cpu()
     return speculators_config, state

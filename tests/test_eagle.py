@@ -204,6 +204,21 @@ def test_greedy_decoding_is_lossless(target, trained_fspad):
     assert taus["trained"] > 1.3  # the trained drafter's trees really get accepted
 
 
+def test_draft_vocabulary_limits_proposals_and_stays_lossless(target):
+    batch = self_distilled_batch(target, n=8, new_tokens=24)
+    model, _ = train("fspad", target, batch, 80, draft_vocab_size=24)
+    model.fit_data(torch.bincount(batch.input_ids[batch.attention_mask.bool()], minlength=VOCAB))
+    allowed = set(model.draft_vocab.tolist())
+    assert len(allowed) == 24
+    drafter = get_family("fspad").serve(model, target)
+    for prompt in random_prompts(6, seed=21):
+        tree = drafter.propose(_context(target, prompt, []))
+        assert set(tree.tokens.tolist()) <= allowed
+        assert generate(target, prompt, drafter, max_new_tokens=32, eos_token_ids=[EOS]).tokens == hf_greedy(
+            target, prompt, 32
+        )
+
+
 def test_sampled_decoding_is_reproducible(target, trained_fspad):
     from draftsmith.inference.verify import SamplingConfig
 

@@ -77,3 +77,27 @@ def test_runtime_is_lossless_on_smollm2(cached):
         reference, _ = hf_greedy(cached, prompt, 32, eos)
         for drafter in (None, PromptLookupDrafter()):
             assert generate(cached.model, prompt, drafter, max_new_tokens=32, eos_token_ids=eos).tokens == reference
+
+
+def test_feature_drafters_are_lossless_on_smollm2(cached, tmp_path):
+    """EAGLE and FSPAD (untrained: whatever they propose) with a reduced draft vocabulary, through
+    the exported-directory loader, on real prompts: token-identical to HF greedy."""
+    from draftsmith.drafters.io import export_drafter
+    from draftsmith.inference.bench import hf_greedy
+    from draftsmith.inference.methods import build_drafter
+    from draftsmith.inference.runtime import generate
+    from draftsmith.train.families import get_family
+
+    eos = cached.eos_token_ids
+    torch.manual_seed(0)
+    drafters = []
+    for family in ("eagle", "fspad"):
+        model = get_family(family).build(cached.model.config, {"draft_vocab_size": 4096})
+        model.fit_data(torch.arange(cached.model.config.vocab_size).flip(0).float())
+        export_drafter(model, cached.identity.to_dict(), tmp_path / family)
+        drafters.append(build_drafter(f"{family}={tmp_path / family}", cached))
+    for text in _dev_prompts(4):
+        prompt = cached.encode_chat([{"role": "user", "content": text}])
+        reference, _ = hf_greedy(cached, prompt, 20, eos)
+        for drafter in drafters:
+            assert generate(cached.model, prompt, drafter, max_new_tokens=20, eos_token_ids=eos).tokens == reference

@@ -1,0 +1,19 @@
+"""Every training recipe shipped in the package parses and validates against its family."""
+
+import pytest
+
+from draftsmith.train.config import load_train_recipe
+from draftsmith.train.recipe import shipped_recipes
+
+RECIPES = sorted(shipped_recipes().glob("*.yaml"))
+
+
+def test_the_documented_recipes_are_shipped():
+    names = {path.name for path in RECIPES}
+    assert {"eagle-smollm2.yaml", "fspad-smollm2.yaml", "eagle-llama3-8b.yaml", "fspad-llama3-8b.yaml"} <= names
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)
+def test_shipped_recipe_validates(path):
+    recipe = load_train_recipe(path)
+    assert recipe.output_dir.startswith("runs/") and recipe.data.prepared

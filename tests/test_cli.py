@@ -1,4 +1,4 @@
-"""The command line: help everywhere, honest answers for jobs that are not built yet, shipped data."""
+"""The command line: help everywhere, required arguments, shipped data."""
 
 import json
 import subprocess
@@ -33,10 +33,10 @@ def test_help_everywhere(argv, capsys):
 
 
 @pytest.mark.parametrize("command", ["train", "export"])
-def test_unbuilt_jobs_say_so(command):
+def test_train_and_export_need_their_arguments(command, capsys):
     with pytest.raises(SystemExit) as info:
         main([command])
-    assert "not implemented yet" in str(info.value.code)
+    assert info.value.code == 2 and "required" in capsys.readouterr().err
 
 
 def test_console_script_is_installed():

@@ -8,12 +8,11 @@ from collections.abc import Sequence
 
 from draftsmith.data.cli import add_data_commands
 from draftsmith.inference.cli import add_inference_commands
+from draftsmith.train.commands import add_train_commands
+from draftsmith.train.medusa_cli import add_medusa_commands
 
 # Jobs whose issues have not landed yet say so plainly instead of pretending to work.
-PENDING = {
-    "train": ("train a drafter from a recipe", "the trainer (EAGLE/FSPAD issue)"),
-    "export": ("export a training run as a safetensors drafter checkpoint", "the trainer (EAGLE/FSPAD issue)"),
-}
+PENDING: dict[str, tuple[str, str]] = {}
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
@@ -23,12 +22,22 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from draftsmith.data.prepared import PreparedDataError
     from draftsmith.data.regenerate import RegenerateError
     from draftsmith.data.templates import TemplateError
+    from draftsmith.drafters.io import DrafterCheckpointError
     from draftsmith.inference.bench import BenchError
     from draftsmith.inference.methods import MethodError
     from draftsmith.inference.target import TargetError
+    from draftsmith.train.checkpoint import CheckpointError
     from draftsmith.train.recipe import RecipeError
+    from draftsmith.train.tracking import TrackingError
+    from draftsmith.train.trainer import TrainingError
+    from draftsmith.drafters.medusa import MedusaTreeError
 
     return (
+        TrainingError,
+        MedusaTreeError,
+        CheckpointError,
+        TrackingError,
+        DrafterCheckpointError,
         DataError,
         TargetError,
         MethodError,
@@ -59,6 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add_data_commands(commands)
+    add_train_commands(commands)
+    add_medusa_commands(commands)
     for name, (help_text, issue) in PENDING.items():
         commands.add_parser(name, help=f"{help_text} (not implemented yet)").set_defaults(func=_pending(name, issue))
     add_inference_commands(commands)
@@ -66,7 +77,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
+    run_command(build_parser().parse_args(argv))
+
+
+def run_command(args: argparse.Namespace) -> None:
+    """Run a parsed command; a user's mistake becomes one line on stderr and exit status 2."""
     try:
         args.func(args)
     except _user_errors() as error:

@@ -1,0 +1,358 @@
+"""The generic trainer on a tiny random Llama target: loop, checkpoints, exact resume, guards, export,
+tracking, and (slow) data parallelism with DeepSpeed ZeRO-2 on two CPU processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from conftest import sharegpt, write_jsonl
+from draftsmith.data.features import CacheSettings, FeatureCacheError, build_feature_cache
+from draftsmith.data.prepared import PreparedDataError, PreparedDataset
+from draftsmith.inference.target import load_target
+from draftsmith.train.checkpoint import MARKER, complete_checkpoints, latest_checkpoint
+from draftsmith.train.cli import main
+from draftsmith.train.config import load_train_recipe
+from draftsmith.train.recipe import RecipeError
+from draftsmith.train.trainer import Trainer, train
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def prepared_dir(tmp_path_factory, tiny_target_dir) -> Path:
+    """Sixteen short conversations tokenised by the real `draftsmith data prepare` path."""
+    root = tmp_path_factory.mktemp("trainer-data")
+    records = [
+        sharegpt(("human", f"Question number {i}: what is {i} plus {i}?"), ("gpt", f"It is {2 * i}. " * (1 + i % 3)))
+        for i in range(16)
+    ]
+    data = write_jsonl(root / "chats.jsonl", records)
+    out = root / "prepared"
+    main(["data", "prepare", str(data), "--out", str(out), "--target", str(tiny_target_dir), "--max-length", "256"])
+    return out
+
+
+def write_recipe(tmp_path: Path, target: Path, prepared: Path, **sections) -> Path:
+    tree = {
+        "target": {"name": str(target)},
+        "output_dir": str(tmp_path / "run"),
+        "data": {"prepared": str(prepared)},
+        "drafter": {"family": "fspad"},
+        "loss": {"metric_steps": 2},
+        "train": {"lr": 1e-3, "batch_size": 2, "max_steps": 4, "save_every": 2, "log_every": 1, "warmup_steps": 1},
+        "tracking": {"wandb": False},
+    }
+    for name, values in sections.items():
+        tree[name] = {**tree.get(name, {}), **values} if isinstance(values, dict) else values
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(tree))
+    return path
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in records if "loss" in r}
+
+
+@pytest.fixture()
+def recipe_path(tmp_path, tiny_target_dir, prepared_dir):
+    return write_recipe(tmp_path, tiny_target_dir, prepared_dir)
+
+
+def test_training_logs_finite_losses_and_writes_complete_checkpoints(tmp_path, recipe_path):
+    recipe = load_train_recipe(recipe_path, ["train.keep_last=1", "data.eval_samples=3"])
+    result = train(recipe)
+    run = Path(recipe.output_dir)
+    curve = losses(run)
+    assert sorted(curve) == [1, 2, 3, 4] and all(torch.isfinite(torch.tensor(list(curve.values()))))
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    train_record = next(r for r in records if "loss" in r)
+    assert {"lr", "tokens_per_s", "loss/smooth_l1", "loss/ce", "acc/step1", "acc/step2"} <= set(train_record)
+    assert any("eval/loss" in r for r in records)  # held-out evaluation at each checkpoint
+    assert train_record["lr"] == 0.0 and train_record["tokens_per_s"] > 0  # warmup starts at zero
+    assert [p.name for p in complete_checkpoints(run)] == ["step-4"]  # keep_last=1
+    assert result.checkpoint == run / "checkpoints" / "step-4" and result.step == 4
+    info = json.loads((run / "run_info.json").read_text())
+    assert info["world_size"] == 1 and info["features"] == "online" and info["eval_samples"] == 3
+    assert info["train_samples"] == len(PreparedDataset(Path(recipe.data.prepared))) - 3
+    assert yaml.safe_load((run / "recipe.resolved.yaml").read_text())["train"]["keep_last"] == 1
+
+
+def test_gradients_reach_only_the_drafter_and_data_shapes_the_draft_vocab(tmp_path, recipe_path):
+    trainer = Trainer(load_train_recipe(recipe_path, ["drafter.draft_vocab_size=8"]))
+    counts = trainer.data.token_counts(len(trainer.target.tokenizer))
+    assert int(counts.argmax()) in trainer.model.draft_vocab.tolist()  # fit on supervised training tokens
+    before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    embed = trainer.frozen.embed_tokens.weight.clone()
+    trainer.train_step(0)
+    trainer.train_step(1)  # step 0 has lr 0 (warmup)
+    after = trainer.model.state_dict()
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+    assert torch.equal(embed, trainer.frozen.embed_tokens.weight)
+    assert not any(p.requires_grad for p in trainer.target.model.parameters())
+    assert not any(k.startswith(("embed_tokens", "lm_head")) for k in after)  # the target is never saved
+
+
+def interrupt_at(monkeypatch, step_index: int) -> None:
+    original = Trainer.train_step
+
+    def train_step(self, step):
+        if step == step_index:
+            raise KeyboardInterrupt
+        return original(self, step)
+
+    monkeypatch.setattr(Trainer, "train_step", train_step)
+
+
+def test_resume_continues_exactly(tmp_path, tiny_target_dir, prepared_dir, monkeypatch):
+    common = ["train.max_steps=6", "train.save_every=2", "train.grad_accum=2"]  # 6 steps = 1.5 epochs of 16
+    full = write_recipe(tmp_path / "a", tiny_target_dir, prepared_dir)
+    train(load_train_recipe(full, common))
+    interrupted = write_recipe(tmp_path / "b", tiny_target_dir, prepared_dir)
+    with monkeypatch.context() as patch:
+        interrupt_at(patch, 4)  # dies during step 5, after checkpoint step-4
+        with pytest.raises(KeyboardInterrupt):
+            train(load_train_recipe(interrupted, common))
+    run_b = tmp_path / "b" / "run"
+    assert latest_checkpoint(run_b).name == "step-4" and max(losses(run_b)) == 4
+    train(load_train_recipe(interrupted, common), resume=True)
+    curve_a, curve_b = losses(tmp_path / "a" / "run"), losses(run_b)
+    assert sorted(curve_b) == [1, 2, 3, 4, 5, 6]
+    for step in curve_a:
+        assert curve_b[step] == pytest.approx(curve_a[step], rel=1e-6, abs=1e-9), step
+    weights_a = load_file(str(tmp_path / "a/run/checkpoints/step-6/drafter/model.safetensors"))
+    weights_b = load_file(str(run_b / "checkpoints/step-6/drafter/model.safetensors"))
+    for key in weights_a:
+        torch.testing.assert_close(weights_a[key], weights_b[key], rtol=1e-6, atol=1e-7)
+
+
+def test_an_interrupted_checkpoint_write_never_replaces_the_last_good_one(tmp_path, recipe_path, monkeypatch):
+    import draftsmith.train.checkpoint as checkpoint
+
+    recipe = load_train_recipe(recipe_path)
+    run = Path(recipe.output_dir)
+    calls = {"n": 0}
+    original = checkpoint._fsync_tree
+
+    def crash_on_second_write(root):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise OSError("disk full")
+        original(root)
+
+    monkeypatch.setattr(checkpoint, "_fsync_tree", crash_on_second_write)
+    with pytest.raises(OSError, match="disk full"):
+        train(recipe)
+    assert (run / "checkpoints" / ".tmp-step-4").is_dir()  # the half-written one stays a temp dir
+    (run / "checkpoints" / "step-9").mkdir()  # and a directory without the marker is ignored too
+    assert latest_checkpoint(run).name == "step-2" and (run / "checkpoints/step-2" / MARKER).is_file()
+    monkeypatch.setattr(checkpoint, "_fsync_tree", original)
+    result = train(recipe, resume=True)
+    assert result.checkpoint.name == "step-4" and not (run / "checkpoints" / ".tmp-step-4").exists()
+
+
+def test_nan_loss_stops_with_one_line_naming_the_step(tmp_path, recipe_path, monkeypatch, capsys):
+    import dataclasses
+    import functools
+
+    from draftsmith.train.families import FAMILIES
+
+    family = FAMILIES["fspad"]
+    calls = {"n": 0}
+
+    @functools.wraps(family.loss)
+    def poisoned(model, batch, frozen, **options):
+        out = family.loss(model, batch, frozen, **options)
+        calls["n"] += 1
+        if calls["n"] == 3:  # the first micro-batch of step 3
+            out.loss = out.loss * float("nan")
+        return out
+
+    monkeypatch.setitem(FAMILIES, "fspad", dataclasses.replace(family, loss=poisoned))
+    with pytest.raises(SystemExit) as info:
+        main(["train", str(recipe_path)])
+    stderr = capsys.readouterr().err
+    err = [line for line in stderr.splitlines() if line.startswith("draftsmith: error")]
+    assert info.value.code == 2 and len(err) == 1 and "Traceback" not in stderr
+    assert "the loss is nan at step 3" in err[0] and "last checkpoint is intact" in err[0]
+    assert latest_checkpoint(tmp_path / "run").name == "step-2"
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["drafter.feature_sampler=true", "drafter.featur_sampler=1"], "did you mean 'feature_sampler'"),
+        (["drafter.family=medusa9"], "unknown drafter family 'medusa9'"),
+        (["loss.ce_wieght=0.1"], "did you mean 'ce_weight'"),
+        (["train.batch_size=0"], "train.batch_size must be > 0"),
+        (["train.lrr=1"], "did you mean 'lr'"),
+    ],
+)
+def test_recipe_errors_before_training(recipe_path, overrides, message):
+    with pytest.raises(RecipeError, match=message):
+        load_train_recipe(recipe_path, overrides)
+
+
+def test_data_errors_name_the_fix(tmp_path, tiny_target_dir, other_target_dir, prepared_dir):
+    missing = write_recipe(tmp_path, tiny_target_dir, tmp_path / "nope")
+    with pytest.raises(PreparedDataError, match=r"does not exist; make it with `draftsmith data prepare"):
+        Trainer(load_train_recipe(missing))
+    other = write_recipe(tmp_path, other_target_dir, prepared_dir)
+    with pytest.raises(PreparedDataError, match="prepared for another target"):
+        Trainer(load_train_recipe(other))
+    too_big = write_recipe(tmp_path, tiny_target_dir, prepared_dir, train={"batch_size": 64})
+    with pytest.raises(PreparedDataError, match="fewer than one global batch"):
+        Trainer(load_train_recipe(too_big))
+
+
+def test_resume_refuses_another_recipe_and_fresh_runs_refuse_old_checkpoints(recipe_path, capsys):
+    train(load_train_recipe(recipe_path, ["train.max_steps=2"]))
+    with pytest.raises(SystemExit):
+        main(["train", str(recipe_path), "train.max_steps=2"])
+    assert "already holds checkpoints" in capsys.readouterr().err
+    with pytest.raises(RecipeError, match=r"train.lr was 0.001, now 0.002"):
+        Trainer(load_train_recipe(recipe_path, ["train.lr=2e-3"]), resume=True)
+    result = train(load_train_recipe(recipe_path, ["train.max_steps=3"]), resume=True)  # max_steps may grow
+    assert result.checkpoint.name == "step-3" and sorted(losses(result.output_dir)) == [1, 2, 3]
+
+
+def test_offline_features_match_online_training(tmp_path, tiny_target_dir, prepared_dir, other_target_dir):
+    cache = tmp_path / "features"
+    build_feature_cache(
+        PreparedDataset(prepared_dir),
+        load_target(str(tiny_target_dir)),
+        cache,
+        CacheSettings(dtype="fp32", shard_tokens=200),
+    )
+    no_noise = ["loss.feature_noise=0", "train.max_steps=2"]
+    online = write_recipe(tmp_path / "on", tiny_target_dir, prepared_dir)
+    offline = write_recipe(tmp_path / "off", tiny_target_dir, prepared_dir, data={"features": str(cache)})
+    train(load_train_recipe(online, no_noise))
+    result = train(load_train_recipe(offline, no_noise))
+    assert json.loads((result.output_dir / "run_info.json").read_text())["features"] == "offline"
+    # shard-wise shuffling reads other samples than the online order, so compare on the same batch:
+    trainer = Trainer(load_train_recipe(offline, [*no_noise, "output_dir=" + str(tmp_path / "x")]))
+    indices = trainer.data.global_batch(0, trainer.plan, 0)
+    cached = trainer.data.collate(indices)
+    trainer.data.cache = None  # the same samples, features computed by the target inside the step
+    computed = trainer._batch(indices)
+    assert torch.equal(cached.input_ids, computed.input_ids)
+    real = cached.attention_mask.bool()  # padded positions carry no feature in the cache
+    torch.testing.assert_close(cached.hidden_states[real], computed.hidden_states[real], rtol=1e-4, atol=1e-5)
+    wrong = write_recipe(tmp_path / "w", other_target_dir, prepared_dir, data={"features": str(cache)})
+    with pytest.raises((FeatureCacheError, PreparedDataError), match="another target"):
+        Trainer(load_train_recipe(wrong))
+
+
+def test_export_writes_a_self_describing_drafter(tmp_path, recipe_path, capsys):
+    from draftsmith.drafters.eagle import EagleDrafter
+
+    recipe = load_train_recipe(recipe_path)
+    train(recipe)
+    out = tmp_path / "exported"
+    main(["export", recipe.output_dir, "--out", str(out)])
+    assert f"--method fspad={out}" in capsys.readouterr().out
+    config = json.loads((out / "config.json").read_text())
+    assert config["drafter_family"] == "fspad" and config["feature_sampler"] and config["partial_alignment"]
+    info = json.loads((Path(recipe.output_dir) / "run_info.json").read_text())
+    assert config["target_identity"] == info["target_identity"]
+    model = EagleDrafter.from_pretrained(str(out))
+    saved = load_file(str(Path(recipe.output_dir) / "checkpoints/step-4/drafter/model.safetensors"))
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, saved[key])
+    with pytest.raises(SystemExit):
+        main(["export", recipe.output_dir, "--out", str(out)])
+    assert "--overwrite" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["export", recipe.output_dir, "--out", str(tmp_path / "o2"), "--checkpoint", "step-3"])
+    assert "complete ones: step-2, step-4" in capsys.readouterr().err
+    main(["export", recipe.output_dir, "--out", str(tmp_path / "o3"), "--checkpoint", "step-2"])
+    with pytest.raises(SystemExit):  # FSPAD has no place in vLLM's EAGLE layout: one line, not a traceback
+        main(["export", recipe.output_dir, "--out", str(tmp_path / "o4"), "--layout", "speculators"])
+    assert "cannot export" in capsys.readouterr().err and not (tmp_path / "o4").exists()
+
+
+def test_export_in_speculators_layout(tmp_path, tiny_target_dir, prepared_dir):
+    recipe_path = write_recipe(tmp_path, tiny_target_dir, prepared_dir, drafter={"family": "eagle"})
+    recipe = load_train_recipe(recipe_path, ["train.max_steps=1", "train.save_every=1"])
+    train(recipe)
+    out = tmp_path / "spec"
+    main(["export", recipe.output_dir, "--out", str(out), "--layout", "speculators", "--verifier", "org/tiny"])
+    config = json.loads((out / "config.json").read_text())
+    assert "speculators_config" in config and load_file(str(out / "model.safetensors"))
+
+
+def test_wandb_offline_run_writes_its_files(tmp_path, recipe_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb-home"))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    recipe = load_train_recipe(recipe_path, ["tracking.wandb=true", "train.max_steps=2", "tracking.run_name=t"])
+    train(recipe)
+    runs = list((tmp_path / "wandb-home" / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and list(runs[0].glob("run-*.wandb"))
+    run_id = (Path(recipe.output_dir) / "wandb_run_id.txt").read_text().strip()
+    assert runs[0].name.endswith(run_id)
+
+
+def _launch(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run(args, capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
+
+
+@pytest.mark.slow
+def test_two_process_deepspeed_zero2_equals_one_process(tmp_path, tiny_target_dir, prepared_dir):
+    """Two CPU processes under DeepSpeed ZeRO-2 (gloo) = one process accumulating the same two micro-batches,
+    also across a resume (the DeepSpeed engine's state is restored)."""
+    recipe = write_recipe(tmp_path, tiny_target_dir, prepared_dir)
+    common = ["loss.feature_noise=0", "train.save_every=3", "train.grad_clip=0.5"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "WANDB_MODE": "disabled"}
+    accelerate = shutil.which("accelerate", path=str(Path(sys.executable).parent)) or "accelerate"
+    two = [
+        accelerate,
+        "launch",
+        "--config_file",
+        str(REPO / "recipes/accelerate/zero2.yaml"),
+        "--num_processes",
+        "2",
+        "-m",
+        "draftsmith.train",
+        str(recipe),
+        *common,
+        f"output_dir={tmp_path / 'two'}",
+    ]
+    one = [
+        sys.executable,
+        "-m",
+        "draftsmith.train.cli",
+        "train",
+        str(recipe),
+        *common,
+        "train.grad_accum=2",
+        f"output_dir={tmp_path / 'one'}",
+    ]
+    for command in (two, one):
+        for extra in (["train.max_steps=3"], ["train.max_steps=4", "--resume"]):
+            result = _launch(command + extra, env)
+            assert result.returncode == 0, result.stderr[-3000:]
+    info_two = json.loads((tmp_path / "two/run_info.json").read_text())
+    assert info_two["world_size"] == 2 and info_two["deepspeed_zero_stage"] == 2 and info_two["global_batch"] == 4
+    assert json.loads((tmp_path / "one/run_info.json").read_text())["world_size"] == 1
+    curve_one, curve_two = losses(tmp_path / "one"), losses(tmp_path / "two")
+    assert sorted(curve_two) == sorted(curve_one) == [1, 2, 3, 4]
+    for step in curve_one:
+        assert curve_two[step] == pytest.approx(curve_one[step], rel=1e-5)
+    weights_one = load_file(str(tmp_path / "one/checkpoints/step-4/drafter/model.safetensors"))
+    weights_two = load_file(str(tmp_path / "two/checkpoints/step-4/drafter/model.safetensors"))
+    assert weights_one.keys() == weights_two.keys()
+    for key in weights_one:
+        torch.testing.assert_close(weights_two[key], weights_one[key], rtol=1e-4, atol=1e-6)

@@ -1,0 +1,25 @@
+"""``python -m draftsmith.train RECIPE [key=value ...] [--resume]``: the entry for ``accelerate launch``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from draftsmith.train.commands import add_train_arguments, cmd_train
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    from draftsmith.train.cli import run_command
+
+    parser = argparse.ArgumentParser(
+        prog="accelerate launch -m draftsmith.train", description="Train a drafter from a YAML recipe."
+    )
+    add_train_arguments(parser)
+    args = parser.parse_args(argv)
+    args.func = cmd_train
+    run_command(args)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,134 @@
+"""Training checkpoints: full state, written atomically, found by their completion marker.
+
+Layout of ``OUTPUT_DIR/checkpoints/step-N``::
+
+    COMPLETE                 written last: a directory without it is never used
+    trainer_state.json       step, epoch, data position, world size, global batch, target identity
+    drafter/                 config.json + model.safetensors (what `draftsmith export` reads)
+    ...                      accelerate's state: weights (or the DeepSpeed engine's files), optimizer,
+                             scheduler, RNG states of python / numpy / torch for every rank
+
+Every rank writes its part into ``checkpoints/.tmp-step-N``; after a barrier the main process adds
+the marker and renames the directory to ``step-N``, then deletes all but the last ``keep_last``
+complete ones. A crash at any point leaves the previous complete checkpoint untouched.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+from draftsmith.data.io import atomic_write_json
+
+MARKER = "COMPLETE"
+STATE_FILE = "trainer_state.json"
+DRAFTER_DIR = "drafter"
+_NAME = re.compile(r"^step-(\d+)$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that is missing, incomplete or does not fit the run."""
+
+
+def checkpoints_dir(output_dir: Path) -> Path:
+    return Path(output_dir) / "checkpoints"
+
+
+def complete_checkpoints(output_dir: Path) -> list[Path]:
+    """Complete checkpoints, oldest first; temp directories and ones without the marker are ignored."""
+    root = checkpoints_dir(output_dir)
+    if not root.is_dir():
+        return []
+    found = []
+    for path in root.iterdir():
+        match = _NAME.match(path.name)
+        if match and path.is_dir() and (path / MARKER).is_file():
+            found.append((int(match.group(1)), path))
+    return [path for _, path in sorted(found)]
+
+
+def latest_checkpoint(output_dir: Path) -> Path | None:
+    found = complete_checkpoints(output_dir)
+    return found[-1] if found else None
+
+
+def find_checkpoint(output_dir: Path, name: str | None) -> Path:
+    """The named checkpoint (``step-N``) or the last complete one; a clear error when there is none."""
+    if name is None:
+        path = latest_checkpoint(output_dir)
+        if path is None:
+            raise CheckpointError(f"{output_dir} holds no complete checkpoint (no checkpoints/step-N/{MARKER})")
+        return path
+    path = checkpoints_dir(output_dir) / name
+    if not (path / MARKER).is_file():
+        names = ", ".join(p.name for p in complete_checkpoints(output_dir)) or "none"
+        raise CheckpointError(f"{path} is not a complete checkpoint; complete ones: {names}")
+    return path
+
+
+def read_state(checkpoint: Path) -> dict[str, Any]:
+    return json.loads((Path(checkpoint) / STATE_FILE).read_text())
+
+
+def save_checkpoint(accelerator: Any, model: Any, output_dir: Path, state: dict[str, Any], keep_last: int) -> Path:
+    """Write the full training state of step ``state['step']``; call on every rank."""
+    root = checkpoints_dir(output_dir)
+    step = int(state["step"])
+    tmp, final = root / f".tmp-step-{step}", root / f"step-{step}"
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)  # a leftover of an interrupted write
+        tmp.mkdir(parents=True)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(tmp))
+    weights = accelerator.get_state_dict(model)  # collective under ZeRO-3: every rank takes part
+    if accelerator.is_main_process:
+        _save_drafter(accelerator.unwrap_model(model), weights, tmp / DRAFTER_DIR)
+        atomic_write_json(tmp / STATE_FILE, state)
+        _fsync_tree(tmp)
+        (tmp / MARKER).write_text(f"step {step}\n")
+        _replace_dir(tmp, final)
+        for old in complete_checkpoints(output_dir)[:-keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    return final
+
+
+def load_checkpoint(accelerator: Any, checkpoint: Path) -> dict[str, Any]:
+    """Restore weights, optimizer, scheduler and every rank's RNG states; returns the trainer state."""
+    accelerator.load_state(str(checkpoint))
+    return read_state(checkpoint)
+
+
+def _save_drafter(model: Any, weights: dict[str, Any], directory: Path) -> None:
+    """The drafter's own config + weights, in the layout of ``drafters/io.py``."""
+    from safetensors.torch import save_file
+
+    from draftsmith.drafters.io import WEIGHTS_NAME
+
+    directory.mkdir(parents=True, exist_ok=True)
+    model.config.save_pretrained(directory)
+    tensors = {name: tensor.detach().contiguous().cpu() for name, tensor in weights.items()}
+    save_file(tensors, str(directory / WEIGHTS_NAME), metadata={"format": "pt"})
+
+
+def _fsync_tree(root: Path) -> None:
+    """Flush every file before the marker is written, so the marker never outlives its data."""
+    for path in root.rglob("*"):
+        if path.is_file():
+            with open(path, "rb") as handle:
+                os.fsync(handle.fileno())
+
+
+def _replace_dir(tmp: Path, final: Path) -> None:
+    if final.exists():  # the same step written again (e.g. the final save of a resumed run)
+        old = final.with_name(final.name + ".old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(final, old)
+        os.rename(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(tmp, final)

@@ -1,0 +1,84 @@
+"""``draftsmith train`` and ``draftsmith export`` (and ``python -m draftsmith.train`` under accelerate)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+
+def add_train_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("recipe", help="a training recipe (YAML), e.g. recipes/fspad-smollm2.yaml")
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="recipe overrides, e.g. train.max_steps=50")
+    parser.add_argument("--resume", action="store_true", help="continue from the last complete checkpoint")
+
+
+def cmd_train(args: argparse.Namespace) -> None:
+    from draftsmith.train.config import load_train_recipe
+    from draftsmith.train.trainer import train
+
+    recipe = load_train_recipe(Path(args.recipe), args.overrides)
+    result = train(recipe, resume=args.resume)
+    if result.checkpoint is not None and _is_main_process():
+        print(
+            f"trained {result.step} steps; last checkpoint {result.checkpoint}; export it with "
+            f"`draftsmith export {result.output_dir} --out DIR`"
+        )
+
+
+def cmd_export(args: argparse.Namespace) -> None:
+    import json
+
+    from draftsmith.train.export import export_run
+
+    out = export_run(
+        Path(args.run_dir),
+        Path(args.out),
+        checkpoint=args.checkpoint,
+        overwrite=args.overwrite,
+        layout=args.layout,
+        verifier=args.verifier,
+    )
+    if args.layout == "speculators":
+        print(f"exported to {out} in vLLM's speculators layout (serve it with vLLM's --speculative-config)")
+        return
+    family = json.loads((out / "config.json").read_text()).get("drafter_family", "eagle")
+    print(
+        f"exported to {out}; decode with `draftsmith generate --method {family}={out}` or compare with "
+        f"`draftsmith bench --methods {family}={out}`"
+    )
+
+
+def _is_main_process() -> bool:
+    import os
+
+    return os.environ.get("RANK", "0") == "0"
+
+
+def add_train_commands(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "train",
+        help="train a drafter from a recipe (one process; use `accelerate launch -m draftsmith.train` for more)",
+        description="Train a drafter from a YAML recipe with key=value overrides. Resumable with --resume.",
+    )
+    add_train_arguments(p)
+    p.set_defaults(func=cmd_train)
+
+    p = subparsers.add_parser(
+        "export",
+        help="export a training run as a safetensors drafter directory",
+        description="Write a run's last complete checkpoint (or --checkpoint step-N) as config.json + "
+        "model.safetensors, ready for `draftsmith generate` and `draftsmith bench`.",
+    )
+    p.add_argument("run_dir", help="the run's output_dir")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--checkpoint", default=None, help="a checkpoint name such as step-500 (default: the last)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
+    p.add_argument(
+        "--layout",
+        choices=["draftsmith", "speculators"],
+        default="draftsmith",
+        help="draftsmith (default; for generate/bench) or vLLM's speculators EAGLE layout (plain eagle only)",
+    )
+    p.add_argument("--verifier", default=None, help="with --layout speculators: the target's hub id to record")
+    p.set_defaults(func=cmd_export)

@@ -1,0 +1,188 @@
+"""Training data for the generic trainer: which samples each rank reads at each step, deterministically.
+
+The sample order depends only on ``(seed, epoch)``, never on the number of processes: optimizer step
+``s`` reads global batch ``s`` of the epoch's order (``batch_size x world x grad_accum`` samples),
+and micro-batch ``m`` of rank ``r`` is its chunk ``m * world + r``. So a run resumed at step ``k``
+reads exactly what the uninterrupted run read, and one process with ``grad_accum=2`` reads the same
+micro-batches as two processes with ``grad_accum=1``.
+
+Offline (feature cache), samples are shuffled shard by shard (shard order, then order within the
+shard), so a rank keeps one shard in memory instead of reading one per sample.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from draftsmith.data.features import FeatureCache, FeatureCacheError, _dataset_fingerprint
+from draftsmith.data.prepared import PreparedDataError, PreparedDataset
+from draftsmith.inference.target import TargetIdentity
+from draftsmith.train.batch import TrainBatch
+
+EVAL_SPLIT_SEED = 0  # the held-out split does not move when train.seed changes
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """Sizes of one optimizer step."""
+
+    batch_size: int  # samples per micro-batch per rank
+    world_size: int
+    grad_accum: int
+
+    @property
+    def global_batch(self) -> int:
+        return self.batch_size * self.world_size * self.grad_accum
+
+    def micro_batch(self, global_indices: list[int], micro: int, rank: int) -> list[int]:
+        chunk = micro * self.world_size + rank
+        return global_indices[chunk * self.batch_size : (chunk + 1) * self.batch_size]
+
+
+def open_prepared(path: str, identity: TargetIdentity) -> PreparedDataset:
+    """The recipe's prepared dataset, checked against the target it will be trained for."""
+    directory = Path(path)
+    if not directory.exists():
+        raise PreparedDataError(
+            f"data.prepared: {directory} does not exist; make it with "
+            f"`draftsmith data prepare [INPUT] --out {directory} --target {identity.name}` "
+            "(INPUT defaults to the bundled dataset)"
+        )
+    dataset = PreparedDataset(directory)
+    dataset.check_target(identity)
+    return dataset
+
+
+def open_feature_cache(path: str, prepared: PreparedDataset, identity: TargetIdentity, hidden: int) -> FeatureCache:
+    """The recipe's feature cache: complete, for this target, for this prepared dataset, this hidden size."""
+    cache = FeatureCache(Path(path))
+    cache.check_target(identity)
+    if cache.manifest["dataset"]["fingerprint"] != _dataset_fingerprint(prepared):
+        raise FeatureCacheError(
+            f"data.features: {path} was cached from another prepared dataset than {prepared.path}; "
+            f"run `draftsmith data cache-features {prepared.path} --out {path} --overwrite`"
+        )
+    if int(cache.manifest["hidden_size"]) != hidden:
+        raise FeatureCacheError(
+            f"data.features: {path} holds features of size {cache.manifest['hidden_size']}, "
+            f"the target's hidden size is {hidden}; cache features again"
+        )
+    return cache
+
+
+@dataclass
+class TrainData:
+    """Samples of a prepared dataset (online) or of its feature cache (offline), split and ordered."""
+
+    prepared: PreparedDataset
+    cache: FeatureCache | None = None
+    max_length: int | None = None
+    eval_samples: int = 0
+    train_indices: list[int] = field(init=False)
+    eval_indices: list[int] = field(init=False)
+    _order: tuple[int, list[int]] | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        n = len(self.prepared)
+        if self.eval_samples >= n:
+            raise PreparedDataError(f"data.eval_samples={self.eval_samples} leaves no training sample ({n} in total)")
+        split = np.random.default_rng(EVAL_SPLIT_SEED).permutation(n)
+        self.eval_indices = sorted(int(i) for i in split[n - self.eval_samples :]) if self.eval_samples else []
+        held_out = set(self.eval_indices)
+        self.train_indices = [i for i in range(n) if i not in held_out]
+
+    @property
+    def offline(self) -> bool:
+        return self.cache is not None
+
+    def steps_per_epoch(self, plan: BatchPlan) -> int:
+        steps = len(self.train_indices) // plan.global_batch
+        if steps == 0:
+            raise PreparedDataError(
+                f"{len(self.train_indices)} training samples are fewer than one global batch "
+                f"(batch_size {plan.batch_size} x {plan.world_size} processes x grad_accum {plan.grad_accum}); "
+                "lower train.batch_size or train.grad_accum, or prepare more data"
+            )
+        return steps
+
+    def epoch_order(self, seed: int, epoch: int) -> list[int]:
+        """The training samples in the order epoch ``epoch`` reads them (memoised for the current epoch)."""
+        if self._order is not None and self._order[0] == epoch:
+            return self._order[1]
+        rng = np.random.default_rng([seed, epoch])
+        groups = self._shard_groups()
+        order = [groups[g][i] for g in rng.permutation(len(groups)) for i in rng.permutation(len(groups[g]))]
+        self._order = (epoch, order)
+        return order
+
+    def _shard_groups(self) -> list[list[int]]:
+        if self.cache is None:
+            return [self.train_indices]
+        shard_sizes = [len(shard["sample_ids"]) for shard in self.cache.manifest["shards"]]
+        shard_of = np.repeat(np.arange(len(shard_sizes)), shard_sizes)
+        groups: dict[int, list[int]] = {}
+        for index in self.train_indices:
+            groups.setdefault(int(shard_of[index]), []).append(index)
+        return [groups[k] for k in sorted(groups)]
+
+    def global_batch(self, step: int, plan: BatchPlan, seed: int) -> list[int]:
+        """Sample indices of optimizer step ``step`` (0-based), over all ranks and micro-batches."""
+        per_epoch = self.steps_per_epoch(plan)
+        epoch, position = divmod(step, per_epoch)
+        order = self.epoch_order(seed, epoch)
+        return order[position * plan.global_batch : (position + 1) * plan.global_batch]
+
+    def token_counts(self, vocab_size: int) -> torch.Tensor:
+        """How often each token is supervised in the training samples: (vocab_size,) long."""
+        ids, mask = self.prepared.input_ids.long(), self.prepared.loss_mask.bool()
+        counts = torch.bincount(ids[mask], minlength=vocab_size)
+        for index in self.eval_indices:  # held-out samples must not shape the drafter
+            sample = self.prepared[index]
+            counts -= torch.bincount(sample.input_ids[sample.loss_mask.bool()], minlength=vocab_size)
+        return counts
+
+    def sample(self, index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(input_ids, loss_mask, feature or None) of one sample, cut to ``max_length``."""
+        if self.cache is not None:
+            item = self.cache[index]
+            ids, mask, feature = item["input_ids"], item["loss_mask"], item["feature"]
+        else:
+            item = self.prepared[index]
+            ids, mask, feature = item.input_ids, item.loss_mask, None
+        if self.max_length is not None:
+            ids, mask = ids[: self.max_length], mask[: self.max_length]
+            feature = None if feature is None else feature[: self.max_length]
+        return ids, mask, feature
+
+    def collate(self, indices: list[int]) -> TrainBatch:
+        """A right-padded batch; offline batches carry the cached features as float32."""
+        samples = [self.sample(i) for i in indices]
+        width = max(len(ids) for ids, _, _ in samples)
+        input_ids = torch.zeros(len(samples), width, dtype=torch.long)
+        loss_mask = torch.zeros(len(samples), width, dtype=torch.float32)
+        attention_mask = torch.zeros(len(samples), width, dtype=torch.long)
+        hidden = None
+        if self.offline:
+            hidden = torch.zeros(len(samples), width, samples[0][2].shape[-1], dtype=torch.float32)
+        for row, (ids, mask, feature) in enumerate(samples):
+            length = len(ids)
+            input_ids[row, :length] = ids
+            loss_mask[row, :length] = mask.float()
+            attention_mask[row, :length] = 1
+            if hidden is not None:
+                hidden[row, :length] = feature.float()
+        return TrainBatch(input_ids, loss_mask, attention_mask, hidden)
+
+
+@torch.no_grad()
+def online_features(target_model: torch.nn.Module, batch: TrainBatch) -> torch.Tensor:
+    """The feature ``hidden_states[-1]`` (input of ``lm_head``) of a right-padded batch, float32.
+
+    The base model only: its ``last_hidden_state`` is the feature, and the ``lm_head`` logits would
+    cost more than the rest of the forward on small targets (same definition as the feature cache)."""
+    out = target_model.base_model(input_ids=batch.input_ids, attention_mask=batch.attention_mask)
+    return out.last_hidden_state.float()

@@ -1,0 +1,50 @@
+"""``draftsmith export``: a training run's checkpoint as a self-describing drafter directory.
+
+The directory holds ``config.json`` (the family's config with ``drafter_family`` and the target's
+identity) and ``model.safetensors`` (the drafter's own weights, nothing of the target), which
+``inference/`` loads with one call and refuses for any other target.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+from draftsmith.train.checkpoint import DRAFTER_DIR, CheckpointError, find_checkpoint, read_state
+from draftsmith.train.config import TrainRecipe
+from draftsmith.train.recipe import build
+
+
+def export_run(
+    run_dir: Path,
+    out: Path,
+    checkpoint: str | None = None,
+    overwrite: bool = False,
+    layout: str = "draftsmith",
+    verifier: str | None = None,
+) -> Path:
+    """Write the drafter of ``run_dir``'s last complete checkpoint (or ``checkpoint``) to ``out``.
+
+    ``layout="speculators"`` writes vLLM's ``speculators`` EAGLE layout instead (plain EAGLE only),
+    naming ``verifier`` (default: the recipe's target) as the model it drafts for."""
+    from draftsmith.drafters.io import export_drafter, export_speculators
+    from draftsmith.train.families import get_family
+    from draftsmith.train.trainer import RESOLVED_RECIPE
+
+    run_dir = Path(run_dir)
+    recipe_path = run_dir / RESOLVED_RECIPE
+    if not recipe_path.is_file():
+        raise CheckpointError(f"{run_dir} is not a training run (no {RESOLVED_RECIPE}); give the run's output_dir")
+    recipe = build(TrainRecipe, yaml.safe_load(recipe_path.read_text()))
+    source = find_checkpoint(run_dir, checkpoint)
+    state = read_state(source)
+    family = get_family(state.get("family", recipe.family_name))
+    model = family.model_class.from_pretrained(str(source / DRAFTER_DIR))
+    model.config.drafter_family = family.name
+    if layout == "speculators":
+        try:
+            return export_speculators(model, verifier or recipe.target.name, out, overwrite=overwrite)
+        except ValueError as error:  # a family or option the layout cannot express
+            raise CheckpointError(f"cannot export {run_dir} for speculators: {error}") from None
+    return export_drafter(model, state["target_identity"], out, overwrite=overwrite)

@@ -1,0 +1,403 @@
+"""The one training loop, shared by every drafter family.
+
+A family contributes its model (``family.build``) and its loss (``family.compute_loss``); the loop
+owns everything else: accelerate (one CPU, DDP, or DeepSpeed ZeRO through ``accelerate launch``),
+AdamW with warmup and decay, gradient accumulation and clipping, online or offline features, the
+NaN guard, tracking, held-out evaluation and exact resume from atomic checkpoints.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import yaml
+from tqdm.auto import tqdm
+
+from draftsmith.data.io import atomic_write_json
+from draftsmith.train.batch import FrozenTarget, TrainBatch
+from draftsmith.train.checkpoint import latest_checkpoint, load_checkpoint, read_state, save_checkpoint
+from draftsmith.train.config import TrainRecipe, TrainSection
+from draftsmith.train.data import BatchPlan, TrainData, online_features, open_feature_cache, open_prepared
+from draftsmith.train.recipe import RecipeError, save_resolved, to_tree
+from draftsmith.train.tracking import Tracker
+
+RESOLVED_RECIPE = "recipe.resolved.yaml"
+RUN_INFO = "run_info.json"
+# Recipe keys a resumed run may change: they do not alter what the finished steps computed.
+RESUMABLE_CHANGES = ("train.max_steps", "train.resume", "tracking.")
+
+
+class TrainingError(RuntimeError):
+    """Training cannot start or go on (non-finite loss, a run directory that does not fit)."""
+
+
+@dataclass
+class TrainResult:
+    output_dir: Path
+    step: int  # optimizer steps done
+    checkpoint: Path | None  # the last complete checkpoint
+    metrics: dict[str, float]  # the last logged figures
+
+
+def uses_deepspeed() -> bool:
+    """``accelerate launch`` with a DeepSpeed config says so in the environment."""
+    return os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() in {"1", "true", "yes"}
+
+
+def build_accelerator(train: TrainSection) -> Any:
+    """An ``Accelerator`` for this machine. On a CPU-only machine DeepSpeed needs its CPU accelerator
+    and the gloo backend named before the accelerator exists, else accelerate runs it as one process."""
+    from accelerate import Accelerator, PartialState
+
+    on_cpu = not torch.cuda.is_available()
+    if uses_deepspeed() and on_cpu:
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        PartialState(backend="gloo")
+    precision = train.mixed_precision
+    if precision == "auto":
+        precision = "no" if on_cpu else os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
+    accelerator = Accelerator(
+        mixed_precision=precision,
+        gradient_accumulation_steps=train.grad_accum,
+        step_scheduler_with_optimizer=False,  # the loop steps the scheduler once per optimizer step
+    )
+    accelerator.gradient_accumulation_steps = train.grad_accum  # the launcher's env may have said otherwise
+    return accelerator
+
+
+def _configure_deepspeed(accelerator: Any, train: TrainSection, plan: BatchPlan) -> None:
+    """The recipe decides batch sizes, accumulation and clipping; the accelerate config only ZeRO."""
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is None:
+        return
+    config = plugin.deepspeed_config
+    config["train_micro_batch_size_per_gpu"] = plan.batch_size
+    config["gradient_accumulation_steps"] = plan.grad_accum
+    config["train_batch_size"] = plan.global_batch
+    config["gradient_clipping"] = float(train.grad_clip or 0.0)
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, train: TrainSection, total_steps: int) -> Any:
+    from transformers import (
+        get_constant_schedule_with_warmup,
+        get_cosine_schedule_with_warmup,
+        get_linear_schedule_with_warmup,
+    )
+
+    if train.scheduler == "constant":
+        return get_constant_schedule_with_warmup(optimizer, train.warmup_steps)
+    schedule = get_linear_schedule_with_warmup if train.scheduler == "linear" else get_cosine_schedule_with_warmup
+    return schedule(optimizer, train.warmup_steps, total_steps)
+
+
+def _check_resumable(recipe: TrainRecipe, output_dir: Path) -> None:
+    """A resumed run must be the same run: only RESUMABLE_CHANGES may differ from the saved recipe."""
+    saved_path = output_dir / RESOLVED_RECIPE
+    if not saved_path.is_file():
+        return
+    saved, current = _flatten(yaml.safe_load(saved_path.read_text())), _flatten(to_tree(recipe))
+    for key in sorted(set(saved) | set(current)):
+        if key.startswith(RESUMABLE_CHANGES) or saved.get(key) == current.get(key):
+            continue
+        raise RecipeError(
+            f"cannot resume {output_dir}: {key} was {saved.get(key)!r}, now {current.get(key)!r}; "
+            f"only train.max_steps and tracking may change on resume (use another output_dir for a new run)"
+        )
+
+
+def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and not (prefix == "" and key in {"drafter", "loss"}):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def _starting_checkpoint(recipe: TrainRecipe, output_dir: Path, resume: bool, is_main: bool) -> Path | None:
+    checkpoint = latest_checkpoint(output_dir)
+    if checkpoint is not None and not resume:
+        raise TrainingError(
+            f"{output_dir} already holds checkpoints (last: {checkpoint.name}); pass --resume "
+            "(or train.resume=true) to continue, or choose another output_dir"
+        )
+    if resume:
+        _check_resumable(recipe, output_dir)
+        if checkpoint is None and is_main:
+            tqdm.write(f"draftsmith: no complete checkpoint in {output_dir}; starting from step 0")
+    return checkpoint
+
+
+@contextmanager
+def _preserved_rng() -> Iterator[None]:
+    """Evaluation must not move the training RNG, or a resumed run would draw different noise."""
+    states = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    try:
+        yield
+    finally:
+        random.setstate(states[0])
+        np.random.set_state(states[1])
+        torch.set_rng_state(states[2])
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+
+
+class Trainer:
+    """One run of a recipe; ``run()`` trains to ``train.max_steps`` (or ``train.epochs``)."""
+
+    def __init__(self, recipe: TrainRecipe, resume: bool = False) -> None:
+        self.recipe = recipe
+        self.output_dir = Path(recipe.output_dir)
+        self.accelerator = build_accelerator(recipe.train)
+        self.is_main = self.accelerator.is_main_process
+        self.checkpoint = _starting_checkpoint(recipe, self.output_dir, resume or recipe.train.resume, self.is_main)
+        self._load_target_and_data()
+        self._build_model()
+        self.start_step = self._restore() if self.checkpoint else 0
+        if self.is_main:
+            save_resolved(recipe, self.output_dir, RESOLVED_RECIPE)
+            atomic_write_json(self.output_dir / RUN_INFO, self.run_info())
+        self.accelerator.wait_for_everyone()
+
+    # ---- setup -----------------------------------------------------------------------------
+    def _load_target_and_data(self) -> None:
+        from draftsmith.inference.target import load_target
+        from draftsmith.train.families import get_family
+
+        recipe, device = self.recipe, self.accelerator.device
+        self.family = get_family(recipe.family_name)
+        self.target = load_target(recipe.target.name, dtype=recipe.target.dtype)
+        self.target.model.requires_grad_(False)
+        prepared = open_prepared(recipe.data.prepared, self.target.identity)
+        cache = None
+        if recipe.data.features:
+            cache = open_feature_cache(recipe.data.features, prepared, self.target.identity, self.target.hidden_size)
+        elif self.family.needs_features:
+            self.target.model.to(device)  # online: the frozen target computes features inside the step
+        self.data = TrainData(prepared, cache, recipe.data.max_length, recipe.data.eval_samples)
+        self.frozen = FrozenTarget.from_model(self.target.model)
+        self.frozen.embed_tokens.to(device)
+        self.frozen.lm_head.to(device)
+        self.plan = BatchPlan(recipe.train.batch_size, self.accelerator.num_processes, recipe.train.grad_accum)
+        self.steps_per_epoch = self.data.steps_per_epoch(self.plan)
+        self.total_steps = recipe.train.max_steps or recipe.train.epochs * self.steps_per_epoch
+
+    def _build_model(self) -> None:
+        from accelerate.utils import set_seed
+
+        train = self.recipe.train
+        set_seed(train.seed)  # the same initial weights on every rank
+        model = self.family.build(self.target.model.config, self.recipe.drafter_options)
+        if hasattr(model.config, "drafter_family"):
+            model.config.drafter_family = self.family.name  # the export's registry key
+        if hasattr(model, "fit_data"):  # data-dependent setup (e.g. EAGLE-3's reduced draft vocabulary)
+            model.fit_data(self.data.token_counts(int(self.target.model.config.vocab_size)))
+        params = [p for p in model.parameters() if p.requires_grad]
+        self.n_trainable = sum(p.numel() for p in params)
+        optimizer = torch.optim.AdamW(params, lr=train.lr, betas=tuple(train.betas), weight_decay=train.weight_decay)
+        scheduler = build_scheduler(optimizer, train, self.total_steps)
+        _configure_deepspeed(self.accelerator, train, self.plan)
+        self.model, self.optimizer, self.scheduler = self.accelerator.prepare(model, optimizer, scheduler)
+        for group in self.optimizer.param_groups:  # accelerate's CPU-offload optimizer swap drops the betas
+            group["betas"] = tuple(train.betas)
+        self.model.train()
+        set_seed(train.seed + self.accelerator.process_index)  # per-rank stream for noise in the loss
+
+    def _restore(self) -> int:
+        state = read_state(self.checkpoint)
+        if state["world_size"] != self.plan.world_size or state["global_batch"] != self.plan.global_batch:
+            raise TrainingError(
+                f"{self.checkpoint} was written by {state['world_size']} processes with global batch "
+                f"{state['global_batch']}; resume with the same number of processes "
+                f"(now {self.plan.world_size}, global batch {self.plan.global_batch})"
+            )
+        from draftsmith.inference.target import TargetIdentity
+
+        problem = TargetIdentity.from_dict(state["target_identity"]).mismatch(self.target.identity)
+        if problem:
+            raise TrainingError(f"{self.checkpoint} was trained for another target: {problem}")
+        load_checkpoint(self.accelerator, self.checkpoint)
+        if self.is_main:
+            tqdm.write(f"draftsmith: resumed from {self.checkpoint} (step {state['step']})")
+        return int(state["step"])
+
+    @property
+    def deepspeed(self) -> bool:
+        return self.accelerator.state.deepspeed_plugin is not None
+
+    def run_info(self) -> dict[str, Any]:
+        plugin = self.accelerator.state.deepspeed_plugin
+        return {
+            "family": self.family.name,
+            "world_size": self.plan.world_size,
+            "distributed_type": str(self.accelerator.distributed_type),
+            "deepspeed_zero_stage": plugin.zero_stage if plugin else None,
+            "mixed_precision": str(self.accelerator.mixed_precision),
+            "device": str(self.accelerator.device),
+            "features": "offline" if self.data.offline else "online",
+            "global_batch": self.plan.global_batch,
+            "steps_per_epoch": self.steps_per_epoch,
+            "total_steps": self.total_steps,
+            "train_samples": len(self.data.train_indices),
+            "eval_samples": len(self.data.eval_indices),
+            "trainable_parameters": self.n_trainable,
+            "target_identity": self.target.identity.to_dict(),
+        }
+
+    # ---- one step --------------------------------------------------------------------------
+    def _batch(self, indices: list[int]) -> TrainBatch:
+        batch = self.data.collate(indices).to(self.accelerator.device)
+        if batch.hidden_states is None and self.family.needs_features:
+            batch.hidden_states = online_features(self.target.model, batch)
+        return batch
+
+    def _autocast(self) -> Any:
+        precision = str(self.accelerator.mixed_precision)
+        if precision not in {"bf16", "fp16"}:
+            return nullcontext()
+        dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+        return torch.autocast(self.accelerator.device.type, dtype=dtype)
+
+    def _global_mean(self, loss: torch.Tensor, tokens: int) -> tuple[float, int]:
+        """The loss averaged over ranks and the tokens summed over ranks (one all-reduce)."""
+        device = self.accelerator.device
+        values = torch.tensor([float(loss.detach()), float(tokens)], dtype=torch.float64, device=device)
+        total = self.accelerator.reduce(values, reduction="sum")
+        return float(total[0]) / self.plan.world_size, int(total[1])
+
+    def train_step(self, step: int) -> dict[str, float]:
+        """Optimizer step ``step`` (0-based) over its global batch; returns the figures to log."""
+        indices = self.data.global_batch(step, self.plan, self.recipe.train.seed)
+        losses, tokens, metrics = [], 0, defaultdict(list)
+        for micro in range(self.plan.grad_accum):
+            batch = self._batch(self.plan.micro_batch(indices, micro, self.accelerator.process_index))
+            with self.accelerator.accumulate(self.model):
+                with self._autocast():
+                    out = self.family.compute_loss(self.model, batch, self.frozen, self.recipe.loss)
+                loss, micro_tokens = self._global_mean(out.loss, int(batch.attention_mask.sum()))
+                if not math.isfinite(loss):
+                    raise TrainingError(
+                        f"the loss is {loss} at step {step + 1} (micro-batch {micro + 1}); stopped before the "
+                        "update, so the last checkpoint is intact: lower train.lr or check the data"
+                    )
+                self.accelerator.backward(out.loss)
+                if self.accelerator.sync_gradients and self.recipe.train.grad_clip and not self.deepspeed:
+                    self.accelerator.clip_grad_norm_(self.model.parameters(), self.recipe.train.grad_clip)
+                self.optimizer.step()
+                self.optimizer.zero_grad()
+            losses.append(loss)
+            tokens += micro_tokens
+            for key, value in out.metrics.items():
+                metrics[key].append(float(value))
+        lr = self.scheduler.get_last_lr()[0]
+        self.scheduler.step()
+        figures = {"loss": sum(losses) / len(losses), "lr": lr, "tokens": tokens}
+        figures.update({key: sum(values) / len(values) for key, values in metrics.items()})
+        return figures
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """Loss and metrics over the held-out samples, averaged over ranks weighted by samples."""
+        indices, per_round = self.data.eval_indices, self.plan.batch_size * self.plan.world_size
+        if not indices:
+            return {}
+        self.model.eval()
+        sums: dict[str, float] = defaultdict(float)
+        with _preserved_rng():
+            for start in range(0, len(indices), per_round):
+                chunk = indices[start : start + per_round]
+                mine = chunk[self.accelerator.process_index :: self.plan.world_size]
+                weight = len(mine)  # a rank with nothing left runs a dummy batch (ZeRO-3 needs every rank)
+                with self._autocast():
+                    out = self.family.compute_loss(
+                        self.model, self._batch(mine or chunk[:1]), self.frozen, self.recipe.loss
+                    )
+                sums["eval/loss"] += weight * float(out.loss)
+                for key, value in out.metrics.items():
+                    sums[f"eval/{key}"] += weight * float(value)
+                sums["_n"] += weight
+        self.model.train()
+        keys = sorted(sums)
+        totals = self.accelerator.reduce(
+            torch.tensor([sums[k] for k in keys], dtype=torch.float64, device=self.accelerator.device), reduction="sum"
+        )
+        values = dict(zip(keys, totals.tolist()))
+        n = values.pop("_n")
+        return {key: value / n for key, value in values.items()}
+
+    # ---- the loop --------------------------------------------------------------------------
+    def _state(self, step: int) -> dict[str, Any]:
+        epoch, position = divmod(step, self.steps_per_epoch)
+        return {
+            "step": step,
+            "epoch": epoch,
+            "batch_in_epoch": position,
+            "samples_seen": step * self.plan.global_batch,
+            "world_size": self.plan.world_size,
+            "global_batch": self.plan.global_batch,
+            "family": self.family.name,
+            "target_identity": self.target.identity.to_dict(),
+        }
+
+    def _save(self, step: int, tracker: Tracker) -> Path:
+        path = save_checkpoint(
+            self.accelerator, self.model, self.output_dir, self._state(step), self.recipe.train.keep_last
+        )
+        evaluation = self.evaluate()
+        if evaluation:
+            tracker.log(step, evaluation)
+        return path
+
+    def run(self) -> TrainResult:
+        train = self.recipe.train
+        config = {**to_tree(self.recipe), "run": self.run_info()}
+        tracker = Tracker(self.recipe.tracking, self.output_dir, config, self.is_main, self.start_step)
+        progress = tqdm(
+            total=self.total_steps,
+            initial=self.start_step,
+            desc="training",
+            unit="step",
+            dynamic_ncols=True,
+            disable=not self.is_main,
+        )
+        window: dict[str, list[float]] = defaultdict(list)
+        window_start, last, checkpoint = time.perf_counter(), {}, self.checkpoint
+        try:
+            for step in range(self.start_step, self.total_steps):
+                figures = self.train_step(step)
+                for key, value in figures.items():
+                    window[key].append(value)
+                progress.update(1)
+                done = step + 1
+                if done % train.log_every == 0 or done == self.total_steps:
+                    elapsed = time.perf_counter() - window_start
+                    last = {k: sum(v) / len(v) for k, v in window.items() if k != "tokens"}
+                    last["tokens_per_s"] = sum(window["tokens"]) / max(elapsed, 1e-9)
+                    last["epoch"] = done / self.steps_per_epoch
+                    tracker.log(done, last)
+                    progress.set_postfix(loss=f"{last['loss']:.4g}", tok_s=f"{last['tokens_per_s']:.0f}")
+                    window, window_start = defaultdict(list), time.perf_counter()
+                if done % train.save_every == 0 or done == self.total_steps:
+                    checkpoint = self._save(done, tracker)
+        finally:
+            progress.close()
+            tracker.close()
+        return TrainResult(self.output_dir, max(self.start_step, self.total_steps), checkpoint, last)
+
+
+def train(recipe: TrainRecipe, resume: bool = False) -> TrainResult:
+    """Train ``recipe`` (in this process, or in each process of ``accelerate launch``)."""
+    return Trainer(recipe, resume=resume).run()

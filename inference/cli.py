@@ -76,6 +76,35 @@ def cmd_bench(args: argparse.Namespace) -> None:
     print(f"results in {args.out}/results.json, results.md, chart.png")
 
 
+def cmd_bench_tree(args: argparse.Namespace) -> None:
+    import torch
+
+    from draftsmith.inference.bench_tree import parse_sizes, run_tree_bench, tree_markdown, write_tree_results
+    from draftsmith.inference.target import load_target
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    sizes = parse_sizes(args.sizes)
+    target = load_target(args.target)
+    results = run_tree_bench(target, sizes, args.prefix, args.repeats, args.shape)
+    print(tree_markdown(results))
+    if args.out:
+        write_tree_results(results, Path(args.out))
+        print(f"results in {args.out}/bench_tree.json, bench_tree.md")
+
+
+def cmd_spectra_index(args: argparse.Namespace) -> None:
+    from draftsmith.inference.spectra_retrieval import build_index
+
+    meta = build_index(
+        Path(args.corpus), Path(args.out), args.target, args.keep, args.max_length, args.batch_size, args.limit
+    )
+    print(
+        f"kept {meta['kept']}/{meta['documents']} documents (perplexity <= {meta['perplexity_threshold']:.2f}), "
+        f"{meta['tokens']} tokens -> {args.out}; use it with --method spectra={args.out}"
+    )
+
+
 def add_inference_commands(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "generate",
@@ -85,7 +114,15 @@ def add_inference_commands(subparsers: Any) -> None:
         "is distributed exactly as plain sampling.",
     )
     p.add_argument("prompt", nargs="?", default=None, help="the user message (default: read stdin)")
-    p.add_argument("--method", default="pld", help="drafting method: none (plain decoding) or pld (default)")
+    p.add_argument(
+        "--method",
+        default="pld",
+        help="drafting method: none (plain decoding), pld (prompt lookup, default), spectra / spectra=INDEX "
+        "(SPECTRA, training-free), eagle=DIR / fspad=DIR / "
+        "medusa=DIR (a drafter exported by `draftsmith export`), draft=MODEL (a small LM with the target's "
+        "tokenizer: model dir, .gguf or hub id) or draft=layers:N (the target's first N layers, an untrained "
+        "self-speculative draft); draft specs take :k=K draft tokens per round (default 4)",
+    )
     p.add_argument("--target", default=None, help="target model (default: the embedded SmolLM2)")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--raw", action="store_true", help="use the prompt as raw text, without the chat template")
@@ -102,7 +139,11 @@ def add_inference_commands(subparsers: Any) -> None:
         "outputs are identical to plain decoding, overall and per category.",
     )
     p.add_argument("--questions", required=True, help="Spec-Bench-format .jsonl (question_id, category, turns)")
-    p.add_argument("--methods", default="pld", help="comma-separated methods, e.g. pld (none is always included)")
+    p.add_argument(
+        "--methods",
+        default="pld",
+        help="comma-separated methods, e.g. pld,draft=layers:20 (none is always included)",
+    )
     p.add_argument("--limit", type=int, default=None, help="at most N questions, spread over categories")
     p.add_argument("--categories", default=None, help="comma-separated categories to keep")
     p.add_argument("--max-new-tokens", type=int, default=128)
@@ -110,3 +151,33 @@ def add_inference_commands(subparsers: Any) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--out", required=True, help="output directory for results.json, results.md, chart.png")
     p.set_defaults(func=cmd_bench)
+    p = subparsers.add_parser(
+        "spectra-index",
+        help="build a SPECTRA-RETRIEVAL index: the lowest-perplexity part of a corpus, tokenised",
+        description="Score each document (assistant turns of a ShareGPT / OpenAI-messages / UltraChat file, "
+        "or each line of a .txt file) with the target's perplexity, keep the lowest-perplexity fraction and "
+        "write a suffix-array index for --method spectra=INDEX. Scoring resumes after an interruption.",
+    )
+    p.add_argument("corpus", help="a .json/.jsonl chat dataset or a .txt file (one document per line)")
+    p.add_argument("--out", required=True, help="the index file to write (safetensors)")
+    p.add_argument("--target", default=None, help="target model (default: the embedded SmolLM2)")
+    p.add_argument("--keep", type=float, default=0.5, help="fraction of documents to keep, lowest perplexity first")
+    p.add_argument("--max-length", type=int, default=512, help="tokens per document (longer ones are cut)")
+    p.add_argument("--batch-size", type=int, default=4, help="documents per perplexity forward")
+    p.add_argument("--limit", type=int, default=None, help="only the first N documents of the corpus")
+    p.set_defaults(func=cmd_spectra_index)
+    p = subparsers.add_parser(
+        "bench-tree",
+        help="time one tree-verification forward per tree size, relative to a 1-token forward",
+        description="Time the runtime's verification forward (4D tree mask and depth positions) over "
+        "SIZE query tokens (the root + SIZE-1 draft nodes) on top of a KV cache holding --prefix tokens; "
+        "median of --repeats, sizes interleaved; report the cost relative to size 1.",
+    )
+    p.add_argument("--target", default=None, help="target model (default: the embedded SmolLM2)")
+    p.add_argument("--sizes", default="1,4,8,16,32,64", help="comma-separated query-token counts (1 is always added)")
+    p.add_argument("--prefix", type=int, default=300, help="tokens already in the KV cache")
+    p.add_argument("--repeats", type=int, default=7, help="timed forwards per size; the median is reported")
+    p.add_argument("--shape", choices=["random", "chain"], default="random", help="tree shape (seeded random tree)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument("--out", default=None, help="also write bench_tree.json and bench_tree.md to this directory")
+    p.set_defaults(func=cmd_bench_tree)

@@ -1,0 +1,153 @@
+"""``draftsmith bench-tree``: what one verification forward costs as the draft tree grows.
+
+A tree method trades target forwards for wider forwards; this measures the price. For each size S the
+target runs the runtime's own verification forward (``tree_attention_inputs``: 4D tree mask and depth
+positions) over S query tokens — the root plus S - 1 draft nodes — on top of a KV cache that holds a
+``prefix``-token context, and the median over repeats is reported relative to S = 1 (a plain decoding
+step). Sizes are timed interleaved, repeat by repeat, so machine noise hits all of them alike; the
+cache is cut back to the prefix after each forward, outside the timed region.
+
+Tree shapes: ``random`` (each node's parent drawn uniformly among the root and the earlier nodes, a
+fixed seed; a bushy tree like EAGLE-2's) or ``chain`` (a draft-model or prompt-lookup chain). For the
+cost of one forward the shape matters little: the query count and the mask size drive it.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+from transformers import DynamicCache
+
+from draftsmith.data.io import atomic_write_bytes, atomic_write_json
+from draftsmith.inference.bench import BenchError
+from draftsmith.inference.cache import keep_positions
+from draftsmith.inference.target import Target
+from draftsmith.inference.tree import DraftTree, tree_attention_inputs
+
+SHAPES = ("random", "chain")
+WARMUP = 2  # untimed forwards per size before the timed repeats
+
+
+def build_tree(num_nodes: int, shape: str, seed: int = 0) -> DraftTree:
+    """A draft tree with ``num_nodes`` nodes (token ids are irrelevant to the cost; they are set later)."""
+    if shape == "chain":
+        parents = list(range(-1, num_nodes - 1))
+    elif shape == "random":
+        rng = random.Random(seed)
+        parents = [rng.randrange(-1, i) for i in range(num_nodes)]
+    else:
+        raise BenchError(f"unknown tree shape {shape!r}; choose one of {', '.join(SHAPES)}")
+    return DraftTree(torch.zeros(num_nodes, dtype=torch.long), torch.tensor(parents, dtype=torch.long))
+
+
+def parse_sizes(text: str) -> list[int]:
+    """``1,4,8`` -> [1, 4, 8]; 1 is always included (it is the reference)."""
+    try:
+        sizes = sorted({int(part) for part in text.split(",") if part.strip()})
+    except ValueError:
+        raise BenchError(f"--sizes must be comma-separated whole numbers, e.g. 1,4,8,16; got {text!r}") from None
+    if not sizes or sizes[0] < 1:
+        raise BenchError(f"--sizes must be positive; got {text!r}")
+    return sorted({1, *sizes})
+
+
+class _VerificationForward:
+    """One target forward over a given tree on top of a fixed cached prefix, timed."""
+
+    def __init__(self, target: Target, prefix: int, seed: int) -> None:
+        self.model = target.model
+        self.device = next(self.model.parameters()).device
+        self.dtype = next(self.model.parameters()).dtype
+        generator = torch.Generator().manual_seed(seed)
+        self.vocab = len(target.tokenizer)
+        self.prefix = prefix
+        self.cache = DynamicCache(config=self.model.config)
+        ids = torch.randint(0, self.vocab, (1, prefix), generator=generator)
+        with torch.no_grad():
+            self.model(ids.to(self.device), past_key_values=self.cache, use_cache=True)
+        self.generator = generator
+
+    @torch.no_grad()
+    def seconds(self, tree: DraftTree) -> float:
+        mask, positions = tree_attention_inputs(tree, self.prefix, self.dtype, self.device)
+        input_ids = torch.randint(0, self.vocab, (1, len(tree) + 1), generator=self.generator).to(self.device)
+        start = time.perf_counter()
+        self.model(input_ids, attention_mask=mask, position_ids=positions, past_key_values=self.cache, use_cache=True)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        elapsed = time.perf_counter() - start
+        keep_positions(self.cache, torch.arange(self.prefix))  # back to the prefix, untimed
+        return elapsed
+
+
+def run_tree_bench(
+    target: Target, sizes: list[int], prefix: int, repeats: int, shape: str = "random", seed: int = 0
+) -> dict[str, Any]:
+    """Median seconds of one verification forward per size, and its ratio to the 1-token forward."""
+    if repeats < 1:
+        raise BenchError(f"--repeats must be at least 1; got {repeats}")
+    if prefix < 1:
+        raise BenchError(f"--prefix must be at least 1 token; got {prefix}")
+    limit = getattr(target.model.config, "max_position_embeddings", None)
+    if limit is not None and prefix + max(sizes) > limit:
+        raise BenchError(f"--prefix {prefix} + size {max(sizes)} exceeds the target's {limit} positions")
+    trees = {size: build_tree(size - 1, shape, seed) for size in sizes}
+    forward = _VerificationForward(target, prefix, seed)
+    timings: dict[int, list[float]] = {size: [] for size in sizes}
+    for _ in range(WARMUP):
+        for size in sizes:
+            forward.seconds(trees[size])
+    for _ in tqdm(range(repeats), desc="bench-tree", unit="repeat", dynamic_ncols=True):
+        for size in sizes:
+            timings[size].append(forward.seconds(trees[size]))
+    base = statistics.median(timings[1])
+    rows = [
+        {
+            "size": size,
+            "draft_nodes": size - 1,
+            "max_depth": int(trees[size].depths().max()) if size > 1 else 0,
+            "median_ms": statistics.median(timings[size]) * 1e3,
+            "relative": statistics.median(timings[size]) / base,
+            "all_ms": [t * 1e3 for t in timings[size]],
+        }
+        for size in sizes
+    ]
+    return {
+        "target": target.identity.to_dict() if target.identity else None,
+        "prefix": prefix,
+        "repeats": repeats,
+        "shape": shape,
+        "threads": torch.get_num_threads(),
+        "device": str(forward.device),
+        "dtype": str(forward.dtype).removeprefix("torch."),
+        "rows": rows,
+    }
+
+
+def tree_markdown(results: dict[str, Any]) -> str:
+    lines = [
+        f"One verification forward on a {results['prefix']}-token cached prefix, {results['shape']} tree, "
+        f"{results['threads']} threads, {results['dtype']} on {results['device']}; median of "
+        f"{results['repeats']}; size = query tokens (root + draft nodes).",
+        "",
+        "| size | draft nodes | depth | median ms | relative to 1 token |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for row in results["rows"]:
+        lines.append(
+            f"| {row['size']} | {row['draft_nodes']} | {row['max_depth']} | {row['median_ms']:.2f} | "
+            f"{row['relative']:.2f}x |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def write_tree_results(results: dict[str, Any], out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(out / "bench_tree.json", results)
+    atomic_write_bytes(out / "bench_tree.md", tree_markdown(results).encode())

@@ -1,0 +1,48 @@
+"""``draftsmith bench-tree``: the output contract (not the timings) and the trees it times."""
+
+import json
+
+import pytest
+
+from draftsmith.inference.bench import BenchError
+from draftsmith.inference.bench_tree import build_tree, parse_sizes
+
+
+def test_bench_tree_writes_json_and_markdown(tmp_path, tiny_target_dir, capsys):
+    from draftsmith.train.cli import main
+
+    out = tmp_path / "tree"
+    args = ["bench-tree", "--target", str(tiny_target_dir), "--sizes", "4", "--prefix", "20", "--repeats", "3"]
+    main([*args, "--threads", "1", "--out", str(out)])
+    results = json.loads((out / "bench_tree.json").read_text())
+    assert [row["size"] for row in results["rows"]] == [1, 4]  # the 1-token reference is always added
+    assert results["prefix"] == 20 and results["repeats"] == 3 and results["shape"] == "random"
+    for row in results["rows"]:
+        assert len(row["all_ms"]) == 3 and row["median_ms"] > 0 and row["draft_nodes"] == row["size"] - 1
+    assert results["rows"][0]["relative"] == 1.0
+    table = (out / "bench_tree.md").read_text()
+    assert table.count("\n| 1 |") == 1 and table.count("\n| 4 |") == 1
+    assert "| size |" in capsys.readouterr().out
+
+
+def test_tree_shapes_and_sizes():
+    chain = build_tree(5, "chain")
+    assert chain.parents.tolist() == [-1, 0, 1, 2, 3] and int(chain.depths().max()) == 5
+    tree = build_tree(31, "random", seed=0)
+    assert len(tree) == 31 and tree.parents.tolist() == build_tree(31, "random", seed=0).parents.tolist()
+    assert int(tree.depths().max()) < 31 and len(tree.children(-1)) > 1  # bushy, not a chain
+    assert len(build_tree(0, "random")) == 0
+    assert parse_sizes("8, 4,4") == [1, 4, 8]
+    with pytest.raises(BenchError, match="comma-separated whole numbers"):
+        parse_sizes("4,x")
+    with pytest.raises(BenchError, match="positive"):
+        parse_sizes("0,4")
+
+
+def test_too_long_a_prefix_is_a_clear_error(tiny_target_dir, capsys):
+    from draftsmith.train.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench-tree", "--target", str(tiny_target_dir), "--sizes", "64", "--prefix", "500", "--repeats", "1"])
+    assert exit_info.value.code == 2
+    assert "exceeds the target's 512 positions" in capsys.readouterr().err

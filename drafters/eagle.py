@@ -23,6 +23,8 @@ from transformers import DynamicCache, LlamaConfig, PretrainedConfig
 from transformers.activations import ACT2FN
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRMSNorm, LlamaRotaryEmbedding
 
+from draftsmith.drafters.vocab import DraftHead, most_frequent_tokens
+
 # Target config keys the drafter's layer copies: the shape of one decoder layer and its positions.
 _LAYER_KEYS = (
     "hidden_size",
@@ -173,7 +175,7 @@ class EagleDrafter(nn.Module):
     def fit_data(self, token_counts: torch.Tensor) -> None:
         """Choose the draft vocabulary from the training data's token counts (a (V,) tensor)."""
         if self.config.draft_vocab_size:
-            self.draft_vocab.copy_(token_counts.topk(self.config.draft_vocab_size).indices.sort().values)
+            self.draft_vocab.copy_(most_frequent_tokens(token_counts, self.config.draft_vocab_size))
 
     def forward(
         self,
@@ -227,19 +229,6 @@ def causal_mask(length: int, dtype: torch.dtype, device: torch.device | str, pad
     return mask.masked_fill(~allowed, torch.finfo(dtype).min)
 
 
-def _draft_head(lm_head: nn.Module, vocab: torch.Tensor) -> tuple[nn.Module, torch.Tensor | None]:
-    """The target's lm_head restricted to the draft vocabulary (its rows copied once), or itself."""
-    if vocab.numel() == 0:
-        return lm_head, None
-    head = nn.Linear(lm_head.in_features, vocab.numel(), bias=lm_head.bias is not None)
-    head = head.to(lm_head.weight.device, lm_head.weight.dtype)
-    with torch.no_grad():
-        head.weight.copy_(lm_head.weight[vocab])
-        if lm_head.bias is not None:
-            head.bias.copy_(lm_head.bias[vocab])
-    return head.requires_grad_(False), vocab.to(lm_head.weight.device)
-
-
 class EagleTreeDrafter:
     """Drafts an EAGLE-2 dynamic tree for the runtime.
 
@@ -263,7 +252,7 @@ class EagleTreeDrafter:
     ) -> None:
         self.model = model.eval()
         self.embed_tokens = embed_tokens
-        self.lm_head, self.vocab = _draft_head(lm_head, model.draft_vocab)
+        self.head = DraftHead(lm_head, model.draft_vocab)
         self.depth = depth or model.config.tree_depth
         self.top_k = top_k or model.config.tree_top_k
         self.total_tokens = total_tokens or model.config.tree_total_tokens
@@ -347,9 +336,8 @@ class EagleTreeDrafter:
 
     def _top(self, token_features: torch.Tensor):
         """Top-k (log-probability, token id) pairs of the draft head; rows are (k,) or (n, k)."""
-        top = self.lm_head(token_features).float().log_softmax(-1).topk(self.top_k)
-        tokens = top.indices if self.vocab is None else self.vocab[top.indices]
-        return top.values, tokens
+        top = self.head(token_features).float().log_softmax(-1).topk(self.top_k)
+        return top.values, self.head.token_ids(top.indices)
 
     def _drop_tree_kv(self, committed: int) -> None:
         from draftsmith.inference.cache import cache_length, keep_positions

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from draftsmith.drafters.vocab import DraftHead
 from draftsmith.train.batch import FrozenTarget, LossOutput, TrainBatch
 
 
@@ -45,49 +46,47 @@ def feature_distillation_loss(
 ) -> LossOutput:
     """EAGLE / FSPAD: ``SmoothL1(f, f_target) + ce_weight * CE(lm_head(f_target) || lm_head(f~))``.
 
-    ``feature_noise`` perturbs the input features while training (0 turns it off). ``metric_steps``
-    unrolls the drafter on its own predicted features (no gradient) to log the top-1 agreement with
-    the target at draft steps 1..k and the chain acceptance length they imply; ``metric_rows`` bounds
-    how many supervised positions pay for ``lm_head`` in those metrics."""
+    ``feature_noise`` perturbs the input features while training (0 turns it off). With a reduced
+    draft vocabulary the CE runs over those tokens only (EAGLE-3's choice: the drafter never proposes
+    anything else, and the full-vocabulary head would dominate the step's cost). The logged top-1
+    accuracies at draft steps 1..``metric_steps`` compare with the target's argmax over its whole
+    vocabulary, on at most ``metric_rows`` supervised positions, unrolling the drafter on its own
+    predicted features (no gradient); ``sim/accept_length`` is the top-1 chain length they imply."""
     inputs, next_tokens, targets, weights = _feature_pairs(batch)
     positions = torch.arange(inputs.shape[1], device=inputs.device)[None].expand(inputs.shape[0], -1)
     embeds = frozen.embed_tokens(next_tokens).to(inputs.dtype)
     noisy = inputs + _length_scaled_noise(inputs, feature_noise) if model.training and feature_noise else inputs
-    padding = batch.attention_mask[:, 1:]
-    mask = _padded_causal_mask(padding, inputs.dtype)
+    mask = _padded_causal_mask(batch.attention_mask[:, 1:], inputs.dtype)
     out = model(embeds, noisy, positions, attention_mask=mask)
 
     rows = weights > 0
     total = weights.sum().clamp_min(1.0)
     regression = (F.smooth_l1_loss(out.next_features, targets, reduction="none").mean(-1) * weights).sum() / total
+    head = DraftHead(frozen.lm_head, getattr(model, "module", model).draft_vocab)
     with torch.no_grad():
-        teacher = frozen.lm_head(targets[rows])
-    student = frozen.lm_head(out.token_features[rows])
-    ce = (_soft_cross_entropy(student, teacher) * weights[rows]).sum() / total
-    loss = regression + ce_weight * ce
+        teacher = head(targets[rows])
+    ce = (_soft_cross_entropy(head(out.token_features[rows]), teacher) * weights[rows]).sum() / total
     metrics = {"loss/smooth_l1": float(regression.detach()), "loss/ce": float(ce.detach())}
-    if rows.any():
-        metrics["acc/step1"] = float((student.argmax(-1) == teacher.argmax(-1)).float().mean())
-    if metric_steps > 1 and rows.any():
-        metrics.update(_unrolled_accuracy(model, frozen, embeds, inputs, out, positions, mask, rows, targets,
-                                          metric_steps, metric_rows, metrics["acc/step1"]))
-    return LossOutput(loss, metrics)
+    if rows.any() and metric_steps > 0:
+        picked = rows.nonzero()[:metric_rows]
+        metrics.update(_draft_step_accuracy(model, frozen, head, embeds, inputs, out, positions, mask, picked,
+                                            targets, metric_steps))
+    return LossOutput(regression + ce_weight * ce, metrics)
 
 
 @torch.no_grad()
-def _unrolled_accuracy(model, frozen, embeds, inputs, first, positions, mask, rows, targets, steps, max_rows, acc1):
-    """Top-1 agreement when the drafter's inputs at earlier positions are its own predictions, as at
-    draft step k, and ``1 + sum_k prod_{j<=k} acc_j``: the acceptance length of a top-1 chain."""
-    picked = rows.nonzero()[:max_rows]
-    teacher = frozen.lm_head(targets[picked[:, 0], picked[:, 1]]).argmax(-1)
-    accuracies, predicted = [acc1], first.next_features
-    for step in range(2, steps + 1):
-        shifted = torch.cat([inputs[:, :1], predicted[:, :-1]], dim=1)
-        out = model(embeds, shifted, positions, attention_mask=mask)
-        tokens = frozen.lm_head(out.token_features[picked[:, 0], picked[:, 1]]).argmax(-1)
-        accuracies.append(float((tokens == teacher).float().mean()))
-        predicted = out.next_features
-    metrics = {f"acc/step{k}": a for k, a in enumerate(accuracies, start=1) if k > 1}
+def _draft_step_accuracy(model, frozen, head, embeds, inputs, first, positions, mask, picked, targets, steps):
+    """Top-1 agreement with the target's argmax when the drafter's inputs at earlier positions are its
+    own predictions, as at draft step k, and ``1 + sum_k prod_{j<=k} acc_j``."""
+    at = (picked[:, 0], picked[:, 1])
+    truth = frozen.lm_head(targets[at]).argmax(-1)
+    out, accuracies = first, []
+    for step in range(1, steps + 1):
+        if step > 1:
+            shifted = torch.cat([inputs[:, :1], out.next_features[:, :-1]], dim=1)
+            out = model(embeds, shifted, positions, attention_mask=mask)
+        accuracies.append(float((head.top1(out.token_features[at]) == truth).float().mean()))
+    metrics = {f"acc/step{k}": a for k, a in enumerate(accuracies, start=1)}
     chain, product = 1.0, 1.0
     for accuracy in accuracies:
         product *= accuracy
@@ -100,3 +99,68 @@ def _padded_causal_mask(padding: torch.Tensor, dtype: torch.dtype) -> torch.Tens
     from draftsmith.drafters.eagle import causal_mask
 
     return causal_mask(padding.shape[1], dtype, padding.device, padding)
+
+
+def medusa_loss(
+    model,
+    batch: TrainBatch,
+    frozen: FrozenTarget,
+    decay: float = 0.8,
+    soft_labels: bool = False,
+) -> LossOutput:
+    """Medusa-1: ``sum_k decay^k * CE_k`` (k = 1..K) over assistant tokens, the target frozen.
+
+    Head k at position t reads ``f_t`` and is supervised on ``x_{t+k+1}`` where that token is an
+    assistant token (hard labels), or on the target's own distribution for it,
+    ``softmax(lm_head(f_{t+k}))`` (``soft_labels``: self-distillation; needs no regenerated data).
+    With a draft vocabulary, hard labels outside it are left out of the CE (a head cannot name them)
+    and soft labels are the target's distribution restricted to it.
+
+    Metrics: ``acc/head{k}`` = top-1 agreement with ``x_{t+k+1}`` (a token outside the draft vocabulary
+    counts as a miss), and ``sim/accept_length`` = 1 + the mean number of leading heads that are all
+    right at a position: the acceptance length of a top-1 chain on this data."""
+    core = getattr(model, "module", model)  # DDP / DeepSpeed wrap the heads; compute still goes through model()
+    heads = int(core.config.num_heads)
+    vocab_index = core.vocab_index()
+    features = batch.hidden_states.float()
+    supervised = (batch.loss_mask * batch.attention_mask).bool()
+    length = batch.input_ids.shape[1]
+    spans = [max(length - k - 1, 0) for k in range(1, heads + 1)]  # head k has a label for t < T - k - 1
+    rows = [supervised[:, k + 1 :] for k in range(1, heads + 1)]  # (B, span_k): is x_{t+k+1} supervised
+    logits = model([features[:, :span][mask] for span, mask in zip(spans, rows)])  # head k: (N_k, V')
+
+    loss = features.new_zeros(())
+    correct = torch.zeros(*supervised.shape, heads, dtype=torch.bool, device=features.device)
+    metrics: dict[str, float] = {}
+    for k in range(1, heads + 1):
+        span, mask, head_logits = spans[k - 1], rows[k - 1], logits[k - 1]
+        labels = batch.input_ids[:, k + 1 :][mask]
+        columns = labels if vocab_index is None else vocab_index[labels]
+        if soft_labels:
+            ce = _medusa_soft_ce(head_logits, features[:, k : k + span][mask], frozen, core)
+        else:
+            known = columns >= 0
+            ce = F.cross_entropy(head_logits[known], columns[known]) if known.any() else head_logits.sum() * 0.0
+        loss = loss + decay**k * ce
+        hits = head_logits.detach().argmax(-1) == columns
+        correct[:, :span, k - 1][mask] = hits
+        metrics[f"loss/head{k}"] = float(ce.detach())
+        if hits.numel():
+            metrics[f"acc/head{k}"] = float(hits.float().mean())
+    starts = rows[0] if spans[0] else None
+    if starts is not None and starts.any():
+        leading = correct[:, : spans[0]][starts].float().cumprod(-1).sum(-1)  # heads right in a row from head 1
+        metrics["sim/accept_length"] = float(1.0 + leading.mean())
+    return LossOutput(loss, metrics)
+
+
+def _medusa_soft_ce(head_logits: torch.Tensor, teacher_features: torch.Tensor, frozen: FrozenTarget, core):
+    """CE against the target's distribution at the label position (over the draft vocabulary if any)."""
+    if head_logits.shape[0] == 0:
+        return head_logits.sum() * 0.0
+    with torch.no_grad():
+        weight = frozen.lm_head.weight
+        if core.config.draft_vocab_size:
+            weight = weight[core.draft_vocab.to(weight.device)]
+        teacher = F.linear(teacher_features.to(weight.dtype), weight).float()
+    return _soft_cross_entropy(head_logits.float(), teacher).mean()

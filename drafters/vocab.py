@@ -1,0 +1,37 @@
+"""Reduced draft vocabularies (EAGLE-3's idea): draft only among the training data's most frequent tokens.
+
+On a small target the full-vocabulary lm_head is most of a drafter's cost per step; a drafter that
+proposes only frequent tokens stays lossless, because verification never depends on what is proposed.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def most_frequent_tokens(token_counts: torch.Tensor, size: int) -> torch.Tensor:
+    """The ``size`` most frequent token ids of a ``(V,)`` count tensor, in ascending id order."""
+    return token_counts.topk(size).indices.sort().values
+
+
+class DraftHead:
+    """The target's lm_head restricted to a draft vocabulary (the whole vocabulary when ``vocab`` is
+    empty). The rows are gathered once; gradients flow to the features, never to the head."""
+
+    def __init__(self, lm_head: nn.Module, vocab: torch.Tensor) -> None:
+        self.vocab = vocab.to(lm_head.weight.device) if vocab.numel() else None
+        self.weight = lm_head.weight if self.vocab is None else lm_head.weight[self.vocab]
+        bias = getattr(lm_head, "bias", None)
+        self.bias = bias if bias is None or self.vocab is None else bias[self.vocab]
+
+    def __call__(self, features: torch.Tensor) -> torch.Tensor:
+        return F.linear(features, self.weight.to(features.dtype), self.bias)
+
+    def token_ids(self, columns: torch.Tensor) -> torch.Tensor:
+        """Token ids of logit columns."""
+        return columns if self.vocab is None else self.vocab[columns]
+
+    def top1(self, features: torch.Tensor) -> torch.Tensor:
+        return self.token_ids(self(features).argmax(-1))

@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 from draftsmith.inference.pld import PromptLookupDrafter
 from draftsmith.inference.runtime import Drafter
+from draftsmith.inference.spectra import build_spectra_drafter
 
 
 class MethodError(ValueError):
@@ -34,9 +35,12 @@ def _trained(family: str) -> Callable[..., Drafter]:
 METHODS: dict[str, Callable[..., Drafter | None]] = {
     "none": lambda target, arg: None,
     "pld": lambda target, arg: PromptLookupDrafter(),
+    "spectra": lambda target, arg: build_spectra_drafter(target, arg),  # spectra=INDEX adds SPECTRA-RETRIEVAL
+    "spectra-paper": lambda target, arg: build_spectra_drafter(target, arg, paper=True),  # no tree cap (GPU)
     "draft": _draft_model,  # draft=PATH_OR_NAME or draft=layers:N, optionally :k=K
     "eagle": _trained("eagle"),  # eagle=DIR, a directory written by `draftsmith export`
     "fspad": _trained("fspad"),
+    "medusa": _trained("medusa"),  # medusa=DIR; the tree is the one in DIR/config.json (calibrated or default)
 }
 
 

@@ -41,6 +41,7 @@ METHODS: dict[str, Callable[..., Drafter | None]] = {
     "eagle": _trained("eagle"),  # eagle=DIR, a directory written by `draftsmith export`
     "fspad": _trained("fspad"),
     "medusa": _trained("medusa"),  # medusa=DIR; the tree is the one in DIR/config.json (calibrated or default)
+    "streaming": _trained("streaming"),  # streaming=DIR; decodes with the LoRA-adapted target, lossless w.r.t. it
 }
 
 

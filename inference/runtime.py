@@ -44,7 +44,11 @@ class Drafter(Protocol):
     A drafter may also define ``observe(tree, logits, verdict)``: the runtime calls it after every
     verification forward with the tree it verified (possibly ``DraftTree.empty()`` when speculation
     was switched off), the target's logits over ``[root, nodes]`` and the verdict. Drafters that learn
-    from the target's own predictions (SPECTRA's candidate pool) read them there, at no extra forward."""
+    from the target's own predictions (SPECTRA's candidate pool) read them there, at no extra forward.
+
+    A drafter that drafts inside the verification forward itself (Speculative Streaming) sets
+    ``serving_model``: the runtime calls that model instead of ``model`` (same call signature, and
+    its ``.logits`` are what is verified) and the drafter reads its draft from it."""
 
     name: str
 
@@ -86,6 +90,8 @@ def generate(
     """Speculative decoding of one prompt, greedy (``sampling=None``) or sampled; ``drafter=None`` is
     plain decoding through the runtime. ``on_tokens`` receives all new tokens so far after every commit."""
     start = time.perf_counter()
+    serving_model = getattr(drafter, "serving_model", None)
+    model = model if serving_model is None else serving_model
     device = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
     eos = set(eos_token_ids)

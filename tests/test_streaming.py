@@ -1,0 +1,408 @@
+"""Speculative Streaming: multi-stream attention inside a tiny random Llama, its loss, save/load, the
+trainer and export path, and lossless decoding with the LoRA-adapted target."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
+from conftest import sharegpt, write_jsonl
+from draftsmith.drafters.streaming import (
+    StreamingConfig,
+    StreamingConfigError,
+    StreamingModel,
+    serve_streaming,
+    stream_tree,
+)
+from draftsmith.inference.runtime import generate
+from draftsmith.inference.tree import DraftTree, best_first_tree, tree_attention_inputs
+from draftsmith.train.batch import TrainBatch
+from draftsmith.train.losses import streaming_loss
+
+REPO = Path(__file__).resolve().parents[1]
+VOCAB = 120
+EOS = 2
+
+
+def make_target(seed: int = 0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        eos_token_id=EOS,
+        pad_token_id=0,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+def make_streaming(target, lora_noise: float = 0.05, seed: int = 1, **options) -> StreamingModel:
+    options = {"num_streams": 3, "num_stream_layers": 2, "lora_rank": 4, "lora_alpha": 8, **options}
+    torch.manual_seed(seed)
+    model = StreamingModel(StreamingConfig.for_target(target.config, **options))
+    with torch.no_grad():  # a non-zero adapter, so "adapted" and "original" differ
+        for pair in model.lora.values():
+            pair.B.weight.normal_(std=lora_noise)
+    model.attach_target(target)
+    return model.eval()
+
+
+@pytest.fixture()
+def pair():
+    target = make_target()
+    return target, make_streaming(target)
+
+
+def hf_greedy(model, prompt, max_new_tokens):
+    out = model.generate(
+        torch.tensor([prompt]),
+        do_sample=False,
+        max_new_tokens=max_new_tokens,
+        eos_token_id=EOS,
+        pad_token_id=0,
+        temperature=None,
+        top_p=None,
+        top_k=None,
+    )
+    return out[0, len(prompt) :].tolist()
+
+
+def random_prompts(n, seed):
+    rng = random.Random(seed)
+    return [[rng.randrange(4, VOCAB) for _ in range(rng.randint(3, 10))] for _ in range(n)]
+
+
+def batch_of(seqs: list[list[int]], prompt_lengths: list[int] | None = None) -> TrainBatch:
+    """Right-padded; tokens after each prompt are the supervised (assistant) ones."""
+    length = max(map(len, seqs))
+    ids = torch.zeros(len(seqs), length, dtype=torch.long)
+    attention = torch.zeros_like(ids)
+    for row, seq in enumerate(seqs):
+        ids[row, : len(seq)] = torch.tensor(seq)
+        attention[row, : len(seq)] = 1
+    loss_mask = attention.float()
+    for row, prompt_length in enumerate(prompt_lengths or []):
+        loss_mask[row, :prompt_length] = 0
+    return TrainBatch(ids, loss_mask, attention)
+
+
+# ---- the model ------------------------------------------------------------------------------------
+def test_main_stream_is_exactly_the_adapted_model(pair):
+    target, model = pair
+    ids = torch.randint(4, VOCAB, (2, 11))
+    with torch.no_grad():
+        original = target(ids).logits
+        with model.adapted() as adapted_target:
+            adapted = adapted_target(ids).logits
+        on, off = model(ids), model(ids, streams=False)
+    assert not torch.allclose(adapted, original, atol=1e-3)  # the LoRA does change the model
+    assert torch.equal(off.logits, adapted) and off.stream_hidden is None
+    assert torch.equal(on.logits, adapted)  # the hooks only read: the main stream is untouched
+    assert on.stream_hidden.shape == (2, 11, 3, 64)
+    with torch.no_grad():
+        assert torch.equal(target(ids).logits, original)  # outside the model the target is the original
+
+
+def test_streams_at_t_ignore_tokens_after_t(pair):
+    _, model = pair
+    ids = torch.randint(4, VOCAB, (1, 12))
+    changed = ids.clone()
+    t = 6
+    changed[0, t + 1 :] = (changed[0, t + 1 :] + 7) % (VOCAB - 4) + 4
+    with torch.no_grad():
+        a, b = model(ids).stream_hidden, model(changed).stream_hidden
+    torch.testing.assert_close(a[:, : t + 1], b[:, : t + 1], rtol=0, atol=1e-6)
+    assert not torch.allclose(a[:, t + 1 :], b[:, t + 1 :], atol=1e-3)  # the change does reach later rows
+
+
+def test_stream_j_ignores_later_streams(pair):
+    _, model = pair
+    ids = torch.randint(4, VOCAB, (1, 9))
+    with torch.no_grad():
+        before = model(ids).stream_hidden
+        model.stream_embeddings[1] += 1.0  # perturb stream 2 (0-based 1)
+        after = model(ids).stream_hidden
+    torch.testing.assert_close(before[:, :, 0], after[:, :, 0], rtol=0, atol=1e-6)  # stream 1 sees only itself
+    assert not torch.allclose(before[:, :, 1], after[:, :, 1], atol=1e-3)  # stream 2 changed
+    assert not torch.allclose(before[:, :, 2], after[:, :, 2], atol=1e-3)  # stream 3 attends to stream 2
+
+
+def test_streams_never_enter_the_cache_and_tree_rows_match_their_paths(pair):
+    """Streams at a tree node (tree mask on top of a cached prefix) equal the streams at the same
+    position of the node's own path run as a plain sequence."""
+    _, model = pair
+    prefix = [5, 9, 14, 33, 7]
+    tree = DraftTree.from_paths([[40, 41, 42], [40, 50], [60, 61]])
+    cache = DynamicCache(config=model.target.config)
+    with torch.no_grad():
+        model(torch.tensor([prefix[:-1]]), past_key_values=cache)
+        assert cache.get_seq_length() == len(prefix) - 1
+        mask, positions = tree_attention_inputs(tree, len(prefix) - 1, torch.float32)
+        ids = torch.cat([torch.tensor(prefix[-1:]), tree.tokens])[None]
+        out = model(ids, attention_mask=mask, position_ids=positions, past_key_values=cache)
+        assert cache.get_seq_length() == len(prefix) - 1 + ids.shape[1]  # main rows only, no stream rows
+        tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
+        for node in range(len(tree)):
+            path, current = [], node
+            while current >= 0:
+                path.insert(0, tokens[current])
+                current = parents[current]
+            plain = model(torch.tensor([prefix + path]))
+            torch.testing.assert_close(out.stream_hidden[0, node + 1], plain.stream_hidden[0, -1], rtol=0, atol=2e-5)
+            torch.testing.assert_close(out.logits[0, node + 1], plain.logits[0, -1], rtol=0, atol=2e-5)
+
+
+def test_prompt_rows_select_streams(pair):
+    _, model = pair
+    ids = torch.randint(4, VOCAB, (1, 8))
+    with torch.no_grad():
+        full = model(ids).stream_hidden
+        last = model(ids, stream_rows=torch.tensor([7])).stream_hidden
+    torch.testing.assert_close(last[:, 0], full[:, 7], rtol=0, atol=1e-6)
+
+
+def test_config_errors_name_the_key():
+    target = make_target()
+    with pytest.raises(StreamingConfigError, match="num_stream_layers"):
+        StreamingConfig.for_target(target.config, num_stream_layers=5)
+    with pytest.raises(StreamingConfigError, match="lora_target_modules"):
+        StreamingConfig.for_target(target.config, lora_target_modules=["qproj"])
+    with pytest.raises(StreamingConfigError, match="pruning"):
+        StreamingConfig.for_target(target.config, pruning_rank=8)
+    model = StreamingModel(StreamingConfig.for_target(target.config, num_stream_layers=2, lora_rank=4))
+    other = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=4,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+        )
+    )
+    with pytest.raises(StreamingConfigError, match="hidden_size"):
+        model.attach_target(other)
+
+
+def test_lora_only_on_chosen_layers_and_modules():
+    target = make_target()
+    model = make_streaming(target, lora_layers=[3], lora_target_modules=["v_proj", "down_proj"])
+    assert sorted(model.lora) == ["layers_3_down_proj", "layers_3_v_proj"]
+    assert hasattr(target.model.layers[3].mlp.down_proj, "lora_A")
+    assert not hasattr(target.model.layers[2].self_attn.v_proj, "lora_A")
+    assert not hasattr(target.model.layers[3].self_attn.q_proj, "lora_A")
+
+
+# ---- the loss -------------------------------------------------------------------------------------
+def test_gradients_reach_only_lora_and_streams(pair):
+    target, model = pair
+    model.train()
+    batch = batch_of([[5, 6, 7, 8, 9, 10, 11], [12, 13, 14, 15, 16]])
+    out = streaming_loss(model, batch, None)
+    assert torch.isfinite(out.loss) and {"loss/main", "loss/stream1", "acc/stream3"} <= set(out.metrics)
+    out.loss.backward()
+    trainable = dict(model.named_parameters())
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in trainable.values())
+    assert all(p.grad is None for name, p in target.named_parameters() if ".lora_" not in name)
+    assert model.parameter_counts() == {"streams": 3 * 64, "lora": sum(p.numel() for p in model.lora.parameters())}
+
+
+def test_stream_j_at_t_is_supervised_on_token_t_plus_j_plus_1(pair):
+    """The vectorised loss against a position-by-position loop."""
+    _, model = pair
+    seq = [5, 17, 23, 8, 44, 91, 3, 60, 12]
+    batch = batch_of([seq])
+    batch.loss_mask[0, :3] = 0  # the prompt part
+    with torch.no_grad():
+        out = streaming_loss(model, batch, None, main_weight=0.0, stream_weight=1.0)
+        hidden = model(batch.input_ids).stream_hidden[0]
+    expected = 0.0
+    for j in range(1, 4):
+        terms = [
+            -model.stream_logits(hidden[t, j - 1]).log_softmax(-1)[seq[t + j + 1]]
+            for t in range(len(seq) - j - 1)
+            if batch.loss_mask[0, t + j + 1]
+        ]
+        expected += float(torch.stack(terms).mean())
+    assert out.loss.item() == pytest.approx(expected, rel=1e-5)
+
+
+def train_streams(target, model, prompts, seqs, steps, lr=1e-2):
+    model.train()
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
+    batch = batch_of(seqs, [len(p) for p in prompts])
+    history = []
+    for _ in range(steps):
+        out = streaming_loss(model, batch, None)
+        optimizer.zero_grad()
+        out.loss.backward()
+        optimizer.step()
+        history.append(out)
+    return model.eval(), history
+
+
+def test_overfits_one_batch(pair):
+    target, model = pair
+    prompts = random_prompts(4, seed=3)
+    seqs = [p + hf_greedy(target, p, 12) for p in prompts]
+    _, history = train_streams(target, model, prompts, seqs, steps=60)
+    first, last = history[0].metrics, history[-1].metrics
+    # a random tiny target's logits are nearly flat, so CE falls slowly; the argmax agreement moves fast
+    assert float(history[-1].loss.detach()) < float(history[0].loss.detach()) - 0.5
+    for j in (1, 2, 3):
+        assert last[f"acc/stream{j}"] > first[f"acc/stream{j}"] + 0.25
+    assert last["sim/accept_length"] > first["sim/accept_length"] + 0.5
+
+
+# ---- saving ---------------------------------------------------------------------------------------
+def test_save_holds_only_lora_and_streams_and_reloads(pair, tmp_path):
+    target, model = pair
+    model.save_pretrained(str(tmp_path))
+    saved = load_file(str(tmp_path / "model.safetensors"))
+    assert set(saved) == {"stream_embeddings"} | {f"lora.{k}" for k in model.lora.state_dict()}
+    assert sum(t.numel() for t in saved.values()) == sum(model.parameter_counts().values())
+    fresh_target = make_target()  # the same original weights, a separate object
+    loaded = StreamingModel.from_pretrained(str(tmp_path))
+    loaded.attach_target(fresh_target)
+    ids = torch.randint(4, VOCAB, (1, 10))
+    with torch.no_grad():
+        a, b = model(ids), loaded.eval()(ids)
+    assert torch.equal(a.logits, b.logits) and torch.equal(a.stream_hidden, b.stream_hidden)
+
+
+# ---- decoding -------------------------------------------------------------------------------------
+def test_stream_tree_is_the_best_nodes_of_the_full_tree():
+    torch.manual_seed(0)
+    logprobs = torch.randn(3, 30).log_softmax(-1)
+    parents, tokens, scores = [], [], []
+    frontier = [-1]
+    values, ids = logprobs.topk(3, dim=-1)
+    for depth in range(3):  # the full 3-ary tree, no expansion limit
+        nxt = []
+        for parent in frontier:
+            for v, t in zip(values[depth].tolist(), ids[depth].tolist()):
+                nxt.append(len(tokens))
+                parents.append(parent), tokens.append(t), scores.append((scores[parent] if parent >= 0 else 0) + v)
+        frontier = nxt
+    for budget in (1, 5, 12):
+        expected, _ = best_first_tree(parents, tokens, scores, budget)
+        got = stream_tree(logprobs, 3, budget)
+        assert torch.equal(got.tokens, expected.tokens) and torch.equal(got.parents, expected.parents)
+    assert stream_tree(logprobs, 3, 100).depths().max() == 3
+
+
+@pytest.fixture(scope="module")
+def trained():
+    """A streaming model trained on its adapted target's own greedy continuations."""
+    target = make_target(seed=4)
+    model = make_streaming(target, num_streams=3, num_stream_layers=2, lora_noise=0.02)
+    with model.adapted() as adapted:
+        prompts = random_prompts(12, seed=5)
+        seqs = [p + hf_greedy(adapted, p, 30) for p in prompts]
+    model, _ = train_streams(target, model, prompts, seqs, steps=150)
+    return target, model
+
+
+def test_greedy_decoding_is_lossless_for_the_adapted_model(trained):
+    target, model = trained
+    drafter = serve_streaming(model, target, top_k=3, total_tokens=10)
+    taus, differs = [], 0
+    for prompt in random_prompts(12, seed=5) + random_prompts(12, seed=99):
+        with model.adapted() as adapted:
+            reference = hf_greedy(adapted, prompt, 30)
+        differs += reference != hf_greedy(target, prompt, 30)
+        result = generate(target, prompt, drafter, max_new_tokens=30, eos_token_ids=[EOS])
+        assert result.tokens == reference, prompt
+        taus.append(result.tau)
+    assert max(taus) > 1.5  # the streams do draft accepted tokens
+    assert differs > 0  # the reference really is the adapted model, not the original
+
+
+def test_sampled_decoding_is_reproducible(trained):
+    from draftsmith.inference.verify import SamplingConfig
+
+    target, model = trained
+    drafter = serve_streaming(model, target)
+    prompt = random_prompts(1, seed=7)[0]
+    runs = [
+        generate(
+            target,
+            prompt,
+            drafter,
+            max_new_tokens=20,
+            sampling=SamplingConfig(0.8, top_k=20),
+            generator=torch.Generator().manual_seed(3),
+        ).tokens
+        for _ in range(2)
+    ]
+    assert runs[0] == runs[1] and len(runs[0]) > 0
+
+
+# ---- trainer, recipe, export, loading -------------------------------------------------------------
+def test_shipped_recipe_validates():
+    from draftsmith.train.config import load_train_recipe
+
+    recipe = load_train_recipe(REPO / "recipes/streaming-smollm2.yaml")
+    assert recipe.family_name == "streaming" and recipe.drafter["num_streams"] == 4
+    for ns in (2, 4, 8):
+        assert load_train_recipe(REPO / "recipes/streaming-smollm2.yaml", [f"drafter.num_stream_layers={ns}"])
+
+
+def test_train_export_and_decode_through_the_cli(tmp_path, tiny_target_dir):
+    from draftsmith.inference.methods import build_drafter
+    from draftsmith.inference.target import load_target
+    from draftsmith.train.cli import main
+
+    records = [
+        sharegpt(("human", f"Question {i}: what is {i} plus {i}?"), ("gpt", f"It is {2 * i}. " * (1 + i % 3)))
+        for i in range(10)
+    ]
+    main(
+        [
+            "data",
+            "prepare",
+            str(write_jsonl(tmp_path / "chats.jsonl", records)),
+            "--out",
+            str(tmp_path / "prep"),
+            "--target",
+            str(tiny_target_dir),
+            "--max-length",
+            "128",
+        ]
+    )
+    recipe = {
+        "target": {"name": str(tiny_target_dir)},
+        "output_dir": str(tmp_path / "run"),
+        "data": {"prepared": str(tmp_path / "prep"), "eval_samples": 2},
+        "drafter": {"family": "streaming", "num_streams": 2, "num_stream_layers": 1, "lora_rank": 4},
+        "train": {"lr": 1e-3, "batch_size": 2, "max_steps": 2, "save_every": 2, "log_every": 1},
+        "tracking": {"wandb": False},
+    }
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    main(["train", str(tmp_path / "recipe.yaml")])
+    info = json.loads((tmp_path / "run/run_info.json").read_text())
+    main(["export", str(tmp_path / "run"), "--out", str(tmp_path / "export")])
+    config = json.loads((tmp_path / "export/config.json").read_text())
+    assert config["drafter_family"] == "streaming" and config["num_stream_layers"] == 1
+    weights = load_file(str(tmp_path / "export/model.safetensors"))
+    assert sum(t.numel() for t in weights.values()) == info["trainable_parameters"]  # nothing of the target
+    tiny = load_target(str(tiny_target_dir))
+    drafter = build_drafter(f"streaming={tmp_path / 'export'}", tiny)
+    prompt = tiny.encode_chat([{"role": "user", "content": "Question 3: what is 3 plus 3?"}])
+    result = generate(tiny.model, prompt, drafter, max_new_tokens=16, eos_token_ids=tiny.eos_token_ids)
+    with drafter.model.adapted() as adapted:
+        reference = adapted.generate(
+            torch.tensor([prompt]), do_sample=False, max_new_tokens=16, eos_token_id=tiny.eos_token_ids, pad_token_id=0
+        )[0, len(prompt) :].tolist()
+    assert result.tokens == reference

@@ -542,6 +542,10 @@ class StreamingTreeDrafter:
         self.name = name
         self._row_call = (-1, -1)  # (forward number, row) noted by observe
 
+    def served_model(self):
+        """The model this drafter's output is lossless against (the LoRA-adapted target), for references."""
+        return self.model.adapted()
+
     def observe(self, tree: Any, logits: torch.Tensor, verdict: Any) -> None:
         row = 1 + verdict.accepted_nodes[-1] if verdict.accepted_nodes else 0
         self._row_call = (self.serving_model.calls, row)

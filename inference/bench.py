@@ -53,6 +53,8 @@ class Tally:
     identical: int = 0
     total: int = 0
     first_differences: list[dict[str, Any]] = field(default_factory=list)
+    agreeing_tokens: int = 0  # adapted-model methods: positions where its output equals the target's
+    compared_tokens: int = 0
 
     def add(
         self,
@@ -76,6 +78,11 @@ class Tally:
             )
             self.first_differences.append({"turn": where, "position": position})
 
+    def add_agreement(self, served: list[int], original: list[int]) -> None:
+        """How far an adapted served model drifts from the original target (position-wise token agreement)."""
+        self.agreeing_tokens += sum(a == b for a, b in zip(served, original))
+        self.compared_tokens += max(len(served), len(original))
+
     def summary(self) -> dict[str, Any]:
         return {
             "tau": self.tokens / self.forwards if self.forwards else 0.0,
@@ -87,6 +94,11 @@ class Tally:
             "target_forwards": self.forwards,
             "seconds": round(self.seconds, 3),
             "first_differences": self.first_differences[:10],
+            **(
+                {"agreement_with_target": self.agreeing_tokens / self.compared_tokens, "reference": "served model"}
+                if self.compared_tokens
+                else {}
+            ),
         }
 
 
@@ -127,10 +139,14 @@ def _spread(questions: list[Question], limit: int) -> list[Question]:
 
 
 @torch.no_grad()
-def hf_greedy(target: Target, prompt: list[int], max_new_tokens: int, eos: list[int]) -> tuple[list[int], float]:
+def hf_greedy(
+    target: Target, prompt: list[int], max_new_tokens: int, eos: list[int], model=None
+) -> tuple[list[int], float]:
+    """HF ``generate`` greedy on ``model`` (default: the target's); the tokens and the seconds it took."""
+    model = target.model if model is None else model
     start = time.perf_counter()
-    out = target.model.generate(
-        torch.tensor([prompt], device=target.model.device),
+    out = model.generate(
+        torch.tensor([prompt], device=model.device),
         do_sample=False,
         max_new_tokens=max_new_tokens,
         eos_token_id=eos,
@@ -140,6 +156,17 @@ def hf_greedy(target: Target, prompt: list[int], max_new_tokens: int, eos: list[
         top_k=None,
     )
     return out[0, len(prompt) :].tolist(), time.perf_counter() - start
+
+
+def _served_reference(target: Target, drafter, prompt: list[int], max_new_tokens: int, eos: list[int]):
+    """For a drafter that serves an adapted model (``served_model()``, e.g. Speculative Streaming's LoRA
+    target), lossless means identical to *that* model's plain decoding, which is also its baseline:
+    its HF greedy tokens and time; None for drafters that serve the target itself."""
+    served = getattr(drafter, "served_model", None)
+    if served is None:
+        return None, 0.0
+    with served() as model:
+        return hf_greedy(target, prompt, max_new_tokens, eos, model)
 
 
 def run_bench(target: Target, questions: list[Question], methods: list[str], max_new_tokens: int) -> dict[str, Any]:
@@ -160,11 +187,17 @@ def run_bench(target: Target, questions: list[Question], methods: list[str], max
             for scope in scopes_of(question.category):
                 tallies[BASELINE][scope].add(reference, len(reference), base_seconds, base_seconds, reference, where)
             for name, drafter in drafters.items():
+                own_reference, own_seconds = _served_reference(target, drafter, prompt, max_new_tokens, eos)
                 result = generate(target.model, prompt, drafter, max_new_tokens=max_new_tokens, eos_token_ids=eos)
                 for scope in scopes_of(question.category):
-                    tallies[name][scope].add(
-                        result.tokens, result.target_forwards, result.seconds, base_seconds, reference, where
-                    )
+                    tally = tallies[name][scope]
+                    if own_reference is None:
+                        tally.add(result.tokens, result.target_forwards, result.seconds, base_seconds, reference, where)
+                    else:
+                        tally.add(
+                            result.tokens, result.target_forwards, result.seconds, own_seconds, own_reference, where
+                        )
+                        tally.add_agreement(own_reference, reference)
             messages.append(
                 {"role": "assistant", "content": target.tokenizer.decode(reference, skip_special_tokens=True)}
             )

@@ -406,3 +406,15 @@ def test_train_export_and_decode_through_the_cli(tmp_path, tiny_target_dir):
             torch.tensor([prompt]), do_sample=False, max_new_tokens=16, eos_token_id=tiny.eos_token_ids, pad_token_id=0
         )[0, len(prompt) :].tolist()
     assert result.tokens == reference
+    # bench judges streaming against the adapted model it serves, and reports its drift from the target
+    from draftsmith.inference.bench import Question, run_bench
+
+    results = run_bench(
+        tiny,
+        [Question("q", "writing", ["Question 3: what is 3 plus 3?"])],
+        ["streaming=" + str(tmp_path / "export")],
+        16,
+    )
+    streaming = results["methods"][f"streaming={tmp_path / 'export'}"]["overall"]
+    assert streaming["identical"] == streaming["total"] == 1
+    assert 0.0 <= streaming["agreement_with_target"] <= 1.0 and streaming["reference"] == "served model"

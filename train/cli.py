@@ -10,6 +10,7 @@ from draftsmith.data.cli import add_data_commands
 from draftsmith.inference.cli import add_inference_commands
 from draftsmith.train.commands import add_train_commands
 from draftsmith.train.medusa_cli import add_medusa_commands
+from draftsmith.train.quickstart import add_quickstart_command
 
 # Jobs whose issues have not landed yet say so plainly instead of pretending to work.
 PENDING: dict[str, tuple[str, str]] = {}
@@ -31,10 +32,12 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from draftsmith.train.tracking import TrackingError
     from draftsmith.train.trainer import TrainingError
     from draftsmith.drafters.medusa import MedusaTreeError
+    from draftsmith.drafters.streaming import StreamingConfigError
 
     return (
         TrainingError,
         MedusaTreeError,
+        StreamingConfigError,
         CheckpointError,
         TrackingError,
         DrafterCheckpointError,
@@ -68,6 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add_data_commands(commands)
+    add_quickstart_command(commands)
     add_train_commands(commands)
     add_medusa_commands(commands)
     for name, (help_text, issue) in PENDING.items():

@@ -18,8 +18,10 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from draftsmith.drafters.eagle import EagleConfig, EagleDrafter, EagleTreeDrafter
+from draftsmith.drafters.medusa import MedusaConfig, MedusaHeads, MedusaTreeDrafter
+from draftsmith.drafters.streaming import StreamingConfig, StreamingModel, serve_streaming
 from draftsmith.train.batch import FrozenTarget, LossOutput, TrainBatch
-from draftsmith.train.losses import feature_distillation_loss
+from draftsmith.train.losses import feature_distillation_loss, medusa_loss, streaming_loss
 from draftsmith.train.recipe import RecipeError
 
 LossFn = Callable[..., LossOutput]  # loss(model, batch: TrainBatch, frozen: FrozenTarget, **options)
@@ -81,6 +83,11 @@ def _serve_eagle(model: EagleDrafter, target_model: nn.Module, **tree: Any) -> E
     return EagleTreeDrafter(model, frozen.embed_tokens, frozen.lm_head, name=model.config.drafter_family, **tree)
 
 
+def _serve_medusa(model: MedusaHeads, target_model: nn.Module, **tree: Any) -> MedusaTreeDrafter:
+    # The heads own their output layers; the target is only the verifier.
+    return MedusaTreeDrafter(model, name=model.config.drafter_family, **tree)
+
+
 FAMILIES: dict[str, Family] = {
     "eagle": Family("eagle", EagleConfig, EagleDrafter, feature_distillation_loss, _serve_eagle),
     "fspad": Family(
@@ -90,6 +97,11 @@ FAMILIES: dict[str, Family] = {
         feature_distillation_loss,
         _serve_eagle,
         defaults={"feature_sampler": True, "partial_alignment": True},
+    ),
+    "medusa": Family("medusa", MedusaConfig, MedusaHeads, medusa_loss, _serve_medusa),
+    # Speculative Streaming runs inside the target (attach_target): no features, the target's own tokens.
+    "streaming": Family(
+        "streaming", StreamingConfig, StreamingModel, streaming_loss, serve_streaming, needs_features=False
     ),
 }
 

@@ -164,3 +164,49 @@ def _medusa_soft_ce(head_logits: torch.Tensor, teacher_features: torch.Tensor, f
             weight = weight[core.draft_vocab.to(weight.device)]
         teacher = F.linear(teacher_features.to(weight.dtype), weight).float()
     return _soft_cross_entropy(head_logits.float(), teacher).mean()
+
+
+def streaming_loss(
+    model,
+    batch: TrainBatch,
+    frozen: FrozenTarget,
+    main_weight: float = 1.0,
+    stream_weight: float = 0.1,
+) -> LossOutput:
+    """Speculative Streaming: ``main_weight * CE(x_{t+1}) + stream_weight * sum_j CE_j(x_{t+j+1})``.
+
+    The main stream at t predicts ``x_{t+1}``, stream j (1..γ) at t predicts ``x_{t+j+1}``; a term
+    counts where its label is an assistant token. ``frozen`` is unused: the model runs the target itself.
+
+    Metrics: ``loss/main``, ``loss/stream{j}``, ``acc/stream{j}`` (top-1 against the label) and
+    ``sim/accept_length`` = 1 + the mean number of leading streams that are all right at a position."""
+    core = getattr(model, "module", model)  # DDP / DeepSpeed wrap the model; compute still goes through model()
+    out = model(batch.input_ids, attention_mask=batch.attention_mask)
+    supervised = (batch.loss_mask * batch.attention_mask).bool()
+    length, streams = batch.input_ids.shape[1], out.stream_hidden.shape[2]
+    main_rows = supervised[:, 1:]
+    main_ce = _masked_ce(out.logits[:, :-1][main_rows], batch.input_ids[:, 1:][main_rows])
+    loss, metrics = main_weight * main_ce, {"loss/main": float(main_ce.detach())}
+    correct = torch.zeros(*supervised.shape, streams, dtype=torch.bool, device=supervised.device)
+    for j in range(1, streams + 1):
+        span = max(length - j - 1, 0)  # stream j has a label at t < T - j - 1
+        rows = supervised[:, j + 1 :]
+        labels = batch.input_ids[:, j + 1 :][rows]
+        logits = core.stream_logits(out.stream_hidden[:, :span, j - 1][rows])
+        ce = _masked_ce(logits, labels)
+        loss = loss + stream_weight * ce
+        hits = logits.detach().argmax(-1) == labels
+        correct[:, :span, j - 1][rows] = hits
+        metrics[f"loss/stream{j}"] = float(ce.detach())
+        if hits.numel():
+            metrics[f"acc/stream{j}"] = float(hits.float().mean())
+    starts = supervised[:, 2:]  # positions where stream 1 has a label
+    if starts.any():
+        leading = correct[:, : length - 2][starts].float().cumprod(-1).sum(-1)
+        metrics["sim/accept_length"] = float(1.0 + leading.mean())
+    return LossOutput(loss, metrics)
+
+
+def _masked_ce(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean CE over the rows; zero (with a graph) when there are none."""
+    return F.cross_entropy(logits.float(), labels) if labels.numel() else logits.sum() * 0.0

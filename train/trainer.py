@@ -205,6 +205,8 @@ class Trainer:
             model.config.drafter_family = self.family.name  # the export's registry key
         if hasattr(model, "fit_data"):  # data-dependent setup (e.g. EAGLE-3's reduced draft vocabulary)
             model.fit_data(self.data.token_counts(int(self.target.model.config.vocab_size)))
+        if hasattr(model, "init_from_target"):  # after fit_data: Medusa heads copy lm_head's draft-vocabulary rows
+            model.init_from_target(self.frozen)
         if hasattr(model, "attach_target"):  # models that run inside the target (Speculative Streaming's LoRA)
             model.attach_target(self.target.model.to(self.accelerator.device))
         params = [p for p in model.parameters() if p.requires_grad]

@@ -1,16 +1,16 @@
 """EAGLE / FSPAD drafters: model, loss, EAGLE-2 dynamic trees, export/load and lossless decoding."""
 
-import random
-
 import pytest
 import torch
 
 from conftest import tiny_llama
+from decoding_helpers import hf_greedy, self_distilled_batch
+from decoding_helpers import random_prompts as _random_prompts
 from draftsmith.drafters.eagle import EagleConfig, EagleDrafter, causal_mask
 from draftsmith.drafters.io import DrafterCheckpointError, export_drafter
 from draftsmith.inference.runtime import DraftContext, generate
 from draftsmith.inference.tree import best_first_tree
-from draftsmith.train.batch import FrozenTarget, TrainBatch
+from draftsmith.train.batch import FrozenTarget
 from draftsmith.train.families import get_family
 from draftsmith.train.recipe import RecipeError
 
@@ -18,42 +18,13 @@ VOCAB = 97
 EOS = 2
 
 
+def random_prompts(n, seed):
+    return _random_prompts(n, seed, VOCAB)
+
+
 @pytest.fixture(scope="module")
 def target():
     return tiny_llama(VOCAB, seed=0)
-
-
-def hf_greedy(model, prompt, max_new_tokens):
-    out = model.generate(
-        torch.tensor([prompt]),
-        do_sample=False,
-        max_new_tokens=max_new_tokens,
-        eos_token_id=EOS,
-        pad_token_id=0,
-        temperature=None,
-        top_p=None,
-        top_k=None,
-    )
-    return out[0, len(prompt) :].tolist()
-
-
-def random_prompts(n, seed):
-    rng = random.Random(seed)
-    return [[rng.randrange(4, VOCAB) for _ in range(rng.randint(3, 10))] for _ in range(n)]
-
-
-def self_distilled_batch(target, n=16, new_tokens=40, seed=0):
-    """The target's own greedy continuations with their features: what self-distillation trains on."""
-    seqs = [p + hf_greedy(target, p, new_tokens) for p in random_prompts(n, seed)]
-    length = max(map(len, seqs))
-    ids = torch.zeros(len(seqs), length, dtype=torch.long)
-    attention = torch.zeros_like(ids)
-    for row, seq in enumerate(seqs):
-        ids[row, : len(seq)] = torch.tensor(seq)
-        attention[row, : len(seq)] = 1
-    with torch.no_grad():
-        features = target.model(ids, attention_mask=attention).last_hidden_state
-    return TrainBatch(ids, attention.float(), attention, features)
 
 
 def train(family_name, target, batch, steps, **options):
@@ -74,7 +45,7 @@ def train(family_name, target, batch, steps, **options):
 
 @pytest.fixture(scope="module")
 def trained_fspad(target):
-    model, _ = train("fspad", target, self_distilled_batch(target), 200, tree_depth=4, tree_top_k=3)
+    model, _ = train("fspad", target, self_distilled_batch(target, VOCAB), 200, tree_depth=4, tree_top_k=3)
     return model
 
 
@@ -93,7 +64,7 @@ def test_best_first_tree_keeps_the_best_and_parents_first():
 
 @pytest.mark.parametrize("family", ["eagle", "fspad"])
 def test_loss_is_finite_and_trains_only_the_drafter(target, family):
-    batch = self_distilled_batch(target, n=3, new_tokens=8)
+    batch = self_distilled_batch(target, VOCAB, n=3, new_tokens=8)
     model = get_family(family).build(target.config, {})
     frozen = FrozenTarget.from_model(target)
     out = get_family(family).compute_loss(model, batch, frozen, {})
@@ -117,12 +88,12 @@ def test_fspad_components_switch_off_separately(target):
 
 @pytest.mark.parametrize("family", ["eagle", "fspad"])
 def test_overfits_one_batch(target, family):
-    _, losses = train(family, target, self_distilled_batch(target, n=4, new_tokens=12), 60)
+    _, losses = train(family, target, self_distilled_batch(target, VOCAB, n=4, new_tokens=12), 60)
     assert losses[-1] < 0.5 * losses[0]
 
 
 def test_padding_does_not_change_real_positions(target):
-    batch = self_distilled_batch(target, n=2, new_tokens=6)
+    batch = self_distilled_batch(target, VOCAB, n=2, new_tokens=6)
     model = get_family("eagle").build(target.config, {}).eval()
     embeds, features = torch.randn(1, 7, 64), torch.randn(1, 7, 64)
     positions = torch.arange(7)[None]
@@ -134,7 +105,9 @@ def test_padding_does_not_change_real_positions(target):
 
 
 def test_export_and_load_round_trip(target, tmp_path, trained_fspad):
-    export_drafter(trained_fspad, {"name": "t", "revision": "r", "config_hash": "c", "tokenizer_hash": "k"}, tmp_path / "d")
+    export_drafter(
+        trained_fspad, {"name": "t", "revision": "r", "config_hash": "c", "tokenizer_hash": "k"}, tmp_path / "d"
+    )
     loaded = EagleDrafter.from_pretrained(tmp_path / "d").eval()
     assert loaded.config.drafter_family == "fspad" and loaded.config.target_identity["name"] == "t"
     args = (torch.randn(1, 6, 64), torch.randn(1, 6, 64), torch.arange(6)[None])
@@ -205,7 +178,7 @@ def test_greedy_decoding_is_lossless(target, trained_fspad):
 
 
 def test_draft_vocabulary_limits_proposals_and_stays_lossless(target):
-    batch = self_distilled_batch(target, n=8, new_tokens=24)
+    batch = self_distilled_batch(target, VOCAB, n=8, new_tokens=24)
     model, _ = train("fspad", target, batch, 80, draft_vocab_size=24)
     model.fit_data(torch.bincount(batch.input_ids[batch.attention_mask.bool()], minlength=VOCAB))
     allowed = set(model.draft_vocab.tolist())

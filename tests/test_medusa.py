@@ -1,7 +1,6 @@
 """Medusa-1 heads: model, loss and its shifts, static/dynamic trees, calibration, export/load, lossless decoding."""
 
 import json
-import random
 from pathlib import Path
 
 import pytest
@@ -10,6 +9,8 @@ import yaml
 from torch import nn
 
 from conftest import sharegpt, tiny_llama, write_jsonl
+from decoding_helpers import hf_greedy, self_distilled_batch
+from decoding_helpers import random_prompts as _random_prompts
 from draftsmith.drafters.io import export_drafter
 from draftsmith.drafters.medusa import (
     DEFAULT_TREES,
@@ -29,39 +30,18 @@ from draftsmith.train.recipe import RecipeError
 
 VOCAB = 97
 EOS = 2
+
+
+def random_prompts(n, seed):
+    return _random_prompts(n, seed, VOCAB)
+
+
 REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def target():
     return tiny_llama(VOCAB, seed=0)
-
-
-def hf_greedy(model, prompt, max_new_tokens):
-    out = model.generate(
-        torch.tensor([prompt]), do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=EOS, pad_token_id=0,
-        temperature=None, top_p=None, top_k=None,
-    )
-    return out[0, len(prompt) :].tolist()
-
-
-def random_prompts(n, seed):
-    rng = random.Random(seed)
-    return [[rng.randrange(4, VOCAB) for _ in range(rng.randint(3, 10))] for _ in range(n)]
-
-
-def self_distilled_batch(target, n=16, new_tokens=40, seed=0):
-    """The target's own greedy continuations with their features: what self-distillation trains on."""
-    seqs = [p + hf_greedy(target, p, new_tokens) for p in random_prompts(n, seed)]
-    length = max(map(len, seqs))
-    ids = torch.zeros(len(seqs), length, dtype=torch.long)
-    attention = torch.zeros_like(ids)
-    for row, seq in enumerate(seqs):
-        ids[row, : len(seq)] = torch.tensor(seq)
-        attention[row, : len(seq)] = 1
-    with torch.no_grad():
-        features = target.model(ids, attention_mask=attention).last_hidden_state
-    return TrainBatch(ids, attention.float(), attention, features)
 
 
 def build(target, **options):
@@ -87,7 +67,7 @@ def train(target, batch, steps, lr=3e-3, **options):
 
 @pytest.fixture(scope="module")
 def trained(target):
-    model, _ = train(target, self_distilled_batch(target), 150, tree="medusa-16")
+    model, _ = train(target, self_distilled_batch(target, VOCAB), 150, tree="medusa-16")
     return model
 
 
@@ -130,7 +110,7 @@ def test_init_refuses_another_targets_lm_head(target):
 
 
 def test_gradients_reach_only_the_heads(target):
-    batch = self_distilled_batch(target, n=3, new_tokens=8)
+    batch = self_distilled_batch(target, VOCAB, n=3, new_tokens=8)
     model = build(target)
     frozen = FrozenTarget.from_model(target)
     out = medusa_loss(model, batch, frozen, soft_labels=True)
@@ -143,7 +123,7 @@ def test_gradients_reach_only_the_heads(target):
 
 @pytest.mark.parametrize("soft_labels", [False, True])
 def test_overfits_one_batch(target, soft_labels):
-    batch = self_distilled_batch(target, n=4, new_tokens=12)
+    batch = self_distilled_batch(target, VOCAB, n=4, new_tokens=12)
     torch.manual_seed(0)
     model = build(target)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
@@ -228,7 +208,7 @@ def test_soft_labels_read_the_target_at_position_t_plus_k():
 
 
 def test_draft_vocabulary_labels_outside_it_are_misses(target):
-    batch = self_distilled_batch(target, n=4, new_tokens=12)
+    batch = self_distilled_batch(target, VOCAB, n=4, new_tokens=12)
     model = get_family("medusa").build(target.config, {"draft_vocab_size": 8})
     model.fit_data(torch.bincount(batch.input_ids[batch.attention_mask.bool()], minlength=VOCAB))
     model.init_from_target(FrozenTarget.from_model(target))
@@ -373,8 +353,19 @@ def medusa_export(tmp_path_factory, tiny_target_dir):
         sharegpt(("human", f"Question {i}: what is {i} plus {i}?"), ("gpt", f"It is {2 * i}. " * (1 + i % 3)))
         for i in range(12)
     ]
-    main(["data", "prepare", str(write_jsonl(root / "chats.jsonl", records)), "--out", str(root / "prepared"),
-          "--target", str(tiny_target_dir), "--max-length", "128"])
+    main(
+        [
+            "data",
+            "prepare",
+            str(write_jsonl(root / "chats.jsonl", records)),
+            "--out",
+            str(root / "prepared"),
+            "--target",
+            str(tiny_target_dir),
+            "--max-length",
+            "128",
+        ]
+    )
     recipe = {
         "target": {"name": str(tiny_target_dir)},
         "output_dir": str(root / "run"),
@@ -396,26 +387,57 @@ def test_trained_export_calibrates_and_decodes_losslessly(medusa_export, tiny_ta
     from draftsmith.train.cli import main
 
     root, export = medusa_export, medusa_export / "export"
-    main(["medusa", "calibrate", str(export), "--data", str(root / "prepared"), "--nodes", "6", "--samples", "4",
-          "--target", str(tiny_target_dir), "--out", str(root / "tree.json")])
+    main(
+        [
+            "medusa",
+            "calibrate",
+            str(export),
+            "--data",
+            str(root / "prepared"),
+            "--nodes",
+            "6",
+            "--samples",
+            "4",
+            "--target",
+            str(tiny_target_dir),
+            "--out",
+            str(root / "tree.json"),
+        ]
+    )
     written = json.loads((root / "tree.json").read_text())
     assert written["format"] == "draftsmith.medusa_tree/1" and len(written["paths"]) == written["nodes"] == 6
     assert len(written["head_accuracy"]) == 3 and all(len(row) == 10 for row in written["head_accuracy"])
     assert json.loads((export / "config.json").read_text())["tree"] == "medusa-8"  # --out leaves the drafter as is
-    main(["medusa", "calibrate", str(export), "--data", str(root / "prepared"), "--nodes", "6", "--samples", "4",
-          "--target", str(tiny_target_dir)])
+    main(
+        [
+            "medusa",
+            "calibrate",
+            str(export),
+            "--data",
+            str(root / "prepared"),
+            "--nodes",
+            "6",
+            "--samples",
+            "4",
+            "--target",
+            str(tiny_target_dir),
+        ]
+    )
     assert "6-node tree" in capsys.readouterr().out
     config = json.loads((export / "config.json").read_text())
     assert config["tree"] == written["paths"] and config["tree_calibration"]["nodes"] == 6
     tiny = load_target(str(tiny_target_dir))
     drafter = build_drafter(f"medusa={export}", tiny)
-    assert drafter.wants_features and drafter.name == "medusa" and drafter.static.paths == tuple(
-        tuple(p) for p in written["paths"]
+    assert (
+        drafter.wants_features
+        and drafter.name == "medusa"
+        and drafter.static.paths == tuple(tuple(p) for p in written["paths"])
     )
     prompt = tiny.encode_chat([{"role": "user", "content": "Question 3: what is 3 plus 3?"}])
     result = generate(tiny.model, prompt, drafter, max_new_tokens=24, eos_token_ids=tiny.eos_token_ids)
-    reference = tiny.model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=24,
-                                    eos_token_id=tiny.eos_token_ids, pad_token_id=0)[0, len(prompt) :].tolist()
+    reference = tiny.model.generate(
+        torch.tensor([prompt]), do_sample=False, max_new_tokens=24, eos_token_id=tiny.eos_token_ids, pad_token_id=0
+    )[0, len(prompt) :].tolist()
     assert result.tokens == reference
 
 
@@ -435,8 +457,14 @@ def test_sampled_decoding_is_reproducible(target, trained):
     drafter = get_family("medusa").serve(trained, target)
     prompt = random_prompts(1, seed=3)[0]
     runs = [
-        generate(target, prompt, drafter, max_new_tokens=24, sampling=SamplingConfig(0.8, 20, 0.95),
-                 generator=torch.Generator().manual_seed(1)).tokens
+        generate(
+            target,
+            prompt,
+            drafter,
+            max_new_tokens=24,
+            sampling=SamplingConfig(0.8, 20, 0.95),
+            generator=torch.Generator().manual_seed(1),
+        ).tokens
         for _ in range(2)
     ]
     assert runs[0] == runs[1] and len(runs[0]) > 0

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from conftest import tiny_llama, write_jsonl
+from decoding_helpers import hf_greedy
 from draftsmith.inference.runtime import DraftContext, generate
 from draftsmith.inference.spectra import NgramStore, SpectraConfig, SpectraDrafter, node_of_path
 from draftsmith.inference.spectra_retrieval import (
@@ -30,20 +31,6 @@ EOS = [2]  # the tiny Llama's EOS: HF generate stops there, so the runtime must 
 @pytest.fixture(scope="module")
 def model():
     return tiny_llama(VOCAB, seed=0)
-
-
-def hf_greedy(model, prompt, max_new_tokens):
-    out = model.generate(
-        torch.tensor([prompt]),
-        do_sample=False,
-        max_new_tokens=max_new_tokens,
-        eos_token_id=EOS,
-        pad_token_id=0,
-        temperature=None,
-        top_p=None,
-        top_k=None,
-    )
-    return out[0, len(prompt) :].tolist()
 
 
 def prompts(n, seed=0):

@@ -4,7 +4,6 @@ trainer and export path, and lossless decoding with the LoRA-adapted target."""
 from __future__ import annotations
 
 import json
-import random
 from pathlib import Path
 
 import pytest
@@ -14,6 +13,8 @@ from safetensors.torch import load_file
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from conftest import sharegpt, write_jsonl
+from decoding_helpers import hf_greedy
+from decoding_helpers import random_prompts as _random_prompts
 from draftsmith.drafters.streaming import (
     StreamingConfig,
     StreamingConfigError,
@@ -29,6 +30,10 @@ from draftsmith.train.losses import streaming_loss
 REPO = Path(__file__).resolve().parents[1]
 VOCAB = 120
 EOS = 2
+
+
+def random_prompts(n, seed):
+    return _random_prompts(n, seed, VOCAB)
 
 
 def make_target(seed: int = 0) -> LlamaForCausalLM:
@@ -62,25 +67,6 @@ def make_streaming(target, lora_noise: float = 0.05, seed: int = 1, **options) -
 def pair():
     target = make_target()
     return target, make_streaming(target)
-
-
-def hf_greedy(model, prompt, max_new_tokens):
-    out = model.generate(
-        torch.tensor([prompt]),
-        do_sample=False,
-        max_new_tokens=max_new_tokens,
-        eos_token_id=EOS,
-        pad_token_id=0,
-        temperature=None,
-        top_p=None,
-        top_k=None,
-    )
-    return out[0, len(prompt) :].tolist()
-
-
-def random_prompts(n, seed):
-    rng = random.Random(seed)
-    return [[rng.randrange(4, VOCAB) for _ in range(rng.randint(3, 10))] for _ in range(n)]
 
 
 def batch_of(seqs: list[list[int]], prompt_lengths: list[int] | None = None) -> TrainBatch:

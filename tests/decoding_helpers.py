@@ -1,0 +1,50 @@
+"""Helpers shared by the drafter tests: the HF greedy reference, random prompts and self-distilled batches
+on the tiny random Llama (whose EOS id is 2)."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from draftsmith.train.batch import TrainBatch
+
+TINY_EOS = 2
+
+
+def hf_greedy(model, prompt: list[int], max_new_tokens: int, eos: int | list[int] = TINY_EOS) -> list[int]:
+    """What plain greedy decoding produces: every speculative method must reproduce it exactly."""
+    out = model.generate(
+        torch.tensor([prompt]),
+        do_sample=False,
+        max_new_tokens=max_new_tokens,
+        eos_token_id=eos,
+        pad_token_id=0,
+        temperature=None,
+        top_p=None,
+        top_k=None,
+    )
+    return out[0, len(prompt) :].tolist()
+
+
+def random_prompts(n: int, seed: int, vocab: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(4, vocab) for _ in range(rng.randint(3, 10))] for _ in range(n)]
+
+
+def padded(seqs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded ``input_ids`` and ``attention_mask``."""
+    ids = torch.zeros(len(seqs), max(map(len, seqs)), dtype=torch.long)
+    attention = torch.zeros_like(ids)
+    for row, seq in enumerate(seqs):
+        ids[row, : len(seq)] = torch.tensor(seq)
+        attention[row, : len(seq)] = 1
+    return ids, attention
+
+
+def self_distilled_batch(target, vocab: int, n: int = 16, new_tokens: int = 40, seed: int = 0) -> TrainBatch:
+    """The target's own greedy continuations with their features: what self-distillation trains on."""
+    ids, attention = padded([p + hf_greedy(target, p, new_tokens) for p in random_prompts(n, seed, vocab)])
+    with torch.no_grad():
+        features = target.model(ids, attention_mask=attention).last_hidden_state
+    return TrainBatch(ids, attention.float(), attention, features)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 
 from draftsmith.inference.pld import PromptLookupDrafter
@@ -20,13 +21,40 @@ def _draft_model(target, arg: str | None) -> Drafter:
     return build_draft_model_drafter(target, arg)
 
 
+_TREE_OPTION = re.compile(r"^(?P<rest>.+):(?P<key>[a-z_]+)=(?P<value>\d+)$")
+
+
+def split_tree_options(arg: str) -> tuple[str, dict[str, int]]:
+    """``DIR:depth=4:top_k=3`` -> (``DIR``, {"depth": 4, "top_k": 3}): tree settings chosen at serve time
+    (trees that pay off depend on the machine; see ``draftsmith bench-tree``)."""
+    options: dict[str, int] = {}
+    while match := _TREE_OPTION.match(arg):
+        arg, options[match["key"]] = match["rest"], int(match["value"])
+    return arg, options
+
+
+# Tree settings each trained family's runtime drafter takes at serve time (``fspad=DIR:depth=4``).
+TREE_OPTIONS = {
+    "eagle": ("depth", "top_k", "total_tokens"),
+    "fspad": ("depth", "top_k", "total_tokens"),
+    "medusa": ("top_k", "total_tokens"),
+    "streaming": ("top_k", "total_tokens"),
+}
+
+
 def _trained(family: str) -> Callable[..., Drafter]:
     def build(target, arg: str | None) -> Drafter:
         from draftsmith.inference.learned import load_drafter
 
         if not arg:
-            raise MethodError(f"{family} needs an exported drafter directory: --method {family}=DIR")
-        return load_drafter(arg, target, expect=family)
+            raise MethodError(f"{family} needs an exported drafter directory: --method {family}=DIR[:key=N...]")
+        directory, tree = split_tree_options(arg)
+        unknown = sorted(set(tree) - set(TREE_OPTIONS[family]))
+        if unknown:
+            raise MethodError(
+                f"{family} has no tree option {', '.join(unknown)}; it takes {', '.join(TREE_OPTIONS[family])}"
+            )
+        return load_drafter(directory, target, expect=family, **tree)
 
     return build
 

@@ -268,3 +268,16 @@ def test_speculators_export_matches_the_documented_layout(target, tmp_path):
     assert {k: tuple(v.shape) for k, v in weights.items()} == expected
     with pytest.raises(ValueError, match="no feature sampler or partial alignment"):
         export_speculators(get_family("fspad").build(target.config, {}), "x", tmp_path / "fspad")
+
+
+def test_tree_options_at_serve_time(tiny_target_dir, tmp_path):
+    from draftsmith.inference.methods import MethodError, build_drafter, split_tree_options
+    from draftsmith.inference.target import load_target
+
+    assert split_tree_options("a:b/dir:depth=4:top_k=2") == ("a:b/dir", {"depth": 4, "top_k": 2})
+    tiny = load_target(str(tiny_target_dir))
+    export_drafter(get_family("eagle").build(tiny.model.config, {}), tiny.identity.to_dict(), tmp_path / "e")
+    drafter = build_drafter(f"eagle={tmp_path / 'e'}:depth=3:top_k=2:total_tokens=5", tiny)
+    assert (drafter.depth, drafter.top_k, drafter.total_tokens) == (3, 2, 5)
+    with pytest.raises(MethodError, match="eagle has no tree option width; it takes depth, top_k, total_tokens"):
+        build_drafter(f"eagle={tmp_path / 'e'}:width=3", tiny)

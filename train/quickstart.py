@@ -30,7 +30,8 @@ def held_out_questions(per_category: int, seed: int = 1) -> list[dict[str, Any]]
         if prompt in seen or taken.get(category, 0) >= per_category:
             continue
         taken[category] = taken.get(category, 0) + 1
-        questions.append({"question_id": record["id"], "category": category, "turns": [prompt]})
+        # "default/" keeps these apart from Spec-Bench's categories (bench adds MT-bench's up as mt_bench)
+        questions.append({"question_id": record["id"], "category": f"default/{category}", "turns": [prompt]})
     return questions
 
 

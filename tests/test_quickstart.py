@@ -1,0 +1,25 @@
+"""The quickstart's held-out bench prompts and its command line."""
+
+from draftsmith.data.default_prompts import build_prompts
+from draftsmith.train.quickstart import held_out_questions
+
+
+def test_held_out_questions_are_new_prompts_in_spec_bench_format():
+    questions = held_out_questions(per_category=2)
+    training = {r["conversations"][0]["value"] for r in build_prompts(0)}
+    assert questions and all(q["turns"][0] not in training for q in questions)
+    categories = [q["category"] for q in questions]
+    assert all(c.startswith("default/") and categories.count(c) <= 2 for c in categories)
+    assert {"question_id", "category", "turns"} == set(questions[0])
+    assert held_out_questions(per_category=2) == questions  # deterministic
+
+
+def test_quickstart_help_explains_itself(capsys):
+    import pytest
+
+    from draftsmith.train.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["quickstart", "--help"])
+    out = capsys.readouterr().out
+    assert "--steps" in out and "resumes" in out

@@ -93,7 +93,9 @@ def tree_attention_inputs(
     return mask.to(device), positions.to(device)
 
 
-def best_first_tree(parents: list[int], tokens: list[int], scores: list[float], budget: int) -> tuple[DraftTree, list[int]]:
+def best_first_tree(
+    parents: list[int], tokens: list[int], scores: list[float], budget: int
+) -> tuple[DraftTree, list[int]]:
     """EAGLE-2's final re-ranking: keep the ``budget`` candidates with the highest cumulative
     log-probability, taking a node only after its parent (a child never scores above its parent, so
     this is the global top-``budget`` whenever scores are distinct). Returns the tree, ordered by

@@ -24,6 +24,8 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from draftsmith.data.regenerate import RegenerateError
     from draftsmith.data.templates import TemplateError
     from draftsmith.drafters.io import DrafterCheckpointError
+    from draftsmith.drafters.medusa import MedusaTreeError
+    from draftsmith.drafters.streaming import StreamingConfigError
     from draftsmith.inference.bench import BenchError
     from draftsmith.inference.methods import MethodError
     from draftsmith.inference.target import TargetError
@@ -31,8 +33,6 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from draftsmith.train.recipe import RecipeError
     from draftsmith.train.tracking import TrackingError
     from draftsmith.train.trainer import TrainingError
-    from draftsmith.drafters.medusa import MedusaTreeError
-    from draftsmith.drafters.streaming import StreamingConfigError
 
     return (
         TrainingError,

@@ -69,8 +69,11 @@ def feature_distillation_loss(
     metrics = {"loss/smooth_l1": float(regression.detach()), "loss/ce": float(ce.detach())}
     if rows.any() and metric_steps > 0:
         picked = rows.nonzero()[:metric_rows]
-        metrics.update(_draft_step_accuracy(model, frozen, head, embeds, inputs, out, positions, mask, picked,
-                                            targets, metric_steps))
+        metrics.update(
+            _draft_step_accuracy(
+                model, frozen, head, embeds, inputs, out, positions, mask, picked, targets, metric_steps
+            )
+        )
     return LossOutput(regression + ce_weight * ce, metrics)
 
 

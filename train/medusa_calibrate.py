@@ -62,8 +62,14 @@ def iter_samples(data_dir: Path, target, count: int) -> Iterator[tuple[torch.Ten
 
 
 @torch.no_grad()
-def rank_counts(model: MedusaHeads, lm_head: torch.nn.Module, ids: torch.Tensor, loss_mask: torch.Tensor,
-                feature: torch.Tensor, max_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+def rank_counts(
+    model: MedusaHeads,
+    lm_head: torch.nn.Module,
+    ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    feature: torch.Tensor,
+    max_rank: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """For one sample: hits (K, max_rank) of rank r of head k, and positions (K,) counted per head."""
     heads = model.config.num_heads
     device = next(model.parameters()).device
@@ -101,8 +107,15 @@ def measure_head_accuracy(
     return {"accuracy": [[round(float(a), 6) for a in row] for row in accuracy], "positions": positions.int().tolist()}
 
 
-def calibrate(directory: Path, data_dir: Path, nodes: int, target_name: str | None, samples: int = 64,
-              max_rank: int = 10, out: Path | None = None) -> dict[str, Any]:
+def calibrate(
+    directory: Path,
+    data_dir: Path,
+    nodes: int,
+    target_name: str | None,
+    samples: int = 64,
+    max_rank: int = 10,
+    out: Path | None = None,
+) -> dict[str, Any]:
     """Measure, build the tree and write it: into ``directory/config.json`` (what ``--method medusa=DIR``
     reads), or to ``out`` as a tree file when given. Returns the written record."""
     from draftsmith.data.io import atomic_write_json

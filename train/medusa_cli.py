@@ -16,8 +16,10 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
     top1 = ", ".join(f"head{k} {row[0]:.2f}" for k, row in enumerate(result["head_accuracy"], start=1))
     where = f"tree file {out}" if out else f"{args.drafter}/config.json (used by --method medusa={args.drafter})"
     print(f"top-1 accuracy: {top1}")
-    print(f"{result['nodes']}-node tree, expected acceptance length {result['expected_accept_length']:.2f}; "
-          f"written to {where}")
+    print(
+        f"{result['nodes']}-node tree, expected acceptance length {result['expected_accept_length']:.2f}; "
+        f"written to {where}"
+    )
 
 
 def add_medusa_commands(subparsers: Any) -> None:
@@ -34,8 +36,12 @@ def add_medusa_commands(subparsers: Any) -> None:
     c.add_argument("--data", required=True, help="a prepared dataset or its feature cache")
     c.add_argument("--nodes", type=int, required=True, help="tree size (draft tokens verified per round)")
     c.add_argument("--target", default=None, help="target model (default: the embedded SmolLM2)")
-    c.add_argument("--samples", type=int, default=64,
-                   help="held-out samples: the ones a recipe with data.eval_samples=N keeps out of training")
+    c.add_argument(
+        "--samples",
+        type=int,
+        default=64,
+        help="held-out samples: the ones a recipe with data.eval_samples=N keeps out of training",
+    )
     c.add_argument("--max-rank", type=int, default=10, help="candidates per head to measure")
     c.add_argument("--out", default=None, help="write a tree file here instead of into the drafter's config.json")
     c.set_defaults(func=cmd_calibrate)

@@ -82,7 +82,7 @@ def cmd_quickstart(args: argparse.Namespace) -> None:
     _run(bench + (["--threads", str(args.threads)] if args.threads else []))
     print(
         f"\nDone. The drafter is in {export}; try it:\n"
-        f"  draftsmith generate \"Explain how a rainbow forms.\" --method fspad={export}\n"
+        f'  draftsmith generate "Explain how a rainbow forms." --method fspad={export}\n'
         f"Train longer with the same command and a larger --steps (it resumes), or run the full recipe:\n"
         f"  draftsmith train recipes/fspad-smollm2.yaml",
         file=sys.stderr,

@@ -92,13 +92,13 @@ def cmd_quickstart(args: argparse.Namespace) -> None:
 def add_quickstart_command(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "quickstart",
-        help="train, export and benchmark an FSPAD drafter for the embedded SmolLM2 (about 10 minutes on a CPU)",
+        help="train, export and benchmark an FSPAD drafter for the embedded SmolLM2 (about 4 minutes on 2 CPU cores)",
         description="Prepare the bundled data, cache SmolLM2's features, train an FSPAD drafter for --steps "
         "steps, export it and print a bench table (tau, speedup, identical outputs) against plain "
         "decoding and prompt lookup on held-out prompts. Every step resumes when rerun.",
     )
     p.add_argument("--out", default="runs/quickstart", help="working directory (default: runs/quickstart)")
-    p.add_argument("--steps", type=int, default=120, help="training steps (default 120, ~5 minutes on 2 cores)")
+    p.add_argument("--steps", type=int, default=120, help="training steps (default 120, ~1.5 minutes on 2 cores)")
     p.add_argument("--questions-per-category", type=int, default=1, help="held-out bench prompts per category")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=None, help="torch threads for the bench (default: torch's choice)")

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
+from draftsmith.drafters.vocab import most_frequent_tokens
 from draftsmith.inference.tree import DraftTree, best_first_tree
 
 DYNAMIC = "dynamic"
@@ -273,7 +274,7 @@ class MedusaHeads(nn.Module):
             return
         if self._initialised_from_target:
             raise RuntimeError("fit_data must run before init_from_target (the heads copy the draft vocabulary's rows)")
-        self.draft_vocab.copy_(token_counts.topk(self.config.draft_vocab_size).indices.sort().values)
+        self.draft_vocab.copy_(most_frequent_tokens(token_counts, self.config.draft_vocab_size))
 
     @torch.no_grad()
     def init_from_target(self, frozen: Any) -> None:

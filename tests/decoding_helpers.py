@@ -48,3 +48,35 @@ def self_distilled_batch(target, vocab: int, n: int = 16, new_tokens: int = 40, 
     with torch.no_grad():
         features = target.model(ids, attention_mask=attention).last_hidden_state
     return TrainBatch(ids, attention.float(), attention, features)
+
+
+def sampled_twice(target, drafter, prompt: list[int], max_new_tokens: int = 24) -> list[list[int]]:
+    """Two sampled generations with the same seed: a drafter must not add randomness of its own."""
+    from draftsmith.inference.runtime import generate
+    from draftsmith.inference.verify import SamplingConfig
+
+    return [
+        generate(
+            target,
+            prompt,
+            drafter,
+            max_new_tokens=max_new_tokens,
+            sampling=SamplingConfig(0.8, 20, 0.95),
+            generator=torch.Generator().manual_seed(1),
+        ).tokens
+        for _ in range(2)
+    ]
+
+
+def prepare_arithmetic_chats(out, target_dir, n: int) -> None:
+    """``draftsmith data prepare`` over ``n`` tiny arithmetic conversations for the tiny target."""
+    from conftest import sharegpt, write_jsonl
+    from draftsmith.train.cli import main
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    records = [
+        sharegpt(("human", f"Question {i}: what is {i} plus {i}?"), ("gpt", f"It is {2 * i}. " * (1 + i % 3)))
+        for i in range(n)
+    ]
+    chats = write_jsonl(out.parent / f"{out.name}-chats.jsonl", records)
+    main(["data", "prepare", str(chats), "--out", str(out), "--target", str(target_dir), "--max-length", "128"])

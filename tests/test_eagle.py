@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from conftest import tiny_llama
-from decoding_helpers import hf_greedy, self_distilled_batch
+from decoding_helpers import hf_greedy, sampled_twice, self_distilled_batch
 from decoding_helpers import random_prompts as _random_prompts
 from draftsmith.drafters.eagle import EagleConfig, EagleDrafter, causal_mask
 from draftsmith.drafters.io import DrafterCheckpointError, export_drafter
@@ -193,21 +193,8 @@ def test_draft_vocabulary_limits_proposals_and_stays_lossless(target):
 
 
 def test_sampled_decoding_is_reproducible(target, trained_fspad):
-    from draftsmith.inference.verify import SamplingConfig
-
     drafter = get_family("fspad").serve(trained_fspad, target)
-    prompt = random_prompts(1, seed=3)[0]
-    runs = [
-        generate(
-            target,
-            prompt,
-            drafter,
-            max_new_tokens=24,
-            sampling=SamplingConfig(0.8, 20, 0.95),
-            generator=torch.Generator().manual_seed(1),
-        ).tokens
-        for _ in range(2)
-    ]
+    runs = sampled_twice(target, drafter, random_prompts(1, seed=3)[0])
     assert runs[0] == runs[1] and len(runs[0]) > 0
 
 

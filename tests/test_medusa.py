@@ -8,8 +8,8 @@ import torch
 import yaml
 from torch import nn
 
-from conftest import sharegpt, tiny_llama, write_jsonl
-from decoding_helpers import hf_greedy, self_distilled_batch
+from conftest import tiny_llama
+from decoding_helpers import hf_greedy, prepare_arithmetic_chats, sampled_twice, self_distilled_batch
 from decoding_helpers import random_prompts as _random_prompts
 from draftsmith.drafters.io import export_drafter
 from draftsmith.drafters.medusa import (
@@ -349,23 +349,7 @@ def medusa_export(tmp_path_factory, tiny_target_dir):
     from draftsmith.train.cli import main
 
     root = tmp_path_factory.mktemp("medusa-run")
-    records = [
-        sharegpt(("human", f"Question {i}: what is {i} plus {i}?"), ("gpt", f"It is {2 * i}. " * (1 + i % 3)))
-        for i in range(12)
-    ]
-    main(
-        [
-            "data",
-            "prepare",
-            str(write_jsonl(root / "chats.jsonl", records)),
-            "--out",
-            str(root / "prepared"),
-            "--target",
-            str(tiny_target_dir),
-            "--max-length",
-            "128",
-        ]
-    )
+    prepare_arithmetic_chats(root / "prepared", tiny_target_dir, 12)
     recipe = {
         "target": {"name": str(tiny_target_dir)},
         "output_dir": str(root / "run"),
@@ -452,21 +436,8 @@ def test_calibrate_refuses_other_families(medusa_export, tiny_target_dir, tmp_pa
 
 
 def test_sampled_decoding_is_reproducible(target, trained):
-    from draftsmith.inference.verify import SamplingConfig
-
     drafter = get_family("medusa").serve(trained, target)
-    prompt = random_prompts(1, seed=3)[0]
-    runs = [
-        generate(
-            target,
-            prompt,
-            drafter,
-            max_new_tokens=24,
-            sampling=SamplingConfig(0.8, 20, 0.95),
-            generator=torch.Generator().manual_seed(1),
-        ).tokens
-        for _ in range(2)
-    ]
+    runs = sampled_twice(target, drafter, random_prompts(1, seed=3)[0])
     assert runs[0] == runs[1] and len(runs[0]) > 0
 
 

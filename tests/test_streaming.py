@@ -12,8 +12,7 @@ import yaml
 from safetensors.torch import load_file
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
-from conftest import sharegpt, write_jsonl
-from decoding_helpers import hf_greedy
+from decoding_helpers import hf_greedy, prepare_arithmetic_chats
 from decoding_helpers import random_prompts as _random_prompts
 from draftsmith.drafters.streaming import (
     StreamingConfig,
@@ -350,23 +349,7 @@ def test_train_export_and_decode_through_the_cli(tmp_path, tiny_target_dir):
     from draftsmith.inference.target import load_target
     from draftsmith.train.cli import main
 
-    records = [
-        sharegpt(("human", f"Question {i}: what is {i} plus {i}?"), ("gpt", f"It is {2 * i}. " * (1 + i % 3)))
-        for i in range(10)
-    ]
-    main(
-        [
-            "data",
-            "prepare",
-            str(write_jsonl(tmp_path / "chats.jsonl", records)),
-            "--out",
-            str(tmp_path / "prep"),
-            "--target",
-            str(tiny_target_dir),
-            "--max-length",
-            "128",
-        ]
-    )
+    prepare_arithmetic_chats(tmp_path / "prep", tiny_target_dir, 10)
     recipe = {
         "target": {"name": str(tiny_target_dir)},
         "output_dir": str(tmp_path / "run"),

@@ -43,6 +43,10 @@ _LAYER_KEYS = (
 )
 
 
+class EagleConfigError(ValueError):
+    """Drafter options that cannot describe an EAGLE/FSPAD drafter; the message names the recipe key."""
+
+
 class EagleConfig(PretrainedConfig):
     """Shape and options of an EAGLE/FSPAD drafter, plus the tree it drafts by default.
 
@@ -93,6 +97,13 @@ class EagleConfig(PretrainedConfig):
         data (EAGLE-3's reduced draft vocabulary): the target's lm_head over its full vocabulary is
         the drafter's largest cost per step, and verification stays lossless whatever is proposed."""
         source = target_config.to_dict()
+        if min(tree_depth, tree_top_k, tree_total_tokens) < 1:
+            raise EagleConfigError("drafter.tree_depth, tree_top_k and tree_total_tokens must all be >= 1")
+        if not 0 <= draft_vocab_size <= source["vocab_size"]:
+            raise EagleConfigError(
+                f"drafter.draft_vocab_size must be between 0 (whole vocabulary) and the target's "
+                f"{source['vocab_size']}, got {draft_vocab_size}"
+            )
         layer = {key: source[key] for key in _LAYER_KEYS if key in source}
         layer.setdefault("head_dim", source["hidden_size"] // source["num_attention_heads"])
         return cls(

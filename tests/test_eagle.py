@@ -82,6 +82,12 @@ def test_fspad_components_switch_off_separately(target):
     assert model.mlp.down_proj.out_features == 2 * target.config.hidden_size
     with pytest.raises(RecipeError, match="did you mean 'feature_sampler'"):
         get_family("fspad").build(target.config, {"feature_sampeler": False})
+    from draftsmith.drafters.eagle import EagleConfigError
+
+    with pytest.raises(EagleConfigError, match="draft_vocab_size must be between 0 .* 97, got 500"):
+        get_family("fspad").build(target.config, {"draft_vocab_size": 500})
+    with pytest.raises(EagleConfigError, match="tree_depth, tree_top_k and tree_total_tokens"):
+        get_family("eagle").build(target.config, {"tree_top_k": 0})
     with pytest.raises(RecipeError, match="loss.ce_wieght"):
         get_family("eagle").check_loss_options({"ce_wieght": 0.1})
 

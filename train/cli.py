@@ -23,6 +23,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from draftsmith.data.prepared import PreparedDataError
     from draftsmith.data.regenerate import RegenerateError
     from draftsmith.data.templates import TemplateError
+    from draftsmith.drafters.eagle import EagleConfigError
     from draftsmith.drafters.io import DrafterCheckpointError
     from draftsmith.drafters.medusa import MedusaTreeError
     from draftsmith.drafters.streaming import StreamingConfigError
@@ -36,6 +37,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 
     return (
         TrainingError,
+        EagleConfigError,
         MedusaTreeError,
         StreamingConfigError,
         CheckpointError,

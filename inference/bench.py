@@ -155,7 +155,8 @@ def hf_greedy(
         top_p=None,
         top_k=None,
     )
-    return out[0, len(prompt) :].tolist(), time.perf_counter() - start
+    tokens = out[0, len(prompt) :].tolist()  # waits for the device, so the clock stops after the last token
+    return tokens, time.perf_counter() - start
 
 
 def _served_reference(target: Target, drafter, prompt: list[int], max_new_tokens: int, eos: list[int]):
@@ -207,6 +208,8 @@ def run_bench(target: Target, questions: list[Question], methods: list[str], max
         "target": target.identity.to_dict(),
         "max_new_tokens": max_new_tokens,
         "threads": torch.get_num_threads(),
+        "device": str(target.model.device),
+        "dtype": str(target.model.dtype).removeprefix("torch."),
         "questions": len(questions),
         "baseline": BASELINE,
         "methods": {name: {scope: t.summary() for scope, t in scopes.items()} for name, scopes in tallies.items()},
@@ -216,7 +219,8 @@ def run_bench(target: Target, questions: list[Question], methods: list[str], max
 def markdown_table(results: dict[str, Any]) -> str:
     scopes = ["overall"] + sorted(s for s in results["methods"][BASELINE] if s != "overall")
     lines = [
-        f"Greedy, max {results['max_new_tokens']} new tokens, {results['threads']} threads; "
+        f"Greedy, max {results['max_new_tokens']} new tokens, {results.get('dtype', 'float32')} on "
+        f"{results.get('device', 'cpu')}, {results['threads']} threads; "
         f"speedup = {BASELINE} time / method time on the same prompts.",
         "",
         "| method | scope | tau | speedup | tokens/s | identical |",

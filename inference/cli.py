@@ -29,10 +29,9 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
     from draftsmith.inference.methods import build_drafter
     from draftsmith.inference.runtime import generate
-    from draftsmith.inference.target import load_target
     from draftsmith.inference.verify import SamplingConfig
 
-    target = load_target(args.target)
+    target = _load_target(args)
     drafter = build_drafter(args.method, target)
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
     if args.raw:
@@ -62,13 +61,12 @@ def cmd_bench(args: argparse.Namespace) -> None:
     import torch
 
     from draftsmith.inference.bench import markdown_table, read_questions, run_bench, write_results
-    from draftsmith.inference.target import load_target
 
     if args.threads:
         torch.set_num_threads(args.threads)
     categories = [c.strip() for c in args.categories.split(",")] if args.categories else None
     questions = read_questions(Path(args.questions), categories, args.limit)
-    target = load_target(args.target)
+    target = _load_target(args)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     results = run_bench(target, questions, methods, args.max_new_tokens)
     write_results(results, Path(args.out))
@@ -80,12 +78,11 @@ def cmd_bench_tree(args: argparse.Namespace) -> None:
     import torch
 
     from draftsmith.inference.bench_tree import parse_sizes, run_tree_bench, tree_markdown, write_tree_results
-    from draftsmith.inference.target import load_target
 
     if args.threads:
         torch.set_num_threads(args.threads)
     sizes = parse_sizes(args.sizes)
-    target = load_target(args.target)
+    target = _load_target(args)
     results = run_tree_bench(target, sizes, args.prefix, args.repeats, args.shape)
     print(tree_markdown(results))
     if args.out:
@@ -103,6 +100,25 @@ def cmd_spectra_index(args: argparse.Namespace) -> None:
         f"kept {meta['kept']}/{meta['documents']} documents (perplexity <= {meta['perplexity_threshold']:.2f}), "
         f"{meta['tokens']} tokens -> {args.out}; use it with --method spectra={args.out}"
     )
+
+
+def _add_target_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default=None, help="target model (default: the embedded SmolLM2)")
+    p.add_argument("--device", default="cpu", help="where the target and drafters run: cpu (default), cuda, cuda:1, ...")
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16", "float16"],
+        help="model dtype; greedy token identity with plain decoding is promised in float32, where a tree "
+        "forward and a one-token forward round alike (half precision may differ by rounding, and the "
+        "bench's identical column shows how often)",
+    )
+
+
+def _load_target(args: argparse.Namespace):
+    from draftsmith.inference.target import load_target
+
+    return load_target(args.target, dtype=args.dtype, device=args.device)
 
 
 def add_inference_commands(subparsers: Any) -> None:
@@ -123,7 +139,7 @@ def add_inference_commands(subparsers: Any) -> None:
         "tokenizer: model dir, .gguf or hub id) or draft=layers:N (the target's first N layers, an untrained "
         "self-speculative draft); draft specs take :k=K draft tokens per round (default 4)",
     )
-    p.add_argument("--target", default=None, help="target model (default: the embedded SmolLM2)")
+    _add_target_arguments(p)
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--raw", action="store_true", help="use the prompt as raw text, without the chat template")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples, losslessly")
@@ -147,7 +163,7 @@ def add_inference_commands(subparsers: Any) -> None:
     p.add_argument("--limit", type=int, default=None, help="at most N questions, spread over categories")
     p.add_argument("--categories", default=None, help="comma-separated categories to keep")
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--target", default=None, help="target model (default: the embedded SmolLM2)")
+    _add_target_arguments(p)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--out", required=True, help="output directory for results.json, results.md, chart.png")
     p.set_defaults(func=cmd_bench)
@@ -173,7 +189,7 @@ def add_inference_commands(subparsers: Any) -> None:
         "SIZE query tokens (the root + SIZE-1 draft nodes) on top of a KV cache holding --prefix tokens; "
         "median of --repeats, sizes interleaved; report the cost relative to size 1.",
     )
-    p.add_argument("--target", default=None, help="target model (default: the embedded SmolLM2)")
+    _add_target_arguments(p)
     p.add_argument("--sizes", default="1,4,8,16,32,64", help="comma-separated query-token counts (1 is always added)")
     p.add_argument("--prefix", type=int, default=300, help="tokens already in the KV cache")
     p.add_argument("--repeats", type=int, default=7, help="timed forwards per size; the median is reported")

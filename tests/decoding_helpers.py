@@ -15,7 +15,7 @@ TINY_EOS = 2
 def hf_greedy(model, prompt: list[int], max_new_tokens: int, eos: int | list[int] = TINY_EOS) -> list[int]:
     """What plain greedy decoding produces: every speculative method must reproduce it exactly."""
     out = model.generate(
-        torch.tensor([prompt]),
+        torch.tensor([prompt], device=model.device),
         do_sample=False,
         max_new_tokens=max_new_tokens,
         eos_token_id=eos,
@@ -45,6 +45,7 @@ def padded(seqs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
 def self_distilled_batch(target, vocab: int, n: int = 16, new_tokens: int = 40, seed: int = 0) -> TrainBatch:
     """The target's own greedy continuations with their features: what self-distillation trains on."""
     ids, attention = padded([p + hf_greedy(target, p, new_tokens) for p in random_prompts(n, seed, vocab)])
+    ids, attention = ids.to(target.device), attention.to(target.device)
     with torch.no_grad():
         features = target.model(ids, attention_mask=attention).last_hidden_state
     return TrainBatch(ids, attention.float(), attention, features)

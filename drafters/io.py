@@ -41,6 +41,24 @@ def load_drafter_weights(cls: type[nn.Module], directory: str | Path) -> nn.Modu
     return model
 
 
+def load_weights_into(model: nn.Module, directory: str | Path) -> list[str]:
+    """Copy a drafter directory's weights into ``model`` (e.g. to start training from a finished run);
+    returns the names of the tensors the directory lacks, which keep their values (a part added since,
+    such as Speculative Streaming's pruning adapter). A tensor ``model`` has no place for, or one of
+    another shape, means the two were built with different options."""
+    path = Path(directory) / WEIGHTS_NAME
+    if not path.is_file():
+        raise DrafterCheckpointError(f"{directory} is not a drafter directory: {WEIGHTS_NAME} is missing")
+    state, own = load_file(str(path)), model.state_dict()
+    misfits = sorted(name for name, tensor in state.items() if name not in own or own[name].shape != tensor.shape)
+    if misfits:
+        raise DrafterCheckpointError(
+            f"{path} does not fit this drafter ({', '.join(misfits[:3])}): use the options it was trained with"
+        )
+    model.load_state_dict(state, strict=False)
+    return sorted(set(own) - set(state))
+
+
 def write_directory_atomically(out: str | Path, write: Callable[[Path], None], overwrite: bool = False) -> Path:
     """Fill a temp directory beside ``out`` with ``write`` and rename it into place, so a crash never
     leaves a half-written directory and an existing one is replaced only when asked."""
@@ -61,9 +79,10 @@ def write_directory_atomically(out: str | Path, write: Callable[[Path], None], o
 
 
 def export_drafter(model: nn.Module, target_identity: dict[str, str], out: str | Path, overwrite: bool = False) -> Path:
-    """The self-describing drafter directory: config (family, options, target identity) and weights."""
+    """The self-describing drafter directory: config (family, options, target identity) and weights,
+    as the model's ``save_pretrained`` writes them (Medusa-2 adds its LoRA adapter in peft's format)."""
     model.config.target_identity = dict(target_identity)
-    return write_directory_atomically(out, lambda staging: save_drafter_weights(model, staging), overwrite)
+    return write_directory_atomically(out, lambda staging: model.save_pretrained(staging), overwrite)
 
 
 def export_speculators(model: nn.Module, verifier_name: str, out: str | Path, overwrite: bool = False) -> Path:

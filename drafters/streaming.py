@@ -12,6 +12,9 @@ The target itself (a Llama-architecture ``LlamaForCausalLM``) is the model; noth
   predicts ``x_{t+j+1}`` (the main stream at t predicts ``x_{t+1}``).
 - The main stream is the unchanged HF computation (the hooks only read), so its logits are exactly
   the LoRA-adapted model's: verification against them is lossless with respect to that model.
+- Optionally (``pruning_rank`` > 0) a tree-pruning adapter estimates, at layer ``L - Ns``, each draft
+  node's probability given its parent; with a threshold, pre-hooks on the top ``Ns`` layers drop the
+  unlikely sub-trees before the streams are inserted (see ``tree_pruning``): fewer rows, same result.
 
 The adapters are active only inside :meth:`StreamingModel.forward` (or :meth:`adapted`), so the
 shared target object still behaves as the original model for every other user.
@@ -19,8 +22,6 @@ shared target object still behaves as the original model for every other user.
 
 from __future__ import annotations
 
-import itertools
-import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -31,21 +32,22 @@ from torch import nn
 from transformers import DynamicCache, PretrainedConfig
 from transformers.models.llama.modeling_llama import rotate_half
 
-DEFAULT_LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
-_ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
-_MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
-# Target config keys the streams and LoRA shapes depend on; recorded so a mismatched target is refused.
-_TARGET_KEYS = (
-    "model_type",
-    "vocab_size",
-    "hidden_size",
-    "intermediate_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "head_dim",
+from draftsmith.drafters.lora import (
+    DEFAULT_LORA_MODULES,
+    TargetLora,
+    check_lora_options,
+    check_target,
+    target_summary,
 )
-_adapter_names = itertools.count()
+from draftsmith.drafters.tree_pruning import (
+    TreePruning,
+    build_pruning_adapter,
+    kept_columns,
+    select_rows,
+    surviving_rows,
+    transition_probabilities,
+)
+from draftsmith.inference.cache import keep_positions
 
 
 class StreamingConfigError(ValueError):
@@ -68,6 +70,8 @@ class StreamingConfig(PretrainedConfig):
         lora_layers: list[int] | None = None,
         stream_init_rank: int = 0,
         pruning_rank: int = 0,
+        pruning_threshold: float = 0.0,
+        train_pruning_only: bool = False,
         tree_top_k: int = 3,
         tree_total_tokens: int = 12,
         drafter_family: str = "streaming",
@@ -83,6 +87,8 @@ class StreamingConfig(PretrainedConfig):
         self.lora_layers = None if lora_layers is None else [int(i) for i in lora_layers]
         self.stream_init_rank = stream_init_rank
         self.pruning_rank = pruning_rank
+        self.pruning_threshold = pruning_threshold
+        self.train_pruning_only = train_pruning_only
         self.tree_top_k = tree_top_k
         self.tree_total_tokens = tree_total_tokens
         self.drafter_family = drafter_family
@@ -101,6 +107,8 @@ class StreamingConfig(PretrainedConfig):
         lora_layers: list[int] | None = None,
         stream_init_rank: int = 0,
         pruning_rank: int = 0,
+        pruning_threshold: float = 0.0,
+        train_pruning_only: bool = False,
         tree_top_k: int = 3,
         tree_total_tokens: int = 12,
     ) -> StreamingConfig:
@@ -109,13 +117,13 @@ class StreamingConfig(PretrainedConfig):
         ``num_streams`` = γ speculative streams; ``num_stream_layers`` = Ns top layers made MSA;
         LoRA of ``lora_rank``/``lora_alpha`` on ``lora_target_modules`` of ``lora_layers`` (None =
         every layer); ``stream_init_rank`` > 0 adds a low-rank map to the identity stream init
-        (the paper found identity as good). ``pruning_rank`` is reserved for the tree-pruning adapter,
-        which is not implemented: only 0 is accepted."""
-        source = target_config.to_dict()
-        target = {key: source.get(key) for key in _TARGET_KEYS}
-        target["head_dim"] = target["head_dim"] or source["hidden_size"] // source["num_attention_heads"]
+        (the paper found identity as good). ``pruning_rank`` > 0 adds the tree-pruning adapter of that
+        rank (paper: 8; see ``tree_pruning``), trained with the streams; ``pruning_threshold`` is the
+        serve-time default below which it prunes a sub-tree (0 = none; ``streaming=DIR:prune=P``
+        overrides it); ``train_pruning_only`` freezes the LoRA and the streams so that only the adapter
+        trains (after the streams: with ``train.init_from`` an exported run)."""
         config = cls(
-            target=target,
+            target=target_summary(target_config),
             num_streams=num_streams,
             num_stream_layers=num_stream_layers,
             lora_rank=lora_rank,
@@ -124,6 +132,8 @@ class StreamingConfig(PretrainedConfig):
             lora_layers=lora_layers,
             stream_init_rank=stream_init_rank,
             pruning_rank=pruning_rank,
+            pruning_threshold=pruning_threshold,
+            train_pruning_only=train_pruning_only,
             tree_top_k=tree_top_k,
             tree_total_tokens=tree_total_tokens,
         )
@@ -143,16 +153,15 @@ class StreamingConfig(PretrainedConfig):
             )
         if self.num_streams < 1 or self.lora_rank < 0 or self.stream_init_rank < 0:
             raise StreamingConfigError("drafter.num_streams must be >= 1, lora_rank and stream_init_rank >= 0")
-        unknown = sorted(set(self.lora_target_modules) - set(_ATTENTION_MODULES + _MLP_MODULES))
-        if unknown:
+        check_lora_options(
+            self.target, self.lora_rank, self.lora_target_modules, self.lora_layers, StreamingConfigError
+        )
+        if self.pruning_rank < 0 or not 0.0 <= self.pruning_threshold < 1.0:
+            raise StreamingConfigError("drafter.pruning_rank must be >= 0 and drafter.pruning_threshold in [0, 1)")
+        if (self.pruning_threshold or self.train_pruning_only) and not self.pruning_rank:
             raise StreamingConfigError(
-                f"drafter.lora_target_modules has unknown modules {unknown}; "
-                f"choose from {list(_ATTENTION_MODULES + _MLP_MODULES)}"
+                "drafter.pruning_threshold and drafter.train_pruning_only need the adapter: set drafter.pruning_rank=8"
             )
-        if self.lora_layers is not None and any(not 0 <= i < layers for i in self.lora_layers):
-            raise StreamingConfigError(f"drafter.lora_layers must be layer indices in 0..{layers - 1}")
-        if self.pruning_rank:
-            raise StreamingConfigError("drafter.pruning_rank: the tree-pruning adapter is not implemented; use 0")
         if self.tree_top_k < 1 or self.tree_total_tokens < 1:
             raise StreamingConfigError("drafter.tree_top_k and drafter.tree_total_tokens must be >= 1")
 
@@ -165,39 +174,6 @@ class StreamingConfig(PretrainedConfig):
         """0-based index of the first MSA layer, L - Ns: its input state M^{L-Ns} seeds the streams."""
         return int(self.target["num_hidden_layers"]) - self.num_stream_layers
 
-    def adapted_layers(self) -> list[int]:
-        return list(range(int(self.target["num_hidden_layers"]))) if self.lora_layers is None else self.lora_layers
-
-    def lora_shape(self, module: str) -> tuple[int, int]:
-        """(in_features, out_features) of a target projection."""
-        t = self.target
-        h, d = int(t["hidden_size"]), int(t["head_dim"])
-        heads, kv_heads, inter = (
-            int(t["num_attention_heads"]),
-            int(t["num_key_value_heads"]),
-            int(t["intermediate_size"]),
-        )
-        return {
-            "q_proj": (h, heads * d),
-            "k_proj": (h, kv_heads * d),
-            "v_proj": (h, kv_heads * d),
-            "o_proj": (heads * d, h),
-            "gate_proj": (h, inter),
-            "up_proj": (h, inter),
-            "down_proj": (inter, h),
-        }[module]
-
-
-class LoraPair(nn.Module):
-    """One adapter's ``A`` (in -> r) and ``B`` (r -> out), initialised as peft does (B = 0: no change)."""
-
-    def __init__(self, in_features: int, out_features: int, rank: int) -> None:
-        super().__init__()
-        self.A = nn.Linear(in_features, rank, bias=False)
-        self.B = nn.Linear(rank, out_features, bias=False)
-        nn.init.kaiming_uniform_(self.A.weight, a=math.sqrt(5))
-        nn.init.zeros_(self.B.weight)
-
 
 @dataclass
 class StreamingOutput:
@@ -205,6 +181,8 @@ class StreamingOutput:
     stream_hidden: torch.Tensor | None  # (B, R, γ, h): streams after the final norm (lm_head gives their logits)
     past_key_values: Any = None
     hidden_states: tuple[torch.Tensor, ...] | None = None
+    pruning_hidden: torch.Tensor | None = None  # (B, q', h): o_θ(M^{L-Ns}); lm_head gives the pruning adapter's logits
+    kept_rows: torch.Tensor | None = None  # (q',): rows of input_ids that tree pruning kept (None = all)
 
 
 @dataclass
@@ -214,14 +192,9 @@ class _StreamRun:
     rows: torch.Tensor | None  # query rows that carry streams (None = all)
     allowed: torch.Tensor  # (B, R, S) bool: main-stream keys each stream row may see
     states: torch.Tensor | None = None  # (B, R, γ, h)
-
-
-def _lora_key(layer: int, module: str) -> str:
-    return f"layers_{layer}_{module}"
-
-
-def _parent_of(decoder_layer: nn.Module, module: str) -> nn.Module:
-    return decoder_layer.self_attn if module in _ATTENTION_MODULES else decoder_layer.mlp
+    pruning: TreePruning | None = None  # set when this forward prunes its draft tree
+    kept: torch.Tensor | None = None  # rows that survived pruning (None = all)
+    fork: torch.Tensor | None = None  # (B, q', h): the main stream entering layer L - Ns
 
 
 class StreamingModel(nn.Module):
@@ -243,18 +216,16 @@ class StreamingModel(nn.Module):
                 nn.Linear(h, config.stream_init_rank, bias=False), nn.Linear(config.stream_init_rank, h, bias=False)
             )
             nn.init.zeros_(self.stream_init[1].weight)
-        self.lora = nn.ModuleDict(
-            {
-                _lora_key(layer, module): LoraPair(*config.lora_shape(module), config.lora_rank)
-                for layer in config.adapted_layers()
-                for module in config.lora_target_modules
-            }
-            if config.lora_rank
-            else {}
+        self.lora = TargetLora(
+            config.target, config.lora_rank, config.lora_alpha, config.lora_target_modules, config.lora_layers
         )
+        # o_θ of the tree-pruning adapter: early exit from layer L - Ns through the target's lm_head.
+        self.pruning = build_pruning_adapter(h, config.pruning_rank) if config.pruning_rank else None
+        if config.train_pruning_only:  # trained after the streams: the LoRA and the streams stay as they are
+            for name, parameter in self.named_parameters():
+                parameter.requires_grad_(name.startswith("pruning."))
         # The target is held outside the module tree: its weights are never trained, moved or saved here.
         self.__dict__["_target"] = None
-        self._lora_layers: list[nn.Module] = []
         self._hooks: list[Any] = []
         self._run: _StreamRun | None = None
 
@@ -270,74 +241,25 @@ class StreamingModel(nn.Module):
         outside :meth:`forward`) and hook its top ``Ns`` decoder layers. Called once per target."""
         if self._target is not None:
             raise RuntimeError("this StreamingModel is already attached to a target")
-        self._check_target(target_model)
-        if len(self.lora):
-            self._inject_lora(target_model)
+        check_target(self.config.target, target_model, "Speculative Streaming model", StreamingConfigError)
+        self.lora.inject(target_model, prefix="streaming")  # unique adapter name: two models may share a target
         layers = target_model.model.layers
         for index in range(self.config.first_stream_layer, len(layers)):
             hook = layers[index].register_forward_hook(self._make_layer_hook(index), with_kwargs=True)
             self._hooks.append(hook)
+            if self.pruning is not None:
+                prune = layers[index].register_forward_pre_hook(self._make_prune_hook(index), with_kwargs=True)
+                self._hooks.append(prune)
         self.__dict__["_target"] = target_model
         self.to(target_model.get_input_embeddings().weight.device)
-
-    def _check_target(self, target_model: nn.Module) -> None:
-        expected = self.config.target
-        actual = target_model.config.to_dict()
-        actual["head_dim"] = actual.get("head_dim") or actual["hidden_size"] // actual["num_attention_heads"]
-        for key in _TARGET_KEYS:
-            if expected.get(key) is not None and actual.get(key) != expected[key]:
-                raise StreamingConfigError(
-                    f"this Speculative Streaming model was built for a target with {key}={expected[key]}, "
-                    f"the given one has {actual.get(key)}; use the target it was trained for"
-                )
-
-    def _inject_lora(self, target_model: nn.Module) -> None:
-        from peft import LoraConfig, inject_adapter_in_model
-
-        config = self.config
-        self._adapter = f"streaming{next(_adapter_names)}"  # unique: two streaming models may share a target
-        lora_config = LoraConfig(
-            r=config.lora_rank,
-            lora_alpha=config.lora_alpha,
-            target_modules=list(config.lora_target_modules),
-            layers_to_transform=config.adapted_layers(),
-            layers_pattern="layers",
-            lora_dropout=0.0,
-            bias="none",
-        )
-        inject_adapter_in_model(lora_config, target_model, adapter_name=self._adapter, low_cpu_mem_usage=True)
-        for layer in config.adapted_layers():
-            decoder_layer = target_model.model.layers[layer]
-            for module in config.lora_target_modules:
-                lora_layer = getattr(_parent_of(decoder_layer, module), module)
-                pair = self.lora[_lora_key(layer, module)]
-                # peft's modules become ours: the weights live (and are saved) in this model.
-                lora_layer.lora_A[self._adapter] = pair.A
-                lora_layer.lora_B[self._adapter] = pair.B
-                self._lora_layers.append(lora_layer)
-        self._set_adapters(False)
-
-    def _set_adapters(self, enabled: bool) -> None:
-        # peft's switches also set requires_grad on the adapter weights; trainability is this model's
-        # own business (the optimizer and autograd must see the LoRA weights as trainable throughout).
-        trainable = [p.requires_grad for p in self.lora.parameters()]
-        for lora_layer in self._lora_layers:
-            if enabled:
-                lora_layer.set_adapter(self._adapter)
-            lora_layer.enable_adapters(enabled)
-        for parameter, flag in zip(self.lora.parameters(), trainable):
-            parameter.requires_grad_(flag)
 
     @contextmanager
     def adapted(self) -> Iterator[nn.Module]:
         """The target with this model's LoRA active (e.g. for ``target.generate``: the served model's
         plain decoding, the reference that speculative output must equal)."""
         target = self.target
-        self._set_adapters(True)
-        try:
+        with self.lora.enabled():
             yield target
-        finally:
-            self._set_adapters(False)
 
     # ---- forward ------------------------------------------------------------------------------
     def forward(
@@ -350,10 +272,15 @@ class StreamingModel(nn.Module):
         streams: bool = True,
         stream_rows: torch.Tensor | None = None,
         output_hidden_states: bool = False,
+        prune_threshold: float = 0.0,
     ) -> StreamingOutput:
         """The adapted target over ``input_ids`` (B, q); with ``streams`` also every stream at the
         query rows ``stream_rows`` (None = all). ``attention_mask`` is a 2D padding mask (B, past + q),
-        a 4D additive mask (B or 1, 1, q, past + q) such as a tree mask, or None (causal)."""
+        a 4D additive mask (B or 1, 1, q, past + q) such as a tree mask, or None (causal).
+
+        ``prune_threshold`` > 0 (a tree mask, batch 1) drops the tree's sub-trees whose estimated
+        transition probability is under it after layer L - Ns: the output then covers ``kept_rows``
+        only, and so does the KV cache of every layer."""
         target = self.target
         if streams and past_key_values is None:
             past_key_values = DynamicCache(config=target.config)  # the hooks read main keys/values from it
@@ -362,6 +289,8 @@ class StreamingModel(nn.Module):
         if streams:
             allowed = _main_stream_allowed(attention_mask, input_ids.shape, past, input_ids.device)
             run = _StreamRun(stream_rows, allowed if stream_rows is None else allowed[:, stream_rows])
+            if prune_threshold > 0 and input_ids.shape[1] > 1:
+                run.pruning = self._tree_pruning(input_ids, attention_mask, run, past, prune_threshold)
         self._run = run
         try:
             with self.adapted():
@@ -375,8 +304,25 @@ class StreamingModel(nn.Module):
                 )
         finally:
             self._run = None
-        stream_hidden = target.model.norm(run.states) if run is not None else None
-        return StreamingOutput(out.logits, stream_hidden, out.past_key_values, out.hidden_states)
+        if run is None:
+            return StreamingOutput(out.logits, None, out.past_key_values, out.hidden_states)
+        if run.kept is not None:  # the pruned rows left keys/values in the layers below L - Ns
+            layers = slice(0, self.config.first_stream_layer)
+            keep_positions(out.past_key_values, kept_columns(run.kept, past), layers)
+        stream_hidden = target.model.norm(run.states)
+        pruning_hidden = None if self.pruning is None else self.pruning(run.fork.detach())  # trains o_θ alone
+        return StreamingOutput(
+            out.logits, stream_hidden, out.past_key_values, out.hidden_states, pruning_hidden, run.kept
+        )
+
+    def _tree_pruning(
+        self, input_ids: torch.Tensor, attention_mask: Any, run: _StreamRun, past: int, threshold: float
+    ) -> TreePruning:
+        if self.pruning is None:
+            raise StreamingConfigError("this model has no tree-pruning adapter (drafter.pruning_rank was 0)")
+        if attention_mask is None or attention_mask.dim() != 4 or input_ids.shape[0] != 1 or run.rows is not None:
+            raise ValueError("tree pruning needs one draft tree: batch 1, its 4D tree mask, streams on every row")
+        return TreePruning.from_mask(run.allowed[0], input_ids[0], past, threshold)
 
     def stream_logits(self, stream_hidden: torch.Tensor) -> torch.Tensor:
         """The target's lm_head over stream states (..., γ, h) -> (..., γ, V)."""
@@ -389,6 +335,7 @@ class StreamingModel(nn.Module):
                 return None
             if index == self.config.first_stream_layer:
                 hidden = args[0] if args else kwargs["hidden_states"]
+                run.fork = hidden
                 run.states = self._init_streams(hidden if run.rows is None else hidden[:, run.rows])
             layer = kwargs["past_key_values"].layers[module.self_attn.layer_idx]
             cos, sin = kwargs["position_embeddings"]
@@ -399,6 +346,39 @@ class StreamingModel(nn.Module):
 
         return hook
 
+    def _make_prune_hook(self, index: int):
+        """Pre-hook of an MSA layer: at L - Ns choose the rows that survive tree pruning; then give
+        each MSA layer only those rows (HF hands every layer the full mask and RoPE tables)."""
+        first = index == self.config.first_stream_layer
+
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+            run = self._run
+            if run is None or run.pruning is None:
+                return None
+            if first:
+                run.kept = self._surviving_rows(args[0] if args else kwargs["hidden_states"], run)
+            if run.kept is None:  # nothing pruned: the layers run as they are
+                return None
+            return select_rows(args, kwargs, run.kept, run.pruning.past, hidden_too=first)
+
+        return hook
+
+    def _surviving_rows(self, hidden: torch.Tensor, run: _StreamRun) -> torch.Tensor | None:
+        """The rows of the tree forward that survive pruning (None = all), given the main stream
+        (1, q, h) entering layer L - Ns; narrows the streams' key mask to them."""
+        pruning = run.pruning
+        probs = transition_probabilities(self.early_exit_logits, hidden[0], pruning)
+        rows = surviving_rows(probs, pruning.parents, pruning.threshold)
+        if len(rows) == hidden.shape[1]:
+            return None
+        kept = torch.tensor(rows, device=hidden.device)
+        run.allowed = run.allowed[:, kept][:, :, kept_columns(kept, pruning.past)]
+        return kept
+
+    def early_exit_logits(self, main_hidden: torch.Tensor) -> torch.Tensor:
+        """The pruning adapter's logits ``lm_head(o_θ(M))`` over main-stream states (..., h) at L - Ns."""
+        return self.target.get_output_embeddings()(self.pruning(main_hidden))
+
     def _init_streams(self, main: torch.Tensor) -> torch.Tensor:
         """S_{t,j} = f(M_t) + P_j: (B, R, h) -> (B, R, γ, h)."""
         if self.stream_init is not None:
@@ -407,11 +387,15 @@ class StreamingModel(nn.Module):
 
     # ---- parameters and saving --------------------------------------------------------------
     def parameter_counts(self) -> dict[str, int]:
-        """Extra parameters by kind: stream embeddings (+ stream init map) vs LoRA."""
+        """Extra parameters by kind: stream embeddings (+ stream init map), the pruning adapter (when
+        there is one) and, apart, the LoRA (which adapts the served model rather than drafting)."""
         streams = self.stream_embeddings.numel()
         if self.stream_init is not None:
             streams += sum(p.numel() for p in self.stream_init.parameters())
-        return {"streams": streams, "lora": sum(p.numel() for p in self.lora.parameters())}
+        counts = {"streams": streams}
+        if self.pruning is not None:
+            counts["pruning"] = sum(p.numel() for p in self.pruning.parameters())
+        return {**counts, "lora": sum(p.numel() for p in self.lora.parameters())}
 
     def save_pretrained(self, directory: str) -> None:
         from draftsmith.drafters.io import save_drafter_weights
@@ -490,9 +474,10 @@ class StreamingServer(nn.Module):
     whose every forward also runs the streams. It keeps the last forward's stream states for the
     drafter. A forward without a tree mask (the prompt) needs the streams of its last token only."""
 
-    def __init__(self, model: StreamingModel) -> None:
+    def __init__(self, model: StreamingModel, prune: float = 0.0) -> None:
         super().__init__()
         self.streaming = model
+        self.prune = prune  # tree-pruning threshold for every tree forward (0 = none)
         self.config = model.target.config  # the runtime sizes its KV cache and context limit from it
         self.stream_hidden: torch.Tensor | None = None  # (R, γ, h) of the last forward
         self.calls = 0
@@ -517,6 +502,7 @@ class StreamingServer(nn.Module):
             use_cache=use_cache,
             stream_rows=rows,
             output_hidden_states=output_hidden_states,
+            prune_threshold=self.prune if rows is None else 0.0,  # a tree (not the prompt): prune it
         )
         self.stream_hidden = out.stream_hidden[0]
         self.calls += 1
@@ -530,13 +516,23 @@ class StreamingTreeDrafter:
     ``observe`` notes the row of the last accepted token (the root if none); ``propose`` turns that
     row's γ stream distributions into a tree: the ``top_k`` tokens of stream n are the parents of
     those of stream n + 1, and the ``total_tokens`` paths with the highest summed log-probability are
-    kept. After the prompt forward the row is the prompt's last token."""
+    kept. After the prompt forward the row is the prompt's last token. With ``prune`` (default: the
+    config's ``pruning_threshold``) every verification forward first drops the sub-trees its pruning
+    adapter deems under that probability; the runtime verifies what is left."""
 
     def __init__(
-        self, model: StreamingModel, top_k: int | None = None, total_tokens: int | None = None, name: str = "streaming"
+        self,
+        model: StreamingModel,
+        top_k: int | None = None,
+        total_tokens: int | None = None,
+        prune: float | None = None,
+        name: str = "streaming",
     ) -> None:
         self.model = model.eval()
-        self.serving_model = StreamingServer(self.model)
+        self.prune = model.config.pruning_threshold if prune is None else float(prune)
+        if self.prune and model.pruning is None:
+            raise StreamingConfigError("this streaming model has no tree-pruning adapter (pruning_rank 0): no :prune=")
+        self.serving_model = StreamingServer(self.model, self.prune)
         self.top_k = top_k or model.config.tree_top_k
         self.total_tokens = total_tokens or model.config.tree_total_tokens
         self.name = name

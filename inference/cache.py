@@ -9,12 +9,13 @@ def cache_length(cache) -> int:
     return 0 if not cache.layers else int(cache.layers[0].keys.shape[-2])
 
 
-def keep_positions(cache, keep: torch.Tensor) -> None:
-    """Keep only sequence positions ``keep`` (ascending) in every layer of a transformers cache.
+def keep_positions(cache, keep: torch.Tensor, layers: slice = slice(None)) -> None:
+    """Keep only sequence positions ``keep`` (ascending) in every layer of a transformers cache (or in
+    the ``layers`` slice of them: Speculative Streaming's tree pruning trims the layers below it).
 
     ``index_select`` copies into new storage, so source and destination never overlap (in-place
     shifting of an accepted path onto itself corrupts entries when the path is non-contiguous)."""
-    for layer in cache.layers:
+    for layer in cache.layers[layers]:
         index = keep.to(layer.keys.device)
         layer.keys = layer.keys.index_select(-2, index)
         layer.values = layer.values.index_select(-2, index)

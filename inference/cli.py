@@ -104,7 +104,7 @@ def cmd_spectra_index(args: argparse.Namespace) -> None:
 
 def _add_target_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default=None, help="target model (default: the embedded SmolLM2)")
-    p.add_argument("--device", default="cpu", help="where the target and drafters run: cpu (default), cuda, cuda:1, ...")
+    p.add_argument("--device", default="cpu", help="where the target and drafters run: cpu (default), cuda, cuda:1")
     p.add_argument(
         "--dtype",
         default="float32",

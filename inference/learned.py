@@ -44,9 +44,10 @@ def load_drafter(directory: str | Path, target: Target, expect: str | None = Non
     family = config["drafter_family"]
     if family not in FAMILIES:
         raise TargetError(f"{directory} holds a {family!r} drafter, which this draftsmith does not know")
-    if expect is not None and family != expect:
-        raise TargetError(f"{directory} holds a {family!r} drafter, not {expect!r}; use --method {family}={directory}")
-    check_drafter_target(config, target, directory)
     entry = FAMILIES[family]
+    method = entry.method or family  # a variant (medusa2) is served by its base method (medusa=DIR)
+    if expect is not None and method != expect:
+        raise TargetError(f"{directory} holds a {family!r} drafter, not {expect!r}; use --method {method}={directory}")
+    check_drafter_target(config, target, directory)
     model = entry.model_class.from_pretrained(directory).to(target.model.device, target.model.dtype)
     return entry.serve(model, target.model, **tree)

@@ -48,7 +48,9 @@ class Drafter(Protocol):
 
     A drafter that drafts inside the verification forward itself (Speculative Streaming) sets
     ``serving_model``: the runtime calls that model instead of ``model`` (same call signature, and
-    its ``.logits`` are what is verified) and the drafter reads its draft from it."""
+    its ``.logits`` are what is verified) and the drafter reads its draft from it. If that model drops
+    draft nodes inside its forward (tree pruning), its output's ``kept_rows`` names the rows of
+    ``[root, nodes]`` it kept: the runtime then verifies and commits that sub-tree."""
 
     name: str
 
@@ -128,6 +130,9 @@ def generate(
             use_cache=True,
             output_hidden_states=wants_features,
         )
+        kept = getattr(out, "kept_rows", None)
+        if kept is not None:  # the serving model pruned the tree inside its forward: verify what is left
+            tree = tree.subtree(kept[1:] - 1)
         logits = out.logits[0]
         verdict = (
             verify_greedy(tree, logits) if sampling is None else verify_sampling(tree, logits, sampling, generator)

@@ -56,6 +56,18 @@ class DraftTree:
     def __len__(self) -> int:
         return int(self.tokens.numel())
 
+    def subtree(self, nodes: torch.Tensor | list[int]) -> DraftTree:
+        """The tree of ``nodes`` (ascending; each one's parent among them or the root), renumbered in
+        that order; e.g. what is left after pruning sub-trees."""
+        nodes = torch.as_tensor(nodes, dtype=torch.long).cpu()
+        position = {int(old): new for new, old in enumerate(nodes.tolist())}
+        parents = self.parents[nodes].tolist()
+        if any(parent >= 0 and parent not in position for parent in parents):
+            raise ValueError("a sub-tree must keep the parent of every node it keeps")
+        renumbered = torch.tensor([position[p] if p >= 0 else -1 for p in parents], dtype=torch.long)
+        dists = None if self.draft_dists is None else self.draft_dists[nodes.to(self.draft_dists.device)]
+        return DraftTree(self.tokens[nodes], renumbered, dists)
+
     def depths(self) -> torch.Tensor:
         """Depth of each node (children of the root have depth 1)."""
         depth = torch.zeros(len(self), dtype=torch.long)

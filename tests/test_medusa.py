@@ -425,6 +425,25 @@ def test_trained_export_calibrates_and_decodes_losslessly(medusa_export, tiny_ta
     assert result.tokens == reference
 
 
+def test_a_shipped_tree_can_replace_the_exported_one_at_serve_time(medusa_export, tiny_target_dir):
+    """``medusa=DIR:tree=medusa-16`` against ``medusa=DIR`` compares a calibrated tree with a default one."""
+    from draftsmith.inference.methods import MethodError, build_drafter, split_tree_options
+    from draftsmith.inference.target import load_target
+
+    export = medusa_export / "export"
+    assert split_tree_options("d:tree=medusa-16:top_k=3") == ("d", {"tree": "medusa-16", "top_k": 3})
+    tiny = load_target(str(tiny_target_dir))
+    drafter = build_drafter(f"medusa={export}:tree=medusa-16", tiny)
+    assert drafter.static.paths == tuple(resolve_tree("medusa-16", 3))  # not DIR/config.json's tree
+    assert build_drafter(f"medusa={export}:tree=dynamic:total_tokens=6", tiny).static is None
+    with pytest.raises(MethodError, match="tree takes a tree name"):
+        build_drafter(f"medusa={export}:tree=16", tiny)
+    with pytest.raises(MethodError, match="top_k takes a whole number"):
+        build_drafter(f"medusa={export}:top_k=many", tiny)
+    with pytest.raises(MedusaTreeError, match="unknown Medusa tree"):
+        build_drafter(f"medusa={export}:tree=medusa-7", tiny)
+
+
 def test_calibrate_refuses_other_families(medusa_export, tiny_target_dir, tmp_path, capsys):
     from draftsmith.train.cli import main
 

@@ -164,7 +164,7 @@ def test_config_errors_name_the_key():
     with pytest.raises(StreamingConfigError, match="lora_target_modules"):
         StreamingConfig.for_target(target.config, lora_target_modules=["qproj"])
     with pytest.raises(StreamingConfigError, match="pruning"):
-        StreamingConfig.for_target(target.config, pruning_rank=8)
+        StreamingConfig.for_target(target.config, pruning_threshold=0.1)  # no adapter to prune with
     model = StreamingModel(StreamingConfig.for_target(target.config, num_stream_layers=2, lora_rank=4))
     other = LlamaForCausalLM(
         LlamaConfig(

@@ -26,6 +26,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from draftsmith.drafters.eagle import EagleConfigError
     from draftsmith.drafters.io import DrafterCheckpointError
     from draftsmith.drafters.medusa import MedusaTreeError
+    from draftsmith.drafters.medusa2 import Medusa2ConfigError
     from draftsmith.drafters.streaming import StreamingConfigError
     from draftsmith.inference.bench import BenchError
     from draftsmith.inference.methods import MethodError
@@ -39,6 +40,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
         TrainingError,
         EagleConfigError,
         MedusaTreeError,
+        Medusa2ConfigError,
         StreamingConfigError,
         CheckpointError,
         TrackingError,

@@ -29,7 +29,7 @@ def cmd_train(args: argparse.Namespace) -> None:
 def cmd_export(args: argparse.Namespace) -> None:
     import json
 
-    from draftsmith.train.export import export_run
+    from draftsmith.train.export import drafter_parameter_counts, export_run
 
     out = export_run(
         Path(args.run_dir),
@@ -42,10 +42,15 @@ def cmd_export(args: argparse.Namespace) -> None:
     if args.layout == "speculators":
         print(f"exported to {out} in vLLM's speculators layout (serve it with vLLM's --speculative-config)")
         return
+    from draftsmith.train.families import get_family
+
     family = json.loads((out / "config.json").read_text()).get("drafter_family", "eagle")
+    method = get_family(family).method or family  # a variant is served by its base method (medusa2: medusa=DIR)
+    counts = drafter_parameter_counts(out)
+    print(f"parameters beside the target's: {', '.join(f'{kind} {n:,}' for kind, n in counts.items())}")
     print(
-        f"exported to {out}; decode with `draftsmith generate --method {family}={out}` or compare with "
-        f"`draftsmith bench --methods {family}={out}`"
+        f"exported to {out}; decode with `draftsmith generate --method {method}={out}` or compare with "
+        f"`draftsmith bench --methods {method}={out}`"
     )
 
 

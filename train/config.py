@@ -48,6 +48,9 @@ class TrainSection:
     keep_last: int = 2  # complete checkpoints kept; older ones are deleted
     mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "auto"  # auto: the launcher's choice on GPU, no on CPU
     resume: bool = False  # continue from the last complete checkpoint in output_dir
+    # a directory written by `draftsmith export` (same family and target) whose weights start this run;
+    # parts it lacks start fresh (e.g. Speculative Streaming's pruning adapter, trained afterwards)
+    init_from: Optional[str] = None
 
 
 @dataclass

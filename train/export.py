@@ -48,3 +48,17 @@ def export_run(
         except ValueError as error:  # a family or option the layout cannot express
             raise CheckpointError(f"cannot export {run_dir} for speculators: {error}") from None
     return export_drafter(model, state["target_identity"], out, overwrite=overwrite)
+
+
+def drafter_parameter_counts(directory: Path) -> dict[str, int]:
+    """An exported drafter's own parameters (the target's are not counted), by the kinds its model
+    names in ``parameter_counts()`` (Speculative Streaming: streams, pruning, lora), else one total
+    (e.g. Medusa's heads), so families can be put side by side."""
+    from draftsmith.inference.learned import read_drafter_config
+    from draftsmith.train.families import get_family
+
+    family = get_family(read_drafter_config(Path(directory))["drafter_family"])
+    model = family.model_class.from_pretrained(str(directory))
+    if hasattr(model, "parameter_counts"):
+        return dict(model.parameter_counts())
+    return {"drafter": sum(p.numel() for p in model.parameters())}

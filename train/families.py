@@ -19,9 +19,10 @@ from transformers import PretrainedConfig
 
 from draftsmith.drafters.eagle import EagleConfig, EagleDrafter, EagleTreeDrafter
 from draftsmith.drafters.medusa import MedusaConfig, MedusaHeads, MedusaTreeDrafter
+from draftsmith.drafters.medusa2 import Medusa2Config, Medusa2Model, serve_medusa2
 from draftsmith.drafters.streaming import StreamingConfig, StreamingModel, serve_streaming
 from draftsmith.train.batch import FrozenTarget, LossOutput, TrainBatch
-from draftsmith.train.losses import feature_distillation_loss, medusa_loss, streaming_loss
+from draftsmith.train.losses import feature_distillation_loss, medusa2_loss, medusa_loss, streaming_loss
 from draftsmith.train.recipe import RecipeError
 
 LossFn = Callable[..., LossOutput]  # loss(model, batch: TrainBatch, frozen: FrozenTarget, **options)
@@ -42,6 +43,7 @@ class Family:
     serve: Callable[..., Any] | None = None
     defaults: dict[str, Any] = dataclasses.field(default_factory=dict)
     needs_features: bool = True  # the batch must carry the target's ``hidden_states``
+    method: str = ""  # the runtime method that serves it (``--method medusa=DIR``); "" = its name
 
     def option_names(self) -> list[str]:
         return list(inspect.signature(self.config_class.for_target).parameters)[1:]
@@ -99,6 +101,10 @@ FAMILIES: dict[str, Family] = {
         defaults={"feature_sampler": True, "partial_alignment": True},
     ),
     "medusa": Family("medusa", MedusaConfig, MedusaHeads, medusa_loss, _serve_medusa),
+    # Medusa-2 trains a LoRA on the target with the heads and computes its own (adapted) features.
+    "medusa2": Family(
+        "medusa2", Medusa2Config, Medusa2Model, medusa2_loss, serve_medusa2, needs_features=False, method="medusa"
+    ),
     # Speculative Streaming runs inside the target (attach_target): no features, the target's own tokens.
     "streaming": Family(
         "streaming", StreamingConfig, StreamingModel, streaming_loss, serve_streaming, needs_features=False

@@ -123,17 +123,29 @@ def medusa_loss(
     counts as a miss), and ``sim/accept_length`` = 1 + the mean number of leading heads that are all
     right at a position: the acceptance length of a top-1 chain on this data."""
     core = getattr(model, "module", model)  # DDP / DeepSpeed wrap the heads; compute still goes through model()
-    heads = int(core.config.num_heads)
-    vocab_index = core.vocab_index()
     features = batch.hidden_states.float()
-    supervised = (batch.loss_mask * batch.attention_mask).bool()
-    length = batch.input_ids.shape[1]
-    spans = [max(length - k - 1, 0) for k in range(1, heads + 1)]  # head k has a label for t < T - k - 1
-    rows = [supervised[:, k + 1 :] for k in range(1, heads + 1)]  # (B, span_k): is x_{t+k+1} supervised
-    logits = model([features[:, :span][mask] for span, mask in zip(spans, rows)])  # head k: (N_k, V')
+    rows = _medusa_head_rows(batch, int(core.config.num_heads))
+    logits = model([features[:, : mask.shape[1]][mask] for mask in rows])  # head k: (N_k, V')
+    return LossOutput(*_medusa_heads_ce(core, batch, features, rows, logits, frozen, decay, soft_labels))
 
+
+def _medusa_head_rows(batch: TrainBatch, heads: int) -> list[torch.Tensor]:
+    """Head k (1-based) at t predicts ``x_{t+k+1}``, so it has a label for t < T - k - 1: ``rows[k - 1]``
+    (B, span_k = max(T - k - 1, 0)) says where that label is an assistant token. Head k reads the
+    features ``features[:, :span_k][rows[k - 1]]``."""
+    supervised = (batch.loss_mask * batch.attention_mask).bool()
+    return [supervised[:, k + 1 :] for k in range(1, heads + 1)]
+
+
+def _medusa_heads_ce(
+    core, batch: TrainBatch, features: torch.Tensor, rows: list[torch.Tensor], logits, frozen, decay, soft_labels
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """``sum_k decay^k * CE_k`` and its metrics (see :func:`medusa_loss`) from each head's logits at its
+    rows; ``core`` is the ``MedusaHeads``, ``features`` (B, T, h) float what they read."""
+    heads, vocab_index = len(rows), core.vocab_index()
+    spans = [mask.shape[1] for mask in rows]
     loss = features.new_zeros(())
-    correct = torch.zeros(*supervised.shape, heads, dtype=torch.bool, device=features.device)
+    correct = torch.zeros(*batch.input_ids.shape, heads, dtype=torch.bool, device=features.device)
     metrics: dict[str, float] = {}
     for k in range(1, heads + 1):
         span, mask, head_logits = spans[k - 1], rows[k - 1], logits[k - 1]
@@ -154,7 +166,7 @@ def medusa_loss(
     if starts is not None and starts.any():
         leading = correct[:, : spans[0]][starts].float().cumprod(-1).sum(-1)  # heads right in a row from head 1
         metrics["sim/accept_length"] = float(1.0 + leading.mean())
-    return LossOutput(loss, metrics)
+    return loss, metrics
 
 
 def _medusa_soft_ce(head_logits: torch.Tensor, teacher_features: torch.Tensor, frozen: FrozenTarget, core):
@@ -169,20 +181,68 @@ def _medusa_soft_ce(head_logits: torch.Tensor, teacher_features: torch.Tensor, f
     return _soft_cross_entropy(head_logits.float(), teacher).mean()
 
 
+def medusa2_loss(
+    model,
+    batch: TrainBatch,
+    frozen: FrozenTarget,
+    kl_weight: float = 1.0,
+    head_weight: float = 0.2,
+    decay: float = 0.8,
+    soft_labels: bool = False,
+) -> LossOutput:
+    """Medusa-2: ``kl_weight * KL(original || adapted) + head_weight * sum_k decay^k * CE_k``.
+
+    The LoRA-adapted target and the heads train together: the heads read the adapted model's features,
+    so their CE also trains the LoRA. The KL is self-distillation against the same target with the
+    adapters off, at the positions whose next token is an assistant token; with self-distilled data
+    (the target's own answers) it is what keeps the served model's quality. The heads are supervised
+    as in :func:`medusa_loss`; ``soft_labels`` takes the adapted model's distribution (the one
+    verification compares against) as their teacher.
+
+    Metrics: :func:`medusa_loss`'s, plus ``loss/kl``, ``loss/heads`` and ``agree/original`` (how often
+    the adapted model's argmax is the original's at those positions)."""
+    core = getattr(model, "module", model)  # DDP / DeepSpeed wrap the model; compute still goes through model()
+    rows = _medusa_head_rows(batch, int(core.config.num_heads))
+    out = model(batch.input_ids, attention_mask=batch.attention_mask, head_rows=rows)
+    features = out.features.float()
+    heads, metrics = _medusa_heads_ce(core.heads, batch, features, rows, out.head_logits, frozen, decay, soft_labels)
+    predicting = (batch.loss_mask * batch.attention_mask).bool()[:, 1:]  # x_{t+1} is an assistant token
+    adapted = out.logits[:, :-1][predicting].float()
+    original = out.original_logits[:, :-1][predicting].float()
+    kl = _distillation_kl(adapted, original)
+    metrics.update({"loss/kl": float(kl.detach()), "loss/heads": float(heads.detach())})
+    if adapted.shape[0]:
+        metrics["agree/original"] = float((adapted.detach().argmax(-1) == original.argmax(-1)).float().mean())
+    return LossOutput(kl_weight * kl + head_weight * heads, metrics)
+
+
+def _distillation_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
+    """Mean over rows of KL(teacher || student); zero (with a graph) when there are no rows."""
+    if student_logits.shape[0] == 0:
+        return student_logits.sum() * 0.0
+    student, teacher = student_logits.log_softmax(-1), teacher_logits.log_softmax(-1)
+    return F.kl_div(student, teacher, log_target=True, reduction="batchmean")
+
+
 def streaming_loss(
     model,
     batch: TrainBatch,
     frozen: FrozenTarget,
     main_weight: float = 1.0,
     stream_weight: float = 0.1,
+    pruning_weight: float = 1.0,
 ) -> LossOutput:
-    """Speculative Streaming: ``main_weight * CE(x_{t+1}) + stream_weight * sum_j CE_j(x_{t+j+1})``.
+    """Speculative Streaming: ``main_weight * CE(x_{t+1}) + stream_weight * sum_j CE_j(x_{t+j+1})``,
+    plus ``pruning_weight * CE_prune(x_{t+1})`` when the model has a tree-pruning adapter.
 
-    The main stream at t predicts ``x_{t+1}``, stream j (1..γ) at t predicts ``x_{t+j+1}``; a term
-    counts where its label is an assistant token. ``frozen`` is unused: the model runs the target itself.
+    The main stream at t predicts ``x_{t+1}``, stream j (1..γ) at t predicts ``x_{t+j+1}``, and so
+    does the adapter's early exit at t ``x_{t+1}`` (its input is detached: that term trains the
+    adapter alone); a term counts where its label is an assistant token. ``frozen`` is unused: the
+    model runs the target itself.
 
-    Metrics: ``loss/main``, ``loss/stream{j}``, ``acc/stream{j}`` (top-1 against the label) and
-    ``sim/accept_length`` = 1 + the mean number of leading streams that are all right at a position."""
+    Metrics: ``loss/main``, ``loss/stream{j}``, ``acc/stream{j}`` (top-1 against the label),
+    ``loss/pruning``, ``acc/pruning`` and ``sim/accept_length`` = 1 + the mean number of leading
+    streams that are all right at a position."""
     core = getattr(model, "module", model)  # DDP / DeepSpeed wrap the model; compute still goes through model()
     out = model(batch.input_ids, attention_mask=batch.attention_mask)
     supervised = (batch.loss_mask * batch.attention_mask).bool()
@@ -190,6 +250,10 @@ def streaming_loss(
     main_rows = supervised[:, 1:]
     main_ce = _masked_ce(out.logits[:, :-1][main_rows], batch.input_ids[:, 1:][main_rows])
     loss, metrics = main_weight * main_ce, {"loss/main": float(main_ce.detach())}
+    if out.pruning_hidden is not None:
+        pruning_ce, pruning_metrics = _pruning_ce(core, out.pruning_hidden, batch.input_ids, main_rows)
+        loss = loss + pruning_weight * pruning_ce
+        metrics.update(pruning_metrics)
     correct = torch.zeros(*supervised.shape, streams, dtype=torch.bool, device=supervised.device)
     for j in range(1, streams + 1):
         span = max(length - j - 1, 0)  # stream j has a label at t < T - j - 1
@@ -208,6 +272,19 @@ def streaming_loss(
         leading = correct[:, : length - 2][starts].float().cumprod(-1).sum(-1)
         metrics["sim/accept_length"] = float(1.0 + leading.mean())
     return LossOutput(loss, metrics)
+
+
+def _pruning_ce(
+    core, pruning_hidden: torch.Tensor, input_ids: torch.Tensor, rows: torch.Tensor
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The tree-pruning adapter's next-token CE: ``lm_head(o_θ(M_t))`` against ``x_{t+1}`` at ``rows``."""
+    labels = input_ids[:, 1:][rows]
+    logits = core.stream_logits(pruning_hidden[:, :-1][rows])  # the target's lm_head
+    ce = _masked_ce(logits, labels)
+    metrics = {"loss/pruning": float(ce.detach())}
+    if labels.numel():
+        metrics["acc/pruning"] = float((logits.detach().argmax(-1) == labels).float().mean())
+    return ce, metrics
 
 
 def _masked_ce(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

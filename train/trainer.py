@@ -207,6 +207,8 @@ class Trainer:
             model.fit_data(self.data.token_counts(int(self.target.model.config.vocab_size)))
         if hasattr(model, "init_from_target"):  # after fit_data: Medusa heads copy lm_head's draft-vocabulary rows
             model.init_from_target(self.frozen)
+        if train.init_from:  # a finished run's weights (a resumed run's checkpoint still overrides them)
+            self._load_initial_weights(model, Path(train.init_from))
         if hasattr(model, "attach_target"):  # models that run inside the target (Speculative Streaming's LoRA)
             model.attach_target(self.target.model.to(self.accelerator.device))
         params = [p for p in model.parameters() if p.requires_grad]
@@ -219,6 +221,21 @@ class Trainer:
             group["betas"] = tuple(train.betas)
         self.model.train()
         set_seed(train.seed + self.accelerator.process_index)  # per-rank stream for noise in the loss
+
+    def _load_initial_weights(self, model: torch.nn.Module, directory: Path) -> None:
+        """``train.init_from``: an exported drafter of this family, made for this target."""
+        from draftsmith.drafters.io import load_weights_into
+        from draftsmith.inference.learned import check_drafter_target, read_drafter_config
+
+        config = read_drafter_config(directory)
+        if config["drafter_family"] != self.family.name:
+            raise RecipeError(
+                f"train.init_from: {directory} holds a {config['drafter_family']!r} drafter, not {self.family.name!r}"
+            )
+        check_drafter_target(config, self.target, directory)
+        fresh = load_weights_into(model, directory)
+        if fresh and self.is_main:
+            tqdm.write(f"draftsmith: started from {directory}; fresh: {', '.join(fresh)}")
 
     def _restore(self) -> int:
         state = read_state(self.checkpoint)

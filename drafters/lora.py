@@ -1,0 +1,266 @@
+"""LoRA adapters on a Llama-architecture target through ``peft``, for the families that adapt the target
+(Speculative Streaming, Medusa-2).
+
+The adapter weights are the drafter's own parameters (a :class:`TargetLora`, saved with the drafter);
+:meth:`TargetLora.inject` makes peft's LoRA layers in the target use them. They are active only inside
+:meth:`TargetLora.enabled`, so the shared target object stays the original model for every other user
+(the baseline, other drafters, the self-distillation teacher): no second copy of the target is needed.
+:meth:`TargetLora.save_peft` / :meth:`TargetLora.load_peft` read and write peft's own adapter format
+(``adapter_config.json`` + ``adapter_model.safetensors``), which ``PeftModel.from_pretrained`` loads.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+DEFAULT_LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
+ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
+# Target config keys the LoRA shapes (and the drafters built on them) depend on; recorded in the
+# drafter's config so that a mismatched target is refused.
+TARGET_KEYS = (
+    "model_type",
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+)
+PEFT_CONFIG_NAME = "adapter_config.json"
+PEFT_WEIGHTS_NAME = "adapter_model.safetensors"
+_adapter_names = itertools.count()
+
+
+def target_summary(target_config: PretrainedConfig) -> dict[str, Any]:
+    """The :data:`TARGET_KEYS` of a target config (``head_dim`` filled in when the config leaves it out)."""
+    source = target_config.to_dict()
+    target = {key: source.get(key) for key in TARGET_KEYS}
+    target["head_dim"] = target["head_dim"] or source["hidden_size"] // source["num_attention_heads"]
+    return target
+
+
+def check_target(expected: dict[str, Any], target_model: nn.Module, what: str, error: type[Exception]) -> None:
+    """Refuse a target whose config differs from the recorded ``expected`` summary."""
+    actual = target_model.config.to_dict()
+    actual["head_dim"] = actual.get("head_dim") or actual["hidden_size"] // actual["num_attention_heads"]
+    for key in TARGET_KEYS:
+        if expected.get(key) is not None and actual.get(key) != expected[key]:
+            raise error(
+                f"this {what} was built for a target with {key}={expected[key]}, "
+                f"the given one has {actual.get(key)}; use the target it was trained for"
+            )
+
+
+def check_lora_options(
+    target: dict[str, Any], rank: int, modules: Sequence[str], layers: Sequence[int] | None, error: type[Exception]
+) -> None:
+    """Refuse LoRA options that cannot fit ``target``, naming the recipe key to change."""
+    num_layers = int(target["num_hidden_layers"])
+    if rank < 0:
+        raise error(f"drafter.lora_rank must be >= 0, got {rank}")
+    unknown = sorted(set(modules) - set(ATTENTION_MODULES + MLP_MODULES))
+    if unknown:
+        raise error(
+            f"drafter.lora_target_modules has unknown modules {unknown}; "
+            f"choose from {list(ATTENTION_MODULES + MLP_MODULES)}"
+        )
+    if layers is not None and any(not 0 <= i < num_layers for i in layers):
+        raise error(f"drafter.lora_layers must be layer indices in 0..{num_layers - 1}")
+
+
+def adapted_layers(target: dict[str, Any], layers: Sequence[int] | None) -> list[int]:
+    """The decoder layers that carry adapters (``None`` = every layer)."""
+    return list(range(int(target["num_hidden_layers"]))) if layers is None else [int(i) for i in layers]
+
+
+def lora_shape(target: dict[str, Any], module: str) -> tuple[int, int]:
+    """(in_features, out_features) of a target projection."""
+    h, d = int(target["hidden_size"]), int(target["head_dim"])
+    heads, kv_heads = int(target["num_attention_heads"]), int(target["num_key_value_heads"])
+    inter = int(target["intermediate_size"])
+    return {
+        "q_proj": (h, heads * d),
+        "k_proj": (h, kv_heads * d),
+        "v_proj": (h, kv_heads * d),
+        "o_proj": (heads * d, h),
+        "gate_proj": (h, inter),
+        "up_proj": (h, inter),
+        "down_proj": (inter, h),
+    }[module]
+
+
+class LoraPair(nn.Module):
+    """One adapter's ``A`` (in -> r) and ``B`` (r -> out), initialised as peft does (B = 0: no change)."""
+
+    def __init__(self, in_features: int, out_features: int, rank: int) -> None:
+        super().__init__()
+        self.A = nn.Linear(in_features, rank, bias=False)
+        self.B = nn.Linear(rank, out_features, bias=False)
+        nn.init.kaiming_uniform_(self.A.weight, a=math.sqrt(5))
+        nn.init.zeros_(self.B.weight)
+
+
+def lora_key(layer: int, module: str) -> str:
+    return f"layers_{layer}_{module}"
+
+
+def _parent_name(module: str) -> str:
+    return "self_attn" if module in ATTENTION_MODULES else "mlp"
+
+
+class TargetLora(nn.ModuleDict):
+    """The LoRA pairs of one adapter, keyed ``layers_{i}_{module}``; empty when ``rank`` is 0.
+
+    A ``ModuleDict`` itself (not a module holding one), so a drafter's ``lora.layers_3_v_proj.A.weight``
+    state-dict keys, and the checkpoints written with them, stay as they were before this was shared."""
+
+    def __init__(
+        self,
+        target: dict[str, Any],
+        rank: int,
+        alpha: float,
+        target_modules: Sequence[str],
+        layers: Sequence[int] | None = None,
+    ) -> None:
+        indices = adapted_layers(target, layers)
+        pairs = {
+            lora_key(layer, module): LoraPair(*lora_shape(target, module), int(rank))
+            for layer in indices
+            for module in target_modules
+        }
+        super().__init__(pairs if rank else {})
+        self.rank, self.alpha = int(rank), float(alpha)
+        self.target_modules, self.layer_indices = list(target_modules), indices
+        self.adapter_name: str | None = None
+        self._peft_layers: list[nn.Module] = []  # peft's LoRA layers in the target (not submodules of ours)
+
+    def peft_config(self, base_model: str | None = None, inference_mode: bool = False) -> Any:
+        """The ``peft.LoraConfig`` of this adapter."""
+        from peft import LoraConfig
+
+        return LoraConfig(
+            r=self.rank,
+            lora_alpha=self.alpha,
+            target_modules=list(self.target_modules),
+            layers_to_transform=list(self.layer_indices),
+            layers_pattern="layers",
+            lora_dropout=0.0,
+            bias="none",
+            task_type="CAUSAL_LM",
+            base_model_name_or_path=base_model,
+            inference_mode=inference_mode,
+        )
+
+    def inject(self, target_model: nn.Module, prefix: str) -> None:
+        """Add peft LoRA layers to ``target_model`` (in place) whose weights are this module's pairs,
+        inactive until :meth:`enabled`. The adapter name is ``prefix`` + a process-unique number, so
+        several drafters may adapt one target."""
+        from peft import inject_adapter_in_model
+
+        if not len(self):
+            return
+        if self.adapter_name is not None:
+            raise RuntimeError("this LoRA is already injected into a target")
+        self.adapter_name = f"{prefix}{next(_adapter_names)}"
+        inject_adapter_in_model(
+            self.peft_config(), target_model, adapter_name=self.adapter_name, low_cpu_mem_usage=True
+        )
+        for layer in self.layer_indices:
+            decoder_layer = target_model.model.layers[layer]
+            for module in self.target_modules:
+                peft_layer = getattr(getattr(decoder_layer, _parent_name(module)), module)
+                pair = self[lora_key(layer, module)]
+                # peft's modules become ours: the weights live (and are saved) in this module.
+                peft_layer.lora_A[self.adapter_name] = pair.A
+                peft_layer.lora_B[self.adapter_name] = pair.B
+                self._peft_layers.append(peft_layer)
+        self.set_enabled(False)
+
+    def set_enabled(self, enabled: bool) -> None:
+        # peft's switches also set requires_grad on the adapter weights; trainability is the drafter's
+        # own business (the optimizer and autograd must see the LoRA weights as trainable throughout).
+        trainable = [p.requires_grad for p in self.parameters()]
+        for peft_layer in self._peft_layers:
+            if enabled:
+                peft_layer.set_adapter(self.adapter_name)
+            peft_layer.enable_adapters(enabled)
+        for parameter, flag in zip(self.parameters(), trainable):
+            parameter.requires_grad_(flag)
+
+    @contextmanager
+    def enabled(self) -> Iterator[None]:
+        """The adapters active in the target for the duration of the block."""
+        self.set_enabled(True)
+        try:
+            yield
+        finally:
+            self.set_enabled(False)
+
+    # ---- peft's saved format -------------------------------------------------------------------
+    def _peft_name(self, key: str, part: str) -> str:
+        layer, module = key.removeprefix("layers_").split("_", 1)
+        return f"base_model.model.model.layers.{layer}.{_parent_name(module)}.{module}.lora_{part}.weight"
+
+    def peft_state_dict(self) -> dict[str, torch.Tensor]:
+        """The adapter under the names ``PeftModel.save_pretrained`` writes for a ``LlamaForCausalLM``."""
+        return {
+            self._peft_name(key, part): getattr(pair, part).weight.detach().contiguous().cpu()
+            for key, pair in self.items()
+            for part in ("A", "B")
+        }
+
+    def save_peft(self, directory: str | Path, base_model: str | None = None) -> None:
+        """``adapter_config.json`` + ``adapter_model.safetensors``: ``PeftModel.from_pretrained(target, directory)``
+        gives the adapted model without draftsmith."""
+        from safetensors.torch import save_file
+
+        directory = Path(directory)
+        self.peft_config(base_model, inference_mode=True).save_pretrained(str(directory))
+        save_file(self.peft_state_dict(), str(directory / PEFT_WEIGHTS_NAME), metadata={"format": "pt"})
+
+    def load_peft(self, directory: str | Path, error: type[Exception] = ValueError) -> None:
+        """Read an adapter written by :meth:`save_peft`; it must have exactly this module's shape."""
+        from safetensors.torch import load_file
+
+        directory = Path(directory)
+        saved = json.loads((directory / PEFT_CONFIG_NAME).read_text())
+        mine = {"r": self.rank, "lora_alpha": self.alpha, "target_modules": sorted(self.target_modules)}
+        found = {"r": saved.get("r"), "lora_alpha": saved.get("lora_alpha")}
+        found["target_modules"] = sorted(saved.get("target_modules") or [])
+        if found != mine:
+            raise error(f"{directory}/{PEFT_CONFIG_NAME} holds {found}, its config.json says {mine}; export it again")
+        state = load_file(str(directory / PEFT_WEIGHTS_NAME))
+        expected = self.peft_state_dict()
+        if set(state) != set(expected) or any(state[k].shape != expected[k].shape for k in expected):
+            raise error(f"{directory}/{PEFT_WEIGHTS_NAME} does not match the adapter in config.json; export it again")
+        with torch.no_grad():
+            for key, pair in self.items():
+                for part in ("A", "B"):
+                    getattr(pair, part).weight.copy_(state[self._peft_name(key, part)])
+
+
+class AdaptedTarget(nn.Module):
+    """The target with a LoRA active in every forward: the model the runtime calls (``serving_model``)
+    for a drafter whose served model is the adapted target. Same call signature as the target."""
+
+    def __init__(self, target_model: nn.Module, lora: TargetLora) -> None:
+        super().__init__()
+        self.target = target_model
+        self.lora = lora
+        self.config = target_model.config  # the runtime sizes its KV cache and context limit from it
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        with self.lora.enabled():
+            return self.target(*args, **kwargs)

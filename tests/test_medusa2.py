@@ -1,0 +1,278 @@
+"""Medusa-2: heads trained jointly with a LoRA on a tiny random Llama. The loss's self-distillation KL and
+head terms, the trainer (steps and exact resume), export in peft format and its round trip, and
+lossless decoding with respect to the adapted model it serves."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from conftest import tiny_llama
+from decoding_helpers import hf_greedy, padded, prepare_arithmetic_chats, sampled_twice
+from decoding_helpers import random_prompts as _random_prompts
+from draftsmith.drafters.medusa import resolve_tree
+from draftsmith.drafters.medusa2 import Medusa2ConfigError, Medusa2Model
+from draftsmith.inference.runtime import generate
+from draftsmith.train.batch import FrozenTarget, TrainBatch
+from draftsmith.train.families import get_family
+from draftsmith.train.losses import medusa2_loss, medusa_loss
+
+REPO = Path(__file__).resolve().parents[1]
+VOCAB = 97
+EOS = 2
+
+
+def random_prompts(n, seed):
+    return _random_prompts(n, seed, VOCAB)
+
+
+def build(target, lora_noise: float = 0.0, seed: int = 1, **options) -> Medusa2Model:
+    """A Medusa-2 model attached to ``target``; ``lora_noise`` > 0 makes the adapter non-zero."""
+    options = {"num_heads": 3, "lora_rank": 4, "lora_alpha": 8, **options}
+    torch.manual_seed(seed)
+    target.requires_grad_(False)  # as the trainer leaves it
+    model = get_family("medusa2").build(target.config, options)
+    model.init_from_target(FrozenTarget.from_model(target))
+    with torch.no_grad():
+        for pair in model.lora.values():
+            pair.B.weight.normal_(std=lora_noise)
+    model.attach_target(target)
+    return model
+
+
+def sequences_batch(target, n: int = 6, new_tokens: int = 16, seed: int = 0) -> TrainBatch:
+    """The original target's own greedy continuations (self-distilled data); no features needed."""
+    ids, attention = padded([p + hf_greedy(target, p, new_tokens) for p in random_prompts(n, seed)])
+    return TrainBatch(ids, attention.float(), attention)
+
+
+# ---- the loss -------------------------------------------------------------------------------------
+def test_kl_is_zero_for_a_zero_lora_and_positive_after_a_perturbation():
+    target = tiny_llama(VOCAB)
+    batch, frozen = sequences_batch(target), FrozenTarget.from_model(target)
+    model = build(target)  # peft's initialisation: B = 0, the adapted model is the original
+    with torch.no_grad():
+        out = medusa2_loss(model, batch, frozen)
+    assert out.metrics["loss/kl"] == 0.0 and out.metrics["agree/original"] == 1.0
+    with torch.no_grad():
+        for pair in model.lora.values():
+            pair.B.weight.normal_(std=0.05)
+        out = medusa2_loss(model, batch, frozen)
+        assert out.metrics["loss/kl"] > 1e-4
+        assert out.loss.item() == pytest.approx(out.metrics["loss/kl"] + 0.2 * out.metrics["loss/heads"], rel=1e-5)
+        forward = model(batch.input_ids, attention_mask=batch.attention_mask)
+        # the teacher is the same target with the adapters off, and the target stays the original outside
+        assert torch.equal(forward.original_logits, target(batch.input_ids, attention_mask=batch.attention_mask).logits)
+        with model.adapted() as adapted:
+            assert torch.equal(forward.logits, adapted(batch.input_ids, attention_mask=batch.attention_mask).logits)
+    assert not torch.allclose(forward.logits, forward.original_logits, atol=1e-3)
+
+
+def test_heads_term_is_medusa1s_loss_on_the_adapted_features():
+    target = tiny_llama(VOCAB)
+    batch, frozen = sequences_batch(target), FrozenTarget.from_model(target)
+    model = build(target, lora_noise=0.05)
+    with torch.no_grad():
+        out = medusa2_loss(model, batch, frozen, soft_labels=True)
+        features = model(batch.input_ids, attention_mask=batch.attention_mask, original=False).features
+        batch.hidden_states = features
+        medusa1 = medusa_loss(model.heads, batch, frozen, soft_labels=True)
+    assert out.metrics["loss/heads"] == pytest.approx(medusa1.loss.item(), rel=1e-5)
+    assert all(out.metrics[f"acc/head{k}"] == medusa1.metrics[f"acc/head{k}"] for k in (1, 2, 3))
+
+
+def test_gradients_reach_heads_and_lora_only_and_the_heads_train_the_lora():
+    target = tiny_llama(VOCAB)
+    batch, frozen = sequences_batch(target, n=3, new_tokens=8), FrozenTarget.from_model(target)
+    model = build(target, lora_noise=0.05)
+    medusa2_loss(model, batch, frozen).loss.backward()
+    for name, parameter in model.named_parameters():
+        assert parameter.grad is not None and parameter.grad.abs().sum() > 0, name
+    assert all(p.grad is None for name, p in target.named_parameters() if ".lora_" not in name)
+    model.zero_grad()
+    medusa2_loss(model, batch, frozen, kl_weight=0.0).loss.backward()  # joint training: CE reaches the LoRA
+    assert all(p.grad.abs().sum() > 0 for p in model.lora.parameters())
+
+
+def test_options_and_target_errors():
+    target = tiny_llama(VOCAB)
+    with pytest.raises(Medusa2ConfigError, match="lora_rank must be >= 1"):
+        get_family("medusa2").build(target.config, {"lora_rank": 0})
+    with pytest.raises(Medusa2ConfigError, match="lora_target_modules"):
+        get_family("medusa2").build(target.config, {"lora_target_modules": ["qproj"]})
+    with pytest.raises(Medusa2ConfigError, match="lora_layers"):
+        get_family("medusa2").build(target.config, {"lora_layers": [2]})
+    model = get_family("medusa2").build(target.config, {"lora_rank": 4})
+    other = tiny_llama(VOCAB)
+    other.config.hidden_size = 32  # only the config matters for the check
+    with pytest.raises(Medusa2ConfigError, match="hidden_size"):
+        model.attach_target(other)
+
+
+# ---- decoding -------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def trained():
+    """Heads and LoRA trained together on the original target's greedy continuations."""
+    target = tiny_llama(VOCAB, seed=2)
+    model = build(target, lora_noise=0.03, num_heads=4)
+    batch, frozen = sequences_batch(target, n=12, new_tokens=30, seed=5), FrozenTarget.from_model(target)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3)
+    model.train()
+    for _ in range(80):
+        out = medusa2_loss(model, batch, frozen)
+        optimizer.zero_grad()
+        out.loss.backward()
+        optimizer.step()
+    return target, model.eval()
+
+
+def test_greedy_decoding_is_lossless_for_the_adapted_model(trained):
+    target, model = trained
+    differs, taus = 0, []
+    for tree in ("medusa-16", "dynamic"):
+        drafter = get_family("medusa2").serve(model, target, tree=tree, total_tokens=10)
+        for prompt in random_prompts(6, seed=5) + random_prompts(6, seed=99):
+            with model.adapted() as adapted:
+                reference = hf_greedy(adapted, prompt, 30)
+            differs += reference != hf_greedy(target, prompt, 30)
+            result = generate(target, prompt, drafter, max_new_tokens=30, eos_token_ids=[EOS])
+            assert result.tokens == reference, (tree, prompt)
+            taus.append(result.tau)
+    assert max(taus) > 1.5  # the heads do draft accepted tokens
+    assert differs > 0  # the reference really is the adapted model, not the original
+
+
+def test_sampled_decoding_is_reproducible(trained):
+    target, model = trained
+    runs = sampled_twice(target, get_family("medusa2").serve(model, target), random_prompts(1, seed=3)[0])
+    assert runs[0] == runs[1] and len(runs[0]) > 0
+
+
+# ---- trainer, recipe, export, loading -------------------------------------------------------------
+def tiny_recipe(root: Path, target_dir: Path, prepared: Path) -> Path:
+    """The shipped Medusa-2 recipe's shape, sized for the tiny target."""
+    tree = yaml.safe_load((REPO / "recipes" / "medusa2-smollm2.yaml").read_text())
+    tree["target"] = {"name": str(target_dir)}
+    tree["output_dir"] = str(root / "run")
+    tree["data"] = {"prepared": str(prepared), "eval_samples": 2}
+    tree["drafter"].update(num_heads=3, draft_vocab_size=64, tree="medusa-8", lora_rank=4, lora_alpha=8)
+    tree["train"].update(lr=1e-3, scheduler="constant", warmup_steps=0, batch_size=2, save_every=2, log_every=1)
+    tree["tracking"] = {"wandb": False}
+    root.mkdir(parents=True, exist_ok=True)
+    path = root / "recipe.yaml"
+    path.write_text(yaml.safe_dump(tree))
+    return path
+
+
+@pytest.fixture(scope="module")
+def medusa2_run(tmp_path_factory, tiny_target_dir):
+    """Three trainer steps in one go, and two steps then a resume to three; the first is exported."""
+    from draftsmith.train.cli import main
+
+    root = tmp_path_factory.mktemp("medusa2-run")
+    prepare_arithmetic_chats(root / "prepared", tiny_target_dir, 10)
+    straight = tiny_recipe(root / "a", tiny_target_dir, root / "prepared")
+    main(["train", str(straight), "train.max_steps=3"])
+    resumed = tiny_recipe(root / "b", tiny_target_dir, root / "prepared")
+    main(["train", str(resumed), "train.max_steps=2"])
+    main(["train", str(resumed), "train.max_steps=3", "--resume"])
+    main(["export", str(root / "a/run"), "--out", str(root / "export")])
+    return root
+
+
+def test_trainer_steps_and_resume_exactly(medusa2_run):
+    info = json.loads((medusa2_run / "a/run/run_info.json").read_text())
+    assert info["family"] == "medusa2" and info["features"] == "online"
+    a = load_file(str(medusa2_run / "a/run/checkpoints/step-3/drafter/model.safetensors"))
+    b = load_file(str(medusa2_run / "b/run/checkpoints/step-3/drafter/model.safetensors"))
+    assert any(k.startswith("heads.medusa_head.") for k in a) and any(k.startswith("lora.layers_") for k in a)
+    assert sum(t.numel() for k, t in a.items() if t.is_floating_point()) == info["trainable_parameters"]
+    assert set(a) == set(b)
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=1e-6, atol=1e-7)
+
+
+def test_export_holds_heads_and_a_peft_adapter_and_round_trips(medusa2_run, tiny_target_dir):
+    from peft import PeftModel
+
+    from draftsmith.inference.target import load_target
+
+    export = medusa2_run / "export"
+    config = json.loads((export / "config.json").read_text())
+    assert config["drafter_family"] == "medusa2" and config["target_identity"]["config_hash"]
+    assert all(k.startswith("medusa_head.") or k == "draft_vocab" for k in load_file(str(export / "model.safetensors")))
+    adapter = json.loads((export / "adapter_config.json").read_text())
+    assert adapter["peft_type"] == "LORA" and adapter["r"] == 4
+    assert adapter["base_model_name_or_path"] == config["target_identity"]["name"]
+    loaded = Medusa2Model.from_pretrained(export)
+    trained = Medusa2Model.from_pretrained(medusa2_run / "a/run/checkpoints/step-3/drafter")
+    expected = trained.state_dict()
+    assert set(loaded.state_dict()) == set(expected)
+    assert all(torch.equal(value, expected[key]) for key, value in loaded.state_dict().items())
+    # peft itself reads the adapter: its model is the one Medusa-2 serves
+    tiny = load_target(str(tiny_target_dir))
+    loaded.attach_target(tiny.model)
+    ids = torch.tensor([[5, 9, 14, 33, 7, 21]])
+    with torch.no_grad(), loaded.adapted() as adapted:
+        ours = adapted(ids).logits
+    theirs = PeftModel.from_pretrained(load_target(str(tiny_target_dir)).model, str(export))(ids).logits
+    torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-5)
+
+
+def test_an_adapter_that_does_not_match_the_config_is_refused(medusa2_run, tmp_path):
+    import shutil
+
+    from draftsmith.drafters.io import DrafterCheckpointError
+
+    copy = tmp_path / "export"
+    shutil.copytree(medusa2_run / "export", copy)
+    adapter = json.loads((copy / "adapter_config.json").read_text())
+    (copy / "adapter_config.json").write_text(json.dumps({**adapter, "lora_alpha": 2 * adapter["lora_alpha"]}))
+    with pytest.raises(DrafterCheckpointError, match="adapter_config.json holds"):
+        Medusa2Model.from_pretrained(copy)
+
+
+def test_exported_drafter_serves_the_adapted_model_and_bench_reports_agreement(medusa2_run, tiny_target_dir):
+    from draftsmith.inference.bench import Question, run_bench
+    from draftsmith.inference.methods import build_drafter
+    from draftsmith.inference.target import load_target
+
+    export = medusa2_run / "export"
+    tiny = load_target(str(tiny_target_dir))
+    drafter = build_drafter(f"medusa={export}", tiny)
+    assert drafter.name == "medusa2" and drafter.static.paths == tuple(resolve_tree("medusa-8", 3))
+    prompt = tiny.encode_chat([{"role": "user", "content": "Question 3: what is 3 plus 3?"}])
+    result = generate(tiny.model, prompt, drafter, max_new_tokens=16, eos_token_ids=tiny.eos_token_ids)
+    with drafter.served_model() as adapted:
+        reference = hf_greedy(adapted, prompt, 16, tiny.eos_token_ids)
+    assert result.tokens == reference
+    assert build_drafter(f"medusa={export}:tree=dynamic", tiny).static is None
+    method = f"medusa={export}"
+    results = run_bench(tiny, [Question("q", "writing", ["Question 3: what is 3 plus 3?"])], [method], 16)
+    summary = results["methods"][method]["overall"]
+    assert summary["identical"] == summary["total"] == 1 and summary["reference"] == "served model"
+    assert 0.0 <= summary["agreement_with_target"] <= 1.0
+
+
+def test_loading_for_another_target_is_refused(medusa2_run, other_target_dir):
+    from draftsmith.inference.methods import build_drafter
+    from draftsmith.inference.target import TargetError, load_target
+
+    with pytest.raises(TargetError, match="trained for"):
+        build_drafter(f"medusa={medusa2_run / 'export'}", load_target(str(other_target_dir)))
+    with pytest.raises(TargetError, match="not 'eagle'; use --method medusa="):
+        build_drafter(f"eagle={medusa2_run / 'export'}", load_target(str(other_target_dir)))
+
+
+def test_shipped_recipe_validates():
+    from draftsmith.train.config import load_train_recipe
+
+    recipe = load_train_recipe(REPO / "recipes/medusa2-smollm2.yaml")
+    assert recipe.family_name == "medusa2" and recipe.data.features is None
+    assert recipe.loss == {"kl_weight": 1.0, "head_weight": 0.2, "decay": 0.8, "soft_labels": False}
+    assert load_train_recipe(REPO / "recipes/medusa2-smollm2.yaml", ["drafter.lora_rank=8"]).drafter["lora_rank"] == 8

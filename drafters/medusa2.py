@@ -198,6 +198,18 @@ class Medusa2Model(nn.Module):
         identity = self.config.target_identity or {}
         self.lora.save_peft(directory, base_model=identity.get("name"))
 
+    def load_initial_weights(self, directory: str | Path) -> list[str]:
+        """``train.init_from``: the heads of a Medusa-1 or Medusa-2 export (the same layout) and, from a
+        Medusa-2 export, its adapter; returns what starts fresh (a Medusa-1 export has no LoRA)."""
+        from draftsmith.drafters.io import DrafterCheckpointError, load_weights_into
+
+        fresh = [f"heads.{name}" for name in load_weights_into(self.heads, directory)]
+        if (Path(directory) / PEFT_CONFIG_NAME).is_file():
+            self.lora.load_peft(directory, DrafterCheckpointError)
+        else:
+            fresh += [f"lora.{name}" for name in self.lora.state_dict()]
+        return fresh
+
     @classmethod
     def from_pretrained(cls, directory: str | Path) -> Medusa2Model:
         """An exported directory, or a training checkpoint's ``drafter/`` (one state dict, no peft files)."""

@@ -276,3 +276,45 @@ def test_shipped_recipe_validates():
     assert recipe.family_name == "medusa2" and recipe.data.features is None
     assert recipe.loss == {"kl_weight": 1.0, "head_weight": 0.2, "decay": 0.8, "soft_labels": False}
     assert load_train_recipe(REPO / "recipes/medusa2-smollm2.yaml", ["drafter.lora_rank=8"]).drafter["lora_rank"] == 8
+
+
+def test_starts_from_a_medusa1_export_as_the_two_stage_recipe_does(medusa2_run, tiny_target_dir, tmp_path, capsys):
+    """``train.init_from`` a Medusa-1 export: the heads are Medusa-1's, the LoRA starts at zero."""
+    from draftsmith.train.cli import main
+
+    stage1 = {
+        "target": {"name": str(tiny_target_dir)},
+        "output_dir": str(tmp_path / "medusa1"),
+        "data": {"prepared": str(medusa2_run / "prepared"), "eval_samples": 2},
+        "drafter": {"family": "medusa", "num_heads": 3, "draft_vocab_size": 64, "tree": "medusa-8"},
+        "train": {"lr": 1e-2, "batch_size": 2, "max_steps": 2, "save_every": 2, "log_every": 1},
+        "tracking": {"wandb": False},
+    }
+    (tmp_path / "medusa1.yaml").write_text(yaml.safe_dump(stage1))
+    main(["train", str(tmp_path / "medusa1.yaml")])
+    main(["export", str(tmp_path / "medusa1"), "--out", str(tmp_path / "medusa1-export")])
+    stage2 = tiny_recipe(tmp_path / "m2", tiny_target_dir, medusa2_run / "prepared")
+    main(
+        ["train", str(stage2), "train.max_steps=1", "train.lr=1e-12", f"train.init_from={tmp_path / 'medusa1-export'}"]
+    )
+    started = Medusa2Model.from_pretrained(tmp_path / "m2/run/checkpoints/step-1/drafter")
+    heads = load_file(str(tmp_path / "medusa1-export/model.safetensors"))
+    for key, value in heads.items():  # one step at lr 1e-12 leaves them as they were
+        torch.testing.assert_close(started.heads.state_dict()[key], value, rtol=0, atol=1e-9)
+    assert all(pair.B.weight.abs().max() < 1e-9 for pair in started.lora.values())  # fresh LoRA: B = 0
+
+    eagle_export = tmp_path / "an-eagle-export"
+    eagle_export.mkdir()
+    (eagle_export / "config.json").write_text(json.dumps({"drafter_family": "eagle"}))
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        main(
+            [
+                "train",
+                str(stage2),
+                "train.max_steps=1",
+                f"output_dir={tmp_path / 'm2b'}",
+                f"train.init_from={eagle_export}",
+            ]
+        )
+    assert "a 'medusa2' run starts from 'medusa2' or 'medusa'" in capsys.readouterr().err

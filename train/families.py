@@ -44,6 +44,9 @@ class Family:
     defaults: dict[str, Any] = dataclasses.field(default_factory=dict)
     needs_features: bool = True  # the batch must carry the target's ``hidden_states``
     method: str = ""  # the runtime method that serves it (``--method medusa=DIR``); "" = its name
+    # Families whose exports may start a run of this one (``train.init_from``), besides itself:
+    # Medusa-2's two-stage recipe starts from trained Medusa-1 heads.
+    starts_from: tuple[str, ...] = ()
 
     def option_names(self) -> list[str]:
         return list(inspect.signature(self.config_class.for_target).parameters)[1:]
@@ -103,7 +106,14 @@ FAMILIES: dict[str, Family] = {
     "medusa": Family("medusa", MedusaConfig, MedusaHeads, medusa_loss, _serve_medusa),
     # Medusa-2 trains a LoRA on the target with the heads and computes its own (adapted) features.
     "medusa2": Family(
-        "medusa2", Medusa2Config, Medusa2Model, medusa2_loss, serve_medusa2, needs_features=False, method="medusa"
+        "medusa2",
+        Medusa2Config,
+        Medusa2Model,
+        medusa2_loss,
+        serve_medusa2,
+        needs_features=False,
+        method="medusa",
+        starts_from=("medusa",),
     ),
     # Speculative Streaming runs inside the target (attach_target): no features, the target's own tokens.
     "streaming": Family(

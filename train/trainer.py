@@ -223,17 +223,20 @@ class Trainer:
         set_seed(train.seed + self.accelerator.process_index)  # per-rank stream for noise in the loss
 
     def _load_initial_weights(self, model: torch.nn.Module, directory: Path) -> None:
-        """``train.init_from``: an exported drafter of this family, made for this target."""
+        """``train.init_from``: an exported drafter of this family (or one it starts from), made for this target."""
         from draftsmith.drafters.io import load_weights_into
         from draftsmith.inference.learned import check_drafter_target, read_drafter_config
 
         config = read_drafter_config(directory)
-        if config["drafter_family"] != self.family.name:
+        accepted = (self.family.name, *self.family.starts_from)
+        if config["drafter_family"] not in accepted:
             raise RecipeError(
-                f"train.init_from: {directory} holds a {config['drafter_family']!r} drafter, not {self.family.name!r}"
+                f"train.init_from: {directory} holds a {config['drafter_family']!r} drafter; "
+                f"a {self.family.name!r} run starts from {' or '.join(map(repr, accepted))}"
             )
         check_drafter_target(config, self.target, directory)
-        fresh = load_weights_into(model, directory)
+        load = getattr(model, "load_initial_weights", None)  # a model whose parts come from several files
+        fresh = load(directory) if load is not None else load_weights_into(model, directory)
         if fresh and self.is_main:
             tqdm.write(f"draftsmith: started from {directory}; fresh: {', '.join(fresh)}")
 

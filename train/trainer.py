@@ -238,7 +238,8 @@ class Trainer:
         load = getattr(model, "load_initial_weights", None)  # a model whose parts come from several files
         fresh = load(directory) if load is not None else load_weights_into(model, directory)
         if fresh and self.is_main:
-            tqdm.write(f"draftsmith: started from {directory}; fresh: {', '.join(fresh)}")
+            shown = ", ".join(fresh[:3]) + (f" and {len(fresh) - 3} more" if len(fresh) > 3 else "")
+            tqdm.write(f"draftsmith: started from {directory}; {len(fresh)} tensors start fresh: {shown}")
 
     def _restore(self) -> int:
         state = read_state(self.checkpoint)

@@ -264,6 +264,18 @@ def load_tokenizer(name: str | None = None) -> tuple[Any, TargetIdentity]:
     return tokenizer, identity
 
 
+def check_device(device: str) -> None:
+    """A device torch can use here, or one line saying what to pass instead."""
+    import torch
+
+    try:
+        kind = torch.device(device).type
+    except RuntimeError:
+        raise TargetError(f"unknown device {device!r}; use cpu, cuda or cuda:N") from None
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise TargetError(f"device {device!r}: torch {torch.__version__} sees no CUDA GPU here; use --device cpu")
+
+
 def load_target(
     name: str | None = None, *, dtype: str = "float32", device: str = "cpu", attn_implementation: str | None = None
 ) -> Target:
@@ -271,6 +283,7 @@ def load_target(
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    check_device(device)  # before the (slow) load, so a wrong --device costs nothing
     location, gguf_file, identity = _resolve(name)
     try:
         tokenizer = AutoTokenizer.from_pretrained(location, gguf_file=gguf_file)

@@ -53,3 +53,17 @@ def test_missing_smollm2_package_says_how_to_install(monkeypatch):
 def test_cache_root_follows_the_environment(monkeypatch, tmp_path):
     monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path))
     assert target_module.cache_root() == tmp_path
+
+
+def test_a_device_torch_cannot_use_is_one_line_before_loading(tiny_target_dir, capsys):
+    from draftsmith.train.cli import main
+
+    with pytest.raises(TargetError, match="unknown device 'gpu'; use cpu, cuda or cuda:N"):
+        load_target(str(tiny_target_dir), device="gpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(TargetError, match="sees no CUDA GPU here; use --device cpu"):
+            load_target(str(tiny_target_dir), device="cuda")
+    with pytest.raises(SystemExit):
+        main(["generate", "hi", "--target", str(tiny_target_dir), "--device", "gpu"])
+    err = capsys.readouterr().err
+    assert err.strip().splitlines() == ["draftsmith: error: unknown device 'gpu'; use cpu, cuda or cuda:N"]

@@ -22,8 +22,8 @@ def _source(value: str | None) -> str:
 
 
 def _tokenizer_for(args: argparse.Namespace) -> tuple[Any, Any]:
+    from draftsmith.core.target import load_tokenizer
     from draftsmith.data.templates import check_tokenizer
-    from draftsmith.inference.target import load_tokenizer
 
     tokenizer, identity = load_tokenizer(args.target)
     if getattr(args, "chat_template", None):
@@ -115,8 +115,8 @@ def cmd_show(args: argparse.Namespace) -> None:
 
 
 def cmd_regenerate(args: argparse.Namespace) -> None:
+    from draftsmith.core.target import load_target
     from draftsmith.data.regenerate import RegenerateSettings, regenerate
-    from draftsmith.inference.target import load_target
 
     target = load_target(args.target, dtype=args.dtype, device=args.device)
     settings = RegenerateSettings(
@@ -144,9 +144,9 @@ def _parse_layers(text: str) -> tuple[int, ...]:
 
 
 def cmd_cache_features(args: argparse.Namespace) -> None:
+    from draftsmith.core.target import load_target
     from draftsmith.data.features import CacheSettings, FeatureCache, build_feature_cache
     from draftsmith.data.prepared import PreparedDataset
-    from draftsmith.inference.target import load_target
 
     if args.verify:
         cache = FeatureCache(Path(args.out), require_complete=False)

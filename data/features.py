@@ -26,9 +26,10 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 from tqdm.auto import tqdm
 
-from draftsmith.data.io import atomic_write_bytes, atomic_write_json
+from draftsmith.core.errors import DraftsmithError
+from draftsmith.core.io import atomic_write_bytes, atomic_write_json
+from draftsmith.core.target import Target, TargetIdentity
 from draftsmith.data.prepared import PreparedDataset
-from draftsmith.inference.target import Target, TargetIdentity
 
 CACHE_FORMAT = "draftsmith.features/1"
 MANIFEST = "manifest.json"
@@ -42,7 +43,7 @@ DTYPES = {
 }
 
 
-class FeatureCacheError(RuntimeError):
+class FeatureCacheError(DraftsmithError, RuntimeError):
     """A feature cache that is damaged, incomplete or made for something else."""
 
 

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from draftsmith.core.errors import DraftsmithError
+
 SHAREGPT_ROLES = {
     "human": "user",
     "user": "user",
@@ -28,7 +30,7 @@ SHAREGPT_ROLES = {
 MESSAGE_ROLES = {"user": "user", "assistant": "assistant", "system": "system"}
 
 
-class DataError(RuntimeError):
+class DataError(DraftsmithError, RuntimeError):
     """A dataset that cannot be read at all (missing file, not JSON, unknown layout)."""
 
 

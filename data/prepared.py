@@ -18,17 +18,18 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from draftsmith.core.errors import DraftsmithError
+from draftsmith.core.io import atomic_directory, atomic_write_json
+from draftsmith.core.target import TargetIdentity
 from draftsmith.data.formats import ReadStats
-from draftsmith.data.io import atomic_directory, atomic_write_json
 from draftsmith.data.templates import TokenizedConversation
-from draftsmith.inference.target import TargetIdentity
 
 PREPARED_FORMAT = "draftsmith.prepared/1"
 MANIFEST = "manifest.json"
 TOKENS = "tokens.safetensors"
 
 
-class PreparedDataError(RuntimeError):
+class PreparedDataError(DraftsmithError, RuntimeError):
     """A prepared directory that is missing, damaged or made for another target."""
 
 

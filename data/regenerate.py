@@ -19,12 +19,13 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from draftsmith.core.errors import DraftsmithError
+from draftsmith.core.io import atomic_write_json
+from draftsmith.core.target import Target
 from draftsmith.data.formats import Conversation, ReadStats, RecordError, read_conversations
-from draftsmith.data.io import atomic_write_json
-from draftsmith.inference.target import Target
 
 
-class RegenerateError(RuntimeError):
+class RegenerateError(DraftsmithError, RuntimeError):
     """The output cannot be resumed or written (another target, other settings)."""
 
 

@@ -12,10 +12,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from draftsmith.core.errors import DraftsmithError
 from draftsmith.data.formats import Conversation, RecordError
 
 
-class TemplateError(RuntimeError):
+class TemplateError(DraftsmithError, RuntimeError):
     """The tokenizer cannot render conversations at all (no chat template, no offsets)."""
 
 

@@ -23,7 +23,12 @@ from transformers import DynamicCache, LlamaConfig, PretrainedConfig
 from transformers.activations import ACT2FN
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRMSNorm, LlamaRotaryEmbedding
 
-from draftsmith.drafters.vocab import DraftHead, most_frequent_tokens
+from draftsmith.core.cache import cache_length, keep_positions
+from draftsmith.core.drafting import DraftContext, Drafter
+from draftsmith.core.errors import DraftsmithError
+from draftsmith.core.tree import DraftTree, TreeGrowth, causal_mask, grow_tree
+from draftsmith.drafters.base import DrafterConfig, DrafterModel, DraftVocabMixin, FrozenTarget, TreeOptions
+from draftsmith.drafters.vocab import DraftHead
 
 # Target config keys the drafter's layer copies: the shape of one decoder layer and its positions.
 _LAYER_KEYS = (
@@ -43,78 +48,65 @@ _LAYER_KEYS = (
 )
 
 
-class EagleConfigError(ValueError):
+class EagleConfigError(DraftsmithError, ValueError):
     """Drafter options that cannot describe an EAGLE/FSPAD drafter; the message names the recipe key."""
 
 
-class EagleConfig(PretrainedConfig):
+class EagleConfig(DrafterConfig):
     """Shape and options of an EAGLE/FSPAD drafter, plus the tree it drafts by default.
 
     ``layer`` holds the target's decoder-layer settings (hidden size, heads, RoPE), so the drafter's
-    positions and attention match the target exactly."""
+    positions and attention match the target exactly.
+
+    Options: ``feature_sampler`` / ``partial_alignment`` switch FSPAD's two parts on. The tree
+    defaults (``depth`` / ``top_k`` / ``total_tokens``) suit a CPU, where verifying 16 tokens costs
+    ~2x one token; GPU users raise them (EAGLE-2: 6 / 10 / 60). ``draft_vocab_size`` > 0 drafts only
+    from that many tokens, the most frequent in the training data (EAGLE-3's reduced draft
+    vocabulary): the target's lm_head over its full vocabulary is the drafter's largest cost per
+    step, and verification stays lossless whatever is proposed."""
 
     model_type = "draftsmith_eagle"
+    TREE_OPTIONS = ("depth", "top_k", "total_tokens")
+    DERIVED = ("layer",)
+    error = EagleConfigError
 
     def __init__(
         self,
         layer: dict[str, Any] | None = None,
         feature_sampler: bool = False,
         partial_alignment: bool = False,
-        tree_depth: int = 5,
-        tree_top_k: int = 4,
-        tree_total_tokens: int = 12,
+        depth: int = 5,
+        top_k: int = 4,
+        total_tokens: int = 12,
         draft_vocab_size: int = 0,
-        drafter_family: str = "eagle",
-        target_identity: dict[str, str] | None = None,
         **kwargs: Any,
     ) -> None:
         self.layer = dict(layer or {})
         self.feature_sampler = feature_sampler
         self.partial_alignment = partial_alignment
-        self.tree_depth = tree_depth
-        self.tree_top_k = tree_top_k
-        self.tree_total_tokens = tree_total_tokens
+        self.depth = depth
+        self.top_k = top_k
+        self.total_tokens = total_tokens
         self.draft_vocab_size = draft_vocab_size
-        self.drafter_family = drafter_family
-        self.target_identity = target_identity
+        kwargs.setdefault("drafter_family", "eagle")
         super().__init__(**kwargs)
 
     @classmethod
-    def for_target(
-        cls,
-        target_config: PretrainedConfig,
-        feature_sampler: bool = False,
-        partial_alignment: bool = False,
-        tree_depth: int = 5,
-        tree_top_k: int = 4,
-        tree_total_tokens: int = 12,
-        draft_vocab_size: int = 0,
-    ) -> EagleConfig:
-        """A drafter for ``target_config`` (a Llama-architecture config). The tree defaults suit a CPU,
-        where verifying 16 tokens costs ~2x one token; GPU users raise them (EAGLE-2: 6 / 10 / 60).
-
-        ``draft_vocab_size`` > 0 drafts only from that many tokens, the most frequent in the training
-        data (EAGLE-3's reduced draft vocabulary): the target's lm_head over its full vocabulary is
-        the drafter's largest cost per step, and verification stays lossless whatever is proposed."""
+    def from_target_config(cls, target_config: PretrainedConfig) -> dict[str, Any]:
+        """The decoder-layer settings of ``target_config`` (a Llama-architecture config)."""
         source = target_config.to_dict()
-        if min(tree_depth, tree_top_k, tree_total_tokens) < 1:
-            raise EagleConfigError("drafter.tree_depth, tree_top_k and tree_total_tokens must all be >= 1")
-        if not 0 <= draft_vocab_size <= source["vocab_size"]:
-            raise EagleConfigError(
-                f"drafter.draft_vocab_size must be between 0 (whole vocabulary) and the target's "
-                f"{source['vocab_size']}, got {draft_vocab_size}"
-            )
         layer = {key: source[key] for key in _LAYER_KEYS if key in source}
         layer.setdefault("head_dim", source["hidden_size"] // source["num_attention_heads"])
-        return cls(
-            layer=layer,
-            feature_sampler=feature_sampler,
-            partial_alignment=partial_alignment,
-            tree_depth=tree_depth,
-            tree_top_k=tree_top_k,
-            tree_total_tokens=tree_total_tokens,
-            draft_vocab_size=draft_vocab_size,
-        )
+        return {"layer": layer}
+
+    def check(self) -> None:
+        super().check()
+        vocab = self.layer.get("vocab_size", 0)
+        if not 0 <= self.draft_vocab_size <= vocab:
+            raise EagleConfigError(
+                f"drafter.draft_vocab_size must be between 0 (whole vocabulary) and the target's "
+                f"{vocab}, got {self.draft_vocab_size}"
+            )
 
     def layer_config(self) -> LlamaConfig:
         config = LlamaConfig(**self.layer, num_hidden_layers=1)
@@ -161,15 +153,14 @@ class DrafterOutput:
     next_features: torch.Tensor  # (B, T, h): the predicted f_{t+1}, fed back when drafting
 
 
-class EagleDrafter(nn.Module):
+class EagleDrafter(DraftVocabMixin, DrafterModel):
     """``forward(embeds, features, position_ids, attention_mask)``: position t reads ``e_{t+1}`` and ``f_t``
     and predicts ``f_{t+1}``."""
 
     config_class = EagleConfig
 
     def __init__(self, config: EagleConfig) -> None:
-        super().__init__()
-        self.config = config
+        super().__init__(config)
         layer = config.layer_config()
         h = layer.hidden_size
         self.fc = nn.Linear(2 * h, h, bias=True)
@@ -180,13 +171,7 @@ class EagleDrafter(nn.Module):
         self.post_attention_layernorm = LlamaRMSNorm(h, eps=layer.rms_norm_eps)
         self.mlp = DrafterMLP(layer, 2 if config.partial_alignment else 1)
         self.rotary_emb = LlamaRotaryEmbedding(layer)
-        # Token ids the drafter may propose, most frequent first (empty = the whole vocabulary).
-        self.register_buffer("draft_vocab", torch.zeros(config.draft_vocab_size, dtype=torch.long))
-
-    def fit_data(self, token_counts: torch.Tensor) -> None:
-        """Choose the draft vocabulary from the training data's token counts (a (V,) tensor)."""
-        if self.config.draft_vocab_size:
-            self.draft_vocab.copy_(most_frequent_tokens(token_counts, self.config.draft_vocab_size))
+        self._register_draft_vocab(config.draft_vocab_size)  # token ids it may propose (empty = all)
 
     def forward(
         self,
@@ -217,56 +202,33 @@ class EagleDrafter(nn.Module):
         out = residual + out
         return DrafterOutput(token_features=out, next_features=out)
 
-    def save_pretrained(self, directory: str) -> None:
-        from draftsmith.drafters.io import save_drafter_weights
+    def runtime_drafter(self, target_model: nn.Module, tree: TreeOptions) -> EagleTreeDrafter:
+        frozen = FrozenTarget.from_model(target_model)
+        options = tree.over(self.config.tree_options())
+        return EagleTreeDrafter(self, frozen.embed_tokens, frozen.lm_head, options, name=self.config.drafter_family)
 
-        save_drafter_weights(self, directory)
-
-    @classmethod
-    def from_pretrained(cls, directory: str) -> EagleDrafter:
-        from draftsmith.drafters.io import load_drafter_weights
-
-        return load_drafter_weights(cls, directory)
+    def speculators_layout(self, verifier_name: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        return speculators_layout(self, verifier_name)
 
 
-def causal_mask(length: int, dtype: torch.dtype, device: torch.device | str, padding: torch.Tensor | None = None):
-    """``(B or 1, 1, T, T)`` additive causal mask; ``padding`` (B, T) 1/0 also hides padded keys."""
-    allowed = torch.ones(length, length, dtype=torch.bool, device=device).tril()[None, None]
-    if padding is not None:
-        allowed = allowed & padding.bool()[:, None, None, :]
-        # A padded query row with no visible key would give NaN under softmax; let it see itself.
-        allowed = allowed | torch.eye(length, dtype=torch.bool, device=device)[None, None]
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
-    return mask.masked_fill(~allowed, torch.finfo(dtype).min)
-
-
-class EagleTreeDrafter:
+class EagleTreeDrafter(Drafter):
     """Drafts an EAGLE-2 dynamic tree for the runtime.
 
     The drafter keeps its own KV cache over committed positions only, fed with the target's true
     features of accepted tokens (from the verification forward). Each round it expands the root's
-    ``top_k`` children, then at every depth the ``top_k`` best nodes by cumulative log-probability,
-    each expansion one drafter forward; finally the best ``total_tokens`` nodes form the tree. The
-    tree's KV is dropped from the drafter's cache after every round."""
+    ``top_k`` children, then at every depth the ``top_k`` best nodes by cumulative log-probability
+    (one drafter forward for the whole frontier); finally the best ``total_tokens`` nodes form the
+    tree. The tree's KV is dropped from the drafter's cache after every round."""
 
     wants_features = True
 
     def __init__(
-        self,
-        model: EagleDrafter,
-        embed_tokens: nn.Module,
-        lm_head: nn.Module,
-        depth: int | None = None,
-        top_k: int | None = None,
-        total_tokens: int | None = None,
-        name: str = "eagle",
+        self, model: EagleDrafter, embed_tokens: nn.Module, lm_head: nn.Module, tree: TreeOptions, name: str = "eagle"
     ) -> None:
         self.model = model.eval()
         self.embed_tokens = embed_tokens
         self.head = DraftHead(lm_head, model.draft_vocab)
-        self.depth = depth or model.config.tree_depth
-        self.top_k = top_k or model.config.tree_top_k
-        self.total_tokens = total_tokens or model.config.tree_total_tokens
+        self.depth, self.top_k, self.total_tokens = tree.depth, tree.top_k, tree.total_tokens
         self.name = name
         self._reset()
 
@@ -276,33 +238,33 @@ class EagleTreeDrafter:
         self._last_feature: torch.Tensor | None = None  # predicted feature at the root position
 
     @torch.no_grad()
-    def propose(self, context) -> Any:
-        from draftsmith.inference.tree import best_first_tree
-
+    def propose(self, context: DraftContext) -> DraftTree:
         tokens, features = context.tokens, context.features
         if features is None or features.shape[0] != len(tokens) - 1:
             raise ValueError("EAGLE drafting needs the target's features of every committed token but the root")
         self._catch_up(tokens, features)
-        parents, node_tokens, scores = [], [], []
-        values, ids = self._top(self._root_token_features)
-        for logp, token in zip(values.tolist(), ids.tolist()):
-            parents.append(-1), node_tokens.append(token), scores.append(logp)
-        frontier = list(range(len(node_tokens)))
-        inputs = {i: self._last_feature for i in frontier}  # feature each frontier node reads
         columns: dict[int, int] = {}  # candidate -> its column in the drafter cache
-        for depth in range(2, self.depth + 1):
-            out = self._expand(frontier, parents, node_tokens, inputs, columns, position=len(tokens) - 3 + depth)
-            values, ids = self._top(out.token_features[0])
-            children = []
-            for row, node in enumerate(frontier):
-                for value, token in zip(values[row].tolist(), ids[row].tolist()):
-                    children.append(len(node_tokens))
-                    parents.append(node), node_tokens.append(token), scores.append(scores[node] + value)
-                    inputs[children[-1]] = out.next_features[0, row]
-            frontier = sorted(children, key=lambda i: -scores[i])[: self.top_k]
+        levels = iter(range(self.depth))  # the frontier's depth in the tree (0 = the root)
+
+        def expand(growth: TreeGrowth, frontier: list[int]) -> list[list[tuple[float, int, torch.Tensor]]]:
+            level = next(levels)
+            if level == 0:  # the root's children come from the last committed position
+                return [self._children(self._root_token_features, self._last_feature)]
+            # a node at depth L holds the token at position len(tokens) - 1 + L, read at the one before
+            out = self._expand(growth, frontier, columns, position=len(tokens) - 2 + level)
+            return [
+                self._children(out.token_features[0, row], out.next_features[0, row]) for row in range(len(frontier))
+            ]
+
+        tree, _ = grow_tree(expand, self.depth, self.top_k, self.total_tokens)
         self._drop_tree_kv(len(tokens) - 1)
-        tree, _ = best_first_tree(parents, node_tokens, scores, self.total_tokens)
         return tree
+
+    def _children(self, token_features: torch.Tensor, next_feature: torch.Tensor) -> list[tuple]:
+        """One node's ``top_k`` children: (log p, token id, the feature they read when expanded)."""
+        top = self.head(token_features).float().log_softmax(-1).topk(self.top_k)
+        ids = self.head.token_ids(top.indices)
+        return [(value, token, next_feature) for value, token in zip(top.values.tolist(), ids.tolist())]
 
     def _catch_up(self, tokens: list[int], features: torch.Tensor) -> None:
         """Feed ``(f_t, x_{t+1})`` for every committed position the cache lacks."""
@@ -322,7 +284,7 @@ class EagleTreeDrafter:
         self._root_token_features = out.token_features[0, -1]
         self._last_feature = out.next_features[0, -1]
 
-    def _expand(self, frontier, parents, node_tokens, inputs, columns, position: int) -> DrafterOutput:
+    def _expand(self, growth: TreeGrowth, frontier: list[int], columns: dict[int, int], position: int):
         """One drafter forward over the frontier nodes, each attending to the committed cache, its
         ancestors' columns and itself."""
         committed = len(self._fed) - 1
@@ -332,27 +294,20 @@ class EagleTreeDrafter:
         mask = torch.full((1, 1, len(frontier), past + len(frontier)), torch.finfo(dtype).min, dtype=dtype)
         mask[..., :committed] = 0
         for row, node in enumerate(frontier):
-            ancestor = parents[node]
+            ancestor = growth.parents[node]
             while ancestor >= 0:
                 mask[0, 0, row, columns[ancestor]] = 0
-                ancestor = parents[ancestor]
+                ancestor = growth.parents[ancestor]
             mask[0, 0, row, past + row] = 0
         for row, node in enumerate(frontier):
             columns[node] = past + row
-        ids = torch.tensor([node_tokens[i] for i in frontier], device=device)
+        ids = torch.tensor([growth.tokens[i] for i in frontier], device=device)
         embeds = self.embed_tokens(ids)[None].to(dtype)
-        feats = torch.stack([inputs[i] for i in frontier])[None]
+        feats = torch.stack([growth.payloads[i] for i in frontier])[None]
         positions = torch.full((1, len(frontier)), position, device=device)
         return self.model(embeds, feats, positions, mask.to(device), self._cache)
 
-    def _top(self, token_features: torch.Tensor):
-        """Top-k (log-probability, token id) pairs of the draft head; rows are (k,) or (n, k)."""
-        top = self.head(token_features).float().log_softmax(-1).topk(self.top_k)
-        return top.values, self.head.token_ids(top.indices)
-
     def _drop_tree_kv(self, committed: int) -> None:
-        from draftsmith.inference.cache import cache_length, keep_positions
-
         if cache_length(self._cache) > committed:
             keep_positions(self._cache, torch.arange(committed))
 
@@ -368,7 +323,7 @@ def speculators_layout(model: EagleDrafter, verifier_name: str, speculative_toke
     Only plain EAGLE fits that layout: FSPAD's feature sampler and two-feature MLP have no place in it."""
     config = model.config
     if config.feature_sampler or config.partial_alignment:
-        raise ValueError(
+        raise EagleConfigError(
             "the speculators EAGLE layout has no feature sampler or partial alignment; "
             "export an eagle drafter (drafter.feature_sampler=false drafter.partial_alignment=false) for vLLM"
         )

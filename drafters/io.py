@@ -1,32 +1,42 @@
-"""Saving and loading a drafter's own weights: ``config.json`` + ``model.safetensors``, nothing of the target."""
+"""A drafter's directory: ``config.json`` + ``model.safetensors`` (its own weights, nothing of the target).
+
+Reading one (:func:`read_drafter_config`, :func:`check_drafter_target`) and writing one
+(:func:`save_drafter_weights`, :func:`export_drafter`, :func:`export_speculators`) for the trainer's
+checkpoints, ``draftsmith export`` and the runtime's loader alike.
+"""
 
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
-from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
+
+from draftsmith.core.errors import DraftsmithError
+from draftsmith.core.io import atomic_directory
+from draftsmith.core.target import Target, TargetError, TargetIdentity
 
 WEIGHTS_NAME = "model.safetensors"
 
 
-class DrafterCheckpointError(ValueError):
+class DrafterCheckpointError(DraftsmithError, ValueError):
     """A drafter directory that is missing files or does not match its config."""
 
 
-def save_drafter_weights(model: nn.Module, directory: str | Path) -> None:
+def save_drafter_weights(model: nn.Module, directory: str | Path, state: dict[str, torch.Tensor] | None = None) -> None:
+    """The model's config and its weights (``state``: gathered ones, e.g. under ZeRO-3; default its own)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     model.config.save_pretrained(directory)
-    state = {name: tensor.detach().contiguous().cpu() for name, tensor in model.state_dict().items()}
-    save_file(state, str(directory / WEIGHTS_NAME), metadata={"format": "pt"})
+    state = model.state_dict() if state is None else state
+    tensors = {name: tensor.detach().contiguous().cpu() for name, tensor in state.items()}
+    save_file(tensors, str(directory / WEIGHTS_NAME), metadata={"format": "pt"})
 
 
-def load_drafter_weights(cls: type[nn.Module], directory: str | Path) -> nn.Module:
+def load_drafter_weights(cls: Any, directory: str | Path) -> nn.Module:
     directory = Path(directory)
     for name in ("config.json", WEIGHTS_NAME):
         if not (directory / name).is_file():
@@ -59,41 +69,49 @@ def load_weights_into(model: nn.Module, directory: str | Path) -> list[str]:
     return sorted(set(own) - set(state))
 
 
-def write_directory_atomically(out: str | Path, write: Callable[[Path], None], overwrite: bool = False) -> Path:
-    """Fill a temp directory beside ``out`` with ``write`` and rename it into place, so a crash never
-    leaves a half-written directory and an existing one is replaced only when asked."""
-    out = Path(out)
-    if out.exists() and not overwrite:
-        raise FileExistsError(f"{out} exists; pass --overwrite to replace it")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+def read_drafter_config(directory: str | Path) -> dict[str, Any]:
+    """The ``config.json`` of an exported drafter, which names its family."""
+    path = Path(directory) / "config.json"
+    if not path.is_file():
+        raise DrafterCheckpointError(
+            f"{directory} is not an exported drafter (no config.json); make one with `draftsmith export`"
+        )
     try:
-        write(staging)
-        if out.exists():
-            shutil.rmtree(out)
-        staging.rename(out)
-    finally:
-        if staging.exists():
-            shutil.rmtree(staging)
-    return out
+        config = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise DrafterCheckpointError(f"{path} is not valid JSON ({exc.msg}); export the drafter again") from None
+    if not isinstance(config, dict) or "drafter_family" not in config:
+        raise DrafterCheckpointError(f"{path} names no drafter_family; it was not written by `draftsmith export`")
+    return config
+
+
+def check_drafter_target(config: dict[str, Any], target: Target, directory: str | Path) -> None:
+    """Refuse a drafter trained for another target: its features and token ids would mean nothing here."""
+    recorded = config.get("target_identity")
+    if not recorded:
+        raise DrafterCheckpointError(f"{directory} records no target identity; export it with `draftsmith export`")
+    problem = TargetIdentity.from_dict(recorded).mismatch(target.identity)
+    if problem:
+        raise TargetError(
+            f"drafter {directory} was trained for {recorded['name']}, not this target: {problem}; "
+            "pass the target it was trained for with --target, or train a drafter for this one"
+        )
 
 
 def export_drafter(model: nn.Module, target_identity: dict[str, str], out: str | Path, overwrite: bool = False) -> Path:
     """The self-describing drafter directory: config (family, options, target identity) and weights,
     as the model's ``save_pretrained`` writes them (Medusa-2 adds its LoRA adapter in peft's format)."""
     model.config.target_identity = dict(target_identity)
-    return write_directory_atomically(out, lambda staging: model.save_pretrained(staging), overwrite)
+    with atomic_directory(Path(out), overwrite) as staging:
+        model.save_pretrained(staging)
+    return Path(out)
 
 
-def export_speculators(model: nn.Module, verifier_name: str, out: str | Path, overwrite: bool = False) -> Path:
-    """An EAGLE drafter in vLLM ``speculators`` layout (``config.json`` + ``model.safetensors``), for
+def export_speculators(model: Any, verifier_name: str, out: str | Path, overwrite: bool = False) -> Path:
+    """A drafter in vLLM ``speculators`` layout (``config.json`` + ``model.safetensors``), for
     ``vllm serve TARGET --speculative-config '{"model": OUT, "method": "eagle", ...}'``."""
-    from draftsmith.drafters.eagle import speculators_layout
-
-    config, state = speculators_layout(model, verifier_name)
-
-    def write(staging: Path) -> None:
+    config, state = model.speculators_layout(verifier_name)
+    with atomic_directory(Path(out), overwrite) as staging:
         (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         save_file(state, str(staging / WEIGHTS_NAME), metadata={"format": "pt"})
-
-    return write_directory_atomically(out, write, overwrite)
+    return Path(out)

@@ -15,13 +15,16 @@ import itertools
 import json
 import math
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 from transformers import PretrainedConfig
+
+from draftsmith.drafters.base import DrafterConfig
 
 DEFAULT_LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -101,6 +104,17 @@ def lora_shape(target: dict[str, Any], module: str) -> tuple[int, int]:
     }[module]
 
 
+@dataclass(frozen=True)
+class LoraOptions:
+    """A LoRA on the target: rank, alpha, which projections (``q_proj`` ... ``down_proj``) of which
+    decoder layers (None = every layer). Recipes set them as ``drafter.lora_rank`` and so on."""
+
+    rank: int = 32
+    alpha: float = 64.0
+    target_modules: tuple[str, ...] = DEFAULT_LORA_MODULES
+    layers: tuple[int, ...] | None = None
+
+
 class LoraPair(nn.Module):
     """One adapter's ``A`` (in -> r) and ``B`` (r -> out), initialised as peft does (B = 0: no change)."""
 
@@ -126,15 +140,9 @@ class TargetLora(nn.ModuleDict):
     A ``ModuleDict`` itself (not a module holding one), so a drafter's ``lora.layers_3_v_proj.A.weight``
     state-dict keys, and the checkpoints written with them, stay as they were before this was shared."""
 
-    def __init__(
-        self,
-        target: dict[str, Any],
-        rank: int,
-        alpha: float,
-        target_modules: Sequence[str],
-        layers: Sequence[int] | None = None,
-    ) -> None:
-        indices = adapted_layers(target, layers)
+    def __init__(self, target: dict[str, Any], options: LoraOptions) -> None:
+        rank, alpha, target_modules = options.rank, options.alpha, options.target_modules
+        indices = adapted_layers(target, options.layers)
         pairs = {
             lora_key(layer, module): LoraPair(*lora_shape(target, module), int(rank))
             for layer in indices
@@ -252,8 +260,9 @@ class TargetLora(nn.ModuleDict):
 
 
 class AdaptedTarget(nn.Module):
-    """The target with a LoRA active in every forward: the model the runtime calls (``serving_model``)
-    for a drafter whose served model is the adapted target. Same call signature as the target."""
+    """The target with a LoRA active in every forward: the model the runtime verifies with
+    (:meth:`Drafter.verifier_model`) for a drafter whose served model is the adapted target. Same call
+    signature as the target."""
 
     def __init__(self, target_model: nn.Module, lora: TargetLora) -> None:
         super().__init__()
@@ -264,3 +273,105 @@ class AdaptedTarget(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         with self.lora.enabled():
             return self.target(*args, **kwargs)
+
+
+class AdaptsTargetConfig(DrafterConfig):
+    """Config of a family that puts a LoRA on the target (Medusa-2, Speculative Streaming): the
+    target's shape (``target``, recorded so that another target is refused) and the LoRA's options."""
+
+    DERIVED = ("target",)
+
+    def __init__(
+        self,
+        target: dict[str, Any] | None = None,
+        lora_rank: int = 32,
+        lora_alpha: float = 64.0,
+        lora_target_modules: list[str] | None = None,
+        lora_layers: list[int] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        self.target = dict(target or {})
+        self.lora_rank = lora_rank
+        self.lora_alpha = lora_alpha
+        self.lora_target_modules = list(lora_target_modules or DEFAULT_LORA_MODULES)
+        self.lora_layers = None if lora_layers is None else [int(i) for i in lora_layers]
+        super().__init__(**kwargs)
+
+    @classmethod
+    def from_target_config(cls, target_config: PretrainedConfig) -> dict[str, Any]:
+        return {**super().from_target_config(target_config), "target": target_summary(target_config)}
+
+    def check(self) -> None:
+        super().check()
+        kind = self.target.get("model_type")
+        if kind not in ("llama", None):  # the adapter's layer names (peft format) assume a Llama
+            raise self.error(f"{self.drafter_family}'s LoRA fits Llama-architecture targets; this one is {kind!r}")
+        check_lora_options(self.target, self.lora_rank, self.lora_target_modules, self.lora_layers, self.error)
+
+    def lora_options(self) -> LoraOptions:
+        layers = None if self.lora_layers is None else tuple(self.lora_layers)
+        return LoraOptions(self.lora_rank, self.lora_alpha, tuple(self.lora_target_modules), layers)
+
+
+class AdaptsTargetMixin:
+    """For drafter models that adapt the target with a LoRA and run inside it. The target is held
+    outside the module tree (its weights are never trained, moved or saved with the drafter); the
+    LoRA is active only inside :meth:`adapted`, so the shared target object stays the original model
+    for every other user (the baseline, other drafters, the self-distillation teacher)."""
+
+    config: AdaptsTargetConfig
+    lora: TargetLora
+    adapter_prefix: str = "adapter"  # peft adapter names: prefix + a process-unique number
+    runs_inside_target = True
+
+    def _init_target_lora(self) -> None:
+        self.lora = TargetLora(self.config.target, self.config.lora_options())
+        self.__dict__["_target"] = None
+
+    @property
+    def target(self) -> nn.Module:
+        if self._target is None:
+            raise RuntimeError(
+                f"attach_target(target_model) first: a {self.config.drafter_family} model runs inside it"
+            )
+        return self._target
+
+    def attach_target(self, target_model: nn.Module) -> None:
+        """Inject this model's LoRA into ``target_model`` (in place, inactive outside :meth:`adapted`)."""
+        if self._target is not None:
+            raise RuntimeError(f"this {self.config.drafter_family} model is already attached to a target")
+        check_target(self.config.target, target_model, f"{self.config.drafter_family} model", self.config.error)
+        self.lora.inject(target_model, prefix=self.adapter_prefix)
+        self.__dict__["_target"] = target_model
+        self.to(target_model.get_input_embeddings().weight.device)
+
+    def bind_target(self, target_model: nn.Module) -> None:
+        """Attach to ``target_model`` unless already attached to it (serving)."""
+        if self._target is None:
+            self.attach_target(target_model)
+        elif self._target is not target_model:
+            raise self.config.error(f"this {self.config.drafter_family} model is attached to another target model")
+
+    @contextmanager
+    def adapted(self) -> Iterator[nn.Module]:
+        """The target with this model's LoRA active: the served model (e.g. for ``generate``)."""
+        target = self.target
+        with self.lora.enabled():
+            yield target
+
+    def lora_parameter_count(self) -> int:
+        return sum(p.numel() for p in self.lora.parameters())
+
+
+class VerifiesAdaptedTarget:
+    """Runtime-drafter mixin for the LoRA families: output is lossless with respect to the adapted
+    target, which the runtime verifies with and ``bench`` takes as reference and baseline."""
+
+    adapting: AdaptsTargetMixin
+    verifier: nn.Module
+
+    def verifier_model(self) -> nn.Module:
+        return self.verifier
+
+    def reference_model(self) -> AbstractContextManager[nn.Module]:
+        return self.adapting.adapted()

@@ -30,8 +30,10 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from draftsmith.drafters.vocab import most_frequent_tokens
-from draftsmith.inference.tree import DraftTree, best_first_tree
+from draftsmith.core.drafting import DraftContext, Drafter
+from draftsmith.core.errors import DraftsmithError
+from draftsmith.core.tree import DraftTree, cartesian_tree
+from draftsmith.drafters.base import DrafterConfig, DrafterModel, DraftVocabMixin, FrozenTarget, TreeOptions
 
 DYNAMIC = "dynamic"
 
@@ -46,7 +48,7 @@ NOMINAL_ACCURACY = (
 )
 
 
-class MedusaTreeError(ValueError):
+class MedusaTreeError(DraftsmithError, ValueError):
     """A tree specification (name, choice paths or calibration file) that cannot be used."""
 
 
@@ -149,10 +151,21 @@ class StaticTree:
         return DraftTree(torch.tensor(tokens, dtype=torch.long), torch.tensor(self.parents, dtype=torch.long))
 
 
-class MedusaConfig(PretrainedConfig):
-    """Shape of the Medusa heads and the tree they draft by default."""
+class MedusaConfig(DrafterConfig):
+    """Shape of the Medusa heads and the tree they draft by default.
+
+    Options: ``num_heads`` heads of ``num_layers`` ResBlocks each. ``tree``: a shipped tree
+    (``medusa-8``, ``-16``, ``-32``, ``-64`` nodes), explicit choice paths, or ``dynamic`` (best-first by
+    cumulative head log-probability, ``top_k`` candidates per head, ``total_tokens`` nodes). The small
+    trees suit a CPU. ``draft_vocab_size`` > 0 gives each head an output layer over only that many
+    tokens, the most frequent in the training data: a full-vocabulary head is as large as the target's
+    lm_head, and K of them cost about as much as the target forward on a CPU. Verification stays
+    lossless."""
 
     model_type = "draftsmith_medusa"
+    TREE_OPTIONS = ("tree", "top_k", "total_tokens")
+    DERIVED = ("hidden_size", "vocab_size", "tree_calibration")
+    error = MedusaTreeError
 
     def __init__(
         self,
@@ -162,11 +175,9 @@ class MedusaConfig(PretrainedConfig):
         num_layers: int = 1,
         draft_vocab_size: int = 0,
         tree: str | list[list[int]] = "medusa-16",
-        tree_top_k: int = 4,
-        tree_total_tokens: int = 16,
+        top_k: int = 4,
+        total_tokens: int = 16,
         tree_calibration: dict[str, Any] | None = None,
-        drafter_family: str = "medusa",
-        target_identity: dict[str, str] | None = None,
         **kwargs: Any,
     ) -> None:
         self.hidden_size = hidden_size
@@ -175,49 +186,25 @@ class MedusaConfig(PretrainedConfig):
         self.num_layers = num_layers
         self.draft_vocab_size = draft_vocab_size
         self.tree = tree
-        self.tree_top_k = tree_top_k
-        self.tree_total_tokens = tree_total_tokens
+        self.top_k = top_k
+        self.total_tokens = total_tokens
         self.tree_calibration = tree_calibration  # what `draftsmith medusa calibrate` measured
-        self.drafter_family = drafter_family
-        self.target_identity = target_identity
+        kwargs.setdefault("drafter_family", "medusa")
         super().__init__(**kwargs)
 
     @classmethod
-    def for_target(
-        cls,
-        target_config: PretrainedConfig,
-        num_heads: int = 4,
-        num_layers: int = 1,
-        tree: str | list[list[int]] = "medusa-16",
-        tree_top_k: int = 4,
-        tree_total_tokens: int = 16,
-        draft_vocab_size: int = 0,
-    ) -> MedusaConfig:
-        """Heads for ``target_config``. ``tree``: a shipped tree (``medusa-8``, ``-16``, ``-32``, ``-64``
-        nodes), explicit choice paths, or ``dynamic`` (best-first by cumulative head log-probability,
-        ``tree_top_k`` candidates per head, ``tree_total_tokens`` nodes). The small trees suit a CPU.
+    def from_target_config(cls, target_config: PretrainedConfig) -> dict[str, Any]:
+        return {"hidden_size": int(target_config.hidden_size), "vocab_size": int(target_config.vocab_size)}
 
-        ``draft_vocab_size`` > 0 gives each head an output layer over only that many tokens, the most
-        frequent in the training data: a full-vocabulary head is as large as the target's lm_head,
-        and K of them cost about as much as the target forward on a CPU. Verification stays lossless."""
-        if num_heads < 1 or num_layers < 0 or draft_vocab_size < 0:
+    def check(self) -> None:
+        super().check()
+        if self.num_heads < 1 or self.num_layers < 0 or self.draft_vocab_size < 0:
             raise MedusaTreeError("drafter.num_heads must be >= 1, num_layers and draft_vocab_size >= 0")
-        if tree_top_k < 1 or tree_total_tokens < 1:
-            raise MedusaTreeError("drafter.tree_top_k and drafter.tree_total_tokens must be >= 1")
-        resolve_tree(tree, num_heads)  # a bad tree is a recipe error now, not at the first decode
-        vocab = int(target_config.vocab_size)
-        if draft_vocab_size > vocab:
-            raise MedusaTreeError(f"drafter.draft_vocab_size {draft_vocab_size} exceeds the vocabulary ({vocab})")
-        return cls(
-            hidden_size=int(target_config.hidden_size),
-            vocab_size=vocab,
-            num_heads=num_heads,
-            num_layers=num_layers,
-            draft_vocab_size=draft_vocab_size,
-            tree=tree,
-            tree_top_k=tree_top_k,
-            tree_total_tokens=tree_total_tokens,
-        )
+        resolve_tree(self.tree, self.num_heads)  # a bad tree is a recipe error now, not at the first decode
+        if self.draft_vocab_size > self.vocab_size:
+            raise MedusaTreeError(
+                f"drafter.draft_vocab_size {self.draft_vocab_size} exceeds the vocabulary ({self.vocab_size})"
+            )
 
     @property
     def head_vocab_size(self) -> int:
@@ -242,7 +229,7 @@ def build_head(hidden: int, vocab: int, num_layers: int) -> nn.Sequential:
     return nn.Sequential(*(ResBlock(hidden) for _ in range(num_layers)), nn.Linear(hidden, vocab, bias=False))
 
 
-class MedusaHeads(nn.Module):
+class MedusaHeads(DraftVocabMixin, DrafterModel):
     """``forward(per_head_features)``: head k (0-based) reads ``per_head_features[k]`` (N_k, h) and
     returns its logits (N_k, V'). Each head gets its own rows because the loss supervises head k only
     where ``x_{t+k+1}`` exists; everything goes through ``forward`` so DDP and DeepSpeed see it."""
@@ -250,12 +237,10 @@ class MedusaHeads(nn.Module):
     config_class = MedusaConfig
 
     def __init__(self, config: MedusaConfig) -> None:
-        super().__init__()
-        self.config = config
+        super().__init__(config)
         h, v = config.hidden_size, config.head_vocab_size
         self.medusa_head = nn.ModuleList(build_head(h, v, config.num_layers) for _ in range(config.num_heads))
-        # Token ids the heads' outputs stand for, most frequent in the data (empty = the whole vocabulary).
-        self.register_buffer("draft_vocab", torch.zeros(config.draft_vocab_size, dtype=torch.long))
+        self._register_draft_vocab(config.draft_vocab_size)  # token ids of the outputs (empty = all)
         self._initialised_from_target = False
 
     def forward(self, per_head_features: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -270,14 +255,12 @@ class MedusaHeads(nn.Module):
     def fit_data(self, token_counts: torch.Tensor) -> None:
         """Choose the draft vocabulary from the training data's token counts (a (V,) tensor); call it
         before :meth:`init_from_target`, which copies the lm_head rows of these tokens."""
-        if not self.config.draft_vocab_size:
-            return
-        if self._initialised_from_target:
+        if self._initialised_from_target and self.config.draft_vocab_size:
             raise RuntimeError("fit_data must run before init_from_target (the heads copy the draft vocabulary's rows)")
-        self.draft_vocab.copy_(most_frequent_tokens(token_counts, self.config.draft_vocab_size))
+        super().fit_data(token_counts)
 
     @torch.no_grad()
-    def init_from_target(self, frozen: Any) -> None:
+    def init_from_target(self, frozen: FrozenTarget) -> None:
         """Medusa's initial state: every ResBlock the identity, every output layer a copy of the target's
         ``lm_head`` (its draft-vocabulary rows). ``frozen`` is a ``FrozenTarget`` (anything with ``lm_head``)."""
         weight = frozen.lm_head.weight
@@ -296,62 +279,34 @@ class MedusaHeads(nn.Module):
             head[-1].weight.copy_(rows.to(head[-1].weight.device, head[-1].weight.dtype))
         self._initialised_from_target = True
 
-    def vocab_index(self) -> torch.Tensor | None:
-        """(V,) long: a token's column in the heads' outputs, -1 outside the draft vocabulary; None
-        when the heads cover the whole vocabulary."""
-        if not self.config.draft_vocab_size:
-            return None
-        index = torch.full((self.config.vocab_size,), -1, dtype=torch.long, device=self.draft_vocab.device)
-        index[self.draft_vocab] = torch.arange(self.config.draft_vocab_size, device=self.draft_vocab.device)
-        return index
-
-    def token_ids(self, columns: torch.Tensor) -> torch.Tensor:
-        """Target token ids of head-output columns."""
-        return columns if not self.config.draft_vocab_size else self.draft_vocab[columns]
-
-    def save_pretrained(self, directory: str) -> None:
-        from draftsmith.drafters.io import save_drafter_weights
-
-        save_drafter_weights(self, directory)
-
-    @classmethod
-    def from_pretrained(cls, directory: str) -> MedusaHeads:
-        from draftsmith.drafters.io import load_drafter_weights
-
-        return load_drafter_weights(cls, directory)
+    def runtime_drafter(self, target_model: nn.Module, tree: TreeOptions) -> MedusaTreeDrafter:
+        # The heads own their output layers; the target is only the verifier.
+        return MedusaTreeDrafter(self, tree, name=self.config.drafter_family)
 
 
-class MedusaTreeDrafter:
+class MedusaTreeDrafter(Drafter):
     """Drafts a Medusa tree for the runtime from the last committed feature: one pass through the
     heads per round, no drafter cache (the heads see one position only)."""
 
     wants_features = True
 
-    def __init__(
-        self,
-        model: MedusaHeads,
-        tree: str | list[list[int]] | None = None,
-        top_k: int | None = None,
-        total_tokens: int | None = None,
-        name: str = "medusa",
-    ) -> None:
+    def __init__(self, model: MedusaHeads, tree: TreeOptions, name: str = "medusa") -> None:
         self.model = model.eval()
-        config = model.config
-        paths = resolve_tree(config.tree if tree is None else tree, config.num_heads)
+        options = tree.over(model.config.tree_options())
+        paths = resolve_tree(options.tree, model.config.num_heads)
         self.static = StaticTree.from_paths(paths) if paths is not None else None
-        self.top_k = top_k or config.tree_top_k
-        self.total_tokens = total_tokens or config.tree_total_tokens
+        self.top_k, self.total_tokens = options.top_k, options.total_tokens
         self.name = name
 
     @torch.no_grad()
-    def propose(self, context) -> DraftTree:
+    def propose(self, context: DraftContext) -> DraftTree:
         features = context.features
         if features is None or features.shape[0] != len(context.tokens) - 1 or features.shape[0] == 0:
             raise ValueError("Medusa drafting needs the target's features of every committed token but the root")
         feature = features[-1]  # produced the root token; head k proposes the depth-k nodes
         if self.static is not None:
             return self._static_tree(feature)
-        return self._dynamic_tree(feature)
+        return cartesian_tree(self.model.all_heads(feature), self.top_k, self.total_tokens, self.model.token_ids)
 
     def _static_tree(self, feature: torch.Tensor) -> DraftTree:
         heads = self.model.medusa_head[: self.static.max_depth]  # heads below the tree's depth are not run
@@ -360,20 +315,3 @@ class MedusaTreeDrafter:
             for depth, head in enumerate(heads, start=1)
         ]
         return self.static.draft(candidates)
-
-    def _dynamic_tree(self, feature: torch.Tensor) -> DraftTree:
-        """Best-first by cumulative log-probability; at each depth only the best ``total_tokens`` nodes can
-        be in the final tree, so only they are expanded."""
-        top = self.model.all_heads(feature).float().log_softmax(-1).topk(self.top_k)  # (K, top_k)
-        values, ids = top.values.tolist(), self.model.token_ids(top.indices).tolist()
-        parents, tokens, scores = [], [], []
-        frontier: list[tuple[int, float]] = [(-1, 0.0)]
-        for depth in range(len(values)):
-            children = []
-            for node, score in frontier:
-                for value, token in zip(values[depth], ids[depth]):
-                    children.append((len(tokens), score + value))
-                    parents.append(node), tokens.append(token), scores.append(score + value)
-            frontier = sorted(children, key=lambda c: -c[1])[: self.total_tokens]
-        tree, _ = best_first_tree(parents, tokens, scores, self.total_tokens)
-        return tree

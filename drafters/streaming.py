@@ -22,23 +22,21 @@ shared target object still behaves as the original model for every other user.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
-from transformers import DynamicCache, PretrainedConfig
+from transformers import DynamicCache
 from transformers.models.llama.modeling_llama import rotate_half
 
-from draftsmith.drafters.lora import (
-    DEFAULT_LORA_MODULES,
-    TargetLora,
-    check_lora_options,
-    check_target,
-    target_summary,
-)
+from draftsmith.core.cache import keep_positions
+from draftsmith.core.drafting import DraftContext, Drafter
+from draftsmith.core.errors import DraftsmithError
+from draftsmith.core.tree import DraftTree, cartesian_tree
+from draftsmith.core.verify import Verdict
+from draftsmith.drafters.base import DrafterModel, TreeOptions
+from draftsmith.drafters.lora import AdaptsTargetConfig, AdaptsTargetMixin, VerifiesAdaptedTarget
 from draftsmith.drafters.tree_pruning import (
     TreePruning,
     build_pruning_adapter,
@@ -47,123 +45,66 @@ from draftsmith.drafters.tree_pruning import (
     surviving_rows,
     transition_probabilities,
 )
-from draftsmith.inference.cache import keep_positions
 
 
-class StreamingConfigError(ValueError):
+class StreamingConfigError(DraftsmithError, ValueError):
     """Speculative Streaming options or a target that do not fit together."""
 
 
-class StreamingConfig(PretrainedConfig):
-    """The MSA layout (streams, MSA layers), the LoRA adapters and the default draft tree."""
+class StreamingConfig(AdaptsTargetConfig):
+    """The MSA layout (streams, MSA layers), the LoRA adapters and the default draft tree.
+
+    Options: ``num_streams`` = γ speculative streams; ``num_stream_layers`` = Ns top layers made MSA;
+    the LoRA (``lora_*``, see :class:`AdaptsTargetConfig`); ``stream_init_rank`` > 0 adds a low-rank map
+    to the identity stream init (the paper found identity as good). ``pruning_rank`` > 0 adds the
+    tree-pruning adapter of that rank (paper: 8; see ``tree_pruning``), trained with the streams;
+    ``prune`` is the serve-time default threshold below which it prunes a sub-tree (0 = none;
+    ``streaming=DIR:prune=P`` overrides it); ``train_pruning_only`` freezes the LoRA and the streams so
+    that only the adapter trains (after the streams: with ``train.init_from`` an exported run)."""
 
     model_type = "draftsmith_streaming"
+    TREE_OPTIONS = ("top_k", "total_tokens", "prune")
+    error = StreamingConfigError
 
     def __init__(
         self,
-        target: dict[str, Any] | None = None,
         num_streams: int = 4,
         num_stream_layers: int = 4,
-        lora_rank: int = 32,
-        lora_alpha: float = 64.0,
-        lora_target_modules: list[str] | None = None,
-        lora_layers: list[int] | None = None,
         stream_init_rank: int = 0,
         pruning_rank: int = 0,
-        pruning_threshold: float = 0.0,
+        prune: float = 0.0,
         train_pruning_only: bool = False,
-        tree_top_k: int = 3,
-        tree_total_tokens: int = 12,
-        drafter_family: str = "streaming",
-        target_identity: dict[str, str] | None = None,
+        top_k: int = 3,
+        total_tokens: int = 12,
         **kwargs: Any,
     ) -> None:
-        self.target = dict(target or {})
         self.num_streams = num_streams
         self.num_stream_layers = num_stream_layers
-        self.lora_rank = lora_rank
-        self.lora_alpha = lora_alpha
-        self.lora_target_modules = list(lora_target_modules or DEFAULT_LORA_MODULES)
-        self.lora_layers = None if lora_layers is None else [int(i) for i in lora_layers]
         self.stream_init_rank = stream_init_rank
         self.pruning_rank = pruning_rank
-        self.pruning_threshold = pruning_threshold
+        self.prune = prune
         self.train_pruning_only = train_pruning_only
-        self.tree_top_k = tree_top_k
-        self.tree_total_tokens = tree_total_tokens
-        self.drafter_family = drafter_family
-        self.target_identity = target_identity
+        self.top_k = top_k
+        self.total_tokens = total_tokens
+        kwargs.setdefault("drafter_family", "streaming")
         super().__init__(**kwargs)
-
-    @classmethod
-    def for_target(
-        cls,
-        target_config: PretrainedConfig,
-        num_streams: int = 4,
-        num_stream_layers: int = 4,
-        lora_rank: int = 32,
-        lora_alpha: float = 64.0,
-        lora_target_modules: list[str] | None = None,
-        lora_layers: list[int] | None = None,
-        stream_init_rank: int = 0,
-        pruning_rank: int = 0,
-        pruning_threshold: float = 0.0,
-        train_pruning_only: bool = False,
-        tree_top_k: int = 3,
-        tree_total_tokens: int = 12,
-    ) -> StreamingConfig:
-        """Speculative Streaming for ``target_config`` (Llama architecture).
-
-        ``num_streams`` = γ speculative streams; ``num_stream_layers`` = Ns top layers made MSA;
-        LoRA of ``lora_rank``/``lora_alpha`` on ``lora_target_modules`` of ``lora_layers`` (None =
-        every layer); ``stream_init_rank`` > 0 adds a low-rank map to the identity stream init
-        (the paper found identity as good). ``pruning_rank`` > 0 adds the tree-pruning adapter of that
-        rank (paper: 8; see ``tree_pruning``), trained with the streams; ``pruning_threshold`` is the
-        serve-time default below which it prunes a sub-tree (0 = none; ``streaming=DIR:prune=P``
-        overrides it); ``train_pruning_only`` freezes the LoRA and the streams so that only the adapter
-        trains (after the streams: with ``train.init_from`` an exported run)."""
-        config = cls(
-            target=target_summary(target_config),
-            num_streams=num_streams,
-            num_stream_layers=num_stream_layers,
-            lora_rank=lora_rank,
-            lora_alpha=lora_alpha,
-            lora_target_modules=lora_target_modules,
-            lora_layers=lora_layers,
-            stream_init_rank=stream_init_rank,
-            pruning_rank=pruning_rank,
-            pruning_threshold=pruning_threshold,
-            train_pruning_only=train_pruning_only,
-            tree_top_k=tree_top_k,
-            tree_total_tokens=tree_total_tokens,
-        )
-        config.check()
-        return config
 
     def check(self) -> None:
         """Refuse options that cannot work, with the key to change."""
+        super().check()
         layers = int(self.target["num_hidden_layers"])
-        if self.target.get("model_type") not in ("llama", None):
-            raise StreamingConfigError(
-                f"Speculative Streaming wraps Llama-architecture targets; this one is {self.target['model_type']!r}"
-            )
         if not 1 <= self.num_stream_layers <= layers:
             raise StreamingConfigError(
                 f"drafter.num_stream_layers must be in 1..{layers}, got {self.num_stream_layers}"
             )
-        if self.num_streams < 1 or self.lora_rank < 0 or self.stream_init_rank < 0:
-            raise StreamingConfigError("drafter.num_streams must be >= 1, lora_rank and stream_init_rank >= 0")
-        check_lora_options(
-            self.target, self.lora_rank, self.lora_target_modules, self.lora_layers, StreamingConfigError
-        )
-        if self.pruning_rank < 0 or not 0.0 <= self.pruning_threshold < 1.0:
-            raise StreamingConfigError("drafter.pruning_rank must be >= 0 and drafter.pruning_threshold in [0, 1)")
-        if (self.pruning_threshold or self.train_pruning_only) and not self.pruning_rank:
+        if self.num_streams < 1 or self.stream_init_rank < 0:
+            raise StreamingConfigError("drafter.num_streams must be >= 1, stream_init_rank >= 0")
+        if self.pruning_rank < 0 or not 0.0 <= self.prune < 1.0:
+            raise StreamingConfigError("drafter.pruning_rank must be >= 0 and drafter.prune in [0, 1)")
+        if (self.prune or self.train_pruning_only) and not self.pruning_rank:
             raise StreamingConfigError(
-                "drafter.pruning_threshold and drafter.train_pruning_only need the adapter: set drafter.pruning_rank=8"
+                "drafter.prune and drafter.train_pruning_only need the adapter: set drafter.pruning_rank=8"
             )
-        if self.tree_top_k < 1 or self.tree_total_tokens < 1:
-            raise StreamingConfigError("drafter.tree_top_k and drafter.tree_total_tokens must be >= 1")
 
     @property
     def hidden_size(self) -> int:
@@ -197,17 +138,17 @@ class _StreamRun:
     fork: torch.Tensor | None = None  # (B, q', h): the main stream entering layer L - Ns
 
 
-class StreamingModel(nn.Module):
+class StreamingModel(AdaptsTargetMixin, DrafterModel):
     """Stream embeddings + LoRA weights, and the forward of the target they adapt.
 
     Built from the config alone (so checkpoints load without a target); :meth:`attach_target` binds
     the weights into a target model. ``forward`` needs an attached target."""
 
     config_class = StreamingConfig
+    adapter_prefix = "streaming"  # unique adapter names: two models may share a target
 
     def __init__(self, config: StreamingConfig) -> None:
-        super().__init__()
-        self.config = config
+        super().__init__(config)
         h = config.hidden_size
         self.stream_embeddings = nn.Parameter(torch.randn(config.num_streams, h) * 0.02)  # P_j
         self.stream_init = None
@@ -216,33 +157,20 @@ class StreamingModel(nn.Module):
                 nn.Linear(h, config.stream_init_rank, bias=False), nn.Linear(config.stream_init_rank, h, bias=False)
             )
             nn.init.zeros_(self.stream_init[1].weight)
-        self.lora = TargetLora(
-            config.target, config.lora_rank, config.lora_alpha, config.lora_target_modules, config.lora_layers
-        )
+        self._init_target_lora()
         # o_θ of the tree-pruning adapter: early exit from layer L - Ns through the target's lm_head.
         self.pruning = build_pruning_adapter(h, config.pruning_rank) if config.pruning_rank else None
         if config.train_pruning_only:  # trained after the streams: the LoRA and the streams stay as they are
             for name, parameter in self.named_parameters():
                 parameter.requires_grad_(name.startswith("pruning."))
-        # The target is held outside the module tree: its weights are never trained, moved or saved here.
-        self.__dict__["_target"] = None
         self._hooks: list[Any] = []
         self._run: _StreamRun | None = None
 
     # ---- binding to the target ---------------------------------------------------------------
-    @property
-    def target(self) -> nn.Module:
-        if self._target is None:
-            raise RuntimeError("attach_target(target_model) first: Speculative Streaming runs inside the target")
-        return self._target
-
     def attach_target(self, target_model: nn.Module) -> None:
         """Inject this model's LoRA weights into ``target_model`` (through peft, in place, inactive
         outside :meth:`forward`) and hook its top ``Ns`` decoder layers. Called once per target."""
-        if self._target is not None:
-            raise RuntimeError("this StreamingModel is already attached to a target")
-        check_target(self.config.target, target_model, "Speculative Streaming model", StreamingConfigError)
-        self.lora.inject(target_model, prefix="streaming")  # unique adapter name: two models may share a target
+        super().attach_target(target_model)
         layers = target_model.model.layers
         for index in range(self.config.first_stream_layer, len(layers)):
             hook = layers[index].register_forward_hook(self._make_layer_hook(index), with_kwargs=True)
@@ -250,16 +178,6 @@ class StreamingModel(nn.Module):
             if self.pruning is not None:
                 prune = layers[index].register_forward_pre_hook(self._make_prune_hook(index), with_kwargs=True)
                 self._hooks.append(prune)
-        self.__dict__["_target"] = target_model
-        self.to(target_model.get_input_embeddings().weight.device)
-
-    @contextmanager
-    def adapted(self) -> Iterator[nn.Module]:
-        """The target with this model's LoRA active (e.g. for ``target.generate``: the served model's
-        plain decoding, the reference that speculative output must equal)."""
-        target = self.target
-        with self.lora.enabled():
-            yield target
 
     # ---- forward ------------------------------------------------------------------------------
     def forward(
@@ -395,18 +313,12 @@ class StreamingModel(nn.Module):
         counts = {"streams": streams}
         if self.pruning is not None:
             counts["pruning"] = sum(p.numel() for p in self.pruning.parameters())
-        return {**counts, "lora": sum(p.numel() for p in self.lora.parameters())}
+        return {**counts, "lora": self.lora_parameter_count()}
 
-    def save_pretrained(self, directory: str) -> None:
-        from draftsmith.drafters.io import save_drafter_weights
-
-        save_drafter_weights(self, directory)
-
-    @classmethod
-    def from_pretrained(cls, directory: str) -> StreamingModel:
-        from draftsmith.drafters.io import load_drafter_weights
-
-        return load_drafter_weights(cls, directory)
+    def runtime_drafter(self, target_model: nn.Module, tree: TreeOptions) -> StreamingTreeDrafter:
+        """The runtime drafter: this model bound into ``target_model`` (whose weights it adapts)."""
+        self.bind_target(target_model)
+        return StreamingTreeDrafter(self, tree.over(self.config.tree_options()), name=self.config.drafter_family)
 
 
 def _main_stream_allowed(
@@ -469,10 +381,10 @@ def stream_layer(
 
 
 # ---- decoding ---------------------------------------------------------------------------------
-class StreamingServer(nn.Module):
-    """The model the runtime calls when it decodes with Speculative Streaming: the adapted target,
-    whose every forward also runs the streams. It keeps the last forward's stream states for the
-    drafter. A forward without a tree mask (the prompt) needs the streams of its last token only."""
+class StreamingVerifier(nn.Module):
+    """The model the runtime verifies with when it decodes with Speculative Streaming: the adapted
+    target, whose every forward also runs the streams. It keeps the last forward's stream states for
+    the drafter. A forward without a tree mask (the prompt) needs the streams of its last token only."""
 
     def __init__(self, model: StreamingModel, prune: float = 0.0) -> None:
         super().__init__()
@@ -509,79 +421,39 @@ class StreamingServer(nn.Module):
         return out
 
 
-class StreamingTreeDrafter:
+class StreamingTreeDrafter(VerifiesAdaptedTarget, Drafter):
     """Drafts from the streams of the last committed token, computed by the verification forward itself.
 
-    The runtime calls ``serving_model`` instead of the bare target. After each verification,
-    ``observe`` notes the row of the last accepted token (the root if none); ``propose`` turns that
-    row's γ stream distributions into a tree: the ``top_k`` tokens of stream n are the parents of
-    those of stream n + 1, and the ``total_tokens`` paths with the highest summed log-probability are
-    kept. After the prompt forward the row is the prompt's last token. With ``prune`` (default: the
-    config's ``pruning_threshold``) every verification forward first drops the sub-trees its pruning
-    adapter deems under that probability; the runtime verifies what is left."""
+    The runtime verifies with a :class:`StreamingVerifier` instead of the bare target. After each
+    verification, ``observe`` notes the row of the last accepted token (the root if none); ``propose``
+    turns that row's γ stream distributions into a tree: the ``top_k`` tokens of stream n are the
+    parents of those of stream n + 1, and the ``total_tokens`` paths with the highest summed
+    log-probability are kept. After the prompt forward the row is the prompt's last token. With
+    ``prune`` every verification forward first drops the sub-trees its pruning adapter deems under that
+    probability; the runtime verifies what is left (:meth:`verified_rows`)."""
 
-    def __init__(
-        self,
-        model: StreamingModel,
-        top_k: int | None = None,
-        total_tokens: int | None = None,
-        prune: float | None = None,
-        name: str = "streaming",
-    ) -> None:
-        self.model = model.eval()
-        self.prune = model.config.pruning_threshold if prune is None else float(prune)
+    def __init__(self, model: StreamingModel, tree: TreeOptions, name: str = "streaming") -> None:
+        self.adapting = model.eval()
+        self.prune = float(tree.prune or 0.0)
         if self.prune and model.pruning is None:
             raise StreamingConfigError("this streaming model has no tree-pruning adapter (pruning_rank 0): no :prune=")
-        self.serving_model = StreamingServer(self.model, self.prune)
-        self.top_k = top_k or model.config.tree_top_k
-        self.total_tokens = total_tokens or model.config.tree_total_tokens
+        self.verifier = StreamingVerifier(model, self.prune)
+        self.top_k, self.total_tokens = tree.top_k, tree.total_tokens
         self.name = name
         self._row_call = (-1, -1)  # (forward number, row) noted by observe
 
-    def served_model(self):
-        """The model this drafter's output is lossless against (the LoRA-adapted target), for references."""
-        return self.model.adapted()
-
-    def observe(self, tree: Any, logits: torch.Tensor, verdict: Any) -> None:
+    def observe(self, tree: DraftTree, logits: torch.Tensor, verdict: Verdict) -> None:
         row = 1 + verdict.accepted_nodes[-1] if verdict.accepted_nodes else 0
-        self._row_call = (self.serving_model.calls, row)
+        self._row_call = (self.verifier.calls, row)
+
+    def verified_rows(self, output: StreamingOutput) -> torch.Tensor | None:
+        return output.kept_rows
 
     @torch.no_grad()
-    def propose(self, context: Any) -> Any:
-        server = self.serving_model
-        if server.stream_hidden is None:
-            raise RuntimeError("the streaming drafter drafts from its serving_model's forward; run it through generate")
+    def propose(self, context: DraftContext) -> DraftTree:
+        verifier = self.verifier
+        if verifier.stream_hidden is None:
+            raise RuntimeError("the streaming drafter drafts from its verifier's forward; run it through generate")
         calls, row = self._row_call
-        hidden = server.stream_hidden[row if calls == server.calls else -1]  # (γ, h)
-        logprobs = self.model.stream_logits(hidden).float().log_softmax(-1)  # (γ, V)
-        return stream_tree(logprobs, self.top_k, self.total_tokens)
-
-
-def stream_tree(logprobs: torch.Tensor, top_k: int, total_tokens: int) -> Any:
-    """The best ``total_tokens`` nodes of the tree whose depth-n nodes are stream n's ``top_k`` tokens
-    under every depth-(n-1) node, scored by summed log-probability. Only the ``total_tokens`` best
-    nodes of a depth are expanded: a node of the final tree has fewer better nodes at its depth."""
-    from draftsmith.inference.tree import best_first_tree
-
-    values, ids = logprobs.topk(min(top_k, logprobs.shape[-1]), dim=-1)
-    parents, tokens, scores = [], [], []
-    frontier = [-1]
-    for depth in range(logprobs.shape[0]):
-        children = []
-        for parent in frontier:
-            base = scores[parent] if parent >= 0 else 0.0
-            for value, token in zip(values[depth].tolist(), ids[depth].tolist()):
-                children.append(len(tokens))
-                parents.append(parent), tokens.append(token), scores.append(base + value)
-        frontier = sorted(children, key=lambda i: -scores[i])[:total_tokens]
-    tree, _ = best_first_tree(parents, tokens, scores, total_tokens)
-    return tree
-
-
-def serve_streaming(model: StreamingModel, target_model: nn.Module, **tree: Any) -> StreamingTreeDrafter:
-    """The runtime drafter: ``model`` bound into ``target_model`` (whose weights it adapts)."""
-    if model._target is None:
-        model.attach_target(target_model)
-    elif model._target is not target_model:
-        raise StreamingConfigError("this StreamingModel is attached to another target model")
-    return StreamingTreeDrafter(model, name=model.config.drafter_family, **tree)
+        hidden = verifier.stream_hidden[row if calls == verifier.calls else -1]  # (γ, h)
+        return cartesian_tree(self.adapting.stream_logits(hidden), self.top_k, self.total_tokens)

@@ -16,6 +16,11 @@ def most_frequent_tokens(token_counts: torch.Tensor, size: int) -> torch.Tensor:
     return token_counts.topk(size).indices.sort().values
 
 
+def vocab_token_ids(vocab: torch.Tensor | None, columns: torch.Tensor) -> torch.Tensor:
+    """Target token ids of output columns over ``vocab`` (None or empty = the whole vocabulary)."""
+    return columns if vocab is None or not vocab.numel() else vocab[columns]
+
+
 class DraftHead:
     """The target's lm_head restricted to a draft vocabulary (the whole vocabulary when ``vocab`` is
     empty). The rows are gathered once; gradients flow to the features, never to the head."""
@@ -31,7 +36,7 @@ class DraftHead:
 
     def token_ids(self, columns: torch.Tensor) -> torch.Tensor:
         """Token ids of logit columns."""
-        return columns if self.vocab is None else self.vocab[columns]
+        return vocab_token_ids(self.vocab, columns)
 
     def top1(self, features: torch.Tensor) -> torch.Tensor:
         return self.token_ids(self(features).argmax(-1))

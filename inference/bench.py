@@ -18,10 +18,11 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from draftsmith.data.io import atomic_write_bytes, atomic_write_json
+from draftsmith.core.errors import DraftsmithError
+from draftsmith.core.io import atomic_write_bytes, atomic_write_json
+from draftsmith.core.target import Target
 from draftsmith.inference.methods import build_drafter
 from draftsmith.inference.runtime import generate
-from draftsmith.inference.target import Target
 
 BASELINE = "hf-generate"
 # Spec-Bench files label MT-bench questions either "mt_bench" or by MT-bench's own eight categories;
@@ -33,7 +34,7 @@ def scopes_of(category: str) -> tuple[str, ...]:
     return ("overall", category, "mt_bench") if category in MT_BENCH_CATEGORIES else ("overall", category)
 
 
-class BenchError(ValueError):
+class BenchError(DraftsmithError, ValueError):
     """A question file that cannot be benchmarked."""
 
 
@@ -140,17 +141,17 @@ def _spread(questions: list[Question], limit: int) -> list[Question]:
 
 @torch.no_grad()
 def hf_greedy(
-    target: Target, prompt: list[int], max_new_tokens: int, eos: list[int], model=None
+    model: torch.nn.Module, prompt: list[int], max_new_tokens: int, eos: list[int]
 ) -> tuple[list[int], float]:
-    """HF ``generate`` greedy on ``model`` (default: the target's); the tokens and the seconds it took."""
-    model = target.model if model is None else model
+    """Plain greedy decoding by HF ``generate`` (the reference every method must reproduce); the tokens
+    and the seconds it took. No EOS ids: it stops at the token budget only."""
     start = time.perf_counter()
     out = model.generate(
         torch.tensor([prompt], device=model.device),
         do_sample=False,
         max_new_tokens=max_new_tokens,
-        eos_token_id=eos,
-        pad_token_id=eos[0],
+        eos_token_id=list(eos) or None,
+        pad_token_id=eos[0] if eos else 0,
         temperature=None,
         top_p=None,
         top_k=None,
@@ -160,14 +161,14 @@ def hf_greedy(
 
 
 def _served_reference(target: Target, drafter, prompt: list[int], max_new_tokens: int, eos: list[int]):
-    """For a drafter that serves an adapted model (``served_model()``, e.g. Speculative Streaming's LoRA
-    target), lossless means identical to *that* model's plain decoding, which is also its baseline:
-    its HF greedy tokens and time; None for drafters that serve the target itself."""
-    served = getattr(drafter, "served_model", None)
-    if served is None:
+    """For a drafter that serves an adapted model (:meth:`Drafter.reference_model`, e.g. Speculative
+    Streaming's LoRA target), lossless means identical to *that* model's plain decoding, which is also
+    its baseline: its HF greedy tokens and time; None for drafters that serve the target itself."""
+    reference = drafter.reference_model() if drafter is not None else None
+    if reference is None:
         return None, 0.0
-    with served() as model:
-        return hf_greedy(target, prompt, max_new_tokens, eos, model)
+    with reference as model:
+        return hf_greedy(model, prompt, max_new_tokens, eos)
 
 
 def run_bench(target: Target, questions: list[Question], methods: list[str], max_new_tokens: int) -> dict[str, Any]:
@@ -176,14 +177,14 @@ def run_bench(target: Target, questions: list[Question], methods: list[str], max
     methods = ["none"] + [m for m in methods if m != "none"]  # runtime overhead is always shown
     drafters = {name: build_drafter(name, target) for name in methods}
     tallies: dict[str, dict[str, Tally]] = {name: defaultdict(Tally) for name in [BASELINE, *methods]}
-    hf_greedy(target, target.encode_chat([{"role": "user", "content": "Hi"}]), 4, eos)  # warm-up
+    hf_greedy(target.model, target.encode_chat([{"role": "user", "content": "Hi"}]), 4, eos)  # warm-up
     progress = tqdm(total=sum(len(q.turns) for q in questions), desc="bench", unit="turn", dynamic_ncols=True)
     for question in questions:
         messages: list[dict[str, str]] = []
         for turn_index, turn in enumerate(question.turns):
             messages.append({"role": "user", "content": turn})
             prompt = target.encode_chat(messages)
-            reference, base_seconds = hf_greedy(target, prompt, max_new_tokens, eos)
+            reference, base_seconds = hf_greedy(target.model, prompt, max_new_tokens, eos)
             where = f"{question.id}/{turn_index}"
             for scope in scopes_of(question.category):
                 tallies[BASELINE][scope].add(reference, len(reference), base_seconds, base_seconds, reference, where)

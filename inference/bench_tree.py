@@ -24,11 +24,11 @@ import torch
 from tqdm.auto import tqdm
 from transformers import DynamicCache
 
-from draftsmith.data.io import atomic_write_bytes, atomic_write_json
+from draftsmith.core.cache import keep_positions
+from draftsmith.core.io import atomic_write_bytes, atomic_write_json
+from draftsmith.core.target import Target
+from draftsmith.core.tree import DraftTree, tree_attention_inputs
 from draftsmith.inference.bench import BenchError
-from draftsmith.inference.cache import keep_positions
-from draftsmith.inference.target import Target
-from draftsmith.inference.tree import DraftTree, tree_attention_inputs
 
 SHAPES = ("random", "chain")
 WARMUP = 2  # untimed forwards per size before the timed repeats

@@ -27,9 +27,9 @@ def _stream_printer(tokenizer) -> Any:
 def cmd_generate(args: argparse.Namespace) -> None:
     import torch
 
+    from draftsmith.core.verify import SamplingConfig
     from draftsmith.inference.methods import build_drafter
     from draftsmith.inference.runtime import generate
-    from draftsmith.inference.verify import SamplingConfig
 
     target = _load_target(args)
     drafter = build_drafter(args.method, target)
@@ -116,7 +116,7 @@ def _add_target_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _load_target(args: argparse.Namespace):
-    from draftsmith.inference.target import load_target
+    from draftsmith.core.target import load_target
 
     return load_target(args.target, dtype=args.dtype, device=args.device)
 

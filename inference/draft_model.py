@@ -27,12 +27,12 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from draftsmith.inference.cache import keep_positions
-from draftsmith.inference.methods import MethodError
-from draftsmith.inference.runtime import DraftContext
-from draftsmith.inference.target import Target, TargetError, load_target, load_tokenizer
-from draftsmith.inference.tree import DraftTree
-from draftsmith.inference.verify import sample
+from draftsmith.core.cache import keep_positions
+from draftsmith.core.drafting import DraftContext, Drafter
+from draftsmith.core.target import Target, TargetError, load_target, load_tokenizer
+from draftsmith.core.tree import DraftTree
+from draftsmith.core.verify import sample
+from draftsmith.inference.errors import MethodError
 
 DEFAULT_NUM_DRAFT = 4  # tokens per chain: a good default for small drafts on a CPU
 _K_SUFFIX = re.compile(r"^(?P<spec>.+):k=(?P<k>\d+)$")
@@ -43,7 +43,7 @@ def _logits_size(model: Any) -> int:
 
 
 @dataclass
-class DraftModelDrafter:
+class DraftModelDrafter(Drafter):
     """Drafts a chain of ``num_draft`` tokens with ``model`` and its own KV cache.
 
     The cache holds the draft model's keys/values for ``cached_tokens``. After verification the runtime

@@ -2,52 +2,30 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
-from typing import Any
 
-from draftsmith.inference.target import Target, TargetError, TargetIdentity
-
-
-def read_drafter_config(directory: Path) -> dict[str, Any]:
-    path = Path(directory) / "config.json"
-    if not path.is_file():
-        raise TargetError(f"{directory} is not an exported drafter (no config.json); make one with `draftsmith export`")
-    try:
-        config = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise TargetError(f"{path} is not valid JSON ({exc.msg}); export the drafter again") from None
-    if "drafter_family" not in config:
-        raise TargetError(f"{path} names no drafter_family; it was not written by `draftsmith export`")
-    return config
+from draftsmith.core.drafting import Drafter
+from draftsmith.core.target import Target
+from draftsmith.drafters.base import TreeOptions
+from draftsmith.drafters.io import DrafterCheckpointError, check_drafter_target, read_drafter_config
+from draftsmith.drafters.registry import FAMILIES
 
 
-def check_drafter_target(config: dict[str, Any], target: Target, directory: Path) -> None:
-    """Refuse a drafter trained for another target: its features and token ids would mean nothing here."""
-    recorded = config.get("target_identity")
-    if not recorded:
-        raise TargetError(f"{directory} records no target identity; export it with `draftsmith export`")
-    problem = TargetIdentity.from_dict(recorded).mismatch(target.identity)
-    if problem:
-        raise TargetError(
-            f"drafter {directory} was trained for {recorded['name']}, not this target: {problem}; "
-            "pass the target it was trained for with --target, or train a drafter for this one"
-        )
-
-
-def load_drafter(directory: str | Path, target: Target, expect: str | None = None, **tree: Any):
-    """The runtime drafter for an exported directory; ``expect`` names the family the user asked for."""
-    from draftsmith.train.families import FAMILIES
-
+def load_drafter(
+    directory: str | Path, target: Target, expect: str | None = None, tree: TreeOptions | None = None
+) -> Drafter:
+    """The runtime drafter for an exported directory; ``expect`` names the method the user asked for,
+    ``tree`` holds serve-time overrides of the drafter's own tree options."""
     directory = Path(directory)
     config = read_drafter_config(directory)
-    family = config["drafter_family"]
-    if family not in FAMILIES:
-        raise TargetError(f"{directory} holds a {family!r} drafter, which this draftsmith does not know")
-    entry = FAMILIES[family]
-    method = entry.method or family  # a variant (medusa2) is served by its base method (medusa=DIR)
-    if expect is not None and method != expect:
-        raise TargetError(f"{directory} holds a {family!r} drafter, not {expect!r}; use --method {method}={directory}")
+    name = config["drafter_family"]
+    if name not in FAMILIES:
+        raise DrafterCheckpointError(f"{directory} holds a {name!r} drafter, which this draftsmith does not know")
+    family = FAMILIES[name]
+    if expect is not None and family.method_name != expect:
+        raise DrafterCheckpointError(
+            f"{directory} holds a {name!r} drafter, not {expect!r}; use --method {family.method_name}={directory}"
+        )
     check_drafter_target(config, target, directory)
-    model = entry.model_class.from_pretrained(directory).to(target.model.device, target.model.dtype)
-    return entry.serve(model, target.model, **tree)
+    model = family.model_class.from_pretrained(directory).to(target.model.device, target.model.dtype)
+    return model.runtime_drafter(target.model, tree or TreeOptions())

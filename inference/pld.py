@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from draftsmith.inference.runtime import DraftContext
-from draftsmith.inference.tree import DraftTree
+from draftsmith.core.drafting import DraftContext, Drafter
+from draftsmith.core.tree import DraftTree
 
 
 @dataclass
-class PromptLookupDrafter:
+class PromptLookupDrafter(Drafter):
     """Match the last ``n`` tokens (``max_ngram`` down to ``min_ngram``) against the earlier context and
     propose the ``num_draft`` tokens that followed the most recent match; no match gives an empty tree
     (a plain decoding step)."""

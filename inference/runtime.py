@@ -11,50 +11,14 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import torch
 from transformers import DynamicCache
 
-from draftsmith.inference.cache import commit_tree_path
-from draftsmith.inference.tree import DraftTree, tree_attention_inputs
-from draftsmith.inference.verify import SamplingConfig, sample, verify_greedy, verify_sampling
-
-
-@dataclass
-class DraftContext:
-    """What a drafter sees each round: all committed tokens (prompt first; the last one is the root
-    of the next tree and is not yet in the target's KV cache)."""
-
-    tokens: list[int]
-    prompt_length: int
-    sampling: SamplingConfig | None = None  # None = greedy
-    generator: torch.Generator | None = None  # for drafters that sample their drafts
-    # For drafters with ``wants_features = True``: the target's feature (the input of its lm_head) at
-    # every committed token but the last, (len(tokens) - 1, h); rows of accepted tokens come from the
-    # verification forward itself, so features cost no extra target work.
-    features: torch.Tensor | None = None
-
-
-class Drafter(Protocol):
-    """Anything that proposes a token tree from the committed context.
-
-    A drafter that sets ``wants_features = True`` receives the target's features in the context.
-
-    A drafter may also define ``observe(tree, logits, verdict)``: the runtime calls it after every
-    verification forward with the tree it verified (possibly ``DraftTree.empty()`` when speculation
-    was switched off), the target's logits over ``[root, nodes]`` and the verdict. Drafters that learn
-    from the target's own predictions (SPECTRA's candidate pool) read them there, at no extra forward.
-
-    A drafter that drafts inside the verification forward itself (Speculative Streaming) sets
-    ``serving_model``: the runtime calls that model instead of ``model`` (same call signature, and
-    its ``.logits`` are what is verified) and the drafter reads its draft from it. If that model drops
-    draft nodes inside its forward (tree pruning), its output's ``kept_rows`` names the rows of
-    ``[root, nodes]`` it kept: the runtime then verifies and commits that sub-tree."""
-
-    name: str
-
-    def propose(self, context: DraftContext) -> DraftTree: ...
+from draftsmith.core.cache import commit_tree_path
+from draftsmith.core.drafting import DraftContext, Drafter
+from draftsmith.core.tree import DraftTree, tree_attention_inputs
+from draftsmith.core.verify import SamplingConfig, sample, verify_greedy, verify_sampling
 
 
 @dataclass
@@ -92,13 +56,13 @@ def generate(
     """Speculative decoding of one prompt, greedy (``sampling=None``) or sampled; ``drafter=None`` is
     plain decoding through the runtime. ``on_tokens`` receives all new tokens so far after every commit."""
     start = time.perf_counter()
-    serving_model = getattr(drafter, "serving_model", None)
-    model = model if serving_model is None else serving_model
+    verifier = drafter.verifier_model() if drafter is not None else None
+    model = model if verifier is None else verifier
     device = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
     eos = set(eos_token_ids)
     cache = DynamicCache(config=model.config)
-    wants_features = bool(getattr(drafter, "wants_features", False))
+    wants_features = drafter is not None and drafter.wants_features
     out = model(
         torch.tensor([prompt_ids], device=device),
         past_key_values=cache,
@@ -130,14 +94,14 @@ def generate(
             use_cache=True,
             output_hidden_states=wants_features,
         )
-        kept = getattr(out, "kept_rows", None)
-        if kept is not None:  # the serving model pruned the tree inside its forward: verify what is left
+        kept = drafter.verified_rows(out) if drafter is not None else None
+        if kept is not None:  # the verifier pruned the tree inside its forward: verify what is left
             tree = tree.subtree(kept[1:] - 1)
         logits = out.logits[0]
         verdict = (
             verify_greedy(tree, logits) if sampling is None else verify_sampling(tree, logits, sampling, generator)
         )
-        if drafter is not None and hasattr(drafter, "observe"):
+        if drafter is not None:
             drafter.observe(tree, logits, verdict)
         commit_tree_path(cache, past, verdict.accepted_nodes)
         if wants_features:  # the root's row and the accepted nodes' rows, in commit order

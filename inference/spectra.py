@@ -37,9 +37,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from draftsmith.inference.runtime import DraftContext
-from draftsmith.inference.tree import DraftTree
-from draftsmith.inference.verify import Verdict
+from draftsmith.core.drafting import DraftContext, Drafter
+from draftsmith.core.tree import DraftTree
+from draftsmith.core.verify import Verdict
+from draftsmith.inference.spectra_retrieval import RetrievalIndex
 
 
 @dataclass
@@ -161,7 +162,7 @@ def node_of_path(tree: DraftTree, path: list[int]) -> int:
     return node
 
 
-class SpectraDrafter:
+class SpectraDrafter(Drafter):
     """SPECTRA-CORE, optionally with SPECTRA-RETRIEVAL (an object with
     ``guesses(tokens, count, length) -> list[list[int]]``, see ``spectra_retrieval``)."""
 
@@ -276,8 +277,6 @@ def build_spectra_drafter(target, index_path: str | None = None, paper: bool = F
     config = SpectraConfig.paper() if paper else SpectraConfig()
     retrieval = None
     if index_path:
-        from draftsmith.inference.spectra_retrieval import RetrievalIndex
-
         retrieval = RetrievalIndex.load(index_path, target.identity if target is not None else None)
     name = ("spectra-paper" if paper else "spectra") + ("-r" if retrieval is not None else "")
     return SpectraDrafter(config, retrieval, name=name)

@@ -22,9 +22,9 @@ from typing import Any
 
 import numpy as np
 
+from draftsmith.core.io import atomic_write_bytes
+from draftsmith.core.target import TargetError, TargetIdentity
 from draftsmith.data.formats import DataError, ReadStats, read_conversations
-from draftsmith.data.io import atomic_write_bytes
-from draftsmith.inference.target import TargetError, TargetIdentity
 
 INDEX_FORMAT = "draftsmith-spectra-index"
 INDEX_VERSION = 1
@@ -243,7 +243,7 @@ def build_index(
     limit: int | None = None,
 ) -> dict[str, Any]:
     """Score, filter, tokenise and write the index; returns its meta (also stored in the file)."""
-    from draftsmith.inference.target import load_target
+    from draftsmith.core.target import load_target
 
     if not 0.0 < keep <= 1.0:
         raise DataError(f"--keep must be in (0, 1], got {keep}")

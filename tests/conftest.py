@@ -8,6 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
+# ../shared beside the repository root: data every developer and CI run has, never part of the product.
+SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+
 # SmolLM2-135M-Instruct's chat template, verbatim (ChatML with a default system prompt).
 SMOLLM2_TEMPLATE = (
     "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\n"
@@ -79,23 +82,25 @@ def llama3_tokenizer():
     return make_tokenizer(LLAMA3_TEMPLATE, eos="<|eot_id|>")
 
 
-def tiny_llama(vocab_size: int, seed: int = 0):
+TINY_LLAMA = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 512,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
+    "bos_token_id": 3,
+}
+
+
+def tiny_llama(vocab_size: int, seed: int = 0, **overrides):
+    """The one tiny random-weight Llama of the tests (``overrides`` change its config), seeded."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        eos_token_id=2,
-        pad_token_id=0,
-        bos_token_id=3,
-    )
-    return LlamaForCausalLM(config).eval()
+    return LlamaForCausalLM(LlamaConfig(vocab_size=vocab_size, **{**TINY_LLAMA, **overrides})).eval()
 
 
 @pytest.fixture(scope="session")
@@ -113,19 +118,9 @@ def tiny_target_dir(tmp_path_factory, tokenizer) -> Path:
 @pytest.fixture(scope="session")
 def other_target_dir(tmp_path_factory, tokenizer) -> Path:
     """A second tiny target whose config differs (a wider hidden size): artifacts must not mix."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     path = tmp_path_factory.mktemp("other-target")
-    torch.manual_seed(1)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-    )
-    LlamaForCausalLM(config).save_pretrained(path)
+    narrow = {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 2, "num_key_value_heads": 1}
+    tiny_llama(len(tokenizer), seed=1, num_hidden_layers=1, **narrow).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
 

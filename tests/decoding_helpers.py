@@ -4,27 +4,25 @@ on the tiny random Llama (whose EOS id is 2)."""
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 
 import torch
 
+from draftsmith.drafters.base import TreeOptions
+from draftsmith.inference.bench import hf_greedy as bench_hf_greedy
 from draftsmith.train.batch import TrainBatch
 
 TINY_EOS = 2
 
 
-def hf_greedy(model, prompt: list[int], max_new_tokens: int, eos: int | list[int] = TINY_EOS) -> list[int]:
-    """What plain greedy decoding produces: every speculative method must reproduce it exactly."""
-    out = model.generate(
-        torch.tensor([prompt], device=model.device),
-        do_sample=False,
-        max_new_tokens=max_new_tokens,
-        eos_token_id=eos,
-        pad_token_id=0,
-        temperature=None,
-        top_p=None,
-        top_k=None,
-    )
-    return out[0, len(prompt) :].tolist()
+def hf_greedy(model, prompt: list[int], max_new_tokens: int, eos: int | Sequence[int] = TINY_EOS) -> list[int]:
+    """What plain greedy decoding produces (``bench``'s reference): every method must reproduce it exactly."""
+    return bench_hf_greedy(model, prompt, max_new_tokens, [eos] if isinstance(eos, int) else list(eos))[0]
+
+
+def serve(model, target, **tree):
+    """The runtime drafter of a trained drafter model for ``target``, with serve-time tree options."""
+    return model.runtime_drafter(target, TreeOptions(**tree))
 
 
 def random_prompts(n: int, seed: int, vocab: int) -> list[list[int]]:
@@ -53,8 +51,8 @@ def self_distilled_batch(target, vocab: int, n: int = 16, new_tokens: int = 40, 
 
 def sampled_twice(target, drafter, prompt: list[int], max_new_tokens: int = 24) -> list[list[int]]:
     """Two sampled generations with the same seed: a drafter must not add randomness of its own."""
+    from draftsmith.core.verify import SamplingConfig
     from draftsmith.inference.runtime import generate
-    from draftsmith.inference.verify import SamplingConfig
 
     return [
         generate(

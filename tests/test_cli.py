@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -40,8 +41,10 @@ def test_train_and_export_need_their_arguments(command, capsys):
 
 
 def test_console_script_is_installed():
-    result = subprocess.run([sys.executable, "-m", "draftsmith.train.cli", "--help"], capture_output=True, text=True)
-    assert result.returncode == 0 and "data" in result.stdout
+    script = Path(sys.executable).with_name("draftsmith")  # beside the interpreter of this environment
+    assert script.is_file(), f"{script} is missing: install the package (pip install -e .)"
+    result = subprocess.run([str(script), "--help"], capture_output=True, text=True)
+    assert result.returncode == 0 and "usage: draftsmith" in result.stdout and "data" in result.stdout
 
 
 def test_bundled_default_dataset_is_complete_and_usable():

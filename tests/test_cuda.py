@@ -13,10 +13,11 @@ import pytest
 import torch
 
 from conftest import tiny_llama
-from decoding_helpers import hf_greedy, random_prompts, self_distilled_batch
+from decoding_helpers import hf_greedy, random_prompts, self_distilled_batch, serve
+from draftsmith.drafters.base import FrozenTarget
+from draftsmith.drafters.registry import FAMILIES, get_family
 from draftsmith.inference.runtime import generate
-from draftsmith.train.batch import FrozenTarget
-from draftsmith.train.families import FAMILIES, get_family
+from draftsmith.train.losses import family_loss
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -48,10 +49,9 @@ def build_on_cuda(name: str, target) -> torch.nn.Module:
     options = {k: v for k, v in SMALL.items() if k in family.option_names()}
     torch.manual_seed(0)
     model = family.build(target.config, options)
-    if hasattr(model, "init_from_target"):
-        model.init_from_target(FrozenTarget.from_model(target))
+    model.init_from_target(FrozenTarget.from_model(target))
     model.to(CUDA)
-    if hasattr(model, "attach_target"):
+    if model.runs_inside_target:
         model.attach_target(target)
     return model
 
@@ -64,7 +64,7 @@ def train_bf16(name: str, model: torch.nn.Module, batch, target, steps: int) -> 
     model.train()
     for _ in range(steps):
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            out = family.compute_loss(model, batch, frozen, {})
+            out = family_loss(family)(model, batch, frozen)
         optimizer.zero_grad()
         out.loss.backward()
         optimizer.step()
@@ -74,8 +74,8 @@ def train_bf16(name: str, model: torch.nn.Module, batch, target, steps: int) -> 
 
 def served(drafter, target):
     """The model whose plain decoding the drafter must reproduce: an adapted one, or the target."""
-    served_model = getattr(drafter, "served_model", None)
-    return served_model() if served_model is not None else contextlib.nullcontext(target)
+    reference = drafter.reference_model()
+    return reference if reference is not None else contextlib.nullcontext(target)
 
 
 @pytest.mark.parametrize("name", sorted(FAMILIES))
@@ -84,7 +84,7 @@ def test_trains_in_bf16_and_decodes_losslessly_on_cuda(name, target, batch):
     losses = train_bf16(name, model, batch, target, steps=60)
     assert all(torch.isfinite(torch.tensor(losses)))
     assert sum(losses[-5:]) < sum(losses[:5])
-    drafter = get_family(name).serve(model.eval(), target)
+    drafter = serve(model.eval(), target)
     accepted = 0
     for prompt in random_prompts(8, seed=11, vocab=VOCAB):
         with served(drafter, target) as reference_model:
@@ -97,8 +97,8 @@ def test_trains_in_bf16_and_decodes_losslessly_on_cuda(name, target, batch):
 
 @pytest.mark.parametrize("method", ["none", "pld", "spectra", "draft=layers:1"])
 def test_training_free_methods_are_lossless_on_cuda(method, target, tiny_target_dir):
+    from draftsmith.core.target import load_target
     from draftsmith.inference.methods import build_drafter
-    from draftsmith.inference.target import load_target
 
     loaded = load_target(str(tiny_target_dir), device="cuda")
     drafter = build_drafter(method, loaded)

@@ -6,23 +6,26 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_runtime import VOCAB, hf_greedy, prompts
+from test_runtime import VOCAB, prompts
 from test_sampling import CONFIGS, N_SAMPLES, chi_square_p_value, exact_distribution, sample_counts
 from test_sampling import V as SAMPLING_VOCAB
 from transformers import DynamicCache
 
-from conftest import tiny_llama
+from conftest import SHARED_DATA, tiny_llama
+from decoding_helpers import hf_greedy
+from draftsmith.core.drafting import Drafter
+from draftsmith.core.target import Target, TargetError
 from draftsmith.inference.draft_model import (
     DraftModelDrafter,
     build_draft_model_drafter,
     build_truncated_draft,
     tokenizer_mismatch,
 )
-from draftsmith.inference.methods import MethodError, build_drafter
+from draftsmith.inference.errors import MethodError
+from draftsmith.inference.methods import build_drafter
 from draftsmith.inference.runtime import generate
-from draftsmith.inference.target import Target, TargetError
 
-SPEC_BENCH = Path("/work/shared/data/spec_bench_dev.jsonl")
+SPEC_BENCH = SHARED_DATA / "spec_bench_dev.jsonl"
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +48,7 @@ def drafter_for(model, kind: str, num_draft: int = 4, **kwargs) -> DraftModelDra
 def test_greedy_output_is_identical_to_hf_generate(model, kind):
     drafter = drafter_for(model, kind)  # one drafter across prompts: a new prompt must reset its cache
     for prompt in prompts(8, seed=5):
-        truth = hf_greedy(model, prompt, 64)
+        truth = hf_greedy(model, prompt, 64, eos=())
         result = generate(model, prompt, drafter, max_new_tokens=64)
         assert result.tokens == truth
         if kind == "self":  # the target drafting for itself: every draft accepted, plus the bonus token
@@ -56,14 +59,14 @@ def test_greedy_output_is_identical_to_hf_generate(model, kind):
 @pytest.mark.parametrize("max_new_tokens", [1, 3, 10, 11, 17])
 def test_eos_and_budget_inside_a_fully_accepted_chain(model, stop_at_eos, max_new_tokens):
     prompt = prompts(2)[1]
-    truth = hf_greedy(model, prompt, 30)
+    truth = hf_greedy(model, prompt, 30, eos=())
     eos = truth[9]  # a token the target really produces: generation stops right after it
     drafter = drafter_for(model, "self", num_draft=4, stop_token_ids=(eos,) if stop_at_eos else ())
     result = generate(model, prompt, drafter, max_new_tokens=max_new_tokens, eos_token_ids=[eos])
     assert result.tokens == hf_greedy(model, prompt, max_new_tokens, eos=[eos])
 
 
-class CheckedDrafter:
+class CheckedDrafter(Drafter):
     """Wraps a DraftModelDrafter and, after every round, compares its KV cache with a fresh prefill of
     the tokens it claims to hold."""
 
@@ -112,7 +115,7 @@ def test_draft_cache_equals_a_fresh_prefill_of_committed_tokens(model):
     # the second prompt shares the first one's beginning (the cache is cut back to the shared part),
     # the third shares nothing (the cache starts over)
     for prompt in [first[0], first[0][:4] + first[1], first[2]]:
-        truth = hf_greedy(model, prompt, 40)
+        truth = hf_greedy(model, prompt, 40, eos=())
         assert generate(model, prompt, checked, max_new_tokens=40).tokens == truth
     assert checked.rounds > 10 and checked.rollbacks > 3  # more than the two prompt switches
 
@@ -145,7 +148,7 @@ def test_sampled_chains_match_the_exact_distribution(sampling_model, kind, confi
 
 
 def test_sampled_chain_carries_q_padded_to_the_target_vocab(model):
-    from draftsmith.inference.runtime import DraftContext
+    from draftsmith.core.drafting import DraftContext
 
     drafter = drafter_for(model, "narrow", num_draft=3)
     context = DraftContext(prompts(1)[0], 5, CONFIGS[1], torch.Generator().manual_seed(0))
@@ -233,7 +236,7 @@ def test_a_model_without_decoder_layers_cannot_be_truncated():
 @pytest.mark.slow
 @pytest.mark.skipif(not SPEC_BENCH.is_file(), reason="Spec-Bench dev questions not present")
 def test_smollm2_truncated_draft_is_identical_to_hf_greedy():
-    from draftsmith.inference.target import load_target
+    from draftsmith.core.target import load_target
 
     target = load_target()
     drafter = build_draft_model_drafter(target, "layers:26:k=2")  # agrees with the target ~40% of the time
@@ -249,7 +252,7 @@ def test_smollm2_truncated_draft_is_identical_to_hf_greedy():
 
 
 def test_a_draft_smaller_than_the_tokenizer_is_refused(tmp_path, tiny_target_dir, tokenizer):
-    from draftsmith.inference.target import load_target
+    from draftsmith.core.target import load_target
 
     small = tmp_path / "small-draft"
     tiny_llama(len(tokenizer) - 10, seed=6).save_pretrained(small)

@@ -4,14 +4,16 @@ import pytest
 import torch
 
 from conftest import tiny_llama
-from decoding_helpers import hf_greedy, sampled_twice, self_distilled_batch
+from decoding_helpers import hf_greedy, sampled_twice, self_distilled_batch, serve
 from decoding_helpers import random_prompts as _random_prompts
+from draftsmith.core.drafting import DraftContext
+from draftsmith.core.tree import best_first_tree
+from draftsmith.drafters.base import FrozenTarget, UnknownOptionError
 from draftsmith.drafters.eagle import EagleConfig, EagleDrafter, causal_mask
 from draftsmith.drafters.io import DrafterCheckpointError, export_drafter
-from draftsmith.inference.runtime import DraftContext, generate
-from draftsmith.inference.tree import best_first_tree
-from draftsmith.train.batch import FrozenTarget
-from draftsmith.train.families import get_family
+from draftsmith.drafters.registry import get_family
+from draftsmith.inference.runtime import generate
+from draftsmith.train.losses import check_loss_options, family_loss
 from draftsmith.train.recipe import RecipeError
 
 VOCAB = 97
@@ -35,7 +37,7 @@ def train(family_name, target, batch, steps, **options):
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     losses = []
     for _ in range(steps):
-        out = family.compute_loss(model, batch, frozen, {"feature_noise": 0.0})
+        out = family_loss(family)(model, batch, frozen, feature_noise=0.0)
         optimizer.zero_grad()
         out.loss.backward()
         optimizer.step()
@@ -45,7 +47,7 @@ def train(family_name, target, batch, steps, **options):
 
 @pytest.fixture(scope="module")
 def trained_fspad(target):
-    model, _ = train("fspad", target, self_distilled_batch(target, VOCAB), 200, tree_depth=4, tree_top_k=3)
+    model, _ = train("fspad", target, self_distilled_batch(target, VOCAB), 200, depth=4, top_k=3)
     return model
 
 
@@ -67,7 +69,7 @@ def test_loss_is_finite_and_trains_only_the_drafter(target, family):
     batch = self_distilled_batch(target, VOCAB, n=3, new_tokens=8)
     model = get_family(family).build(target.config, {})
     frozen = FrozenTarget.from_model(target)
-    out = get_family(family).compute_loss(model, batch, frozen, {})
+    out = family_loss(get_family(family))(model, batch, frozen)
     assert torch.isfinite(out.loss)
     out.loss.backward()
     assert all(p.grad is not None for p in model.parameters())
@@ -80,16 +82,18 @@ def test_fspad_components_switch_off_separately(target):
     model = get_family("fspad").build(target.config, {"feature_sampler": False})
     assert model.feature_sampler is None and model.config.partial_alignment
     assert model.mlp.down_proj.out_features == 2 * target.config.hidden_size
-    with pytest.raises(RecipeError, match="did you mean 'feature_sampler'"):
+    with pytest.raises(UnknownOptionError, match="did you mean 'feature_sampler'"):
         get_family("fspad").build(target.config, {"feature_sampeler": False})
+    with pytest.raises(UnknownOptionError, match="'drafter.tree_top_k' is now 'drafter.top_k'"):
+        get_family("fspad").build(target.config, {"tree_top_k": 3})
     from draftsmith.drafters.eagle import EagleConfigError
 
     with pytest.raises(EagleConfigError, match="draft_vocab_size must be between 0 .* 97, got 500"):
         get_family("fspad").build(target.config, {"draft_vocab_size": 500})
-    with pytest.raises(EagleConfigError, match="tree_depth, tree_top_k and tree_total_tokens"):
-        get_family("eagle").build(target.config, {"tree_top_k": 0})
+    with pytest.raises(EagleConfigError, match="drafter.top_k must be >= 1, got 0"):
+        get_family("eagle").build(target.config, {"top_k": 0})
     with pytest.raises(RecipeError, match="loss.ce_wieght"):
-        get_family("eagle").check_loss_options({"ce_wieght": 0.1})
+        check_loss_options(get_family("eagle"), {"ce_wieght": 0.1})
 
 
 @pytest.mark.parametrize("family", ["eagle", "fspad"])
@@ -133,13 +137,12 @@ def _context(target, prompt, extra):
 
 
 def test_incremental_drafter_cache_equals_one_pass(target, trained_fspad):
-    family = get_family("fspad")
     prompt = random_prompts(1, seed=5)[0]
     full = prompt + hf_greedy(target, prompt, 12)
-    stepwise = family.serve(trained_fspad, target)
+    stepwise = serve(trained_fspad, target)
     for cut in (len(prompt) + 1, len(prompt) + 4, len(full)):
         stepwise.propose(_context(target, full[:cut], []))
-    fresh = family.serve(trained_fspad, target)
+    fresh = serve(trained_fspad, target)
     fresh.propose(_context(target, full, []))
     assert stepwise._cache.layers[0].keys.shape[-2] == len(full) - 1
     torch.testing.assert_close(stepwise._cache.layers[0].keys, fresh._cache.layers[0].keys)
@@ -151,7 +154,7 @@ def test_chain_expansion_equals_running_the_drafter_on_its_own_path(target, trai
     drafter over the committed inputs plus its own predicted (feature, token) pairs gives."""
     prompt = random_prompts(1, seed=7)[0]
     context = _context(target, prompt, hf_greedy(target, prompt, 3))
-    drafter = get_family("fspad").serve(trained_fspad, target, depth=5, top_k=1, total_tokens=5)
+    drafter = serve(trained_fspad, target, depth=5, top_k=1, total_tokens=5)
     tree = drafter.propose(context)
     frozen = FrozenTarget.from_model(target)
     tokens, feats = list(context.tokens), list(context.features)
@@ -172,7 +175,7 @@ def test_greedy_decoding_is_lossless(target, trained_fspad):
     random_eagle = get_family("eagle").build(target.config, {}).eval()
     taus = {}
     for name, model in (("random", random_eagle), ("trained", trained_fspad)):
-        drafter = get_family(model.config.drafter_family).serve(model, target, total_tokens=10)
+        drafter = serve(model, target, total_tokens=10)
         results = []
         for prompt in random_prompts(12, seed=11):
             reference = hf_greedy(target, prompt, 48)
@@ -189,7 +192,7 @@ def test_draft_vocabulary_limits_proposals_and_stays_lossless(target):
     model.fit_data(torch.bincount(batch.input_ids[batch.attention_mask.bool()], minlength=VOCAB))
     allowed = set(model.draft_vocab.tolist())
     assert len(allowed) == 24
-    drafter = get_family("fspad").serve(model, target)
+    drafter = serve(model, target)
     for prompt in random_prompts(6, seed=21):
         tree = drafter.propose(_context(target, prompt, []))
         assert set(tree.tokens.tolist()) <= allowed
@@ -199,7 +202,7 @@ def test_draft_vocabulary_limits_proposals_and_stays_lossless(target):
 
 
 def test_sampled_decoding_is_reproducible(target, trained_fspad):
-    drafter = get_family("fspad").serve(trained_fspad, target)
+    drafter = serve(trained_fspad, target)
     runs = sampled_twice(target, drafter, random_prompts(1, seed=3)[0])
     assert runs[0] == runs[1] and len(runs[0]) > 0
 
@@ -211,8 +214,9 @@ def test_config_follows_target_shape(target):
 
 
 def test_loading_checks_the_target(tiny_target_dir, other_target_dir, tmp_path):
+    from draftsmith.core.target import TargetError, load_target
+    from draftsmith.drafters.io import DrafterCheckpointError
     from draftsmith.inference.methods import build_drafter
-    from draftsmith.inference.target import TargetError, load_target
 
     tiny, other = load_target(str(tiny_target_dir)), load_target(str(other_target_dir))
     model = get_family("fspad").build(tiny.model.config, {})
@@ -222,9 +226,9 @@ def test_loading_checks_the_target(tiny_target_dir, other_target_dir, tmp_path):
     assert build_drafter(str(tmp_path / "fspad"), tiny).name == "fspad"  # a directory alone works too
     with pytest.raises(TargetError, match="not this target: model config differs"):
         build_drafter(f"fspad={tmp_path / 'fspad'}", other)
-    with pytest.raises(TargetError, match="holds a 'fspad' drafter, not 'eagle'; use --method fspad="):
+    with pytest.raises(DrafterCheckpointError, match="holds a 'fspad' drafter, not 'eagle'; use --method fspad="):
         build_drafter(f"eagle={tmp_path / 'fspad'}", tiny)
-    with pytest.raises(TargetError, match="no config.json"):
+    with pytest.raises(DrafterCheckpointError, match="no config.json"):
         build_drafter(f"eagle={tmp_path}", tiny)
 
 
@@ -264,13 +268,14 @@ def test_speculators_export_matches_the_documented_layout(target, tmp_path):
 
 
 def test_tree_options_at_serve_time(tiny_target_dir, tmp_path):
-    from draftsmith.inference.methods import MethodError, build_drafter, split_tree_options
-    from draftsmith.inference.target import load_target
+    from draftsmith.core.target import load_target
+    from draftsmith.drafters.base import TreeOptionError
+    from draftsmith.inference.methods import build_drafter, split_tree_options
 
-    assert split_tree_options("a:b/dir:depth=4:top_k=2") == ("a:b/dir", {"depth": 4, "top_k": 2})
+    assert split_tree_options("a:b/dir:depth=4:top_k=2") == ("a:b/dir", {"depth": "4", "top_k": "2"})
     tiny = load_target(str(tiny_target_dir))
     export_drafter(get_family("eagle").build(tiny.model.config, {}), tiny.identity.to_dict(), tmp_path / "e")
     drafter = build_drafter(f"eagle={tmp_path / 'e'}:depth=3:top_k=2:total_tokens=5", tiny)
     assert (drafter.depth, drafter.top_k, drafter.total_tokens) == (3, 2, 5)
-    with pytest.raises(MethodError, match="eagle has no tree option width; it takes depth, top_k, total_tokens"):
+    with pytest.raises(TreeOptionError, match="eagle has no tree option width; it takes depth, top_k, total_tokens"):
         build_drafter(f"eagle={tmp_path / 'e'}:width=3", tiny)

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from conftest import sharegpt, write_jsonl
+from draftsmith.core.target import load_target
 from draftsmith.data.features import CacheSettings, FeatureCache, FeatureCacheError, build_feature_cache
 from draftsmith.data.prepared import PreparedDataError, PreparedDataset
-from draftsmith.inference.target import load_target
 from draftsmith.train.cli import main
 
 

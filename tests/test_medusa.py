@@ -9,8 +9,10 @@ import yaml
 from torch import nn
 
 from conftest import tiny_llama
-from decoding_helpers import hf_greedy, prepare_arithmetic_chats, sampled_twice, self_distilled_batch
+from decoding_helpers import hf_greedy, prepare_arithmetic_chats, sampled_twice, self_distilled_batch, serve
 from decoding_helpers import random_prompts as _random_prompts
+from draftsmith.core.drafting import DraftContext
+from draftsmith.drafters.base import FrozenTarget, UnknownOptionError
 from draftsmith.drafters.io import export_drafter
 from draftsmith.drafters.medusa import (
     DEFAULT_TREES,
@@ -22,10 +24,10 @@ from draftsmith.drafters.medusa import (
     expected_accept_length,
     resolve_tree,
 )
-from draftsmith.inference.runtime import DraftContext, generate
-from draftsmith.train.batch import FrozenTarget, TrainBatch
-from draftsmith.train.families import get_family
-from draftsmith.train.losses import medusa_loss
+from draftsmith.drafters.registry import get_family
+from draftsmith.inference.runtime import generate
+from draftsmith.train.batch import TrainBatch
+from draftsmith.train.losses import check_loss_options, medusa_loss
 from draftsmith.train.recipe import RecipeError
 
 VOCAB = 97
@@ -151,7 +153,7 @@ class _PositionHeads(nn.Module):
         self.offset, self.vocab, self.seen = offset, vocab, {}
         self.scale = nn.Parameter(torch.ones(()))
 
-    def vocab_index(self):
+    def vocab_index(self, vocab_size):
         return None
 
     def forward(self, per_head):
@@ -214,7 +216,7 @@ def test_draft_vocabulary_labels_outside_it_are_misses(target):
     model.init_from_target(FrozenTarget.from_model(target))
     out = medusa_loss(model, batch, FrozenTarget.from_model(target))
     assert torch.isfinite(out.loss)
-    index = model.vocab_index()
+    index = model.vocab_index(model.config.vocab_size)
     assert index[model.draft_vocab].tolist() == list(range(8)) and int((index >= 0).sum()) == 8
 
 
@@ -244,7 +246,7 @@ def test_drafter_tree_holds_each_heads_ranked_tokens(target, trained):
     tokens = prompt + hf_greedy(target, prompt, 3)
     with torch.no_grad():
         features = target.model(torch.tensor([tokens])).last_hidden_state[0, :-1]
-    drafter = get_family("medusa").serve(trained, target, tree=[[0, 0, 0], [1], [0, 2]])
+    drafter = serve(trained, target, tree=[[0, 0, 0], [1], [0, 2]])
     tree = drafter.propose(DraftContext(tokens, len(prompt), features=features))
     ranked = trained.all_heads(features[-1]).topk(3).indices  # (K, 3)
     expected = [ranked[0, 0], ranked[0, 1], ranked[1, 0], ranked[1, 2], ranked[2, 0]]  # paths sorted
@@ -253,7 +255,7 @@ def test_drafter_tree_holds_each_heads_ranked_tokens(target, trained):
 
 def test_dynamic_tree_is_the_best_paths_by_cumulative_log_probability(target, trained):
     features = torch.randn(5, 64)
-    drafter = get_family("medusa").serve(trained, target, tree="dynamic", top_k=3, total_tokens=7)
+    drafter = serve(trained, target, tree="dynamic", top_k=3, total_tokens=7)
     tree = drafter.propose(DraftContext(list(range(10, 16)), 3, features=features))
     with torch.no_grad():
         top = trained.all_heads(features[-1]).log_softmax(-1).topk(3)
@@ -306,7 +308,7 @@ def test_greedy_decoding_is_lossless(target, trained, which):
     model = trained if which == "trained" else get_family("medusa").build(target.config, {})  # random heads
     taus = []
     for tree in ("medusa-16", "dynamic"):
-        drafter = get_family("medusa").serve(model, target, tree=tree, total_tokens=10)
+        drafter = serve(model, target, tree=tree, total_tokens=10)
         produced = forwards = 0
         for prompt in random_prompts(8, seed=11):
             result = generate(target, prompt, drafter, max_new_tokens=40, eos_token_ids=[EOS])
@@ -335,10 +337,10 @@ def test_recipe_parses_and_bad_options_are_recipe_errors(target):
 
     recipe = load_train_recipe(REPO / "recipes" / "medusa1-smollm2.yaml")
     assert recipe.family_name == "medusa" and recipe.loss == {"decay": 0.8, "soft_labels": False}
-    with pytest.raises(RecipeError, match="did you mean 'num_heads'"):
+    with pytest.raises(UnknownOptionError, match="did you mean 'num_heads'"):
         get_family("medusa").build(target.config, {"num_head": 3})
     with pytest.raises(RecipeError, match="loss.decya"):
-        get_family("medusa").check_loss_options({"decya": 0.8})
+        check_loss_options(get_family("medusa"), {"decya": 0.8})
     with pytest.raises(MedusaTreeError, match="unknown Medusa tree"):
         get_family("medusa").build(target.config, {"tree": "big"})
 
@@ -366,8 +368,8 @@ def medusa_export(tmp_path_factory, tiny_target_dir):
 
 
 def test_trained_export_calibrates_and_decodes_losslessly(medusa_export, tiny_target_dir, capsys):
+    from draftsmith.core.target import load_target
     from draftsmith.inference.methods import build_drafter
-    from draftsmith.inference.target import load_target
     from draftsmith.train.cli import main
 
     root, export = medusa_export, medusa_export / "export"
@@ -427,18 +429,19 @@ def test_trained_export_calibrates_and_decodes_losslessly(medusa_export, tiny_ta
 
 def test_a_shipped_tree_can_replace_the_exported_one_at_serve_time(medusa_export, tiny_target_dir):
     """``medusa=DIR:tree=medusa-16`` against ``medusa=DIR`` compares a calibrated tree with a default one."""
-    from draftsmith.inference.methods import MethodError, build_drafter, split_tree_options
-    from draftsmith.inference.target import load_target
+    from draftsmith.core.target import load_target
+    from draftsmith.drafters.base import TreeOptionError
+    from draftsmith.inference.methods import build_drafter, split_tree_options
 
     export = medusa_export / "export"
-    assert split_tree_options("d:tree=medusa-16:top_k=3") == ("d", {"tree": "medusa-16", "top_k": 3})
+    assert split_tree_options("d:tree=medusa-16:top_k=3") == ("d", {"tree": "medusa-16", "top_k": "3"})
     tiny = load_target(str(tiny_target_dir))
     drafter = build_drafter(f"medusa={export}:tree=medusa-16", tiny)
     assert drafter.static.paths == tuple(resolve_tree("medusa-16", 3))  # not DIR/config.json's tree
     assert build_drafter(f"medusa={export}:tree=dynamic:total_tokens=6", tiny).static is None
-    with pytest.raises(MethodError, match="tree takes a tree name"):
+    with pytest.raises(TreeOptionError, match="tree takes a tree name"):
         build_drafter(f"medusa={export}:tree=16", tiny)
-    with pytest.raises(MethodError, match="top_k takes a whole number"):
+    with pytest.raises(TreeOptionError, match="top_k takes a whole number"):
         build_drafter(f"medusa={export}:top_k=many", tiny)
     with pytest.raises(MedusaTreeError, match="unknown Medusa tree"):
         build_drafter(f"medusa={export}:tree=medusa-7", tiny)
@@ -455,7 +458,7 @@ def test_calibrate_refuses_other_families(medusa_export, tiny_target_dir, tmp_pa
 
 
 def test_sampled_decoding_is_reproducible(target, trained):
-    drafter = get_family("medusa").serve(trained, target)
+    drafter = serve(trained, target)
     runs = sampled_twice(target, drafter, random_prompts(1, seed=3)[0])
     assert runs[0] == runs[1] and len(runs[0]) > 0
 
@@ -464,7 +467,7 @@ def test_the_trainer_starts_heads_from_lm_head(medusa_export, tiny_target_dir):
     """Two Adam steps at lr 1e-3 move a weight by ~2e-3; a head not copied from lm_head would sit ~0.1 away."""
     from safetensors.torch import load_file
 
-    from draftsmith.inference.target import load_target
+    from draftsmith.core.target import load_target
 
     weights = load_file(str(medusa_export / "export" / "model.safetensors"))
     lm_head = load_target(str(tiny_target_dir)).model.lm_head.weight

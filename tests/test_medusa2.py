@@ -13,13 +13,14 @@ import yaml
 from safetensors.torch import load_file
 
 from conftest import tiny_llama
-from decoding_helpers import hf_greedy, padded, prepare_arithmetic_chats, sampled_twice
+from decoding_helpers import hf_greedy, padded, prepare_arithmetic_chats, sampled_twice, serve
 from decoding_helpers import random_prompts as _random_prompts
+from draftsmith.drafters.base import FrozenTarget
 from draftsmith.drafters.medusa import resolve_tree
 from draftsmith.drafters.medusa2 import Medusa2ConfigError, Medusa2Model
+from draftsmith.drafters.registry import get_family
 from draftsmith.inference.runtime import generate
-from draftsmith.train.batch import FrozenTarget, TrainBatch
-from draftsmith.train.families import get_family
+from draftsmith.train.batch import TrainBatch
 from draftsmith.train.losses import medusa2_loss, medusa_loss
 
 REPO = Path(__file__).resolve().parents[1]
@@ -135,7 +136,7 @@ def test_greedy_decoding_is_lossless_for_the_adapted_model(trained):
     target, model = trained
     differs, taus = 0, []
     for tree in ("medusa-16", "dynamic"):
-        drafter = get_family("medusa2").serve(model, target, tree=tree, total_tokens=10)
+        drafter = serve(model, target, tree=tree, total_tokens=10)
         for prompt in random_prompts(6, seed=5) + random_prompts(6, seed=99):
             with model.adapted() as adapted:
                 reference = hf_greedy(adapted, prompt, 30)
@@ -149,7 +150,7 @@ def test_greedy_decoding_is_lossless_for_the_adapted_model(trained):
 
 def test_sampled_decoding_is_reproducible(trained):
     target, model = trained
-    runs = sampled_twice(target, get_family("medusa2").serve(model, target), random_prompts(1, seed=3)[0])
+    runs = sampled_twice(target, serve(model, target), random_prompts(1, seed=3)[0])
     assert runs[0] == runs[1] and len(runs[0]) > 0
 
 
@@ -200,7 +201,7 @@ def test_trainer_steps_and_resume_exactly(medusa2_run):
 def test_export_holds_heads_and_a_peft_adapter_and_round_trips(medusa2_run, tiny_target_dir):
     from peft import PeftModel
 
-    from draftsmith.inference.target import load_target
+    from draftsmith.core.target import load_target
 
     export = medusa2_run / "export"
     config = json.loads((export / "config.json").read_text())
@@ -238,9 +239,9 @@ def test_an_adapter_that_does_not_match_the_config_is_refused(medusa2_run, tmp_p
 
 
 def test_exported_drafter_serves_the_adapted_model_and_bench_reports_agreement(medusa2_run, tiny_target_dir):
+    from draftsmith.core.target import load_target
     from draftsmith.inference.bench import Question, run_bench
     from draftsmith.inference.methods import build_drafter
-    from draftsmith.inference.target import load_target
 
     export = medusa2_run / "export"
     tiny = load_target(str(tiny_target_dir))
@@ -248,7 +249,7 @@ def test_exported_drafter_serves_the_adapted_model_and_bench_reports_agreement(m
     assert drafter.name == "medusa2" and drafter.static.paths == tuple(resolve_tree("medusa-8", 3))
     prompt = tiny.encode_chat([{"role": "user", "content": "Question 3: what is 3 plus 3?"}])
     result = generate(tiny.model, prompt, drafter, max_new_tokens=16, eos_token_ids=tiny.eos_token_ids)
-    with drafter.served_model() as adapted:
+    with drafter.reference_model() as adapted:
         reference = hf_greedy(adapted, prompt, 16, tiny.eos_token_ids)
     assert result.tokens == reference
     assert build_drafter(f"medusa={export}:tree=dynamic", tiny).static is None
@@ -260,12 +261,13 @@ def test_exported_drafter_serves_the_adapted_model_and_bench_reports_agreement(m
 
 
 def test_loading_for_another_target_is_refused(medusa2_run, other_target_dir):
+    from draftsmith.core.target import TargetError, load_target
+    from draftsmith.drafters.io import DrafterCheckpointError
     from draftsmith.inference.methods import build_drafter
-    from draftsmith.inference.target import TargetError, load_target
 
     with pytest.raises(TargetError, match="trained for"):
         build_drafter(f"medusa={medusa2_run / 'export'}", load_target(str(other_target_dir)))
-    with pytest.raises(TargetError, match="not 'eagle'; use --method medusa="):
+    with pytest.raises(DrafterCheckpointError, match="not 'eagle'; use --method medusa="):
         build_drafter(f"eagle={medusa2_run / 'export'}", load_target(str(other_target_dir)))
 
 

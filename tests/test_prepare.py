@@ -7,8 +7,8 @@ import sys
 import pytest
 
 from conftest import sharegpt, write_jsonl
+from draftsmith.core.target import load_tokenizer
 from draftsmith.data.prepared import PreparedDataError, PreparedDataset
-from draftsmith.inference.target import load_tokenizer
 from draftsmith.train.cli import main
 
 

@@ -5,8 +5,8 @@ import json
 import pytest
 
 from conftest import sharegpt, write_jsonl
+from draftsmith.core.target import load_target
 from draftsmith.data.regenerate import RegenerateError, RegenerateSettings, _generate_batch, meta_path, regenerate
-from draftsmith.inference.target import load_target
 
 
 @pytest.fixture(scope="module")

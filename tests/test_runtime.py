@@ -1,5 +1,6 @@
 """Tree-decoding runtime (greedy): trees, masks, KV compaction and token identity with HF generate."""
 
+import dataclasses
 import random
 
 import pytest
@@ -7,11 +8,13 @@ import torch
 from transformers import DynamicCache
 
 from conftest import tiny_llama
-from draftsmith.inference.cache import cache_length, commit_tree_path
+from decoding_helpers import hf_greedy
+from draftsmith.core.cache import cache_length, commit_tree_path
+from draftsmith.core.drafting import DraftContext, Drafter
+from draftsmith.core.tree import DraftTree, tree_attention_inputs
+from draftsmith.core.verify import verify_greedy
 from draftsmith.inference.pld import PromptLookupDrafter
-from draftsmith.inference.runtime import DraftContext, generate
-from draftsmith.inference.tree import DraftTree, tree_attention_inputs
-from draftsmith.inference.verify import verify_greedy
+from draftsmith.inference.runtime import generate
 
 VOCAB = 97
 
@@ -19,20 +22,6 @@ VOCAB = 97
 @pytest.fixture(scope="module")
 def model():
     return tiny_llama(VOCAB, seed=0)
-
-
-def hf_greedy(model, prompt, max_new_tokens, eos=()):
-    out = model.generate(
-        torch.tensor([prompt]),
-        do_sample=False,
-        max_new_tokens=max_new_tokens,
-        eos_token_id=list(eos) or None,
-        pad_token_id=0,
-        temperature=None,
-        top_p=None,
-        top_k=None,
-    )
-    return out[0, len(prompt) :].tolist()
 
 
 def prompts(n, seed=0):
@@ -44,7 +33,7 @@ def prompts(n, seed=0):
     return made
 
 
-class OracleDrafter:
+class OracleDrafter(Drafter):
     """Knows the true greedy continuation; proposes the true path cut at a chosen length (cycling
     0..depth, so every acceptance length happens) plus a wrong sibling at every level."""
 
@@ -63,7 +52,7 @@ class OracleDrafter:
         return DraftTree.from_paths(paths) if paths else DraftTree.empty()
 
 
-class RandomDrafter:
+class RandomDrafter(Drafter):
     name = "random"
 
     def __init__(self, seed=0):
@@ -136,7 +125,7 @@ def test_compacted_cache_equals_plain_cache(model):
 @pytest.mark.parametrize("drafter_name", ["none", "pld", "oracle", "random"])
 def test_greedy_output_is_identical_to_hf_generate(model, drafter_name):
     for prompt in prompts(6, seed=hash(drafter_name) % 100):
-        truth = hf_greedy(model, prompt, 48)
+        truth = hf_greedy(model, prompt, 48, eos=())
         drafter = {
             "none": None,
             "pld": PromptLookupDrafter(),
@@ -145,12 +134,35 @@ def test_greedy_output_is_identical_to_hf_generate(model, drafter_name):
         }[drafter_name]
         result = generate(model, prompt, drafter, max_new_tokens=48)
         assert result.tokens == truth
-        assert sum(result.accept_lengths) + 1 == len(result.tokens) or len(result.tokens) == 48
+        assert_bookkeeping(result, max_new_tokens=48)
+
+
+def assert_bookkeeping(result, max_new_tokens):
+    """One forward per accepted-length entry plus the prefill; the prefill commits one token and each
+    verification forward its accepted length, except that the last one may be cut by the budget."""
+    assert result.target_forwards == len(result.accept_lengths) + 1
+    committed = 1 + sum(result.accept_lengths)
+    cut = committed - len(result.tokens)
+    assert cut == 0 or (len(result.tokens) == max_new_tokens and 0 < cut < result.accept_lengths[-1])
+
+
+def test_bookkeeping_check_fails_on_a_wrong_count(model):
+    prompt = prompts(1)[0]
+    result = generate(
+        model, prompt, OracleDrafter(hf_greedy(model, prompt, 40, eos=()), len(prompt)), max_new_tokens=40
+    )
+    assert_bookkeeping(result, max_new_tokens=40)
+    # a forward that claims more tokens than a budget cut can explain (the oracle accepts at most 6)
+    more = dataclasses.replace(result, accept_lengths=[result.accept_lengths[0] + 10, *result.accept_lengths[1:]])
+    missing = dataclasses.replace(result, accept_lengths=result.accept_lengths[1:])  # a forward not recorded
+    for wrong in (more, missing):
+        with pytest.raises(AssertionError):
+            assert_bookkeeping(wrong, max_new_tokens=40)
 
 
 def test_oracle_reaches_every_acceptance_length(model):
     prompt = prompts(1)[0]
-    truth = hf_greedy(model, prompt, 60)
+    truth = hf_greedy(model, prompt, 60, eos=())
     result = generate(model, prompt, OracleDrafter(truth, len(prompt), depth=5), max_new_tokens=60)
     assert result.tokens == truth
     assert set(result.accept_lengths) >= {1, 2, 3, 4, 5, 6}
@@ -160,7 +172,7 @@ def test_oracle_reaches_every_acceptance_length(model):
 @pytest.mark.parametrize("max_new_tokens", [1, 2, 7, 13])
 def test_eos_inside_an_accepted_span_and_the_token_budget(model, max_new_tokens):
     prompt = prompts(2)[1]
-    truth = hf_greedy(model, prompt, 30)
+    truth = hf_greedy(model, prompt, 30, eos=())
     eos = truth[9]  # a token the target really produces: generation must stop right after it
     expected = hf_greedy(model, prompt, max_new_tokens, eos=[eos])
     oracle = OracleDrafter(truth, len(prompt), depth=8)

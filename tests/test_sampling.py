@@ -8,10 +8,11 @@ import pytest
 import torch
 
 from conftest import tiny_llama
+from draftsmith.core.drafting import Drafter
+from draftsmith.core.tree import DraftTree
+from draftsmith.core.verify import SamplingConfig, Verdict
 from draftsmith.inference import runtime
 from draftsmith.inference.runtime import generate
-from draftsmith.inference.tree import DraftTree
-from draftsmith.inference.verify import SamplingConfig, Verdict
 
 V = 5
 PROMPT = [1, 3, 2, 4]
@@ -55,7 +56,7 @@ def chi_square_p_value(counts, expected_probs, n):
     return float(torch.special.gammaincc(torch.tensor(dof / 2.0), torch.tensor(stat / 2.0)))
 
 
-class FixedTree:
+class FixedTree(Drafter):
     """A deterministic tree with siblings at two depths (recursive rejection over siblings)."""
 
     name = "fixed-tree"
@@ -64,7 +65,7 @@ class FixedTree:
         return DraftTree.from_paths([[0, 1], [0, 2], [3, 0], [4]])
 
 
-class SampledChain:
+class SampledChain(Drafter):
     """Samples a 2-token chain from a fixed distribution q (Leviathan's rule applies)."""
 
     name = "sampled-chain"

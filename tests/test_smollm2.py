@@ -3,9 +3,9 @@
 import pytest
 import torch
 
+from draftsmith.core.target import SMOLLM2_NAME, load_target, load_tokenizer, smollm2_gguf_path
 from draftsmith.data.formats import Conversation
 from draftsmith.data.templates import tokenize_conversation
-from draftsmith.inference.target import SMOLLM2_NAME, load_target, load_tokenizer, smollm2_gguf_path
 
 pytestmark = pytest.mark.slow
 
@@ -74,7 +74,7 @@ def test_runtime_is_lossless_on_smollm2(cached):
     assert len(prompts) == 20
     for text in prompts:
         prompt = cached.encode_chat([{"role": "user", "content": text}])
-        reference, _ = hf_greedy(cached, prompt, 32, eos)
+        reference, _ = hf_greedy(cached.model, prompt, 32, eos)
         for drafter in (None, PromptLookupDrafter()):
             assert generate(cached.model, prompt, drafter, max_new_tokens=32, eos_token_ids=eos).tokens == reference
 
@@ -83,10 +83,10 @@ def test_feature_drafters_are_lossless_on_smollm2(cached, tmp_path):
     """EAGLE and FSPAD (untrained: whatever they propose) with a reduced draft vocabulary, through
     the exported-directory loader, on real prompts: token-identical to HF greedy."""
     from draftsmith.drafters.io import export_drafter
+    from draftsmith.drafters.registry import get_family
     from draftsmith.inference.bench import hf_greedy
     from draftsmith.inference.methods import build_drafter
     from draftsmith.inference.runtime import generate
-    from draftsmith.train.families import get_family
 
     eos = cached.eos_token_ids
     torch.manual_seed(0)
@@ -98,6 +98,6 @@ def test_feature_drafters_are_lossless_on_smollm2(cached, tmp_path):
         drafters.append(build_drafter(f"{family}={tmp_path / family}", cached))
     for text in _dev_prompts(4):
         prompt = cached.encode_chat([{"role": "user", "content": text}])
-        reference, _ = hf_greedy(cached, prompt, 20, eos)
+        reference, _ = hf_greedy(cached.model, prompt, 20, eos)
         for drafter in drafters:
             assert generate(cached.model, prompt, drafter, max_new_tokens=20, eos_token_ids=eos).tokens == reference

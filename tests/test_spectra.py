@@ -3,15 +3,18 @@
 import json
 import math
 import random
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from conftest import tiny_llama, write_jsonl
+from conftest import SHARED_DATA, tiny_llama, write_jsonl
 from decoding_helpers import hf_greedy
-from draftsmith.inference.runtime import DraftContext, generate
+from draftsmith.core.drafting import DraftContext
+from draftsmith.core.target import TargetError
+from draftsmith.core.tree import DraftTree
+from draftsmith.core.verify import SamplingConfig, Verdict
+from draftsmith.inference.runtime import generate
 from draftsmith.inference.spectra import NgramStore, SpectraConfig, SpectraDrafter, node_of_path
 from draftsmith.inference.spectra_retrieval import (
     SEPARATOR,
@@ -20,9 +23,6 @@ from draftsmith.inference.spectra_retrieval import (
     build_suffix_array,
     write_index,
 )
-from draftsmith.inference.target import TargetError
-from draftsmith.inference.tree import DraftTree
-from draftsmith.inference.verify import SamplingConfig, Verdict
 
 VOCAB = 97
 EOS = [2]  # the tiny Llama's EOS: HF generate stops there, so the runtime must too
@@ -240,8 +240,8 @@ def corpus_records():
 
 
 def test_index_command_keeps_the_lowest_perplexity_and_decodes_losslessly(tmp_path, tiny_target_dir, capsys):
+    from draftsmith.core.target import load_target
     from draftsmith.inference.spectra_retrieval import read_documents
-    from draftsmith.inference.target import load_target
     from draftsmith.train.cli import main
 
     corpus = write_jsonl(tmp_path / "chat.jsonl", corpus_records())
@@ -280,7 +280,7 @@ def test_index_command_keeps_the_lowest_perplexity_and_decodes_losslessly(tmp_pa
 
 
 def test_index_scoring_resumes_from_finished_scores(tmp_path, tiny_target_dir, capsys):
-    from draftsmith.inference.target import load_target
+    from draftsmith.core.target import load_target
     from draftsmith.train.cli import main
 
     corpus = tmp_path / "docs.txt"
@@ -298,8 +298,8 @@ def test_index_scoring_resumes_from_finished_scores(tmp_path, tiny_target_dir, c
 
 
 def test_an_index_for_another_target_is_refused_in_one_line(tmp_path, tiny_target_dir, other_target_dir, capsys):
+    from draftsmith.core.target import load_target
     from draftsmith.inference.methods import build_drafter
-    from draftsmith.inference.target import load_target
     from draftsmith.train.cli import main
 
     corpus = tmp_path / "docs.txt"
@@ -323,11 +323,11 @@ def test_an_index_for_another_target_is_refused_in_one_line(tmp_path, tiny_targe
 # ----------------------------------------------------------------------------- the real target
 @pytest.mark.slow
 def test_spectra_on_smollm2_is_identical_to_hf_greedy():
-    questions = Path("/work/shared/data/spec_bench_dev.jsonl")
+    questions = SHARED_DATA / "spec_bench_dev.jsonl"
     if not questions.is_file():
         pytest.skip("spec_bench_dev.jsonl is not available")
+    from draftsmith.core.target import load_target
     from draftsmith.inference.methods import build_drafter
-    from draftsmith.inference.target import load_target
 
     target = load_target()
     drafter = build_drafter("spectra", target)

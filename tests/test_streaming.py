@@ -10,19 +10,18 @@ import pytest
 import torch
 import yaml
 from safetensors.torch import load_file
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+from transformers import DynamicCache, LlamaForCausalLM
 
-from decoding_helpers import hf_greedy, prepare_arithmetic_chats
+from conftest import tiny_llama
+from decoding_helpers import hf_greedy, prepare_arithmetic_chats, serve
 from decoding_helpers import random_prompts as _random_prompts
+from draftsmith.core.tree import DraftTree, best_first_tree, cartesian_tree, tree_attention_inputs
 from draftsmith.drafters.streaming import (
     StreamingConfig,
     StreamingConfigError,
     StreamingModel,
-    serve_streaming,
-    stream_tree,
 )
 from draftsmith.inference.runtime import generate
-from draftsmith.inference.tree import DraftTree, best_first_tree, tree_attention_inputs
 from draftsmith.train.batch import TrainBatch
 from draftsmith.train.losses import streaming_loss
 
@@ -36,19 +35,7 @@ def random_prompts(n, seed):
 
 
 def make_target(seed: int = 0) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        eos_token_id=EOS,
-        pad_token_id=0,
-    )
-    return LlamaForCausalLM(config).eval()
+    return tiny_llama(VOCAB, seed, num_hidden_layers=4, eos_token_id=EOS)
 
 
 def make_streaming(target, lora_noise: float = 0.05, seed: int = 1, **options) -> StreamingModel:
@@ -164,18 +151,10 @@ def test_config_errors_name_the_key():
     with pytest.raises(StreamingConfigError, match="lora_target_modules"):
         StreamingConfig.for_target(target.config, lora_target_modules=["qproj"])
     with pytest.raises(StreamingConfigError, match="pruning"):
-        StreamingConfig.for_target(target.config, pruning_threshold=0.1)  # no adapter to prune with
+        StreamingConfig.for_target(target.config, prune=0.1)  # no adapter to prune with
     model = StreamingModel(StreamingConfig.for_target(target.config, num_stream_layers=2, lora_rank=4))
-    other = LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=VOCAB,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=4,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-        )
-    )
+    narrow = {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 2, "num_key_value_heads": 1}
+    other = tiny_llama(VOCAB, num_hidden_layers=4, **narrow)
     with pytest.raises(StreamingConfigError, match="hidden_size"):
         model.attach_target(other)
 
@@ -282,9 +261,9 @@ def test_stream_tree_is_the_best_nodes_of_the_full_tree():
         frontier = nxt
     for budget in (1, 5, 12):
         expected, _ = best_first_tree(parents, tokens, scores, budget)
-        got = stream_tree(logprobs, 3, budget)
+        got = cartesian_tree(logprobs, 3, budget)
         assert torch.equal(got.tokens, expected.tokens) and torch.equal(got.parents, expected.parents)
-    assert stream_tree(logprobs, 3, 100).depths().max() == 3
+    assert cartesian_tree(logprobs, 3, 100).depths().max() == 3
 
 
 @pytest.fixture(scope="module")
@@ -301,7 +280,7 @@ def trained():
 
 def test_greedy_decoding_is_lossless_for_the_adapted_model(trained):
     target, model = trained
-    drafter = serve_streaming(model, target, top_k=3, total_tokens=10)
+    drafter = serve(model, target, top_k=3, total_tokens=10)
     taus, differs = [], 0
     for prompt in random_prompts(12, seed=5) + random_prompts(12, seed=99):
         with model.adapted() as adapted:
@@ -315,10 +294,10 @@ def test_greedy_decoding_is_lossless_for_the_adapted_model(trained):
 
 
 def test_sampled_decoding_is_reproducible(trained):
-    from draftsmith.inference.verify import SamplingConfig
+    from draftsmith.core.verify import SamplingConfig
 
     target, model = trained
-    drafter = serve_streaming(model, target)
+    drafter = serve(model, target)
     prompt = random_prompts(1, seed=7)[0]
     runs = [
         generate(
@@ -345,8 +324,8 @@ def test_shipped_recipe_validates():
 
 
 def test_train_export_and_decode_through_the_cli(tmp_path, tiny_target_dir):
+    from draftsmith.core.target import load_target
     from draftsmith.inference.methods import build_drafter
-    from draftsmith.inference.target import load_target
     from draftsmith.train.cli import main
 
     prepare_arithmetic_chats(tmp_path / "prep", tiny_target_dir, 10)
@@ -370,7 +349,7 @@ def test_train_export_and_decode_through_the_cli(tmp_path, tiny_target_dir):
     drafter = build_drafter(f"streaming={tmp_path / 'export'}", tiny)
     prompt = tiny.encode_chat([{"role": "user", "content": "Question 3: what is 3 plus 3?"}])
     result = generate(tiny.model, prompt, drafter, max_new_tokens=16, eos_token_ids=tiny.eos_token_ids)
-    with drafter.model.adapted() as adapted:
+    with drafter.reference_model() as adapted:
         reference = adapted.generate(
             torch.tensor([prompt]), do_sample=False, max_new_tokens=16, eos_token_id=tiny.eos_token_ids, pad_token_id=0
         )[0, len(prompt) :].tolist()

@@ -12,11 +12,11 @@ from safetensors.torch import load_file
 from test_streaming import EOS, VOCAB, batch_of, make_streaming, make_target, random_prompts, train_streams
 from transformers import DynamicCache
 
-from decoding_helpers import hf_greedy, prepare_arithmetic_chats
-from draftsmith.drafters.streaming import StreamingConfigError, StreamingModel, serve_streaming
+from decoding_helpers import hf_greedy, prepare_arithmetic_chats, serve
+from draftsmith.core.tree import DraftTree, tree_attention_inputs
+from draftsmith.drafters.streaming import StreamingConfigError, StreamingModel
 from draftsmith.drafters.tree_pruning import TreePruning, surviving_rows, transition_probabilities, tree_parents
 from draftsmith.inference.runtime import generate
-from draftsmith.inference.tree import DraftTree, tree_attention_inputs
 from draftsmith.train.losses import streaming_loss
 
 H = 64  # the tiny target's hidden size
@@ -48,12 +48,12 @@ def test_adapter_is_a_rank_r_map_into_the_lm_head():
 def test_options_that_need_the_adapter_are_refused():
     target = make_target()
     with pytest.raises(StreamingConfigError, match="pruning_rank"):
-        make_streaming(target, pruning_threshold=0.1)
+        make_streaming(target, prune=0.1)
     with pytest.raises(StreamingConfigError, match="pruning_rank"):
         make_streaming(make_target(), train_pruning_only=True)
     plain = make_streaming(target)
     with pytest.raises(StreamingConfigError, match="pruning adapter"):
-        serve_streaming(plain, target, prune=0.1)
+        serve(plain, target, prune=0.1)
 
 
 # ---- what is pruned -----------------------------------------------------------------------------
@@ -129,9 +129,9 @@ def trained():
 
 def test_greedy_decoding_with_pruning_is_lossless_and_verifies_fewer_rows(trained):
     target, model = trained
-    drafter = serve_streaming(model, target, top_k=3, total_tokens=10, prune=0.1)
+    drafter = serve(model, target, top_k=3, total_tokens=10, prune=0.1)
     sizes = []  # (rows given, rows kept) of every tree forward
-    server_forward = drafter.serving_model.forward
+    server_forward = drafter.verifier.forward
 
     def counting_forward(input_ids, **kwargs):
         out = server_forward(input_ids, **kwargs)
@@ -139,7 +139,7 @@ def test_greedy_decoding_with_pruning_is_lossless_and_verifies_fewer_rows(traine
             sizes.append((input_ids.shape[1], input_ids.shape[1] if out.kept_rows is None else len(out.kept_rows)))
         return out
 
-    drafter.serving_model.forward = counting_forward
+    drafter.verifier.forward = counting_forward
     taus = []
     for prompt in random_prompts(12, seed=5) + random_prompts(8, seed=99):
         with model.adapted() as adapted:
@@ -156,7 +156,7 @@ def test_sampled_decoding_with_pruning_is_reproducible(trained):
     from decoding_helpers import sampled_twice
 
     target, model = trained
-    first, second = sampled_twice(target, serve_streaming(model, target, prune=0.1), random_prompts(1, seed=7)[0])
+    first, second = sampled_twice(target, serve(model, target, prune=0.1), random_prompts(1, seed=7)[0])
     assert first == second and len(first) > 0
 
 
@@ -198,8 +198,8 @@ def _recipe(tmp_path, tiny_target_dir, name: str, drafter: dict, train: dict | N
 
 
 def test_joint_then_afterwards_training_export_and_decode(tmp_path, tiny_target_dir, capsys):
+    from draftsmith.core.target import load_target
     from draftsmith.inference.methods import build_drafter
-    from draftsmith.inference.target import load_target
     from draftsmith.train.cli import main
 
     prepare_arithmetic_chats(tmp_path / "prep", tiny_target_dir, 10)
@@ -210,7 +210,7 @@ def test_joint_then_afterwards_training_export_and_decode(tmp_path, tiny_target_
     main(["export", str(tmp_path / "joint"), "--out", str(tmp_path / "joint-export")])
     assert "streams 128, pruning 1,024, lora" in capsys.readouterr().out  # γ·h, 2·8·h, then the LoRA
     # afterwards: the adapter trains on from the exported run, everything else frozen
-    drafter = {"pruning_rank": 8, "pruning_threshold": 0.01, "train_pruning_only": True}
+    drafter = {"pruning_rank": 8, "prune": 0.01, "train_pruning_only": True}
     main(["train", _recipe(tmp_path, tiny_target_dir, "after", drafter, {"init_from": str(tmp_path / "joint-export")})])
     main(["export", str(tmp_path / "after"), "--out", str(tmp_path / "after-export")])
     before = load_file(str(tmp_path / "joint-export/model.safetensors"))
@@ -221,12 +221,12 @@ def test_joint_then_afterwards_training_export_and_decode(tmp_path, tiny_target_
     # the runtime loads the adapter and the threshold (the recipe's default, or the method's option)
     tiny = load_target(str(tiny_target_dir))
     loaded = build_drafter(f"streaming={tmp_path / 'after-export'}", tiny)
-    assert loaded.prune == 0.01 and torch.equal(loaded.model.pruning[1].weight, after["pruning.1.weight"])
+    assert loaded.prune == 0.01 and torch.equal(loaded.adapting.pruning[1].weight, after["pruning.1.weight"])
     drafter = build_drafter(f"streaming={tmp_path / 'after-export'}:prune=0.2:top_k=2", tiny)
     assert drafter.prune == 0.2 and drafter.top_k == 2
     prompt = tiny.encode_chat([{"role": "user", "content": "Question 3: what is 3 plus 3?"}])
     result = generate(tiny.model, prompt, drafter, max_new_tokens=16, eos_token_ids=tiny.eos_token_ids)
-    with drafter.model.adapted() as adapted:
+    with drafter.reference_model() as adapted:
         assert result.tokens == hf_greedy(adapted, prompt, 16, tiny.eos_token_ids)
 
 
@@ -246,11 +246,12 @@ def test_init_from_fills_what_fits_and_refuses_other_options(tmp_path):
 
 
 def test_prune_option_must_be_a_fraction():
-    from draftsmith.inference.methods import MethodError, build_drafter, split_tree_options
+    from draftsmith.drafters.base import TreeOptionError
+    from draftsmith.inference.methods import build_drafter, split_tree_options
 
-    assert split_tree_options("runs/x:prune=0.05:top_k=2") == ("runs/x", {"prune": "0.05", "top_k": 2})
+    assert split_tree_options("runs/x:prune=0.05:top_k=2") == ("runs/x", {"prune": "0.05", "top_k": "2"})
     for bad in ("1.5", "abc"):
-        with pytest.raises(MethodError, match="prune"):
+        with pytest.raises(TreeOptionError, match="prune"):
             build_drafter(f"streaming=runs/x:prune={bad}", None)
-    with pytest.raises(MethodError, match="no tree option prune"):
+    with pytest.raises(TreeOptionError, match="no tree option prune"):
         build_drafter("eagle=runs/x:prune=0.1", None)

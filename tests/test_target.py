@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from draftsmith.inference import target as target_module
-from draftsmith.inference.target import TargetError, TargetIdentity, load_target, load_tokenizer
+from draftsmith.core import target as target_module
+from draftsmith.core.target import TargetError, TargetIdentity, load_target, load_tokenizer
 
 
 def test_local_directory_loads_and_identity_is_stable(tiny_target_dir):

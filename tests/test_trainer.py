@@ -16,9 +16,9 @@ import yaml
 from safetensors.torch import load_file
 
 from conftest import sharegpt, write_jsonl
+from draftsmith.core.target import load_target
 from draftsmith.data.features import CacheSettings, FeatureCacheError, build_feature_cache
 from draftsmith.data.prepared import PreparedDataError, PreparedDataset
-from draftsmith.inference.target import load_target
 from draftsmith.train.checkpoint import MARKER, complete_checkpoints, latest_checkpoint
 from draftsmith.train.cli import main
 from draftsmith.train.config import load_train_recipe
@@ -163,23 +163,22 @@ def test_an_interrupted_checkpoint_write_never_replaces_the_last_good_one(tmp_pa
 
 
 def test_nan_loss_stops_with_one_line_naming_the_step(tmp_path, recipe_path, monkeypatch, capsys):
-    import dataclasses
     import functools
 
-    from draftsmith.train.families import FAMILIES
+    from draftsmith.train import losses
 
-    family = FAMILIES["fspad"]
+    original = losses.feature_distillation_loss
     calls = {"n": 0}
 
-    @functools.wraps(family.loss)
+    @functools.wraps(original)
     def poisoned(model, batch, frozen, **options):
-        out = family.loss(model, batch, frozen, **options)
+        out = original(model, batch, frozen, **options)
         calls["n"] += 1
         if calls["n"] == 3:  # the first micro-batch of step 3
             out.loss = out.loss * float("nan")
         return out
 
-    monkeypatch.setitem(FAMILIES, "fspad", dataclasses.replace(family, loss=poisoned))
+    monkeypatch.setattr(losses, "feature_distillation_loss", poisoned)
     with pytest.raises(SystemExit) as info:
         main(["train", str(recipe_path)])
     stderr = capsys.readouterr().err

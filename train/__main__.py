@@ -6,12 +6,11 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from draftsmith.train.cli import run_command
 from draftsmith.train.commands import add_train_arguments, cmd_train
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    from draftsmith.train.cli import run_command
-
     parser = argparse.ArgumentParser(
         prog="accelerate launch -m draftsmith.train", description="Train a drafter from a YAML recipe."
     )

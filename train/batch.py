@@ -1,4 +1,5 @@
-"""What the generic trainer hands a drafter family's loss: one batch and the frozen target parts.
+"""What the generic trainer hands a drafter family's loss: one batch (and the frozen target parts,
+:class:`~draftsmith.drafters.base.FrozenTarget`).
 
 Every family's loss has the signature ``loss(model, batch, frozen, **options) -> LossOutput``; the
 ``options`` are the recipe's ``loss`` section, so a misspelt option is a TypeError caught as a recipe
@@ -10,7 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-from torch import nn
 
 
 @dataclass
@@ -31,22 +31,6 @@ class TrainBatch:
             *(t.to(device) if t is not None else None for t in (self.input_ids, self.loss_mask, self.attention_mask)),
             hidden_states=None if self.hidden_states is None else self.hidden_states.to(device),
         )
-
-
-@dataclass
-class FrozenTarget:
-    """The target's token embedding and ``lm_head``: used by drafters, never trained, never saved in
-    a drafter checkpoint (the checkpoint records the target's identity instead)."""
-
-    embed_tokens: nn.Module
-    lm_head: nn.Module
-
-    @classmethod
-    def from_model(cls, model: nn.Module) -> FrozenTarget:
-        embed, head = model.get_input_embeddings(), model.get_output_embeddings()
-        for module in (embed, head):
-            module.requires_grad_(False)
-        return cls(embed, head)
 
 
 @dataclass

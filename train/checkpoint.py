@@ -22,15 +22,18 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from draftsmith.data.io import atomic_write_json
+from draftsmith.core.errors import DraftsmithError
+from draftsmith.core.io import atomic_write_json, publish_directory
+from draftsmith.drafters.io import save_drafter_weights
 
 MARKER = "COMPLETE"
 STATE_FILE = "trainer_state.json"
+RESOLVED_RECIPE = "recipe.resolved.yaml"  # the run's recipe, file + overrides + defaults, beside its checkpoints
 DRAFTER_DIR = "drafter"
 _NAME = re.compile(r"^step-(\d+)$")
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(DraftsmithError, RuntimeError):
     """A checkpoint that is missing, incomplete or does not fit the run."""
 
 
@@ -86,11 +89,11 @@ def save_checkpoint(accelerator: Any, model: Any, output_dir: Path, state: dict[
     accelerator.save_state(str(tmp))
     weights = accelerator.get_state_dict(model)  # collective under ZeRO-3: every rank takes part
     if accelerator.is_main_process:
-        _save_drafter(accelerator.unwrap_model(model), weights, tmp / DRAFTER_DIR)
+        save_drafter_weights(accelerator.unwrap_model(model), tmp / DRAFTER_DIR, weights)
         atomic_write_json(tmp / STATE_FILE, state)
         _fsync_tree(tmp)
         (tmp / MARKER).write_text(f"step {step}\n")
-        _replace_dir(tmp, final)
+        publish_directory(tmp, final)  # the same step written again replaces it (a resumed run's final save)
         for old in complete_checkpoints(output_dir)[:-keep_last]:
             shutil.rmtree(old, ignore_errors=True)
     accelerator.wait_for_everyone()
@@ -103,32 +106,9 @@ def load_checkpoint(accelerator: Any, checkpoint: Path) -> dict[str, Any]:
     return read_state(checkpoint)
 
 
-def _save_drafter(model: Any, weights: dict[str, Any], directory: Path) -> None:
-    """The drafter's own config + weights, in the layout of ``drafters/io.py``."""
-    from safetensors.torch import save_file
-
-    from draftsmith.drafters.io import WEIGHTS_NAME
-
-    directory.mkdir(parents=True, exist_ok=True)
-    model.config.save_pretrained(directory)
-    tensors = {name: tensor.detach().contiguous().cpu() for name, tensor in weights.items()}
-    save_file(tensors, str(directory / WEIGHTS_NAME), metadata={"format": "pt"})
-
-
 def _fsync_tree(root: Path) -> None:
     """Flush every file before the marker is written, so the marker never outlives its data."""
     for path in root.rglob("*"):
         if path.is_file():
             with open(path, "rb") as handle:
                 os.fsync(handle.fileno())
-
-
-def _replace_dir(tmp: Path, final: Path) -> None:
-    if final.exists():  # the same step written again (e.g. the final save of a resumed run)
-        old = final.with_name(final.name + ".old")
-        shutil.rmtree(old, ignore_errors=True)
-        os.rename(final, old)
-        os.rename(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.rename(tmp, final)

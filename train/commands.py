@@ -42,10 +42,10 @@ def cmd_export(args: argparse.Namespace) -> None:
     if args.layout == "speculators":
         print(f"exported to {out} in vLLM's speculators layout (serve it with vLLM's --speculative-config)")
         return
-    from draftsmith.train.families import get_family
+    from draftsmith.drafters.registry import get_family
 
     family = json.loads((out / "config.json").read_text()).get("drafter_family", "eagle")
-    method = get_family(family).method or family  # a variant is served by its base method (medusa2: medusa=DIR)
+    method = get_family(family).method_name  # a variant is served by its base method (medusa2: medusa=DIR)
     counts = drafter_parameter_counts(out)
     print(f"parameters beside the target's: {', '.join(f'{kind} {n:,}' for kind, n in counts.items())}")
     print(

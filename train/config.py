@@ -13,7 +13,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Optional
 
-from draftsmith.train.recipe import RecipeError, load_recipe
+from draftsmith.drafters.registry import FAMILIES
+from draftsmith.train.losses import check_loss_options
+from draftsmith.train.recipe import RecipeError, check_keys, load_recipe
 
 
 @dataclass
@@ -92,13 +94,13 @@ def load_train_recipe(path: Path, overrides: Sequence[str] = ()) -> TrainRecipe:
 
 def validate(recipe: TrainRecipe) -> None:
     """Checks that need no model: the family exists, its options are known, numbers make sense."""
-    from draftsmith.train.families import FAMILIES, _check_keys, get_family  # heavy: imports the drafters
-
     if "family" not in recipe.drafter:
         raise RecipeError(f"recipe key 'drafter.family' is required (one of: {', '.join(FAMILIES)})")
-    family = get_family(recipe.family_name)
-    _check_keys("drafter", recipe.drafter_options, family.option_names())
-    family.check_loss_options(recipe.loss)
+    if recipe.family_name not in FAMILIES:
+        raise RecipeError(f"unknown drafter family {recipe.family_name!r}; available: {', '.join(FAMILIES)}")
+    family = FAMILIES[recipe.family_name]
+    check_keys("drafter", recipe.drafter_options, family.option_names())
+    check_loss_options(family, recipe.loss)
     if not recipe.data.prepared:
         raise RecipeError(
             "recipe key 'data.prepared' is required: a directory made by "

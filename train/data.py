@@ -18,9 +18,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from draftsmith.core.target import TargetIdentity
 from draftsmith.data.features import FeatureCache, FeatureCacheError, _dataset_fingerprint
 from draftsmith.data.prepared import PreparedDataError, PreparedDataset
-from draftsmith.inference.target import TargetIdentity
 from draftsmith.train.batch import TrainBatch
 
 EVAL_SPLIT_SEED = 0  # the held-out split does not move when train.seed changes

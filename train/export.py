@@ -11,7 +11,10 @@ from pathlib import Path
 
 import yaml
 
-from draftsmith.train.checkpoint import DRAFTER_DIR, CheckpointError, find_checkpoint, read_state
+from draftsmith.core.errors import DraftsmithError
+from draftsmith.drafters.io import export_drafter, export_speculators, read_drafter_config
+from draftsmith.drafters.registry import get_family
+from draftsmith.train.checkpoint import DRAFTER_DIR, RESOLVED_RECIPE, CheckpointError, find_checkpoint, read_state
 from draftsmith.train.config import TrainRecipe
 from draftsmith.train.recipe import build
 
@@ -28,10 +31,6 @@ def export_run(
 
     ``layout="speculators"`` writes vLLM's ``speculators`` EAGLE layout instead (plain EAGLE only),
     naming ``verifier`` (default: the recipe's target) as the model it drafts for."""
-    from draftsmith.drafters.io import export_drafter, export_speculators
-    from draftsmith.train.families import get_family
-    from draftsmith.train.trainer import RESOLVED_RECIPE
-
     run_dir = Path(run_dir)
     recipe_path = run_dir / RESOLVED_RECIPE
     if not recipe_path.is_file():
@@ -45,7 +44,7 @@ def export_run(
     if layout == "speculators":
         try:
             return export_speculators(model, verifier or recipe.target.name, out, overwrite=overwrite)
-        except ValueError as error:  # a family or option the layout cannot express
+        except DraftsmithError as error:  # a family or option the layout cannot express
             raise CheckpointError(f"cannot export {run_dir} for speculators: {error}") from None
     return export_drafter(model, state["target_identity"], out, overwrite=overwrite)
 
@@ -54,11 +53,5 @@ def drafter_parameter_counts(directory: Path) -> dict[str, int]:
     """An exported drafter's own parameters (the target's are not counted), by the kinds its model
     names in ``parameter_counts()`` (Speculative Streaming: streams, pruning, lora), else one total
     (e.g. Medusa's heads), so families can be put side by side."""
-    from draftsmith.inference.learned import read_drafter_config
-    from draftsmith.train.families import get_family
-
     family = get_family(read_drafter_config(Path(directory))["drafter_family"])
-    model = family.model_class.from_pretrained(str(directory))
-    if hasattr(model, "parameter_counts"):
-        return dict(model.parameter_counts())
-    return {"drafter": sum(p.numel() for p in model.parameters())}
+    return family.model_class.from_pretrained(str(directory)).parameter_counts()

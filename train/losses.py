@@ -5,11 +5,19 @@ The options are the recipe's ``loss`` section; their defaults are the published 
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Callable
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
+from draftsmith.core.tree import causal_mask
+from draftsmith.drafters.base import FrozenTarget
+from draftsmith.drafters.registry import Family
 from draftsmith.drafters.vocab import DraftHead
-from draftsmith.train.batch import FrozenTarget, LossOutput, TrainBatch
+from draftsmith.train.batch import LossOutput, TrainBatch
+from draftsmith.train.recipe import RecipeError, check_keys
 
 
 def _feature_pairs(batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -99,8 +107,6 @@ def _draft_step_accuracy(model, frozen, head, embeds, inputs, first, positions, 
 
 
 def _padded_causal_mask(padding: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    from draftsmith.drafters.eagle import causal_mask
-
     return causal_mask(padding.shape[1], dtype, padding.device, padding)
 
 
@@ -142,31 +148,52 @@ def _medusa_heads_ce(
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """``sum_k decay^k * CE_k`` and its metrics (see :func:`medusa_loss`) from each head's logits at its
     rows; ``core`` is the ``MedusaHeads``, ``features`` (B, T, h) float what they read."""
-    heads, vocab_index = len(rows), core.vocab_index()
-    spans = [mask.shape[1] for mask in rows]
-    loss = features.new_zeros(())
-    correct = torch.zeros(*batch.input_ids.shape, heads, dtype=torch.bool, device=features.device)
-    metrics: dict[str, float] = {}
-    for k in range(1, heads + 1):
-        span, mask, head_logits = spans[k - 1], rows[k - 1], logits[k - 1]
-        labels = batch.input_ids[:, k + 1 :][mask]
+    vocab_index = core.vocab_index(core.config.vocab_size)
+
+    def head_ce(k: int, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        head_logits, labels = logits[k - 1], batch.input_ids[:, k + 1 :][mask]
         columns = labels if vocab_index is None else vocab_index[labels]
         if soft_labels:
-            ce = _medusa_soft_ce(head_logits, features[:, k : k + span][mask], frozen, core)
+            ce = _medusa_soft_ce(head_logits, features[:, k : k + mask.shape[1]][mask], frozen, core)
         else:
             known = columns >= 0
             ce = F.cross_entropy(head_logits[known], columns[known]) if known.any() else head_logits.sum() * 0.0
-        loss = loss + decay**k * ce
-        hits = head_logits.detach().argmax(-1) == columns
-        correct[:, :span, k - 1][mask] = hits
-        metrics[f"loss/head{k}"] = float(ce.detach())
+        return ce, head_logits.detach().argmax(-1) == columns
+
+    ces, metrics = _per_offset_ce(batch, len(rows), head_ce, "head")
+    return sum(decay**k * ce for k, ce in enumerate(ces, start=1)), metrics
+
+
+def _per_offset_ce(
+    batch: TrainBatch,
+    count: int,
+    head_ce: Callable[[int, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+    name: str,
+) -> tuple[list[torch.Tensor], dict[str, float]]:
+    """The per-offset terms shared by Medusa's heads and Speculative Streaming's streams: head k
+    (1..``count``) at position t predicts ``x_{t+k+1}``, supervised where that is an assistant token.
+
+    ``head_ce(k, rows)`` gets the (B, T - k - 1) bool mask of head k's supervised positions and returns
+    its CE and top-1 hits there. Returns the CEs (head 1 first) and the metrics ``loss/{name}{k}``,
+    ``acc/{name}{k}`` and ``sim/accept_length`` = 1 + the mean number of leading heads that are all
+    right at a position (the acceptance length of a top-1 chain on this data)."""
+    supervised = (batch.loss_mask * batch.attention_mask).bool()
+    length = supervised.shape[1]
+    correct = torch.zeros(*supervised.shape, count, dtype=torch.bool, device=supervised.device)
+    ces, metrics = [], {}
+    for k in range(1, count + 1):
+        rows = supervised[:, k + 1 :]
+        ce, hits = head_ce(k, rows)
+        correct[:, : rows.shape[1], k - 1][rows] = hits
+        ces.append(ce)
+        metrics[f"loss/{name}{k}"] = float(ce.detach())
         if hits.numel():
-            metrics[f"acc/head{k}"] = float(hits.float().mean())
-    starts = rows[0] if spans[0] else None
-    if starts is not None and starts.any():
-        leading = correct[:, : spans[0]][starts].float().cumprod(-1).sum(-1)  # heads right in a row from head 1
+            metrics[f"acc/{name}{k}"] = float(hits.float().mean())
+    starts = supervised[:, 2:]  # positions where head 1 has a label
+    if starts.any():
+        leading = correct[:, : length - 2][starts].float().cumprod(-1).sum(-1)
         metrics["sim/accept_length"] = float(1.0 + leading.mean())
-    return loss, metrics
+    return ces, metrics
 
 
 def _medusa_soft_ce(head_logits: torch.Tensor, teacher_features: torch.Tensor, frozen: FrozenTarget, core):
@@ -246,7 +273,7 @@ def streaming_loss(
     core = getattr(model, "module", model)  # DDP / DeepSpeed wrap the model; compute still goes through model()
     out = model(batch.input_ids, attention_mask=batch.attention_mask)
     supervised = (batch.loss_mask * batch.attention_mask).bool()
-    length, streams = batch.input_ids.shape[1], out.stream_hidden.shape[2]
+    streams = out.stream_hidden.shape[2]
     main_rows = supervised[:, 1:]
     main_ce = _masked_ce(out.logits[:, :-1][main_rows], batch.input_ids[:, 1:][main_rows])
     loss, metrics = main_weight * main_ce, {"loss/main": float(main_ce.detach())}
@@ -254,23 +281,15 @@ def streaming_loss(
         pruning_ce, pruning_metrics = _pruning_ce(core, out.pruning_hidden, batch.input_ids, main_rows)
         loss = loss + pruning_weight * pruning_ce
         metrics.update(pruning_metrics)
-    correct = torch.zeros(*supervised.shape, streams, dtype=torch.bool, device=supervised.device)
-    for j in range(1, streams + 1):
-        span = max(length - j - 1, 0)  # stream j has a label at t < T - j - 1
-        rows = supervised[:, j + 1 :]
+
+    def stream_ce(j: int, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         labels = batch.input_ids[:, j + 1 :][rows]
-        logits = core.stream_logits(out.stream_hidden[:, :span, j - 1][rows])
-        ce = _masked_ce(logits, labels)
-        loss = loss + stream_weight * ce
-        hits = logits.detach().argmax(-1) == labels
-        correct[:, :span, j - 1][rows] = hits
-        metrics[f"loss/stream{j}"] = float(ce.detach())
-        if hits.numel():
-            metrics[f"acc/stream{j}"] = float(hits.float().mean())
-    starts = supervised[:, 2:]  # positions where stream 1 has a label
-    if starts.any():
-        leading = correct[:, : length - 2][starts].float().cumprod(-1).sum(-1)
-        metrics["sim/accept_length"] = float(1.0 + leading.mean())
+        logits = core.stream_logits(out.stream_hidden[:, : rows.shape[1], j - 1][rows])
+        return _masked_ce(logits, labels), logits.detach().argmax(-1) == labels
+
+    ces, stream_metrics = _per_offset_ce(batch, streams, stream_ce, "stream")
+    metrics.update(stream_metrics)
+    loss = loss + stream_weight * sum(ces)
     return LossOutput(loss, metrics)
 
 
@@ -290,3 +309,23 @@ def _pruning_ce(
 def _masked_ce(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Mean CE over the rows; zero (with a graph) when there are none."""
     return F.cross_entropy(logits.float(), labels) if labels.numel() else logits.sum() * 0.0
+
+
+LossFn = Callable[..., LossOutput]  # loss(model, batch: TrainBatch, frozen: FrozenTarget, **options)
+
+
+def family_loss(family: Family) -> LossFn:
+    """The loss function a family names (:attr:`Family.loss`), defined in this module."""
+    loss = globals().get(family.loss)
+    if not callable(loss):
+        raise RecipeError(f"drafter family {family.name!r} names the loss {family.loss!r}, which train/losses.py lacks")
+    return loss
+
+
+def loss_option_names(family: Family) -> list[str]:
+    """The recipe's ``loss.*`` keys of a family: its loss function's keywords after (model, batch, frozen)."""
+    return list(inspect.signature(family_loss(family)).parameters)[3:]
+
+
+def check_loss_options(family: Family, options: dict[str, Any]) -> None:
+    check_keys("loss", options, loss_option_names(family))

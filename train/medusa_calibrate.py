@@ -22,15 +22,19 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from draftsmith.core.io import atomic_write_json
+from draftsmith.core.target import load_target
+from draftsmith.data.features import CACHE_FORMAT, FeatureCache, target_features
+from draftsmith.data.prepared import PreparedDataset
+from draftsmith.drafters.io import check_drafter_target, read_drafter_config
 from draftsmith.drafters.medusa import MedusaHeads, MedusaTreeError, calibrated_paths, expected_accept_length
+from draftsmith.train.data import EVAL_SPLIT_SEED
 
 TREE_FORMAT = "draftsmith.medusa_tree/1"
 
 
 def held_out_indices(n_samples: int, count: int) -> list[int]:
     """The samples the trainer holds out with ``data.eval_samples=count`` (``TrainData``'s split)."""
-    from draftsmith.train.data import EVAL_SPLIT_SEED
-
     if not 0 < count < n_samples:
         raise MedusaTreeError(f"--samples must be between 1 and {n_samples - 1} (the data holds {n_samples} samples)")
     split = np.random.default_rng(EVAL_SPLIT_SEED).permutation(n_samples)
@@ -40,9 +44,6 @@ def held_out_indices(n_samples: int, count: int) -> list[int]:
 def iter_samples(data_dir: Path, target, count: int) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """``(input_ids, loss_mask, feature)`` of the held-out samples of a prepared dataset (features
     computed by the target) or of a feature cache (features read)."""
-    from draftsmith.data.features import CACHE_FORMAT, FeatureCache, target_features
-    from draftsmith.data.prepared import PreparedDataset
-
     manifest = data_dir / "manifest.json"
     is_cache = manifest.is_file() and json.loads(manifest.read_text()).get("format") == CACHE_FORMAT
     if is_cache:
@@ -118,10 +119,6 @@ def calibrate(
 ) -> dict[str, Any]:
     """Measure, build the tree and write it: into ``directory/config.json`` (what ``--method medusa=DIR``
     reads), or to ``out`` as a tree file when given. Returns the written record."""
-    from draftsmith.data.io import atomic_write_json
-    from draftsmith.inference.learned import check_drafter_target, read_drafter_config
-    from draftsmith.inference.target import load_target
-
     if nodes < 1 or max_rank < 1:
         raise MedusaTreeError("--nodes and --max-rank must be >= 1")
     directory = Path(directory)

@@ -11,10 +11,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from draftsmith.data.io import atomic_write_bytes
+from draftsmith.core.io import atomic_write_bytes
 
 
 def held_out_questions(per_category: int, seed: int = 1) -> list[dict[str, Any]]:
@@ -35,9 +36,7 @@ def held_out_questions(per_category: int, seed: int = 1) -> list[dict[str, Any]]
     return questions
 
 
-def _run(argv: list[str]) -> None:
-    from draftsmith.train.cli import build_parser
-
+def _run(build_parser: Callable[[], argparse.ArgumentParser], argv: list[str]) -> None:
     print(f"\n==> draftsmith {' '.join(argv)}", flush=True)
     args = build_parser().parse_args(argv)
     args.func(args)
@@ -60,8 +59,8 @@ def cmd_quickstart(args: argparse.Namespace) -> None:
     out = Path(args.out)
     prepared, features, run, export = out / "prepared", out / "features", out / "fspad", out / "fspad-drafter"
     if not _prepared_exists(prepared):
-        _run(["data", "prepare", "--out", str(prepared), "--overwrite"])
-    _run(["data", "cache-features", str(prepared), "--out", str(features)])
+        _run(args.build_parser, ["data", "prepare", "--out", str(prepared), "--overwrite"])
+    _run(args.build_parser, ["data", "cache-features", str(prepared), "--out", str(features)])
     train = [
         "train",
         str(shipped_recipes() / "fspad-smollm2.yaml"),
@@ -71,15 +70,15 @@ def cmd_quickstart(args: argparse.Namespace) -> None:
         f"train.max_steps={args.steps}",
         f"tracking.wandb={'true' if args.wandb else 'false'}",
     ]
-    _run(train + (["--resume"] if latest_checkpoint(run) is not None else []))
-    _run(["export", str(run), "--out", str(export), "--overwrite"])
+    _run(args.build_parser, train + (["--resume"] if latest_checkpoint(run) is not None else []))
+    _run(args.build_parser, ["export", str(run), "--out", str(export), "--overwrite"])
     questions = out / "questions.jsonl"
     atomic_write_bytes(
         questions, "".join(json.dumps(q) + "\n" for q in held_out_questions(args.questions_per_category)).encode()
     )
     bench = ["bench", "--questions", str(questions), "--methods", f"pld,fspad={export}"]
     bench += ["--max-new-tokens", str(args.max_new_tokens), "--out", str(out / "bench")]
-    _run(bench + (["--threads", str(args.threads)] if args.threads else []))
+    _run(args.build_parser, bench + (["--threads", str(args.threads)] if args.threads else []))
     print(
         f"\nDone. The drafter is in {export}; try it:\n"
         f'  draftsmith generate "Explain how a rainbow forms." --method fspad={export}\n'
@@ -89,7 +88,8 @@ def cmd_quickstart(args: argparse.Namespace) -> None:
     )
 
 
-def add_quickstart_command(subparsers: Any) -> None:
+def add_quickstart_command(subparsers: Any, build_parser: Callable[[], argparse.ArgumentParser]) -> None:
+    """``build_parser`` gives the whole ``draftsmith`` parser, whose commands the quickstart runs."""
     p = subparsers.add_parser(
         "quickstart",
         help="train, export and benchmark an FSPAD drafter for the embedded SmolLM2 (about 4 minutes on 2 CPU cores)",
@@ -103,4 +103,4 @@ def add_quickstart_command(subparsers: Any) -> None:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=None, help="torch threads for the bench (default: torch's choice)")
     p.add_argument("--wandb", action="store_true", help="also log to W&B (offline without network: WANDB_MODE=offline)")
-    p.set_defaults(func=cmd_quickstart)
+    p.set_defaults(func=cmd_quickstart, build_parser=build_parser)

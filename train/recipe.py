@@ -17,13 +17,20 @@ from typing import Any, TypeVar
 
 import yaml
 
-from draftsmith.data.io import atomic_write_bytes
+from draftsmith.core.errors import DraftsmithError
+from draftsmith.core.io import atomic_write_bytes
+from draftsmith.drafters.base import check_keys as check_option_keys
 
 T = TypeVar("T")
 
 
-class RecipeError(ValueError):
+class RecipeError(DraftsmithError, ValueError):
     """A recipe or override that does not fit the schema; the message names the key."""
+
+
+def check_keys(section: str, options: dict[str, Any], known: Sequence[str]) -> None:
+    """Unknown ``section.KEY`` recipe keys are recipe errors that suggest the key meant."""
+    check_option_keys(section, options, known, RecipeError)
 
 
 def shipped_recipes() -> Path:

@@ -15,14 +15,15 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from draftsmith.data.io import atomic_write_bytes
+from draftsmith.core.errors import DraftsmithError
+from draftsmith.core.io import atomic_write_bytes
 from draftsmith.train.config import TrackingSection
 
 METRICS_FILE = "metrics.jsonl"
 WANDB_ID_FILE = "wandb_run_id.txt"
 
 
-class TrackingError(RuntimeError):
+class TrackingError(DraftsmithError, RuntimeError):
     """A tracker that cannot start (e.g. W&B online without credentials)."""
 
 

@@ -1,6 +1,6 @@
 """The one training loop, shared by every drafter family.
 
-A family contributes its model (``family.build``) and its loss (``family.compute_loss``); the loop
+A family contributes its model (``family.build``) and its loss (``train.losses.family_loss``); the loop
 owns everything else: accelerate (one CPU, DDP, or DeepSpeed ZeRO through ``accelerate launch``),
 AdamW with warmup and decay, gradient accumulation and clipping, online or offline features, the
 NaN guard, tracking, held-out evaluation and exact resume from atomic checkpoints.
@@ -24,21 +24,32 @@ import torch
 import yaml
 from tqdm.auto import tqdm
 
-from draftsmith.data.io import atomic_write_json
-from draftsmith.train.batch import FrozenTarget, TrainBatch
-from draftsmith.train.checkpoint import latest_checkpoint, load_checkpoint, read_state, save_checkpoint
+from draftsmith.core.errors import DraftsmithError
+from draftsmith.core.io import atomic_write_json
+from draftsmith.core.target import TargetIdentity, load_target
+from draftsmith.drafters.base import FrozenTarget
+from draftsmith.drafters.io import check_drafter_target, read_drafter_config
+from draftsmith.drafters.registry import get_family
+from draftsmith.train.batch import TrainBatch
+from draftsmith.train.checkpoint import (
+    RESOLVED_RECIPE,
+    latest_checkpoint,
+    load_checkpoint,
+    read_state,
+    save_checkpoint,
+)
 from draftsmith.train.config import TrainRecipe, TrainSection
 from draftsmith.train.data import BatchPlan, TrainData, online_features, open_feature_cache, open_prepared
+from draftsmith.train.losses import family_loss
 from draftsmith.train.recipe import RecipeError, save_resolved, to_tree
 from draftsmith.train.tracking import Tracker
 
-RESOLVED_RECIPE = "recipe.resolved.yaml"
 RUN_INFO = "run_info.json"
 # Recipe keys a resumed run may change: they do not alter what the finished steps computed.
 RESUMABLE_CHANGES = ("train.max_steps", "train.resume", "tracking.")
 
 
-class TrainingError(RuntimeError):
+class TrainingError(DraftsmithError, RuntimeError):
     """Training cannot start or go on (non-finite loss, a run directory that does not fit)."""
 
 
@@ -174,11 +185,9 @@ class Trainer:
 
     # ---- setup -----------------------------------------------------------------------------
     def _load_target_and_data(self) -> None:
-        from draftsmith.inference.target import load_target
-        from draftsmith.train.families import get_family
-
         recipe, device = self.recipe, self.accelerator.device
         self.family = get_family(recipe.family_name)
+        self.loss = family_loss(self.family)
         self.target = load_target(recipe.target.name, dtype=recipe.target.dtype)
         self.target.model.requires_grad_(False)
         prepared = open_prepared(recipe.data.prepared, self.target.identity)
@@ -201,15 +210,11 @@ class Trainer:
         train = self.recipe.train
         set_seed(train.seed)  # the same initial weights on every rank
         model = self.family.build(self.target.model.config, self.recipe.drafter_options)
-        if hasattr(model.config, "drafter_family"):
-            model.config.drafter_family = self.family.name  # the export's registry key
-        if hasattr(model, "fit_data"):  # data-dependent setup (e.g. EAGLE-3's reduced draft vocabulary)
-            model.fit_data(self.data.token_counts(int(self.target.model.config.vocab_size)))
-        if hasattr(model, "init_from_target"):  # after fit_data: Medusa heads copy lm_head's draft-vocabulary rows
-            model.init_from_target(self.frozen)
+        model.fit_data(self.data.token_counts(int(self.target.model.config.vocab_size)))  # e.g. a draft vocabulary
+        model.init_from_target(self.frozen)  # after fit_data: Medusa heads copy lm_head's draft-vocabulary rows
         if train.init_from:  # a finished run's weights (a resumed run's checkpoint still overrides them)
             self._load_initial_weights(model, Path(train.init_from))
-        if hasattr(model, "attach_target"):  # models that run inside the target (Speculative Streaming's LoRA)
+        if model.runs_inside_target:  # LoRA families train inside the target, on the run's device
             model.attach_target(self.target.model.to(self.accelerator.device))
         params = [p for p in model.parameters() if p.requires_grad]
         self.n_trainable = sum(p.numel() for p in params)
@@ -224,9 +229,6 @@ class Trainer:
 
     def _load_initial_weights(self, model: torch.nn.Module, directory: Path) -> None:
         """``train.init_from``: an exported drafter of this family (or one it starts from), made for this target."""
-        from draftsmith.drafters.io import load_weights_into
-        from draftsmith.inference.learned import check_drafter_target, read_drafter_config
-
         config = read_drafter_config(directory)
         accepted = (self.family.name, *self.family.starts_from)
         if config["drafter_family"] not in accepted:
@@ -235,8 +237,7 @@ class Trainer:
                 f"a {self.family.name!r} run starts from {' or '.join(map(repr, accepted))}"
             )
         check_drafter_target(config, self.target, directory)
-        load = getattr(model, "load_initial_weights", None)  # a model whose parts come from several files
-        fresh = load(directory) if load is not None else load_weights_into(model, directory)
+        fresh = model.load_initial_weights(directory)
         if fresh and self.is_main:
             shown = ", ".join(fresh[:3]) + (f" and {len(fresh) - 3} more" if len(fresh) > 3 else "")
             tqdm.write(f"draftsmith: started from {directory}; {len(fresh)} tensors start fresh: {shown}")
@@ -249,8 +250,6 @@ class Trainer:
                 f"{state['global_batch']}; resume with the same number of processes "
                 f"(now {self.plan.world_size}, global batch {self.plan.global_batch})"
             )
-        from draftsmith.inference.target import TargetIdentity
-
         problem = TargetIdentity.from_dict(state["target_identity"]).mismatch(self.target.identity)
         if problem:
             raise TrainingError(f"{self.checkpoint} was trained for another target: {problem}")
@@ -311,7 +310,7 @@ class Trainer:
             batch = self._batch(self.plan.micro_batch(indices, micro, self.accelerator.process_index))
             with self.accelerator.accumulate(self.model):
                 with self._autocast():
-                    out = self.family.compute_loss(self.model, batch, self.frozen, self.recipe.loss)
+                    out = self.loss(self.model, batch, self.frozen, **self.recipe.loss)
                 loss, micro_tokens = self._global_mean(out.loss, int(batch.attention_mask.sum()))
                 if not math.isfinite(loss):
                     raise TrainingError(
@@ -347,9 +346,7 @@ class Trainer:
                 mine = chunk[self.accelerator.process_index :: self.plan.world_size]
                 weight = len(mine)  # a rank with nothing left runs a dummy batch (ZeRO-3 needs every rank)
                 with self._autocast():
-                    out = self.family.compute_loss(
-                        self.model, self._batch(mine or chunk[:1]), self.frozen, self.recipe.loss
-                    )
+                    out = self.loss(self.model, self._batch(mine or chunk[:1]), self.frozen, **self.recipe.loss)
                 sums["eval/loss"] += weight * float(out.loss)
                 for key, value in out.metrics.items():
                     sums[f"eval/{key}"] += weight * float(value)

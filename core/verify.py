@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from draftsmith.inference.tree import DraftTree
+from draftsmith.core.tree import DraftTree
 
 
 @dataclass

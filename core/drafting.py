@@ -1,0 +1,68 @@
+"""What the decoding runtime asks of a drafter: one base class with every optional hook declared once.
+
+Training-free drafters (``inference/``) and the runtime drafters of trained families (``drafters/``)
+subclass :class:`Drafter`; the runtime (``inference/runtime.py``) and ``bench`` call these methods and
+never probe for attributes.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from draftsmith.core.tree import DraftTree
+from draftsmith.core.verify import SamplingConfig, Verdict
+
+
+@dataclass
+class DraftContext:
+    """What a drafter sees each round: all committed tokens (prompt first; the last one is the root
+    of the next tree and is not yet in the target's KV cache)."""
+
+    tokens: list[int]
+    prompt_length: int
+    sampling: SamplingConfig | None = None  # None = greedy
+    generator: torch.Generator | None = None  # for drafters that sample their drafts
+    # For drafters with ``wants_features = True``: the target's feature (the input of its lm_head) at
+    # every committed token but the last, (len(tokens) - 1, h); rows of accepted tokens come from the
+    # verification forward itself, so features cost no extra target work.
+    features: torch.Tensor | None = None
+
+
+class Drafter:
+    """Proposes a token tree from the committed context; the runtime verifies it losslessly.
+
+    Only :meth:`propose` is required. The other hooks default to doing nothing, and a drafter
+    overrides the ones it needs."""
+
+    name: str = "drafter"
+    # True: the runtime hands the target's features to :meth:`propose` (``DraftContext.features``).
+    wants_features: ClassVar[bool] = False
+
+    def propose(self, context: DraftContext) -> DraftTree:
+        raise NotImplementedError(f"{type(self).__name__} must define propose()")
+
+    def observe(self, tree: DraftTree, logits: torch.Tensor, verdict: Verdict) -> None:
+        """Called after every verification forward with the tree it verified (``DraftTree.empty()`` when
+        speculation was off), the target's logits over ``[root, nodes]`` and the verdict: drafters that
+        learn from the target's own predictions (SPECTRA's pool) read them here at no extra forward."""
+
+    def verifier_model(self) -> torch.nn.Module | None:
+        """The model the runtime calls for every forward instead of the target (same call signature;
+        its ``.logits`` are what is verified), or None for the target itself. Speculative Streaming
+        drafts inside that forward; LoRA families verify against the adapted target."""
+        return None
+
+    def verified_rows(self, output: Any) -> torch.Tensor | None:
+        """The rows of ``[root, nodes]`` that the verifier's forward kept, when it dropped draft nodes
+        inside the forward (Speculative Streaming's tree pruning); None = all rows."""
+        return None
+
+    def reference_model(self) -> AbstractContextManager[torch.nn.Module] | None:
+        """A context giving the model whose plain decoding this drafter's output equals, when that is
+        not the target (a LoRA-adapted target); None = the target. ``bench`` uses it as the reference
+        and the baseline."""
+        return None

@@ -1,0 +1,106 @@
+"""The drafter families draftsmith can train and serve: the one place a family is registered.
+
+A family is one module in ``draftsmith.drafters`` (a :class:`~draftsmith.drafters.base.DrafterConfig`
+and a :class:`~draftsmith.drafters.base.DrafterModel`), one loss in ``draftsmith.train.losses`` (named
+here), one recipe, and one entry in :data:`FAMILIES`. The trainer, recipe checks, ``draftsmith
+export``, the runtime's ``--method`` table and its serve-time tree options all read this table; the
+key is written into every exported ``config.json`` (``drafter_family``), so loading never guesses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from transformers import PretrainedConfig
+
+from draftsmith.core.errors import DraftsmithError
+from draftsmith.drafters.base import DrafterConfig, DrafterModel
+from draftsmith.drafters.eagle import EagleConfig, EagleDrafter
+from draftsmith.drafters.medusa import MedusaConfig, MedusaHeads
+from draftsmith.drafters.medusa2 import Medusa2Config, Medusa2Model
+from draftsmith.drafters.streaming import StreamingConfig, StreamingModel
+
+
+class UnknownFamilyError(DraftsmithError, ValueError):
+    """A drafter family name this draftsmith does not know."""
+
+
+@dataclass(frozen=True)
+class Family:
+    """How to build, train, save and serve one kind of drafter.
+
+    ``defaults`` are option values that distinguish this entry from another entry sharing the same
+    classes (``fspad`` is ``eagle`` with the feature sampler and partial alignment switched on)."""
+
+    name: str
+    config_class: type[DrafterConfig]
+    model_class: type[DrafterModel]
+    loss: str  # the name of its loss function in draftsmith.train.losses
+    defaults: dict[str, Any] = dataclasses.field(default_factory=dict)
+    method: str = ""  # the runtime method that serves it (``--method medusa=DIR``); "" = its name
+    # Families whose exports may start a run of this one (``train.init_from``), besides itself:
+    # Medusa-2's two-stage recipe starts from trained Medusa-1 heads.
+    starts_from: tuple[str, ...] = ()
+
+    @property
+    def needs_features(self) -> bool:
+        """The training batch must carry the target's ``hidden_states`` (the LoRA families make their own)."""
+        return not self.model_class.runs_inside_target
+
+    @property
+    def method_name(self) -> str:
+        return self.method or self.name
+
+    @property
+    def tree_options(self) -> tuple[str, ...]:
+        """The serve-time tree options (``--method NAME=DIR:top_k=3``) its drafters take."""
+        return self.config_class.TREE_OPTIONS
+
+    def option_names(self) -> list[str]:
+        """The recipe's ``drafter.*`` keys."""
+        return self.config_class.option_names()
+
+    def build_config(self, target_config: PretrainedConfig, options: dict[str, Any]) -> DrafterConfig:
+        config = self.config_class.for_target(target_config, **{**self.defaults, **options})
+        config.drafter_family = self.name  # what the loader looks up in FAMILIES
+        return config
+
+    def build(self, target_config: PretrainedConfig, options: dict[str, Any]) -> DrafterModel:
+        return self.model_class(self.build_config(target_config, options))
+
+
+FAMILIES: dict[str, Family] = {
+    "eagle": Family("eagle", EagleConfig, EagleDrafter, "feature_distillation_loss"),
+    "fspad": Family(
+        "fspad",
+        EagleConfig,
+        EagleDrafter,
+        "feature_distillation_loss",
+        defaults={"feature_sampler": True, "partial_alignment": True},
+    ),
+    "medusa": Family("medusa", MedusaConfig, MedusaHeads, "medusa_loss"),
+    # Medusa-2 trains a LoRA on the target with the heads and computes its own (adapted) features.
+    "medusa2": Family(
+        "medusa2",
+        Medusa2Config,
+        Medusa2Model,
+        "medusa2_loss",
+        method="medusa",
+        starts_from=("medusa",),
+    ),
+    # Speculative Streaming runs inside the target (attach_target): no features, the target's own tokens.
+    "streaming": Family("streaming", StreamingConfig, StreamingModel, "streaming_loss"),
+}
+
+
+def get_family(name: str) -> Family:
+    if name not in FAMILIES:
+        raise UnknownFamilyError(f"unknown drafter family {name!r}; available: {', '.join(FAMILIES) or 'none'}")
+    return FAMILIES[name]
+
+
+def families_served_by(method: str) -> list[Family]:
+    """The families a runtime method name serves (``medusa`` serves Medusa-1 and Medusa-2)."""
+    return [family for family in FAMILIES.values() if family.method_name == method]

@@ -14,7 +14,7 @@ from draftsmith.drafters.io import DrafterCheckpointError, export_drafter
 from draftsmith.drafters.registry import get_family
 from draftsmith.inference.runtime import generate
 from draftsmith.train.losses import check_loss_options, family_loss
-from draftsmith.train.recipe import RecipeError
+from draftsmith.train.recipe_loader import RecipeError
 
 VOCAB = 97
 EOS = 2

@@ -66,7 +66,7 @@ def test_every_import_follows_the_layering() -> None:
 
 def test_the_checker_sees_imports_inside_functions(tmp_path: Path) -> None:
     (tmp_path / "data").mkdir()
-    (tmp_path / "data" / "late.py").write_text("def f():\n    from draftsmith.train.recipe import RecipeError\n")
+    (tmp_path / "data" / "late.py").write_text("def f():\n    from draftsmith.train.recipe_loader import RecipeError\n")
     assert violations(import_graph(tmp_path)) == ["data -> train: data/late.py"]
 
 

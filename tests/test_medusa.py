@@ -28,7 +28,7 @@ from draftsmith.drafters.registry import get_family
 from draftsmith.inference.runtime import generate
 from draftsmith.train.batch import TrainBatch
 from draftsmith.train.losses import check_loss_options, medusa_loss
-from draftsmith.train.recipe import RecipeError
+from draftsmith.train.recipe_loader import RecipeError
 
 VOCAB = 97
 EOS = 2
@@ -291,7 +291,7 @@ def test_calibration_prefers_the_more_accurate_paths():
 
 
 def test_held_out_split_is_the_trainers():
-    from draftsmith.train.data import TrainData
+    from draftsmith.train.loader import TrainData
     from draftsmith.train.medusa_calibrate import held_out_indices
 
     class Fake:
@@ -333,7 +333,7 @@ def test_export_and_load_round_trip(target, trained, tmp_path):
 
 
 def test_recipe_parses_and_bad_options_are_recipe_errors(target):
-    from draftsmith.train.config import load_train_recipe
+    from draftsmith.train.recipe import load_train_recipe
 
     recipe = load_train_recipe(REPO / "recipes" / "medusa1-smollm2.yaml")
     assert recipe.family_name == "medusa" and recipe.loss == {"decay": 0.8, "soft_labels": False}

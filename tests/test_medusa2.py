@@ -272,7 +272,7 @@ def test_loading_for_another_target_is_refused(medusa2_run, other_target_dir):
 
 
 def test_shipped_recipe_validates():
-    from draftsmith.train.config import load_train_recipe
+    from draftsmith.train.recipe import load_train_recipe
 
     recipe = load_train_recipe(REPO / "recipes/medusa2-smollm2.yaml")
     assert recipe.family_name == "medusa2" and recipe.data.features is None

@@ -8,7 +8,7 @@ from typing import Literal, Optional
 import pytest
 import yaml
 
-from draftsmith.train.recipe import RecipeError, apply_overrides, load_recipe, parse_override, save_resolved
+from draftsmith.train.recipe_loader import RecipeError, apply_overrides, load_recipe, parse_override, save_resolved
 
 
 @dataclass
@@ -94,7 +94,7 @@ def test_parse_override_values():
 def test_every_shipped_yaml_parses():
     from accelerate.commands.config.config_args import load_config_from_file
 
-    from draftsmith.train.recipe import shipped_recipes
+    from draftsmith.train.recipe_loader import shipped_recipes
 
     root = shipped_recipes()
     accelerate_configs = sorted((root / "accelerate").glob("*.yaml"))

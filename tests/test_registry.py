@@ -76,7 +76,7 @@ def test_every_user_error_class_is_a_draftsmith_error():
     import draftsmith.inference.bench as bench
     import draftsmith.inference.errors as inference_errors
     import draftsmith.train.checkpoint as checkpoint
-    import draftsmith.train.recipe as recipe
+    import draftsmith.train.recipe_loader as recipe
     import draftsmith.train.trainer as trainer
 
     classes = [

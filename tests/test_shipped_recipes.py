@@ -2,8 +2,8 @@
 
 import pytest
 
-from draftsmith.train.config import load_train_recipe
-from draftsmith.train.recipe import shipped_recipes
+from draftsmith.train.recipe import load_train_recipe
+from draftsmith.train.recipe_loader import shipped_recipes
 
 RECIPES = sorted(shipped_recipes().glob("*.yaml"))
 

@@ -315,7 +315,7 @@ def test_sampled_decoding_is_reproducible(trained):
 
 # ---- trainer, recipe, export, loading -------------------------------------------------------------
 def test_shipped_recipe_validates():
-    from draftsmith.train.config import load_train_recipe
+    from draftsmith.train.recipe import load_train_recipe
 
     recipe = load_train_recipe(REPO / "recipes/streaming-smollm2.yaml")
     assert recipe.family_name == "streaming" and recipe.drafter["num_streams"] == 4

@@ -21,8 +21,8 @@ from draftsmith.data.features import CacheSettings, FeatureCacheError, build_fea
 from draftsmith.data.prepared import PreparedDataError, PreparedDataset
 from draftsmith.train.checkpoint import MARKER, complete_checkpoints, latest_checkpoint
 from draftsmith.train.cli import main
-from draftsmith.train.config import load_train_recipe
-from draftsmith.train.recipe import RecipeError
+from draftsmith.train.recipe import load_train_recipe
+from draftsmith.train.recipe_loader import RecipeError
 from draftsmith.train.trainer import Trainer, train
 
 REPO = Path(__file__).resolve().parents[1]

@@ -14,7 +14,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> None:
-    from draftsmith.train.config import load_train_recipe
+    from draftsmith.train.recipe import load_train_recipe
     from draftsmith.train.trainer import train
 
     recipe = load_train_recipe(Path(args.recipe), args.overrides)

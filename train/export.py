@@ -15,8 +15,8 @@ from draftsmith.core.errors import DraftsmithError
 from draftsmith.drafters.io import export_drafter, export_speculators, read_drafter_config
 from draftsmith.drafters.registry import get_family
 from draftsmith.train.checkpoint import DRAFTER_DIR, RESOLVED_RECIPE, CheckpointError, find_checkpoint, read_state
-from draftsmith.train.config import TrainRecipe
-from draftsmith.train.recipe import build
+from draftsmith.train.recipe import TrainRecipe
+from draftsmith.train.recipe_loader import build
 
 
 def export_run(

@@ -17,7 +17,7 @@ from draftsmith.drafters.base import FrozenTarget
 from draftsmith.drafters.registry import Family
 from draftsmith.drafters.vocab import DraftHead
 from draftsmith.train.batch import LossOutput, TrainBatch
-from draftsmith.train.recipe import RecipeError, check_keys
+from draftsmith.train.recipe_loader import RecipeError, check_keys
 
 
 def _feature_pairs(batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -28,7 +28,7 @@ from draftsmith.data.features import CACHE_FORMAT, FeatureCache, target_features
 from draftsmith.data.prepared import PreparedDataset
 from draftsmith.drafters.io import check_drafter_target, read_drafter_config
 from draftsmith.drafters.medusa import MedusaHeads, MedusaTreeError, calibrated_paths, expected_accept_length
-from draftsmith.train.data import EVAL_SPLIT_SEED
+from draftsmith.train.loader import EVAL_SPLIT_SEED
 
 TREE_FORMAT = "draftsmith.medusa_tree/1"
 

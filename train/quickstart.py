@@ -54,7 +54,7 @@ def _prepared_exists(path: Path) -> bool:
 
 def cmd_quickstart(args: argparse.Namespace) -> None:
     from draftsmith.train.checkpoint import latest_checkpoint
-    from draftsmith.train.recipe import shipped_recipes
+    from draftsmith.train.recipe_loader import shipped_recipes
 
     out = Path(args.out)
     prepared, features, run, export = out / "prepared", out / "features", out / "fspad", out / "fspad-drafter"

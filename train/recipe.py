@@ -1,181 +1,129 @@
-"""Recipes: YAML files turned into typed dataclasses, with ``key.sub=value`` overrides.
+"""The training recipe: one typed schema shared by every drafter family.
 
-A recipe's schema is a tree of dataclasses. Unknown keys and wrongly typed values are errors that
-name the key path and the accepted keys, so a typo never silently falls back to a default. The
-resolved recipe (file + overrides + defaults) is written next to every run's outputs.
+A recipe has the sections ``target``, ``output_dir``, ``data``, ``drafter``, ``loss``, ``train`` and
+``tracking``. ``drafter`` names the family (``family: fspad``) and carries that family's options;
+``loss`` carries the family's loss options; both are checked against the family before anything
+heavy is loaded, so a typo is one line, not a traceback after the model has loaded.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import difflib
-import types
-import typing
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Literal, Optional
 
-import yaml
-
-from draftsmith.core.errors import DraftsmithError
-from draftsmith.core.io import atomic_write_bytes
-from draftsmith.drafters.base import check_keys as check_option_keys
-
-T = TypeVar("T")
+from draftsmith.drafters.registry import FAMILIES
+from draftsmith.train.losses import check_loss_options
+from draftsmith.train.recipe_loader import RecipeError, check_keys, load_recipe
 
 
-class RecipeError(DraftsmithError, ValueError):
-    """A recipe or override that does not fit the schema; the message names the key."""
+@dataclass
+class TargetSection:
+    name: str = "smollm2"  # 'smollm2' (embedded default), a model directory, a .gguf file or a hub id
+    dtype: str = "float32"  # dtype the frozen target runs in (online features); bfloat16 on GPUs
 
 
-def check_keys(section: str, options: dict[str, Any], known: Sequence[str]) -> None:
-    """Unknown ``section.KEY`` recipe keys are recipe errors that suggest the key meant."""
-    check_option_keys(section, options, known, RecipeError)
+@dataclass
+class DataSection:
+    prepared: str = ""  # directory written by `draftsmith data prepare`
+    features: Optional[str] = None  # feature cache from `draftsmith data cache-features` -> offline training
+    max_length: Optional[int] = None  # cut longer samples to this many tokens (None: as prepared)
+    eval_samples: int = 0  # samples held out of training and evaluated at every checkpoint
 
 
-def shipped_recipes() -> Path:
-    """The folder of YAML recipes and accelerate configs shipped inside the package.
-
-    ``draftsmith.recipes`` holds YAML only (no ``__init__``), so it is a namespace package whose
-    search path also carries the editable-install hook; the real folder is the existing directory."""
-    import importlib.util
-
-    spec = importlib.util.find_spec("draftsmith.recipes")
-    for location in (spec.submodule_search_locations or []) if spec else []:
-        if Path(location).is_dir():
-            return Path(location)
-    raise RecipeError("the shipped recipes folder is missing from this installation; reinstall draftsmith")
-
-
-def parse_override(item: str) -> tuple[list[str], Any]:
-    """``train.lr=5e-5`` -> (["train", "lr"], 5e-05); values are parsed as YAML scalars/lists."""
-    key, sep, raw = item.partition("=")
-    if not sep or not key.strip() or any(not part for part in key.strip().split(".")):
-        raise RecipeError(f"override {item!r} is not of the form key.sub=value")
-    try:
-        value = yaml.safe_load(raw) if raw.strip() else None
-    except yaml.YAMLError:
-        value = raw
-    return key.strip().split("."), value
+@dataclass
+class TrainSection:
+    lr: float = 3e-5
+    betas: tuple[float, ...] = (0.9, 0.95)
+    weight_decay: float = 0.0
+    grad_clip: Optional[float] = 0.5  # max global gradient norm; None turns clipping off
+    scheduler: Literal["linear", "cosine", "constant"] = "linear"  # after the warmup
+    warmup_steps: int = 0
+    max_steps: Optional[int] = None  # optimizer steps; None = `epochs` passes over the data
+    epochs: int = 1
+    batch_size: int = 4  # samples per device per micro-batch
+    grad_accum: int = 1  # micro-batches per optimizer step
+    seed: int = 0
+    save_every: int = 500  # steps between checkpoints (a final one is always written)
+    log_every: int = 10
+    keep_last: int = 2  # complete checkpoints kept; older ones are deleted
+    mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "auto"  # auto: the launcher's choice on GPU, no on CPU
+    resume: bool = False  # continue from the last complete checkpoint in output_dir
+    # a directory written by `draftsmith export` (same family and target) whose weights start this run;
+    # parts it lacks start fresh (e.g. Speculative Streaming's pruning adapter, trained afterwards)
+    init_from: Optional[str] = None
 
 
-def apply_overrides(tree: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
-    """A copy of ``tree`` with each override set (intermediate mappings are created as needed;
-    whether the key exists is decided by the schema, which reports unknown keys)."""
-    import copy
-
-    tree = copy.deepcopy(tree)
-    for item in overrides:
-        path, value = parse_override(item)
-        node = tree
-        for part in path[:-1]:
-            child = node.setdefault(part, {})
-            if not isinstance(child, dict):
-                raise RecipeError(f"override {item!r}: {part} is a value, not a section")
-            node = child
-        node[path[-1]] = value
-    return tree
+@dataclass
+class TrackingSection:
+    wandb: bool = True
+    project: str = "draftsmith"
+    run_name: Optional[str] = None  # default: the output directory's name
+    wandb_mode: Optional[Literal["online", "offline", "disabled"]] = None  # None: $WANDB_MODE, else online
+    jsonl: bool = True  # OUTPUT_DIR/metrics.jsonl
 
 
-def _type_name(tp: Any) -> str:
-    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+@dataclass
+class TrainRecipe:
+    """A full training run. ``output_dir`` holds checkpoints, metrics and the resolved recipe."""
+
+    output_dir: str
+    data: DataSection
+    drafter: dict[str, Any]
+    target: TargetSection = field(default_factory=TargetSection)
+    loss: dict[str, Any] = field(default_factory=dict)
+    train: TrainSection = field(default_factory=TrainSection)
+    tracking: TrackingSection = field(default_factory=TrackingSection)
+
+    @property
+    def family_name(self) -> str:
+        return str(self.drafter.get("family", ""))
+
+    @property
+    def drafter_options(self) -> dict[str, Any]:
+        return {k: v for k, v in self.drafter.items() if k != "family"}
 
 
-def _convert(value: Any, tp: Any, where: str) -> Any:
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if tp is Any:
-        return value
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for option in (a for a in args if a is not type(None)):
-            try:
-                return _convert(value, option, where)
-            except RecipeError as error:
-                errors.append(str(error))
-        raise RecipeError(errors[0])
-    if origin is typing.Literal:
-        if value not in args:
-            raise RecipeError(f"{where} must be one of {list(args)}, got {value!r}")
-        return value
-    if dataclasses.is_dataclass(tp):
-        if not isinstance(value, dict):
-            raise RecipeError(f"{where} must be a section (mapping), got {value!r}")
-        return build(tp, value, where)
-    if origin in (list, tuple):
-        if not isinstance(value, (list, tuple)):
-            raise RecipeError(f"{where} must be a list, got {value!r}")
-        item_type = args[0] if args else Any
-        items = [_convert(v, item_type, f"{where}[{i}]") for i, v in enumerate(value)]
-        return tuple(items) if origin is tuple else items
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise RecipeError(f"{where} must be a mapping, got {value!r}")
-        return dict(value)
-    if tp is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
-    if tp is float and isinstance(value, str):  # YAML 1.1 reads "5e-5" as a string
-        try:
-            return float(value)
-        except ValueError:
-            pass
-    if tp in (int, str, bool, float) and (type(value) is not tp):
-        raise RecipeError(f"{where} must be {_type_name(tp)}, got {value!r}")
-    return value
+def load_train_recipe(path: Path, overrides: Sequence[str] = ()) -> TrainRecipe:
+    """Read and fully validate a training recipe (schema, family, family and loss options, numbers)."""
+    recipe = load_recipe(Path(path), TrainRecipe, overrides)
+    validate(recipe)
+    return recipe
 
 
-def build(cls: type[T], data: dict[str, Any], where: str = "") -> T:
-    """A ``cls`` dataclass from a mapping; unknown keys and wrong types raise RecipeError."""
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    hints = typing.get_type_hints(cls)
-    for key in data:
-        if key not in fields:
-            path = f"{where}.{key}" if where else key
-            close = difflib.get_close_matches(key, list(fields), n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise RecipeError(f"unknown recipe key {path!r}{hint} (known keys: {', '.join(fields)})")
-    values = {}
-    for name, field in fields.items():
-        path = f"{where}.{name}" if where else name
-        if name in data:
-            values[name] = _convert(data[name], hints[name], path)
-        elif field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING:
-            raise RecipeError(f"recipe key {path!r} is required")
-    return cls(**values)
-
-
-def load_recipe(path: Path, schema: type[T], overrides: Sequence[str] = ()) -> T:
-    """Read a YAML recipe, apply overrides and build the typed recipe."""
-    path = Path(path)
-    try:
-        tree = yaml.safe_load(path.read_text()) or {}
-    except FileNotFoundError:
-        raise RecipeError(f"recipe {path} does not exist") from None
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise RecipeError(f"recipe {path} is not valid YAML{where}") from None
-    if not isinstance(tree, dict):
-        raise RecipeError(f"recipe {path} must be a mapping of sections, got {type(tree).__name__}")
-    return build(schema, apply_overrides(tree, overrides))
-
-
-def to_tree(recipe: Any) -> dict[str, Any]:
-    """Plain data (tuples as lists) of a built recipe, ready for YAML."""
-
-    def plain(value: Any) -> Any:
-        if isinstance(value, (list, tuple)):
-            return [plain(v) for v in value]
-        if isinstance(value, dict):
-            return {k: plain(v) for k, v in value.items()}
-        return value
-
-    return plain(dataclasses.asdict(recipe))
-
-
-def save_resolved(recipe: Any, out_dir: Path, name: str = "recipe.resolved.yaml") -> Path:
-    """Write the fully resolved recipe next to a run's outputs (atomically)."""
-    path = Path(out_dir) / name
-    atomic_write_bytes(path, yaml.safe_dump(to_tree(recipe), sort_keys=False).encode())
-    return path
+def validate(recipe: TrainRecipe) -> None:
+    """Checks that need no model: the family exists, its options are known, numbers make sense."""
+    if "family" not in recipe.drafter:
+        raise RecipeError(f"recipe key 'drafter.family' is required (one of: {', '.join(FAMILIES)})")
+    if recipe.family_name not in FAMILIES:
+        raise RecipeError(f"unknown drafter family {recipe.family_name!r}; available: {', '.join(FAMILIES)}")
+    family = FAMILIES[recipe.family_name]
+    check_keys("drafter", recipe.drafter_options, family.option_names())
+    check_loss_options(family, recipe.loss)
+    if not recipe.data.prepared:
+        raise RecipeError(
+            "recipe key 'data.prepared' is required: a directory made by "
+            "`draftsmith data prepare [INPUT] --out DIR --target TARGET`"
+        )
+    train = recipe.train
+    positive = {
+        "train.lr": train.lr,
+        "train.epochs": train.epochs,
+        "train.batch_size": train.batch_size,
+        "train.grad_accum": train.grad_accum,
+        "train.save_every": train.save_every,
+        "train.log_every": train.log_every,
+        "train.keep_last": train.keep_last,
+    }
+    if train.max_steps is not None:
+        positive["train.max_steps"] = train.max_steps
+    for key, value in positive.items():
+        if value <= 0:
+            raise RecipeError(f"{key} must be > 0, got {value}")
+    if train.warmup_steps < 0 or recipe.data.eval_samples < 0:
+        raise RecipeError("train.warmup_steps and data.eval_samples must be >= 0")
+    if len(train.betas) != 2:
+        raise RecipeError(f"train.betas must be two numbers, got {list(train.betas)}")
+    if recipe.data.max_length is not None and recipe.data.max_length < 3:
+        raise RecipeError(f"data.max_length must be >= 3 tokens, got {recipe.data.max_length}")

@@ -17,7 +17,7 @@ from tqdm.auto import tqdm
 
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.io import atomic_write_bytes
-from draftsmith.train.config import TrackingSection
+from draftsmith.train.recipe import TrackingSection
 
 METRICS_FILE = "metrics.jsonl"
 WANDB_ID_FILE = "wandb_run_id.txt"

@@ -38,10 +38,10 @@ from draftsmith.train.checkpoint import (
     read_state,
     save_checkpoint,
 )
-from draftsmith.train.config import TrainRecipe, TrainSection
-from draftsmith.train.data import BatchPlan, TrainData, online_features, open_feature_cache, open_prepared
+from draftsmith.train.loader import BatchPlan, TrainData, online_features, open_feature_cache, open_prepared
 from draftsmith.train.losses import family_loss
-from draftsmith.train.recipe import RecipeError, save_resolved, to_tree
+from draftsmith.train.recipe import TrainRecipe, TrainSection
+from draftsmith.train.recipe_loader import RecipeError, save_resolved, to_tree
 from draftsmith.train.tracking import Tracker
 
 RUN_INFO = "run_info.json"

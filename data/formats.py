@@ -371,8 +371,8 @@ class RecordSample:
             raise ValueError(f"limit {self.limit}: needs at least 1")
 
     @staticmethod
-    def rank(record_id: str) -> int:
-        return int.from_bytes(hashlib.blake2b(record_id.encode(), digest_size=8).digest(), "big")
+    def rank(identifier: str) -> int:
+        return int.from_bytes(hashlib.blake2b(identifier.encode(), digest_size=8).digest(), "big")
 
     def pick(self, indexed: Iterable[tuple[int, Any]]) -> tuple[list[tuple[int, Any]], int]:
         """The chosen ``(index, record)`` pairs in file order, and how many records the source held."""

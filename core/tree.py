@@ -23,9 +23,11 @@ class DraftTree:
     def __post_init__(self) -> None:
         if self.tokens.shape != self.parents.shape or self.tokens.dim() != 1:
             raise ValueError("tokens and parents must be 1-D tensors of the same length")
-        for i, parent in enumerate(self.parents.tolist()):
-            if not -1 <= parent < i:
-                raise ValueError(f"node {i} has parent {parent}: parents must come before their children")
+        parents = self.parents.cpu()
+        misplaced = ((parents < -1) | (parents >= torch.arange(parents.numel()))).nonzero()
+        if misplaced.numel():
+            i = int(misplaced[0])
+            raise ValueError(f"node {i} has parent {int(parents[i])}: parents must come before their children")
 
     @classmethod
     def empty(cls) -> DraftTree:
@@ -71,10 +73,7 @@ class DraftTree:
 
     def depths(self) -> torch.Tensor:
         """Depth of each node (children of the root have depth 1)."""
-        depth = torch.zeros(len(self), dtype=torch.long)
-        for i, parent in enumerate(self.parents.tolist()):
-            depth[i] = 1 if parent < 0 else depth[parent] + 1
-        return depth
+        return ancestry(self.parents)[1][1:]
 
     def children(self, node: int) -> list[int]:
         """Children of ``node`` (``-1`` = root), in node order."""
@@ -82,13 +81,64 @@ class DraftTree:
 
     def ancestor_mask(self) -> torch.Tensor:
         """(n + 1, n + 1) bool over [root, nodes]: row i may attend to column j (ancestor or self)."""
-        n = len(self)
-        allowed = torch.zeros(n + 1, n + 1, dtype=torch.bool)
-        allowed[:, 0] = True
-        for i, parent in enumerate(self.parents.tolist()):
-            allowed[i + 1] = allowed[parent + 1]
-            allowed[i + 1, i + 1] = True
-        return allowed
+        return ancestry(self.parents)[0]
+
+
+def ancestry(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ancestor-or-self matrix ``(n + 1, n + 1)`` bool and the depths ``(n + 1,)`` over
+    ``[root, nodes]`` of the tree with ``parents`` (topological, -1 = root).
+
+    Every row climbs one level per step at once, so the Python loop runs once per tree level rather
+    than once per node (trees are wide and shallow)."""
+    parents = parents.cpu()
+    rows = torch.arange(parents.numel() + 1)
+    parent_row = torch.cat([torch.zeros(1, dtype=torch.long), parents + 1])  # the root is its own parent
+    allowed = torch.zeros(rows.numel(), rows.numel(), dtype=torch.bool)
+    allowed[rows, rows] = True
+    allowed[:, 0] = True
+    depths = (rows > 0).long()
+    ancestor = parent_row.clone()
+    while True:
+        climbing = ancestor > 0  # rows whose current ancestor is a node, not yet the root
+        if not bool(climbing.any()):
+            return allowed, depths
+        allowed[rows[climbing], ancestor[climbing]] = True
+        depths += climbing
+        ancestor = parent_row[ancestor]
+
+
+class TreeInputBuffers:
+    """The verification forward's additive mask, kept in one preallocated ``(1, 1, rows, columns)``
+    buffer for a whole generation (or grown when a tree or the context outgrows it).
+
+    Columns of committed tokens are zero in every row and stay so, since the committed prefix only
+    grows; each round therefore writes the newly committed columns and the ``(q, q)`` tree block,
+    never the whole ``(q, past + q)`` mask."""
+
+    def __init__(self, rows: int, columns: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
+        self.dtype, self.device = dtype, torch.device(device)
+        self._blocked = torch.finfo(dtype).min
+        self._allocate(rows, columns)
+
+    def _allocate(self, rows: int, columns: int) -> None:
+        self.mask = torch.full((1, 1, rows, columns), self._blocked, dtype=self.dtype, device=self.device)
+        self._zeroed = 0  # columns [0, _zeroed) are zero in every row
+
+    def build(self, tree: DraftTree, past_length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """What :func:`tree_attention_inputs` returns, the mask as a view of the buffer (valid until
+        the next call)."""
+        allowed, depths = ancestry(tree.parents)
+        q = allowed.shape[0]
+        rows, columns = self.mask.shape[-2:]
+        if q > rows or past_length + q > columns or past_length < self._zeroed:
+            self._allocate(max(q, rows), max(past_length + q, 2 * columns))
+        if past_length > self._zeroed:
+            self.mask[..., self._zeroed : past_length] = 0
+            self._zeroed = past_length
+        block = torch.zeros(q, q, dtype=self.dtype).masked_fill_(~allowed, self._blocked)
+        self.mask[0, 0, :q, past_length : past_length + q].copy_(block, non_blocking=True)
+        positions = (past_length + depths)[None].to(self.device, non_blocking=True)
+        return self.mask[:, :, :q, : past_length + q], positions
 
 
 def tree_attention_inputs(
@@ -96,12 +146,11 @@ def tree_attention_inputs(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The 4D additive mask ``(1, 1, n + 1, past + n + 1)`` and position ids ``(1, n + 1)`` for one
     verification forward over the root and the tree on top of ``past_length`` cached tokens."""
-    allowed = tree.ancestor_mask()
+    allowed, depths = ancestry(tree.parents)
     q = allowed.shape[0]
     mask = torch.full((1, 1, q, past_length + q), torch.finfo(dtype).min, dtype=dtype)
     mask[..., :past_length] = 0
     mask[0, 0, :, past_length:].masked_fill_(allowed, 0)
-    depths = torch.cat([torch.zeros(1, dtype=torch.long), tree.depths()])
     positions = (past_length + depths)[None]
     return mask.to(device), positions.to(device)
 

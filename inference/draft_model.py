@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from draftsmith.core.cache import keep_positions
+from draftsmith.core.cache import keep_positions, preallocated_cache_for
 from draftsmith.core.drafting import DraftContext, Drafter
 from draftsmith.core.target import Target, TargetError, load_target, load_tokenizer
 from draftsmith.core.tree import DraftTree
@@ -40,6 +40,9 @@ _K_SUFFIX = re.compile(r"^(?P<spec>.+):k=(?P<k>\d+)$")
 
 def _logits_size(model: Any) -> int:
     return int(model.get_output_embeddings().weight.shape[0])
+
+
+DRAFT_CACHE_ROWS = 1024  # the draft model's cache grows past this (doubling) for longer contexts
 
 
 @dataclass
@@ -102,7 +105,8 @@ class DraftModelDrafter(Drafter):
             self._truncate(committed)
 
     def reset(self) -> None:
-        self.cache = DynamicCache(config=self.model.config)
+        # Rejected drafts are dropped every round: in a preallocated cache that moves a length pointer.
+        self.cache = preallocated_cache_for(self.model.config, DRAFT_CACHE_ROWS)
         self.cached_tokens = []
 
     def _catch_up(self, tokens: list[int]) -> torch.Tensor:

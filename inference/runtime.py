@@ -13,11 +13,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-from transformers import DynamicCache
 
-from draftsmith.core.cache import commit_tree_path
+from draftsmith.core.cache import commit_tree_path, preallocated_cache_for
 from draftsmith.core.drafting import DraftContext, Drafter
-from draftsmith.core.tree import DraftTree, tree_attention_inputs
+from draftsmith.core.tree import DraftTree, TreeInputBuffers
 from draftsmith.core.verify import SamplingConfig, sample, verify_greedy, verify_sampling
 
 
@@ -31,6 +30,33 @@ class GenerationResult:
     @property
     def tau(self) -> float:
         return len(self.tokens) / self.target_forwards if self.target_forwards else 0.0
+
+
+# Tree rows the preallocated buffers leave room for beyond the committed tokens; a bigger tree grows them.
+DEFAULT_TREE_ROOM = 64
+
+
+class FeatureRows:
+    """The target's features at committed tokens, appended in place to one preallocated buffer (a
+    ``torch.cat`` per round would copy every earlier row again); ``view`` is what drafters read."""
+
+    def __init__(self, first: torch.Tensor, capacity: int) -> None:
+        self._buffer = first.new_empty(max(capacity, first.shape[0]), first.shape[1])
+        self._buffer[: first.shape[0]] = first
+        self._length = first.shape[0]
+
+    def append(self, rows: torch.Tensor) -> None:
+        end = self._length + rows.shape[0]
+        if end > self._buffer.shape[0]:
+            grown = self._buffer.new_empty(max(end, 2 * self._buffer.shape[0]), self._buffer.shape[1])
+            grown[: self._length] = self._buffer[: self._length]
+            self._buffer = grown
+        self._buffer[self._length : end] = rows
+        self._length = end
+
+    @property
+    def view(self) -> torch.Tensor:
+        return self._buffer[: self._length]
 
 
 def _finish(tokens: list[int], max_new_tokens: int, eos: set[int]) -> tuple[list[int], bool]:
@@ -61,16 +87,22 @@ def generate(
     device = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
     eos = set(eos_token_ids)
-    cache = DynamicCache(config=model.config)
+    capacity = len(prompt_ids) + max_new_tokens + DEFAULT_TREE_ROOM
+    cache = preallocated_cache_for(model.config, capacity)
+    tree_inputs = TreeInputBuffers(DEFAULT_TREE_ROOM, capacity, dtype, device)
     wants_features = drafter is not None and drafter.wants_features
+    # The prompt's logits matter at its last token only; a bare target (like HF generate) skips the
+    # lm_head over every other prompt row. Verifier models keep their own full-logits contract.
+    last_logits_only = {"logits_to_keep": 1} if verifier is None else {}
     out = model(
         torch.tensor([prompt_ids], device=device),
         past_key_values=cache,
         use_cache=True,
         output_hidden_states=wants_features,
+        **last_logits_only,
     )
     logits = out.logits
-    features = out.hidden_states[-1][0] if wants_features else None
+    features = FeatureRows(out.hidden_states[-1][0], capacity) if wants_features else None
     first = int(logits[0, -1].argmax()) if sampling is None else sample(sampling.probs(logits[0, -1]), generator)
     new, done = _finish([first], max_new_tokens, eos)
     result = GenerationResult(new, target_forwards=1)
@@ -80,11 +112,16 @@ def generate(
     while not done:
         committed = prompt_ids + new
         past = len(committed) - 1
-        context = DraftContext(committed, len(prompt_ids), sampling, generator, features)
+        context = DraftContext(
+            committed, len(prompt_ids), sampling, generator, None if features is None else features.view
+        )
         tree = drafter.propose(context) if drafter else DraftTree.empty()
         if limit is not None and past + 1 + len(tree) > limit:
             tree = DraftTree.empty()  # no speculation past the model's context window
-        mask, positions = tree_attention_inputs(tree, past, dtype, device)
+        if len(tree):
+            mask, positions = tree_inputs.build(tree, past)
+        else:  # the root alone sees every cached key: no mask, as in plain decoding
+            mask, positions = None, torch.tensor([[past]], device=device)
         input_ids = torch.cat([torch.tensor([committed[-1]]), tree.tokens]).to(device)[None]
         out = model(
             input_ids,
@@ -106,7 +143,7 @@ def generate(
         commit_tree_path(cache, past, verdict.accepted_nodes)
         if wants_features:  # the root's row and the accepted nodes' rows, in commit order
             rows = torch.tensor([0] + [i + 1 for i in verdict.accepted_nodes], device=device)
-            features = torch.cat([features, out.hidden_states[-1][0].index_select(0, rows)])
+            features.append(out.hidden_states[-1][0].index_select(0, rows))
         step = [int(tree.tokens[i]) for i in verdict.accepted_nodes] + [verdict.next_token]
         result.target_forwards += 1
         result.accept_lengths.append(len(step))

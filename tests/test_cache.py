@@ -1,0 +1,231 @@
+"""The runtime's preallocated KV cache and tree-input buffers: same contents as the reference
+``DynamicCache`` + ``index_select`` compaction and the same masks as ``tree_attention_inputs``."""
+
+import random
+
+import pytest
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+from conftest import tiny_llama
+from draftsmith.inference.cache import (
+    PreallocatedCache,
+    PreallocatedLayer,
+    cache_length,
+    commit_tree_path,
+    keep_positions,
+    preallocated_cache_for,
+)
+from draftsmith.inference.runtime import DEFAULT_TREE_ROOM, generate
+from draftsmith.inference.tree import DraftTree, TreeInputBuffers, ancestry, tree_attention_inputs
+
+VOCAB = 97
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llama(VOCAB, seed=0)
+
+
+def filled_layers(rows: int, capacity: int) -> tuple[PreallocatedLayer, DynamicLayer]:
+    """A preallocated layer and a plain one holding the same ``rows`` distinct rows."""
+    keys = torch.randn(1, 2, rows, 4)
+    values = torch.randn(1, 2, rows, 4)
+    ours, reference = PreallocatedLayer(capacity), DynamicLayer()
+    ours.update(keys, values)
+    reference.update(keys, values)
+    return ours, reference
+
+
+def reference_keep(layer: DynamicLayer, keep: list[int]) -> None:
+    index = torch.tensor(keep)
+    layer.keys = layer.keys.index_select(-2, index)
+    layer.values = layer.values.index_select(-2, index)
+
+
+def assert_same_rows(ours, reference) -> None:
+    assert ours.get_seq_length() == reference.keys.shape[-2]
+    assert torch.equal(ours.keys, reference.keys) and torch.equal(ours.values, reference.values)
+
+
+def reference_ancestry(parents: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The per-node loop the vectorised version replaced."""
+    n = len(parents)
+    allowed = torch.zeros(n + 1, n + 1, dtype=torch.bool)
+    allowed[:, 0] = True
+    depths = torch.zeros(n + 1, dtype=torch.long)
+    for i, parent in enumerate(parents):
+        allowed[i + 1] = allowed[parent + 1]
+        allowed[i + 1, i + 1] = True
+        depths[i + 1] = depths[parent + 1] + 1
+    return allowed, depths
+
+
+def random_tree(rng: random.Random, size: int) -> DraftTree:
+    parents = [rng.randrange(-1, i) for i in range(size)]
+    return DraftTree(torch.tensor([rng.randrange(VOCAB) for _ in range(size)]), torch.tensor(parents))
+
+
+def test_overlapping_move_equals_index_select():
+    torch.manual_seed(0)
+    ours, reference = filled_layers(12, capacity=16)
+    # Destination rows 5..8 overlap the source rows 6, 7, 9, 11: a move that writes a row before
+    # reading every source (e.g. last row first) clobbers rows 7 and 9.
+    keep = [0, 1, 2, 3, 4, 6, 7, 9, 11]
+    keep_positions_in(ours, keep)
+    reference_keep(reference, keep)
+    assert_same_rows(ours, reference)
+
+
+def keep_positions_in(layer: PreallocatedLayer, keep: list[int]) -> None:
+    cache = PreallocatedCache(1, layer.capacity)
+    cache.layers[0] = layer
+    keep_positions(cache, torch.tensor(keep))
+
+
+def test_random_compactions_equal_index_select():
+    rng = random.Random(0)
+    torch.manual_seed(0)
+    ours, reference = filled_layers(5, capacity=8)  # small capacity: appends below must grow it
+    for _ in range(40):
+        rows = rng.randint(1, 9)
+        new_keys, new_values = torch.randn(1, 2, rows, 4), torch.randn(1, 2, rows, 4)
+        returned = ours.update(new_keys, new_values)
+        reference.update(new_keys, new_values)
+        assert torch.equal(returned[0], reference.keys) and torch.equal(returned[1], reference.values)
+        length = reference.keys.shape[-2]
+        keep = sorted(rng.sample(range(length), rng.randint(1, length)))
+        keep_positions_in(ours, keep)
+        reference_keep(reference, keep)
+        assert_same_rows(ours, reference)
+    assert ours.capacity > 8
+
+
+def test_commit_of_a_non_contiguous_path_equals_the_reference(model):
+    torch.manual_seed(0)
+    prefix = torch.randint(4, VOCAB, (1, 9))
+    tree = DraftTree.from_paths([[11, 12, 13], [11, 14], [15, 16]])  # nodes: 11, 12, 13, 14, 15, 16
+    mask, positions = tree_attention_inputs(tree, 8, torch.float32)
+    caches = {
+        "ours": PreallocatedCache(model.config.num_hidden_layers, 32),
+        "reference": DynamicCache(config=model.config),
+    }
+    for cache in caches.values():
+        model(prefix[:, :-1], past_key_values=cache, use_cache=True)
+        model(
+            torch.cat([prefix[:, -1:], tree.tokens[None]], 1),
+            attention_mask=mask,
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
+        )
+    commit_tree_path(caches["ours"], 8, [0, 3])  # the non-contiguous path 11 -> 14: row 13 moves to 10
+    reference_rows = [*range(9), 9 + 0, 9 + 3]
+    for layer in caches["reference"].layers:
+        reference_keep(layer, reference_rows)
+    plain = DynamicCache(config=model.config)
+    model(torch.cat([prefix, torch.tensor([[11, 14]])], 1), past_key_values=plain, use_cache=True)
+    assert cache_length(caches["ours"]) == caches["ours"].get_seq_length() == 11
+    for ours, reference, fresh in zip(caches["ours"].layers, caches["reference"].layers, plain.layers):
+        assert_same_rows(ours, reference)
+        torch.testing.assert_close(ours.keys, fresh.keys, rtol=1e-5, atol=1e-6)
+
+
+def test_commit_of_a_leading_chain_moves_nothing():
+    torch.manual_seed(0)
+    ours, reference = filled_layers(10, capacity=16)
+    cache = PreallocatedCache(1, 16)
+    cache.layers[0] = ours
+    moved = []
+    move_rows = ours.move_rows
+    ours.move_rows = lambda sources, destination: (moved.append(sources.tolist()), move_rows(sources, destination))
+    commit_tree_path(cache, 4, [0, 1, 2])  # nodes 0..2 already sit at rows 5..7
+    reference_keep(reference, list(range(8)))
+    assert_same_rows(ours, reference)
+    assert moved == [[]]  # only the length pointer moved
+
+
+def test_generic_assignment_and_crop_keep_working():
+    torch.manual_seed(0)
+    ours, reference = filled_layers(6, capacity=8)
+    ours.crop(-2)
+    reference.crop(-2)
+    assert_same_rows(ours, reference)
+    ours.keys, ours.values = ours.keys.flip(-2), ours.values.flip(-2)  # overlapping storage
+    reference.keys, reference.values = reference.keys.flip(-2), reference.values.flip(-2)
+    assert_same_rows(ours, reference)
+
+
+def test_only_full_attention_models_get_a_preallocated_cache(model):
+    assert isinstance(preallocated_cache_for(model.config, 16), PreallocatedCache)
+    sliding = type(model.config)(**{**model.config.to_dict(), "sliding_window": 8})
+    assert type(preallocated_cache_for(sliding, 16)) is DynamicCache
+
+
+def test_vectorised_ancestry_equals_the_per_node_loop():
+    rng = random.Random(0)
+    for size in [0, 1, 2, 5, 17, 60]:
+        for _ in range(5):
+            tree = random_tree(rng, size)
+            allowed, depths = ancestry(tree.parents)
+            expected_allowed, expected_depths = reference_ancestry(tree.parents.tolist())
+            assert torch.equal(allowed, expected_allowed) and torch.equal(depths, expected_depths)
+
+
+def test_tree_input_buffers_equal_fresh_masks_round_after_round():
+    rng = random.Random(1)
+    buffers = TreeInputBuffers(rows=4, columns=24, dtype=torch.float32)  # small: rounds below outgrow it
+    past = 3
+    for _ in range(30):
+        tree = random_tree(rng, rng.randint(0, 9))
+        mask, positions = buffers.build(tree, past)
+        expected_mask, expected_positions = tree_attention_inputs(tree, past, torch.float32)
+        assert torch.equal(mask, expected_mask) and torch.equal(positions, expected_positions)
+        past += rng.randint(1, 1 + len(tree))
+
+
+class WideRandomDrafter:
+    """Random trees of up to ``2 * DEFAULT_TREE_ROOM`` nodes: bigger than the buffers' tree room."""
+
+    name = "wide-random"
+
+    def __init__(self, seed: int = 0) -> None:
+        self.rng = random.Random(seed)
+
+    def propose(self, context) -> DraftTree:
+        return random_tree(self.rng, self.rng.randint(0, 2 * DEFAULT_TREE_ROOM))
+
+
+class TruthPlusNoiseDrafter:
+    """The true continuation (so long spans get accepted and moved) under random siblings, with the
+    true path placed after them so accepted nodes are never already in place."""
+
+    name = "truth-plus-noise"
+
+    def __init__(self, truth: list[int], prompt_length: int, seed: int = 0) -> None:
+        self.truth, self.prompt_length, self.rng = truth, prompt_length, random.Random(seed)
+
+    def propose(self, context) -> DraftTree:
+        upcoming = self.truth[len(context.tokens) - self.prompt_length :][: self.rng.randint(0, 6)]
+        noise = [[self.rng.randrange(VOCAB) for _ in range(self.rng.randint(1, 3))] for _ in range(3)]
+        return DraftTree.from_paths([path for path in noise if path[:1] != upcoming[:1]] + [upcoming])
+
+
+def test_long_context_generation_stays_identical_to_hf_generate(model):
+    rng = random.Random(2)
+    motif = [rng.randrange(4, VOCAB) for _ in range(23)]
+    prompt = (motif * 14)[:300]  # long enough that the cache grows well past its first rows
+    truth = model.generate(
+        torch.tensor([prompt]),
+        do_sample=False,
+        max_new_tokens=150,
+        pad_token_id=0,
+        temperature=None,
+        top_p=None,
+        top_k=None,
+    )[0, len(prompt) :].tolist()
+    for drafter in [None, WideRandomDrafter(), TruthPlusNoiseDrafter(truth, len(prompt))]:
+        result = generate(model, prompt, drafter, max_new_tokens=150)
+        assert result.tokens == truth, getattr(drafter, "name", "none")
+    assert result.tau > 1.5  # the truth-carrying drafter really had long paths accepted (and moved)

@@ -9,7 +9,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from conftest import tiny_llama
-from draftsmith.inference.cache import (
+from draftsmith.core.cache import (
     PreallocatedCache,
     PreallocatedLayer,
     cache_length,
@@ -17,8 +17,8 @@ from draftsmith.inference.cache import (
     keep_positions,
     preallocated_cache_for,
 )
+from draftsmith.core.tree import DraftTree, TreeInputBuffers, ancestry, tree_attention_inputs
 from draftsmith.inference.runtime import DEFAULT_TREE_ROOM, generate
-from draftsmith.inference.tree import DraftTree, TreeInputBuffers, ancestry, tree_attention_inputs
 
 VOCAB = 97
 

@@ -9,6 +9,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from conftest import tiny_llama
+from decoding_helpers import hf_greedy
 from draftsmith.core.cache import (
     PreallocatedCache,
     PreallocatedLayer,
@@ -17,6 +18,7 @@ from draftsmith.core.cache import (
     keep_positions,
     preallocated_cache_for,
 )
+from draftsmith.core.drafting import Drafter
 from draftsmith.core.tree import DraftTree, TreeInputBuffers, ancestry, tree_attention_inputs
 from draftsmith.inference.runtime import DEFAULT_TREE_ROOM, generate
 
@@ -185,7 +187,7 @@ def test_tree_input_buffers_equal_fresh_masks_round_after_round():
         past += rng.randint(1, 1 + len(tree))
 
 
-class WideRandomDrafter:
+class WideRandomDrafter(Drafter):
     """Random trees of up to ``2 * DEFAULT_TREE_ROOM`` nodes: bigger than the buffers' tree room."""
 
     name = "wide-random"
@@ -197,7 +199,7 @@ class WideRandomDrafter:
         return random_tree(self.rng, self.rng.randint(0, 2 * DEFAULT_TREE_ROOM))
 
 
-class TruthPlusNoiseDrafter:
+class TruthPlusNoiseDrafter(Drafter):
     """The true continuation (so long spans get accepted and moved) under random siblings, with the
     true path placed after them so accepted nodes are never already in place."""
 
@@ -216,16 +218,8 @@ def test_long_context_generation_stays_identical_to_hf_generate(model):
     rng = random.Random(2)
     motif = [rng.randrange(4, VOCAB) for _ in range(23)]
     prompt = (motif * 14)[:300]  # long enough that the cache grows well past its first rows
-    truth = model.generate(
-        torch.tensor([prompt]),
-        do_sample=False,
-        max_new_tokens=150,
-        pad_token_id=0,
-        temperature=None,
-        top_p=None,
-        top_k=None,
-    )[0, len(prompt) :].tolist()
+    truth = hf_greedy(model, prompt, 150, eos=())
     for drafter in [None, WideRandomDrafter(), TruthPlusNoiseDrafter(truth, len(prompt))]:
         result = generate(model, prompt, drafter, max_new_tokens=150)
-        assert result.tokens == truth, getattr(drafter, "name", "none")
+        assert result.tokens == truth, "none" if drafter is None else drafter.name
     assert result.tau > 1.5  # the truth-carrying drafter really had long paths accepted (and moved)

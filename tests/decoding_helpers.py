@@ -25,6 +25,18 @@ def serve(model, target, **tree):
     return model.runtime_drafter(target, TreeOptions(**tree))
 
 
+def prefill_and_verify(model, prefix: torch.Tensor, tree, cache) -> None:
+    """Prefill all of ``prefix`` (1, n) but its last token, then one verification forward over that
+    token (the root) and ``tree``: the cache then holds the prefix and every tree row."""
+    from draftsmith.core.tree import tree_attention_inputs
+
+    past = prefix.shape[1] - 1
+    model(prefix[:, :-1], past_key_values=cache, use_cache=True)
+    mask, positions = tree_attention_inputs(tree, past, torch.float32)
+    root_and_tree = torch.cat([prefix[:, -1:], tree.tokens[None]], 1)
+    model(root_and_tree, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True)
+
+
 def random_prompts(n: int, seed: int, vocab: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(4, vocab) for _ in range(rng.randint(3, 10))] for _ in range(n)]

@@ -9,7 +9,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from conftest import tiny_llama
-from decoding_helpers import hf_greedy
+from decoding_helpers import hf_greedy, prefill_and_verify
 from draftsmith.core.cache import (
     PreallocatedCache,
     PreallocatedLayer,
@@ -108,20 +108,12 @@ def test_commit_of_a_non_contiguous_path_equals_the_reference(model):
     torch.manual_seed(0)
     prefix = torch.randint(4, VOCAB, (1, 9))
     tree = DraftTree.from_paths([[11, 12, 13], [11, 14], [15, 16]])  # nodes: 11, 12, 13, 14, 15, 16
-    mask, positions = tree_attention_inputs(tree, 8, torch.float32)
     caches = {
         "ours": PreallocatedCache(model.config.num_hidden_layers, 32),
         "reference": DynamicCache(config=model.config),
     }
     for cache in caches.values():
-        model(prefix[:, :-1], past_key_values=cache, use_cache=True)
-        model(
-            torch.cat([prefix[:, -1:], tree.tokens[None]], 1),
-            attention_mask=mask,
-            position_ids=positions,
-            past_key_values=cache,
-            use_cache=True,
-        )
+        prefill_and_verify(model, prefix, tree, cache)
     commit_tree_path(caches["ours"], 8, [0, 3])  # the non-contiguous path 11 -> 14: row 13 moves to 10
     reference_rows = [*range(9), 9 + 0, 9 + 3]
     for layer in caches["reference"].layers:

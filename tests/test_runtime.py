@@ -8,7 +8,7 @@ import torch
 from transformers import DynamicCache
 
 from conftest import tiny_llama
-from decoding_helpers import hf_greedy
+from decoding_helpers import hf_greedy, prefill_and_verify
 from draftsmith.core.cache import cache_length, commit_tree_path
 from draftsmith.core.drafting import DraftContext, Drafter
 from draftsmith.core.tree import DraftTree, tree_attention_inputs
@@ -103,16 +103,8 @@ def test_compacted_cache_equals_plain_cache(model):
     torch.manual_seed(0)
     prefix = torch.randint(4, VOCAB, (1, 9))
     cache = DynamicCache(config=model.config)
-    model(prefix[:, :-1], past_key_values=cache, use_cache=True)
     tree = DraftTree.from_paths([[11, 12, 13], [11, 14], [15, 16]])  # nodes: 11, 12, 13, 14, 15, 16
-    mask, positions = tree_attention_inputs(tree, 8, torch.float32)
-    model(
-        torch.cat([prefix[:, -1:], tree.tokens[None]], 1),
-        attention_mask=mask,
-        position_ids=positions,
-        past_key_values=cache,
-        use_cache=True,
-    )
+    prefill_and_verify(model, prefix, tree, cache)
     commit_tree_path(cache, 8, [0, 3])  # the non-contiguous path 11 -> 14
     plain = DynamicCache(config=model.config)
     model(torch.cat([prefix, torch.tensor([[11, 14]])], 1), past_key_values=plain, use_cache=True)

@@ -78,7 +78,9 @@ def test_prepare_never_writes_over_its_input(data_dir, tiny_target_dir, no_model
     assert snapshot(data_dir) == before
 
 
-def test_prepare_overwrite_refuses_a_folder_it_did_not_write(tmp_path, data_dir, tiny_target_dir, capsys):
+def test_prepare_overwrite_refuses_a_folder_it_did_not_write(
+    tmp_path, data_dir, tiny_target_dir, no_model_loads, capsys
+):
     foreign = tmp_path / "photos"
     foreign.mkdir()
     (foreign / "cat.jpg").write_bytes(b"\xff\xd8 a cat")

@@ -176,12 +176,12 @@ def cmd_cache_features(args: argparse.Namespace) -> None:
         )
         return
     if args.prepared is None:
-        raise SystemExit("draftsmith: error: give the prepared dataset directory (from `draftsmith data prepare`)")
+        raise DataOptionError("give the prepared dataset directory (from `draftsmith data prepare`)")
     dataset = PreparedDataset(Path(args.prepared))
     target = load_target(args.target, dtype=args.model_dtype, device=args.device)
     n_layers = target.model.config.num_hidden_layers
     if any(not -n_layers - 1 <= layer <= n_layers for layer in args.layers):
-        raise SystemExit(f"draftsmith: error: --layers must be within 0..{n_layers} (hidden_states indices)")
+        raise DataOptionError(f"--layers must be within 0..{n_layers} (hidden_states indices)")
     settings = CacheSettings(
         dtype=args.dtype, layers=args.layers, shard_tokens=args.shard_tokens, batch_tokens=args.batch_tokens
     )

@@ -272,6 +272,10 @@ def test_bad_numbers_on_the_command_line(argv, message, no_model_loads, capsys):
     assert message in refused(argv, capsys)
 
 
+def test_cache_features_without_a_prepared_dataset_exits_2(tmp_path, no_model_loads, capsys):
+    assert "give the prepared dataset directory" in refused(["data", "cache-features", "--out", tmp_path / "f"], capsys)
+
+
 def test_show_index_out_of_range(tmp_path, chat_records, tiny_target_dir, no_model_loads, capsys):
     data = write_jsonl(tmp_path / "d.jsonl", chat_records)
     line = refused(["data", "show", data, "--index", "99999", "--target", tiny_target_dir], capsys)

@@ -58,13 +58,15 @@ def check_output_directory(dest: Path, overwrite: bool, rules: OutputRules | Non
         raise OutputDirectoryError(f"--out {dest} is a file, not a directory; choose another --out")
     if not any(dest.iterdir()):
         return
+    if rules is not None and not rules.is_own(dest):  # checked first, so the fix offered is never --overwrite
+        raise OutputDirectoryError(
+            f"--out {dest} is not empty and is not {rules.what}; choose another --out "
+            "(--overwrite never deletes what the command did not write)"
+        )
     if not overwrite:
         raise OutputDirectoryError(f"{dest} already exists and is not empty; choose another --out or pass --overwrite")
-    if rules is None or not rules.is_own(dest):
-        what = rules.what if rules else "an output of this command"
-        raise OutputDirectoryError(
-            f"--overwrite would delete {dest}, which is not {what}; choose another --out or empty it yourself"
-        )
+    if rules is None:
+        raise OutputDirectoryError(f"{dest} already exists and is not empty; choose another --out")
 
 
 def check_creatable_directory(dest: Path) -> None:

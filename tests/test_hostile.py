@@ -78,15 +78,15 @@ def test_prepare_never_writes_over_its_input(data_dir, tiny_target_dir, no_model
     assert snapshot(data_dir) == before
 
 
-def test_prepare_overwrite_refuses_a_folder_it_did_not_write(
-    tmp_path, data_dir, tiny_target_dir, no_model_loads, capsys
-):
+@pytest.mark.parametrize("flags", [["--overwrite"], []], ids=["overwrite", "plain"])
+def test_prepare_refuses_a_folder_it_did_not_write(tmp_path, data_dir, tiny_target_dir, no_model_loads, capsys, flags):
     foreign = tmp_path / "photos"
     foreign.mkdir()
     (foreign / "cat.jpg").write_bytes(b"\xff\xd8 a cat")
-    argv = ["data", "prepare", data_dir / "mydata.jsonl", "--out", foreign, "--target", tiny_target_dir, "--overwrite"]
+    argv = ["data", "prepare", data_dir / "mydata.jsonl", "--out", foreign, "--target", tiny_target_dir, *flags]
     line = refused(argv, capsys)
-    assert f"--overwrite would delete {foreign}, which is not a prepared dataset" in line
+    assert "pass --overwrite" not in line  # it would not help: the fix offered is another --out
+    assert f"--out {foreign} is not empty and is not a prepared dataset written by `draftsmith data prepare`" in line
     assert (foreign / "cat.jpg").read_bytes() == b"\xff\xd8 a cat"
 
 
@@ -146,7 +146,7 @@ def test_export_overwrite_replaces_only_an_earlier_export(runs, tmp_path, capsys
     foreign.mkdir()
     (foreign / "thesis.tex").write_text("years of work\n")
     line = refused(["export", runs / "run", "--out", foreign, "--overwrite"], capsys)
-    assert "which is not a drafter written by `draftsmith export`" in line
+    assert "is not empty and is not a drafter written by `draftsmith export`" in line
     assert (foreign / "thesis.tex").read_text() == "years of work\n"
     exported = tmp_path / "drafter"
     main(["export", str(runs / "run"), "--out", str(exported)])

@@ -26,7 +26,7 @@ class OutputRules:
     says so from the marker that run left, described by ``what``), never one that is, holds or lies
     inside one of the ``keep`` paths (its inputs, a training run)."""
 
-    what: str  # e.g. "a prepared dataset (manifest.json of `draftsmith data prepare`)"
+    what: str  # e.g. "a prepared dataset written by `draftsmith data prepare`"
     is_own: Callable[[Path], bool]
     keep: tuple[tuple[str, Path], ...] = ()  # (what it is, path), e.g. ("the input", Path("d.jsonl"))
 

@@ -7,10 +7,82 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from draftsmith.core.errors import DraftsmithError
+
+
+class OutputDirectoryError(DraftsmithError, FileExistsError):
+    """An ``--out`` that would overwrite, or lie within, something the command did not write."""
+
+
+@dataclass(frozen=True)
+class OutputRules:
+    """What a command's ``--out`` may replace: only a directory its own earlier run wrote (``is_own``
+    says so from the marker that run left, described by ``what``), never one that is, holds or lies
+    inside one of the ``keep`` paths (its inputs, a training run)."""
+
+    what: str  # e.g. "a prepared dataset written by `draftsmith data prepare`"
+    is_own: Callable[[Path], bool]
+    keep: tuple[tuple[str, Path], ...] = ()  # (what it is, path), e.g. ("the input", Path("d.jsonl"))
+
+
+def _overlap(dest: Path, kept: Path) -> str | None:
+    """How ``dest`` overlaps ``kept`` ("is", "contains", "lies inside"), compared by resolved path."""
+    dest, kept = dest.resolve(), kept.resolve()
+    if dest == kept:
+        return "is"
+    if kept.is_relative_to(dest):
+        return "contains"
+    if dest.is_relative_to(kept):
+        return "lies inside"
+    return None
+
+
+def check_output_directory(dest: Path, overwrite: bool, rules: OutputRules | None = None) -> None:
+    """Refuse, before any work, an ``--out`` whose replacement would delete what this command did not
+    write: an input or run (always), a file, a non-empty directory without ``overwrite``, and with it
+    one that does not look like this command's own output. ``rules=None`` replaces only empty ones."""
+    dest = Path(dest)
+    for what, kept in rules.keep if rules else ():
+        relation = _overlap(dest, Path(kept))
+        if relation:
+            raise OutputDirectoryError(f"--out {dest} {relation} {what} {kept}; choose an --out outside it")
+    if not dest.exists():
+        return
+    if not dest.is_dir():
+        raise OutputDirectoryError(f"--out {dest} is a file, not a directory; choose another --out")
+    if not any(dest.iterdir()):
+        return
+    if rules is not None and not rules.is_own(dest):  # checked first, so the fix offered is never --overwrite
+        raise OutputDirectoryError(
+            f"--out {dest} is not empty and is not {rules.what}; choose another --out "
+            "(--overwrite never deletes what the command did not write)"
+        )
+    if not overwrite:
+        raise OutputDirectoryError(f"{dest} already exists and is not empty; choose another --out or pass --overwrite")
+    if rules is None:
+        raise OutputDirectoryError(f"{dest} already exists and is not empty; choose another --out")
+
+
+def check_creatable_directory(dest: Path) -> None:
+    """Fail now, not after hours of work, if ``dest`` could not be written by :func:`atomic_directory`:
+    its nearest existing ancestor must be a directory in which we can create (and remove) an entry."""
+    dest = Path(dest)
+    # the staging directory and the final rename happen in dest's parent
+    ancestor = next(p for p in dest.absolute().parents if p.exists())
+    if not ancestor.is_dir():
+        raise OutputDirectoryError(f"--out {dest} cannot be created: {ancestor} is a file; choose another --out")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".draftsmith-probe-", dir=ancestor))
+    except OSError as error:
+        raise OutputDirectoryError(
+            f"--out {dest} cannot be written ({error.strerror} in {ancestor}); choose another --out"
+        ) from None
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
@@ -56,12 +128,12 @@ def publish_directory(staging: Path, dest: Path) -> None:
 
 
 @contextmanager
-def atomic_directory(dest: Path, overwrite: bool = False) -> Iterator[Path]:
+def atomic_directory(dest: Path, overwrite: bool = False, rules: OutputRules | None = None) -> Iterator[Path]:
     """Yield a staging directory that replaces ``dest`` only if the block finishes; the one way every
-    artifact directory (prepared data, exports, the target cache) is written."""
+    artifact directory (prepared data, exports, bench results, the target cache) is written. What
+    ``dest`` may replace is decided by :func:`check_output_directory` with ``rules``."""
     dest = Path(dest)
-    if dest.exists() and any(dest.iterdir()) and not overwrite:
-        raise FileExistsError(f"{dest} already exists and is not empty; choose another --out or pass --overwrite")
+    check_output_directory(dest, overwrite, rules)
     staging = staging_directory(dest)
     try:
         yield staging

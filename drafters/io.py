@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from draftsmith.core.errors import DraftsmithError
-from draftsmith.core.io import atomic_directory
+from draftsmith.core.io import OutputRules, atomic_directory
 from draftsmith.core.target import Target, TargetError, TargetIdentity
 
 WEIGHTS_NAME = "model.safetensors"
@@ -98,20 +98,47 @@ def check_drafter_target(config: dict[str, Any], target: Target, directory: str 
         )
 
 
-def export_drafter(model: nn.Module, target_identity: dict[str, str], out: str | Path, overwrite: bool = False) -> Path:
+def is_exported_drafter(path: Path) -> bool:
+    """Whether ``path`` holds what ``draftsmith export`` writes, in either layout (its config.json names
+    a drafter family or a speculators model type)."""
+    try:
+        config = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and ("drafter_family" in config or "speculators_model_type" in config)
+
+
+def drafter_output_rules(keep: tuple[tuple[str, Path], ...] = ()) -> OutputRules:
+    """``--out`` of ``draftsmith export`` replaces only an exported drafter, never one of ``keep``."""
+    return OutputRules("a drafter written by `draftsmith export`", is_exported_drafter, keep)
+
+
+def export_drafter(
+    model: nn.Module,
+    target_identity: dict[str, str],
+    out: str | Path,
+    overwrite: bool = False,
+    keep: tuple[tuple[str, Path], ...] = (),
+) -> Path:
     """The self-describing drafter directory: config (family, options, target identity) and weights,
     as the model's ``save_pretrained`` writes them (Medusa-2 adds its LoRA adapter in peft's format)."""
     model.config.target_identity = dict(target_identity)
-    with atomic_directory(Path(out), overwrite) as staging:
+    with atomic_directory(Path(out), overwrite, drafter_output_rules(keep)) as staging:
         model.save_pretrained(staging)
     return Path(out)
 
 
-def export_speculators(model: Any, verifier_name: str, out: str | Path, overwrite: bool = False) -> Path:
+def export_speculators(
+    model: Any,
+    verifier_name: str,
+    out: str | Path,
+    overwrite: bool = False,
+    keep: tuple[tuple[str, Path], ...] = (),
+) -> Path:
     """A drafter in vLLM ``speculators`` layout (``config.json`` + ``model.safetensors``), for
     ``vllm serve TARGET --speculative-config '{"model": OUT, "method": "eagle", ...}'``."""
     config, state = model.speculators_layout(verifier_name)
-    with atomic_directory(Path(out), overwrite) as staging:
+    with atomic_directory(Path(out), overwrite, drafter_output_rules(keep)) as staging:
         (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         save_file(state, str(staging / WEIGHTS_NAME), metadata={"format": "pt"})
     return Path(out)

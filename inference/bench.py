@@ -19,7 +19,7 @@ import torch
 from tqdm.auto import tqdm
 
 from draftsmith.core.errors import DraftsmithError
-from draftsmith.core.io import atomic_write_bytes, atomic_write_json
+from draftsmith.core.io import OutputRules, atomic_directory, atomic_write_bytes, atomic_write_json
 from draftsmith.core.target import Target
 from draftsmith.inference.methods import build_drafter
 from draftsmith.inference.runtime import generate
@@ -117,6 +117,10 @@ def read_questions(path: Path, categories: list[str] | None, limit: int | None) 
                 f"{path} line {number} is not a Spec-Bench question (question_id, category, turns): "
                 f"{type(exc).__name__}"
             ) from None
+        if not isinstance(record["turns"], list) or not question.turns:
+            raise BenchError(
+                f"{path} line {number}: 'turns' must be a list of at least one user message, got {record['turns']!r}"
+            )
         if categories is None or question.category in categories:
             questions.append(question)
     if limit is not None:
@@ -262,8 +266,25 @@ def write_chart(results: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
-def write_results(results: dict[str, Any], out: Path) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(out / "results.json", results)
-    atomic_write_bytes(out / "results.md", markdown_table(results).encode())
-    write_chart(results, out / "chart.png")
+def is_bench_results(path: Path) -> bool:
+    """Whether ``path`` holds what :func:`write_results` writes (a results.json with its methods)."""
+    try:
+        results = json.loads((Path(path) / "results.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(results, dict) and "methods" in results
+
+
+def bench_output_rules(keep: tuple[tuple[str, Path], ...] = ()) -> OutputRules:
+    """``bench --out`` replaces only earlier bench results, never one of ``keep`` (its inputs)."""
+    return OutputRules("bench results written by `draftsmith bench`", is_bench_results, keep)
+
+
+def write_results(
+    results: dict[str, Any], out: Path, overwrite: bool = False, rules: OutputRules | None = None
+) -> None:
+    """results.json, results.md and chart.png, all or none, replacing ``out`` as ``rules`` allow."""
+    with atomic_directory(Path(out), overwrite, rules or bench_output_rules()) as staging:
+        atomic_write_json(staging / "results.json", results)
+        atomic_write_bytes(staging / "results.md", markdown_table(results).encode())
+        write_chart(results, staging / "chart.png")

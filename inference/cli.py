@@ -7,6 +7,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from draftsmith.core.arguments import positive_int
+
 
 def _stream_printer(tokenizer) -> Any:
     """Print the text of new tokens as they are committed (decoding the whole answer each time,
@@ -57,20 +59,45 @@ def cmd_generate(args: argparse.Namespace) -> None:
     )
 
 
+def _method_inputs(methods: list[str]) -> tuple[tuple[str, Path], ...]:
+    """The existing files and directories that ``--methods`` specs name (``eagle=DIR``,
+    ``draft=MODEL:k=4``, ``spectra=INDEX``): bench's ``--out`` must not replace them."""
+    found = []
+    for method in methods:
+        _, _, value = method.partition("=")
+        for candidate in (value, value.split(":", 1)[0]):
+            if candidate and Path(candidate).exists():
+                found.append((f"the input of --methods {method}", Path(candidate)))
+                break
+    return tuple(found)
+
+
 def cmd_bench(args: argparse.Namespace) -> None:
     import torch
 
-    from draftsmith.inference.bench import markdown_table, read_questions, run_bench, write_results
+    from draftsmith.core.io import check_creatable_directory, check_output_directory
+    from draftsmith.inference.bench import (
+        bench_output_rules,
+        markdown_table,
+        read_questions,
+        run_bench,
+        write_results,
+    )
 
     if args.threads:
         torch.set_num_threads(args.threads)
     categories = [c.strip() for c in args.categories.split(",")] if args.categories else None
     questions = read_questions(Path(args.questions), categories, args.limit)
-    target = _load_target(args)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    out = Path(args.out)
+    rules = bench_output_rules((("the questions file", Path(args.questions)), *_method_inputs(methods)))
+    # before the model loads: a run's measurements must not be lost to an --out that cannot take them
+    check_output_directory(out, args.overwrite, rules)
+    check_creatable_directory(out)
+    target = _load_target(args)
     results = run_bench(target, questions, methods, args.max_new_tokens)
-    write_results(results, Path(args.out))
-    print(markdown_table(results))
+    print(markdown_table(results))  # shown before writing, so a failed write loses no figures
+    write_results(results, out, args.overwrite, rules)
     print(f"results in {args.out}/results.json, results.md, chart.png")
 
 
@@ -140,7 +167,7 @@ def add_inference_commands(subparsers: Any) -> None:
         "self-speculative draft); draft specs take :k=K draft tokens per round (default 4)",
     )
     _add_target_arguments(p)
-    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--max-new-tokens", type=positive_int, default=256, help="at most this many tokens (>= 1)")
     p.add_argument("--raw", action="store_true", help="use the prompt as raw text, without the chat template")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples, losslessly")
     p.add_argument("--top-k", type=int, default=0, help="with sampling: keep the k most likely tokens (0 = all)")
@@ -160,12 +187,17 @@ def add_inference_commands(subparsers: Any) -> None:
         default="pld",
         help="comma-separated methods, e.g. pld,draft=layers:20 (none is always included)",
     )
-    p.add_argument("--limit", type=int, default=None, help="at most N questions, spread over categories")
+    p.add_argument(
+        "--limit", type=positive_int, default=None, help="at most N (>= 1) questions, spread over categories"
+    )
     p.add_argument("--categories", default=None, help="comma-separated categories to keep")
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--max-new-tokens", type=positive_int, default=128, help="tokens per answer (>= 1)")
     _add_target_arguments(p)
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument("--threads", type=positive_int, default=None, help="torch threads, >= 1 (default: torch's choice)")
     p.add_argument("--out", required=True, help="output directory for results.json, results.md, chart.png")
+    p.add_argument(
+        "--overwrite", action="store_true", help="replace earlier bench results (never a directory bench did not write)"
+    )
     p.set_defaults(func=cmd_bench)
     p = subparsers.add_parser(
         "spectra-index",
@@ -194,6 +226,6 @@ def add_inference_commands(subparsers: Any) -> None:
     p.add_argument("--prefix", type=int, default=300, help="tokens already in the KV cache")
     p.add_argument("--repeats", type=int, default=7, help="timed forwards per size; the median is reported")
     p.add_argument("--shape", choices=["random", "chain"], default="random", help="tree shape (seeded random tree)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument("--threads", type=positive_int, default=None, help="torch threads, >= 1 (default: torch's choice)")
     p.add_argument("--out", default=None, help="also write bench_tree.json and bench_tree.md to this directory")
     p.set_defaults(func=cmd_bench_tree)

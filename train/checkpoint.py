@@ -22,6 +22,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.io import atomic_write_json, publish_directory
 from draftsmith.drafters.io import save_drafter_weights
@@ -30,6 +32,7 @@ MARKER = "COMPLETE"
 STATE_FILE = "trainer_state.json"
 RESOLVED_RECIPE = "recipe.resolved.yaml"  # the run's recipe, file + overrides + defaults, beside its checkpoints
 DRAFTER_DIR = "drafter"
+RNG_STATE_KEYS = ("random_state", "numpy_random_seed", "torch_manual_seed")  # what accelerate restores
 _NAME = re.compile(r"^step-(\d+)$")
 
 
@@ -98,6 +101,26 @@ def save_checkpoint(accelerator: Any, model: Any, output_dir: Path, state: dict[
             shutil.rmtree(old, ignore_errors=True)
     accelerator.wait_for_everyone()
     return final
+
+
+def rng_state_file(checkpoint: Path, process_index: int) -> Path:
+    """Where accelerate keeps one rank's python / numpy / torch random states in a checkpoint."""
+    return Path(checkpoint) / f"random_states_{process_index}.pkl"
+
+
+def rng_state_problem(checkpoint: Path, process_index: int) -> str | None:
+    """Why this rank's random states cannot be restored, or None. accelerate itself skips a missing or
+    damaged file with an INFO log, and the resumed run then silently stops matching an uninterrupted one."""
+    path = rng_state_file(checkpoint, process_index)
+    if not path.is_file():
+        return f"{path} is missing"
+    try:
+        states = torch.load(path, weights_only=False)  # the run's own pickle, as accelerate loads it next
+    except Exception as exc:  # any unpickling failure means the same: the file is damaged
+        return f"{path} is unreadable ({type(exc).__name__})"
+    if not isinstance(states, dict) or not all(key in states for key in RNG_STATE_KEYS):
+        return f"{path} holds no random states"
+    return None
 
 
 def load_checkpoint(accelerator: Any, checkpoint: Path) -> dict[str, Any]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.data.cli import add_data_commands
@@ -24,8 +25,16 @@ USER_ERRORS: tuple[type[BaseException], ...] = (
 )
 
 
+class OneLineErrorParser(argparse.ArgumentParser):
+    """A bad command line is one ``draftsmith: error:`` line naming the option, like every other user
+    error (argparse would print the whole usage first); sub-command parsers inherit the class."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"draftsmith: error: {message} (see `{self.prog} --help`)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineErrorParser(
         prog="draftsmith",
         description="Train speculative-decoding drafters for a target LLM and decode losslessly with them.",
     )

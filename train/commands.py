@@ -10,7 +10,17 @@ from typing import Any
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("recipe", help="a training recipe (YAML), e.g. recipes/fspad-smollm2.yaml")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="recipe overrides, e.g. train.max_steps=50")
-    parser.add_argument("--resume", action="store_true", help="continue from the last complete checkpoint")
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue exactly from the last complete checkpoint (output_dir may have moved or been copied)",
+    )
+    parser.add_argument(
+        "--resume-inexact",
+        action="store_true",
+        help="with --resume: go on even if the checkpoint's random states (random_states_N.pkl) are missing or "
+        "damaged, with fresh ones; the run then differs from an uninterrupted one (also train.resume_inexact=true)",
+    )
 
 
 def cmd_train(args: argparse.Namespace) -> None:
@@ -18,7 +28,7 @@ def cmd_train(args: argparse.Namespace) -> None:
     from draftsmith.train.trainer import train
 
     recipe = load_train_recipe(Path(args.recipe), args.overrides)
-    result = train(recipe, resume=args.resume)
+    result = train(recipe, resume=args.resume, resume_inexact=args.resume_inexact)
     if result.checkpoint is not None and _is_main_process():
         print(
             f"trained {result.step} steps; last checkpoint {result.checkpoint}; export it with "
@@ -76,9 +86,11 @@ def add_train_commands(subparsers: Any) -> None:
         "model.safetensors, ready for `draftsmith generate` and `draftsmith bench`.",
     )
     p.add_argument("run_dir", help="the run's output_dir")
-    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--out", required=True, help="output directory (outside the run directory)")
     p.add_argument("--checkpoint", default=None, help="a checkpoint name such as step-500 (default: the last)")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
+    p.add_argument(
+        "--overwrite", action="store_true", help="replace an earlier export (never a directory export did not write)"
+    )
     p.add_argument(
         "--layout",
         choices=["draftsmith", "speculators"],

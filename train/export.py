@@ -12,7 +12,8 @@ from pathlib import Path
 import yaml
 
 from draftsmith.core.errors import DraftsmithError
-from draftsmith.drafters.io import export_drafter, export_speculators, read_drafter_config
+from draftsmith.core.io import check_output_directory
+from draftsmith.drafters.io import drafter_output_rules, export_drafter, export_speculators, read_drafter_config
 from draftsmith.drafters.registry import get_family
 from draftsmith.train.checkpoint import DRAFTER_DIR, RESOLVED_RECIPE, CheckpointError, find_checkpoint, read_state
 from draftsmith.train.recipe import TrainRecipe
@@ -35,6 +36,8 @@ def export_run(
     recipe_path = run_dir / RESOLVED_RECIPE
     if not recipe_path.is_file():
         raise CheckpointError(f"{run_dir} is not a training run (no {RESOLVED_RECIPE}); give the run's output_dir")
+    keep = (("the training run", run_dir),)
+    check_output_directory(Path(out), overwrite, drafter_output_rules(keep))
     recipe = build(TrainRecipe, yaml.safe_load(recipe_path.read_text()))
     source = find_checkpoint(run_dir, checkpoint)
     state = read_state(source)
@@ -43,10 +46,10 @@ def export_run(
     model.config.drafter_family = family.name
     if layout == "speculators":
         try:
-            return export_speculators(model, verifier or recipe.target.name, out, overwrite=overwrite)
+            return export_speculators(model, verifier or recipe.target.name, out, overwrite=overwrite, keep=keep)
         except DraftsmithError as error:  # a family or option the layout cannot express
             raise CheckpointError(f"cannot export {run_dir} for speculators: {error}") from None
-    return export_drafter(model, state["target_identity"], out, overwrite=overwrite)
+    return export_drafter(model, state["target_identity"], out, overwrite=overwrite, keep=keep)
 
 
 def drafter_parameter_counts(directory: Path) -> dict[str, int]:

@@ -77,7 +77,7 @@ def cmd_quickstart(args: argparse.Namespace) -> None:
         questions, "".join(json.dumps(q) + "\n" for q in held_out_questions(args.questions_per_category)).encode()
     )
     bench = ["bench", "--questions", str(questions), "--methods", f"pld,fspad={export}"]
-    bench += ["--max-new-tokens", str(args.max_new_tokens), "--out", str(out / "bench")]
+    bench += ["--max-new-tokens", str(args.max_new_tokens), "--out", str(out / "bench"), "--overwrite"]
     _run(args.build_parser, bench + (["--threads", str(args.threads)] if args.threads else []))
     print(
         f"\nDone. The drafter is in {export}; try it:\n"

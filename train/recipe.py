@@ -8,6 +8,7 @@ heavy is loaded, so a typo is one line, not a traceback after the model has load
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,6 +51,9 @@ class TrainSection:
     keep_last: int = 2  # complete checkpoints kept; older ones are deleted
     mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "auto"  # auto: the launcher's choice on GPU, no on CPU
     resume: bool = False  # continue from the last complete checkpoint in output_dir
+    # with resume: go on even if the checkpoint's random states are missing or damaged (the run then
+    # draws other noise than an uninterrupted one would); without it that is an error
+    resume_inexact: bool = False
     # a directory written by `draftsmith export` (same family and target) whose weights start this run;
     # parts it lacks start fresh (e.g. Speculative Streaming's pruning adapter, trained afterwards)
     init_from: Optional[str] = None
@@ -92,6 +96,19 @@ def load_train_recipe(path: Path, overrides: Sequence[str] = ()) -> TrainRecipe:
     return recipe
 
 
+def _check_real_numbers(train: TrainSection) -> None:
+    """nan passes every ``<=`` test and an infinite rate, decay or norm turns the weights into nan at
+    the first step, so each is checked against its whole allowed range."""
+    ranges = {
+        "train.lr": (train.lr, "a finite number > 0", lambda v: v > 0),
+        "train.weight_decay": (train.weight_decay, "a finite number >= 0", lambda v: v >= 0),
+        "train.grad_clip": (train.grad_clip, "a finite number >= 0 (0 or null: no clipping)", lambda v: v >= 0),
+    }
+    for key, (value, allowed, fits) in ranges.items():
+        if value is not None and not (math.isfinite(value) and fits(value)):
+            raise RecipeError(f"{key} must be {allowed}, got {value}")
+
+
 def validate(recipe: TrainRecipe) -> None:
     """Checks that need no model: the family exists, its options are known, numbers make sense."""
     if "family" not in recipe.drafter:
@@ -107,6 +124,7 @@ def validate(recipe: TrainRecipe) -> None:
             "`draftsmith data prepare [INPUT] --out DIR --target TARGET`"
         )
     train = recipe.train
+    _check_real_numbers(train)
     positive = {
         "train.lr": train.lr,
         "train.epochs": train.epochs,
@@ -125,5 +143,7 @@ def validate(recipe: TrainRecipe) -> None:
         raise RecipeError("train.warmup_steps and data.eval_samples must be >= 0")
     if len(train.betas) != 2:
         raise RecipeError(f"train.betas must be two numbers, got {list(train.betas)}")
+    if not all(0 <= beta < 1 for beta in train.betas):
+        raise RecipeError(f"train.betas must each be in [0, 1) (e.g. [0.9, 0.95]), got {list(train.betas)}")
     if recipe.data.max_length is not None and recipe.data.max_length < 3:
         raise RecipeError(f"data.max_length must be >= 3 tokens, got {recipe.data.max_length}")

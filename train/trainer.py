@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import os
 import random
+import sys
 import time
 from collections import defaultdict
 from collections.abc import Iterator
@@ -36,6 +37,7 @@ from draftsmith.train.checkpoint import (
     latest_checkpoint,
     load_checkpoint,
     read_state,
+    rng_state_problem,
     save_checkpoint,
 )
 from draftsmith.train.loader import BatchPlan, TrainData, online_features, open_feature_cache, open_prepared
@@ -45,8 +47,10 @@ from draftsmith.train.recipe_loader import RecipeError, save_resolved, to_tree
 from draftsmith.train.tracking import Tracker
 
 RUN_INFO = "run_info.json"
-# Recipe keys a resumed run may change: they do not alter what the finished steps computed.
-RESUMABLE_CHANGES = ("train.max_steps", "train.resume", "tracking.")
+# Recipe keys a resumed run may change: they do not alter what the finished steps computed. The run is
+# found at the current output_dir, so where it was written before (a moved or copied run, or the same
+# place spelt differently: a trailing slash, ./, a relative path) does not matter.
+RESUMABLE_CHANGES = ("output_dir", "train.max_steps", "train.resume", "train.resume_inexact", "tracking.")
 
 
 class TrainingError(DraftsmithError, RuntimeError):
@@ -151,6 +155,21 @@ def _starting_checkpoint(recipe: TrainRecipe, output_dir: Path, resume: bool, is
     return checkpoint
 
 
+def _check_rng_state(checkpoint: Path, process_index: int, inexact: bool, is_main: bool) -> None:
+    """Exact resume needs the checkpoint's random states; without them only an explicit inexact resume
+    goes on (with the states the seed gives), and says so."""
+    problem = rng_state_problem(checkpoint, process_index)
+    if problem is None:
+        return
+    if not inexact:
+        raise TrainingError(
+            f"cannot resume exactly: {problem}; resume from an intact copy of the run, or pass --resume-inexact "
+            "(train.resume_inexact=true) to continue with fresh random states"
+        )
+    if is_main:
+        tqdm.write(f"draftsmith: warning: {problem}; resuming inexactly with fresh random states", file=sys.stderr)
+
+
 @contextmanager
 def _preserved_rng() -> Iterator[None]:
     """Evaluation must not move the training RNG, or a resumed run would draw different noise."""
@@ -169,12 +188,15 @@ def _preserved_rng() -> Iterator[None]:
 class Trainer:
     """One run of a recipe; ``run()`` trains to ``train.max_steps`` (or ``train.epochs``)."""
 
-    def __init__(self, recipe: TrainRecipe, resume: bool = False) -> None:
+    def __init__(self, recipe: TrainRecipe, resume: bool = False, resume_inexact: bool = False) -> None:
         self.recipe = recipe
         self.output_dir = Path(recipe.output_dir)
         self.accelerator = build_accelerator(recipe.train)
         self.is_main = self.accelerator.is_main_process
         self.checkpoint = _starting_checkpoint(recipe, self.output_dir, resume or recipe.train.resume, self.is_main)
+        if self.checkpoint is not None:  # before the target loads: a refused resume costs nothing
+            inexact = resume_inexact or recipe.train.resume_inexact
+            _check_rng_state(self.checkpoint, self.accelerator.process_index, inexact, self.is_main)
         self._load_target_and_data()
         self._build_model()
         self.start_step = self._restore() if self.checkpoint else 0
@@ -420,6 +442,6 @@ class Trainer:
         return TrainResult(self.output_dir, max(self.start_step, self.total_steps), checkpoint, last)
 
 
-def train(recipe: TrainRecipe, resume: bool = False) -> TrainResult:
+def train(recipe: TrainRecipe, resume: bool = False, resume_inexact: bool = False) -> TrainResult:
     """Train ``recipe`` (in this process, or in each process of ``accelerate launch``)."""
-    return Trainer(recipe, resume=resume).run()
+    return Trainer(recipe, resume=resume, resume_inexact=resume_inexact).run()

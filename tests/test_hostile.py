@@ -1,0 +1,316 @@
+"""Hostile inputs (issue 15): ``--overwrite`` never deletes what the command did not write, resume
+survives a moved run but not lost random states, and bad numbers are one line before any model loads.
+
+Every refusal is exit status 2 with one ``draftsmith: error:`` line and no traceback, and every test
+checks that the good artifacts around it (inputs, runs, siblings, earlier results) are still there.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+from test_trainer import losses, prepared_dir, write_recipe  # noqa: F401  (prepared_dir is a fixture)
+
+from conftest import write_jsonl
+from draftsmith.train.checkpoint import latest_checkpoint, rng_state_file
+from draftsmith.train.cli import main
+
+
+def refused(argv: list[str], capsys: pytest.CaptureFixture) -> str:
+    """Run ``draftsmith argv``; assert it is refused as a user error; return its one error line."""
+    with pytest.raises(SystemExit) as info:
+        main([str(a) for a in argv])
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("draftsmith: error:")]
+    assert info.value.code == 2, err
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+def snapshot(root: Path) -> dict[str, bytes]:
+    """Every file under ``root`` with its bytes, to prove nothing was lost or changed."""
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture()
+def no_model_loads(monkeypatch):
+    """Fail the test if a target model or tokenizer is loaded: the refusal must come before."""
+
+    def loaded(*args, **kwargs):
+        raise AssertionError("a model was loaded before the bad argument was refused")
+
+    for module in ("draftsmith.core.target", "draftsmith.train.trainer"):
+        monkeypatch.setattr(f"{module}.load_target", loaded, raising=False)
+    monkeypatch.setattr("draftsmith.core.target.load_tokenizer", loaded)
+
+
+# ---- data prepare --overwrite --------------------------------------------------------------------
+
+
+@pytest.fixture()
+def data_dir(tmp_path, chat_records) -> Path:
+    """A folder holding the user's dataset and an unrelated file of theirs."""
+    folder = tmp_path / "mydata"
+    folder.mkdir()
+    write_jsonl(folder / "mydata.jsonl", chat_records)
+    (folder / "notes.txt").write_text("my notes\n")
+    return folder
+
+
+@pytest.mark.parametrize(
+    "out, flags, message",
+    [
+        (".", ["--overwrite"], "contains the input"),  # the input's own folder: the old behaviour wiped it
+        (".", [], "contains the input"),
+        ("mydata.jsonl", ["--overwrite"], "is the input"),
+    ],
+    ids=["input-folder-overwrite", "input-folder", "input-file"],
+)
+def test_prepare_never_writes_over_its_input(data_dir, tiny_target_dir, no_model_loads, capsys, out, flags, message):
+    before = snapshot(data_dir)
+    target = ["--target", tiny_target_dir]
+    line = refused(["data", "prepare", data_dir / "mydata.jsonl", "--out", data_dir / out, *target, *flags], capsys)
+    assert message in line and "choose an --out outside it" in line
+    assert snapshot(data_dir) == before
+
+
+@pytest.mark.parametrize("flags", [["--overwrite"], []], ids=["overwrite", "plain"])
+def test_prepare_refuses_a_folder_it_did_not_write(tmp_path, data_dir, tiny_target_dir, no_model_loads, capsys, flags):
+    foreign = tmp_path / "photos"
+    foreign.mkdir()
+    (foreign / "cat.jpg").write_bytes(b"\xff\xd8 a cat")
+    argv = ["data", "prepare", data_dir / "mydata.jsonl", "--out", foreign, "--target", tiny_target_dir, *flags]
+    line = refused(argv, capsys)
+    assert "pass --overwrite" not in line  # it would not help: the fix offered is another --out
+    assert f"--out {foreign} is not empty and is not a prepared dataset written by `draftsmith data prepare`" in line
+    assert (foreign / "cat.jpg").read_bytes() == b"\xff\xd8 a cat"
+
+
+def test_prepare_overwrite_replaces_its_own_output(tmp_path, data_dir, tiny_target_dir, capsys):
+    out = tmp_path / "prepared"
+    argv = ["data", "prepare", str(data_dir / "mydata.jsonl"), "--out", str(out), "--target", str(tiny_target_dir)]
+    main(argv)
+    main([*argv, "--max-length", "64", "--overwrite"])  # documented success: its own earlier output
+    assert json.loads((out / "manifest.json").read_text())["max_length"] == 64
+    assert (data_dir / "mydata.jsonl").is_file()
+
+
+# ---- export --overwrite ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory, tiny_target_dir, prepared_dir) -> Path:  # noqa: F811
+    """A two-step training run beside a sibling folder, inside a parent the user owns; copied per test."""
+    root = tmp_path_factory.mktemp("runs")
+    recipe = write_recipe(root, tiny_target_dir, prepared_dir, train={"max_steps": 2, "save_every": 2})
+    main(["train", str(recipe)])
+    (root / "sibling").mkdir()
+    (root / "sibling" / "keep.txt").write_text("another run's notes\n")
+    return root / "run"
+
+
+@pytest.fixture()
+def runs(tmp_path, finished_run) -> Path:
+    """This test's own copy of the parent folder holding ``run`` and ``sibling``, its recipes pointing
+    at the copy (as if it had been trained there), so no test can touch the shared run."""
+    root = shutil.copytree(finished_run.parent, tmp_path / "runs")
+    for recipe in (root / "recipe.yaml", root / "run" / "recipe.resolved.yaml"):
+        tree = yaml.safe_load(recipe.read_text())
+        recipe.write_text(yaml.safe_dump({**tree, "output_dir": str(root / "run")}))
+    return root
+
+
+@pytest.mark.parametrize(
+    "out, flags, message",
+    [
+        ("run", ["--overwrite"], "is the training run"),
+        (".", ["--overwrite"], "contains the training run"),
+        ("run/export", [], "lies inside the training run"),
+        ("run/checkpoints", ["--overwrite"], "lies inside the training run"),
+    ],
+    ids=["run-itself", "run-parent", "inside-run", "run-checkpoints"],
+)
+def test_export_never_writes_over_the_run(runs, capsys, out, flags, message):
+    before = snapshot(runs)
+    line = refused(["export", runs / "run", "--out", runs / out, *flags], capsys)
+    assert message in line and "choose an --out outside it" in line
+    assert snapshot(runs) == before
+
+
+def test_export_overwrite_replaces_only_an_earlier_export(runs, tmp_path, capsys):
+    foreign = tmp_path / "mine"
+    foreign.mkdir()
+    (foreign / "thesis.tex").write_text("years of work\n")
+    line = refused(["export", runs / "run", "--out", foreign, "--overwrite"], capsys)
+    assert "is not empty and is not a drafter written by `draftsmith export`" in line
+    assert (foreign / "thesis.tex").read_text() == "years of work\n"
+    exported = tmp_path / "drafter"
+    main(["export", str(runs / "run"), "--out", str(exported)])
+    main(["export", str(runs / "run"), "--out", str(exported), "--overwrite"])  # documented success
+    assert json.loads((exported / "config.json").read_text())["drafter_family"] == "fspad"
+
+
+# ---- bench --out ------------------------------------------------------------------------------------
+
+
+@pytest.fixture()
+def questions(tmp_path) -> Path:
+    record = {"question_id": "q1", "category": "writing", "turns": ["Write a poem about snow."]}
+    return write_jsonl(tmp_path / "questions.jsonl", [record])
+
+
+def bench_argv(questions: Path, out: Path, target: Path, *extra: str) -> list:
+    return ["bench", "--questions", questions, "--out", out, "--target", target, "--max-new-tokens", "4", *extra]
+
+
+def test_bench_refuses_earlier_results_before_the_model_loads(tmp_path, questions, tiny_target_dir, capsys):
+    out = tmp_path / "bench"
+    main([str(a) for a in bench_argv(questions, out, tiny_target_dir)])
+    earlier = snapshot(out)
+    assert "results.json" in earlier
+    capsys.readouterr()
+    with pytest.MonkeyPatch.context() as patch:  # the refusal must come before the (long) run
+        patch.setattr("draftsmith.core.target.load_target", lambda *a, **k: pytest.fail("the model loaded"))
+        line = refused(bench_argv(questions, out, tiny_target_dir), capsys)
+    assert "already exists and is not empty; choose another --out or pass --overwrite" in line
+    assert snapshot(out) == earlier
+    main([str(a) for a in bench_argv(questions, out, tiny_target_dir, "--overwrite")])  # documented success
+    assert json.loads((out / "results.json").read_text())["questions"] == 1
+
+
+@pytest.mark.parametrize(
+    "out, message",
+    [
+        ("blocker/bench", "cannot be created: "),  # its parent is a file: the old bench found out after the run
+        ("blocker", "is a file, not a directory"),
+        (".", "contains the questions file"),
+        ("questions.jsonl", "is the questions file"),
+    ],
+    ids=["under-a-file", "a-file", "questions-folder", "questions-file"],
+)
+def test_bench_checks_its_out_before_the_model_loads(
+    tmp_path, questions, tiny_target_dir, no_model_loads, capsys, out, message
+):
+    (tmp_path / "blocker").write_text("a file\n")
+    before = snapshot(tmp_path)
+    line = refused([*bench_argv(questions, tmp_path / out, tiny_target_dir), "--overwrite"], capsys)
+    assert message in line and "--out" in line
+    assert snapshot(tmp_path) == before
+
+
+def test_bench_refuses_a_drafter_folder_named_in_methods(tmp_path, questions, no_model_loads, capsys):
+    drafter = tmp_path / "drafter"
+    drafter.mkdir()
+    (drafter / "config.json").write_text('{"drafter_family": "fspad"}')
+    argv = bench_argv(questions, drafter, tmp_path, "--methods", f"pld,fspad={drafter}", "--overwrite")
+    assert "is the input of --methods fspad=" in refused(argv, capsys)
+    assert (drafter / "config.json").is_file()
+
+
+# ---- resume -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("spelling", ["trailing-slash", "dot-relative", "moved", "copied"])
+def test_resume_accepts_the_same_run_spelt_differently_or_moved(runs, monkeypatch, spelling):
+    """Documented success: the run at output_dir resumes wherever it was first written."""
+    recipe = runs / "recipe.yaml"
+    monkeypatch.chdir(runs)
+    run = runs / "run"
+    if spelling == "moved":
+        run = runs.parent / "elsewhere"
+        shutil.move(runs / "run", run)
+    elif spelling == "copied":
+        run = runs / "copy"
+        shutil.copytree(runs / "run", run)
+    output_dir = {"trailing-slash": f"{run}/", "dot-relative": "./run"}.get(spelling, str(run))
+    main(["train", str(recipe), f"output_dir={output_dir}", "train.max_steps=3", "--resume"])
+    assert latest_checkpoint(run).name == "step-3" and sorted(losses(run)) == [1, 2, 3]
+
+
+@pytest.mark.parametrize("damage", ["missing", "truncated", "not-a-pickle"])
+def test_resume_without_random_states_is_refused_unless_inexact(runs, capsys, damage):
+    recipe, run = runs / "recipe.yaml", runs / "run"
+    states = rng_state_file(latest_checkpoint(run), 0)
+    if damage == "missing":
+        states.unlink()
+    elif damage == "truncated":
+        states.write_bytes(states.read_bytes()[:20])
+    else:
+        states.write_text("hello")
+    with pytest.MonkeyPatch.context() as patch:  # refused before the target loads
+        patch.setattr("draftsmith.train.trainer.load_target", lambda *a, **k: pytest.fail("the model loaded"))
+        line = refused(["train", recipe, "train.max_steps=3", "--resume"], capsys)
+    assert f"cannot resume exactly: {states}" in line and "--resume-inexact" in line
+    assert latest_checkpoint(run).name == "step-2"
+    main(["train", str(recipe), "train.max_steps=3", "--resume", "--resume-inexact"])  # documented success
+    assert "resuming inexactly" in capsys.readouterr().err
+    assert latest_checkpoint(run).name == "step-3"
+
+
+# ---- numbers refused before any model loads -----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["generate", "hi", "--max-new-tokens", "0"], "argument --max-new-tokens: must be an integer >= 1, got 0"),
+        (["generate", "hi", "--max-new-tokens", "-5"], "argument --max-new-tokens: must be an integer >= 1, got -5"),
+        (["bench", "--questions", "q", "--out", "o", "--threads", "-1"], "argument --threads: must be an integer >= 1"),
+        (["bench", "--questions", "q", "--out", "o", "--max-new-tokens", "0"], "argument --max-new-tokens"),
+        (["bench-tree", "--threads", "0"], "argument --threads: must be an integer >= 1, got 0"),
+        (["data", "regenerate", "in", "--out", "o", "--max-new-tokens", "-5"], "argument --max-new-tokens"),
+        (["data", "prepare", "--out", "o", "--max-length", "0"], "argument --max-length: must be an integer >= 1"),
+        (["data", "show", "--index", "-1"], "argument --index: must be an integer >= 0, got -1"),
+    ],
+    ids=lambda v: " ".join(v) if isinstance(v, list) else None,
+)
+def test_bad_numbers_on_the_command_line(argv, message, no_model_loads, capsys):
+    assert message in refused(argv, capsys)
+
+
+def test_cache_features_without_a_prepared_dataset_exits_2(tmp_path, no_model_loads, capsys):
+    assert "give the prepared dataset directory" in refused(["data", "cache-features", "--out", tmp_path / "f"], capsys)
+
+
+def test_show_index_out_of_range(tmp_path, chat_records, tiny_target_dir, no_model_loads, capsys):
+    data = write_jsonl(tmp_path / "d.jsonl", chat_records)
+    line = refused(["data", "show", data, "--index", "99999", "--target", tiny_target_dir], capsys)
+    assert "--index 99999 is out of range" in line and "has 3 usable conversations, so --index must be in 0..2" in line
+    line = refused(["data", "show", data, "--id", "nope", "--target", tiny_target_dir], capsys)
+    assert "--id 'nope' is not in" in line
+
+
+def test_show_index_out_of_range_in_a_prepared_dataset(prepared_dir, no_model_loads, capsys):  # noqa: F811
+    line = refused(["data", "show", prepared_dir, "--index", "99999"], capsys)
+    assert "--index 99999 is out of range" in line and "has 16 samples, so --index must be in 0..15" in line
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("train.lr=nan", "train.lr must be a finite number > 0, got nan"),
+        ("train.lr=inf", "train.lr must be a finite number > 0, got inf"),
+        ("train.lr=-inf", "train.lr must be a finite number > 0, got -inf"),
+        ("train.betas=[2,3]", "train.betas must each be in [0, 1)"),
+        ("train.betas=[0.9,1.0]", "train.betas must each be in [0, 1)"),
+        ("train.weight_decay=nan", "train.weight_decay must be a finite number >= 0"),
+        ("train.grad_clip=inf", "train.grad_clip must be a finite number >= 0"),
+    ],
+)
+def test_bad_recipe_numbers(tmp_path, override, message, no_model_loads, capsys):
+    recipe = write_recipe(tmp_path, tmp_path / "target", tmp_path / "prepared")
+    assert message in refused(["train", recipe, override], capsys)
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("turns", [[], "just a string", None], ids=["no-turns", "string-turns", "null-turns"])
+def test_bench_questions_without_turns(tmp_path, turns, no_model_loads, capsys):
+    record = {"question_id": "q1", "category": "writing", "turns": turns}
+    questions = write_jsonl(tmp_path / "q.jsonl", [record])
+    line = refused(["bench", "--questions", questions, "--out", tmp_path / "out"], capsys)
+    assert "line 1" in line and ("'turns' must be a list of at least one user message" in line or "TypeError" in line)
+    assert not (tmp_path / "out").exists()

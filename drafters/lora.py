@@ -359,9 +359,6 @@ class AdaptsTargetMixin:
         with self.lora.enabled():
             yield target
 
-    def lora_parameter_count(self) -> int:
-        return sum(p.numel() for p in self.lora.parameters())
-
 
 class VerifiesAdaptedTarget:
     """Runtime-drafter mixin for the LoRA families: output is lossless with respect to the adapted

@@ -146,6 +146,7 @@ class StreamingModel(AdaptsTargetMixin, DrafterModel):
 
     config_class = StreamingConfig
     adapter_prefix = "streaming"  # unique adapter names: two models may share a target
+    PARAMETER_GROUPS = ("streams", "pruning", "lora")
 
     def __init__(self, config: StreamingConfig) -> None:
         super().__init__(config)
@@ -304,16 +305,16 @@ class StreamingModel(AdaptsTargetMixin, DrafterModel):
         return main[:, :, None, :] + self.stream_embeddings.to(main.dtype)
 
     # ---- parameters and saving --------------------------------------------------------------
-    def parameter_counts(self) -> dict[str, int]:
-        """Extra parameters by kind: stream embeddings (+ stream init map), the pruning adapter (when
-        there is one) and, apart, the LoRA (which adapts the served model rather than drafting)."""
-        streams = self.stream_embeddings.numel()
+    def parameter_groups(self) -> dict[str, list[nn.Parameter]]:
+        """Stream embeddings (+ stream init map), the pruning adapter (when there is one) and, apart,
+        the LoRA (which adapts the served model rather than drafting)."""
+        streams = [self.stream_embeddings]
         if self.stream_init is not None:
-            streams += sum(p.numel() for p in self.stream_init.parameters())
-        counts = {"streams": streams}
+            streams += list(self.stream_init.parameters())
+        groups = {"streams": streams}
         if self.pruning is not None:
-            counts["pruning"] = sum(p.numel() for p in self.pruning.parameters())
-        return {**counts, "lora": self.lora_parameter_count()}
+            groups["pruning"] = list(self.pruning.parameters())
+        return {**groups, "lora": list(self.lora.parameters())}
 
     def runtime_drafter(self, target_model: nn.Module, tree: TreeOptions) -> StreamingTreeDrafter:
         """The runtime drafter: this model bound into ``target_model`` (whose weights it adapts)."""

@@ -182,6 +182,19 @@ def test_gradients_reach_only_lora_and_streams(pair):
     assert model.parameter_counts() == {"streams": 3 * 64, "lora": sum(p.numel() for p in model.lora.parameters())}
 
 
+def test_parameter_groups_cover_the_trainable_parameters_in_declared_order():
+    from draftsmith.train.recipe import TrainSection
+    from draftsmith.train.trainer import optimizer_groups
+
+    target = make_target()
+    model = make_streaming(target, pruning_rank=2, stream_init_rank=2)
+    groups = optimizer_groups(model, TrainSection(lr=1.0, lr_scale={"lora": 0.1}))
+    assert [(g["name"], g["lr"]) for g in groups] == [("streams", 1.0), ("pruning", 1.0), ("lora", 0.1)]
+    assert sum(len(g["params"]) for g in groups) == len(list(model.parameters()))
+    pruning_only = make_streaming(target, pruning_rank=2, train_pruning_only=True)
+    assert [g["name"] for g in optimizer_groups(pruning_only, TrainSection())] == ["pruning"]  # frozen ones left out
+
+
 def test_stream_j_at_t_is_supervised_on_token_t_plus_j_plus_1(pair):
     """The vectorised loss against a position-by-position loop."""
     _, model = pair

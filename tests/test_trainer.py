@@ -196,6 +196,9 @@ def test_nan_loss_stops_with_one_line_naming_the_step(tmp_path, recipe_path, mon
         (["loss.ce_wieght=0.1"], "did you mean 'ce_weight'"),
         (["train.batch_size=0"], "train.batch_size must be > 0"),
         (["train.lrr=1"], "did you mean 'lr'"),
+        (["train.lr_scale.lora=0.1"], r"a fspad drafter has no parameter group 'lora' \(its groups: drafter\)"),
+        (["train.lr_scale.drafter=0"], "train.lr_scale.drafter must be a number > 0, got 0"),
+        (["train.lr_scale.drafter=fast"], "train.lr_scale.drafter must be float, got 'fast'"),
     ],
 )
 def test_recipe_errors_before_training(recipe_path, overrides, message):

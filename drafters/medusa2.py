@@ -101,10 +101,7 @@ class Medusa2Model(AdaptsTargetMixin, DrafterModel):
         (B, T_k) bool selects among the first T_k; with ``original`` also the unadapted target's logits
         (the self-distillation teacher). One call, so DDP / DeepSpeed see every trained weight used."""
         target = self.target
-        original_logits = None
-        if original:
-            with torch.no_grad():
-                original_logits = target(input_ids=input_ids, attention_mask=attention_mask).logits
+        original_logits = self.original_logits(input_ids, attention_mask) if original else None
         with self.adapted():
             out = target(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True)
         features = out.hidden_states[-1]  # the input of lm_head, as the runtime hands it to the heads

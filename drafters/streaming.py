@@ -124,6 +124,7 @@ class StreamingOutput:
     hidden_states: tuple[torch.Tensor, ...] | None = None
     pruning_hidden: torch.Tensor | None = None  # (B, q', h): o_θ(M^{L-Ns}); lm_head gives the pruning adapter's logits
     kept_rows: torch.Tensor | None = None  # (q',): rows of input_ids that tree pruning kept (None = all)
+    original_logits: torch.Tensor | None = None  # (B, q, V): the target with the adapters off, no gradient
 
 
 @dataclass
@@ -192,6 +193,7 @@ class StreamingModel(AdaptsTargetMixin, DrafterModel):
         stream_rows: torch.Tensor | None = None,
         output_hidden_states: bool = False,
         prune_threshold: float = 0.0,
+        original: bool = False,
     ) -> StreamingOutput:
         """The adapted target over ``input_ids`` (B, q); with ``streams`` also every stream at the
         query rows ``stream_rows`` (None = all). ``attention_mask`` is a 2D padding mask (B, past + q),
@@ -199,8 +201,11 @@ class StreamingModel(AdaptsTargetMixin, DrafterModel):
 
         ``prune_threshold`` > 0 (a tree mask, batch 1) drops the tree's sub-trees whose estimated
         transition probability is under it after layer L - Ns: the output then covers ``kept_rows``
-        only, and so does the KV cache of every layer."""
+        only, and so does the KV cache of every layer. ``original`` (training, no cache) adds the
+        unadapted target's logits, the self-distillation teacher; the streams are off in that forward
+        (its hooks see no run)."""
         target = self.target
+        original_logits = self.original_logits(input_ids, attention_mask) if original else None
         if streams and past_key_values is None:
             past_key_values = DynamicCache(config=target.config)  # the hooks read main keys/values from it
         past = past_key_values.get_seq_length() if past_key_values is not None else 0
@@ -224,14 +229,16 @@ class StreamingModel(AdaptsTargetMixin, DrafterModel):
         finally:
             self._run = None
         if run is None:
-            return StreamingOutput(out.logits, None, out.past_key_values, out.hidden_states)
+            return StreamingOutput(
+                out.logits, None, out.past_key_values, out.hidden_states, original_logits=original_logits
+            )
         if run.kept is not None:  # the pruned rows left keys/values in the layers below L - Ns
             layers = slice(0, self.config.first_stream_layer)
             keep_positions(out.past_key_values, kept_columns(run.kept, past), layers)
         stream_hidden = target.model.norm(run.states)
         pruning_hidden = None if self.pruning is None else self.pruning(run.fork.detach())  # trains o_θ alone
         return StreamingOutput(
-            out.logits, stream_hidden, out.past_key_values, out.hidden_states, pruning_hidden, run.kept
+            out.logits, stream_hidden, out.past_key_values, out.hidden_states, pruning_hidden, run.kept, original_logits
         )
 
     def _tree_pruning(

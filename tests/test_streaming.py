@@ -202,7 +202,7 @@ def test_stream_j_at_t_is_supervised_on_token_t_plus_j_plus_1(pair):
     batch = batch_of([seq])
     batch.loss_mask[0, :3] = 0  # the prompt part
     with torch.no_grad():
-        out = streaming_loss(model, batch, None, main_weight=0.0, stream_weight=1.0)
+        out = streaming_loss(model, batch, None, main_weight=0.0, stream_weight=1.0, kl_weight=0.0)
         hidden = model(batch.input_ids).stream_hidden[0]
     expected = 0.0
     for j in range(1, 4):
@@ -213,6 +213,31 @@ def test_stream_j_at_t_is_supervised_on_token_t_plus_j_plus_1(pair):
         ]
         expected += float(torch.stack(terms).mean())
     assert out.loss.item() == pytest.approx(expected, rel=1e-5)
+
+
+def test_self_distillation_kl_is_against_the_target_with_the_adapters_off():
+    target = make_target()
+    batch = batch_of([[5, 17, 23, 8, 44, 91, 3, 60], [12, 13, 14, 15, 16]], [3, 2])
+    zero = streaming_loss(make_streaming(target, lora_noise=0.0).train(), batch, None)
+    assert zero.metrics["loss/kl"] == pytest.approx(0.0, abs=1e-6) and zero.metrics["agree/original"] == 1.0
+    model = make_streaming(make_target(), lora_noise=0.5).train()
+    out = streaming_loss(model, batch, None, kl_weight=2.0)
+    without = streaming_loss(model, batch, None, kl_weight=0.0)
+    assert "loss/kl" not in without.metrics and out.metrics["loss/kl"] > 1e-4
+    assert float(out.loss) == pytest.approx(float(without.loss) + 2.0 * out.metrics["loss/kl"], rel=1e-5)
+    # the teacher is the plain target: its logits, the KL over the supervised next-token positions
+    rows = (batch.loss_mask * batch.attention_mask).bool()[:, 1:]
+    with torch.no_grad():
+        adapted = model(batch.input_ids, attention_mask=batch.attention_mask, streams=False).logits[:, :-1][rows]
+        original = model.target(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1][rows]
+    expected = (original.softmax(-1) * (original.log_softmax(-1) - adapted.log_softmax(-1))).sum(-1).mean()
+    assert out.metrics["loss/kl"] == pytest.approx(float(expected), rel=1e-4)
+    # only the KL's gradient: it reaches the LoRA and nothing else of the drafter
+    model.zero_grad()
+    kl_only = streaming_loss(model, batch, None, main_weight=0.0, stream_weight=0.0, pruning_weight=0.0)
+    kl_only.loss.backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in model.lora.parameters())
+    assert model.stream_embeddings.grad is None or not model.stream_embeddings.grad.any()
 
 
 def train_streams(target, model, prompts, seqs, steps, lr=1e-2):
@@ -332,6 +357,7 @@ def test_shipped_recipe_validates():
 
     recipe = load_train_recipe(REPO / "recipes/streaming-smollm2.yaml")
     assert recipe.family_name == "streaming" and recipe.drafter["num_streams"] == 4
+    assert recipe.loss["kl_weight"] > 0 and recipe.train.lr_scale == {"lora": 0.1}
     for ns in (2, 4, 8):
         assert load_train_recipe(REPO / "recipes/streaming-smollm2.yaml", [f"drafter.num_stream_layers={ns}"])
 

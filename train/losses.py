@@ -234,13 +234,24 @@ def medusa2_loss(
     features = out.features.float()
     heads, metrics = _medusa_heads_ce(core.heads, batch, features, rows, out.head_logits, frozen, decay, soft_labels)
     predicting = (batch.loss_mask * batch.attention_mask).bool()[:, 1:]  # x_{t+1} is an assistant token
-    adapted = out.logits[:, :-1][predicting].float()
-    original = out.original_logits[:, :-1][predicting].float()
+    kl, kl_metrics = _self_distillation(out.logits, out.original_logits, predicting)
+    metrics.update({**kl_metrics, "loss/heads": float(heads.detach())})
+    return LossOutput(kl_weight * kl + head_weight * heads, metrics)
+
+
+def _self_distillation(
+    logits: torch.Tensor, original_logits: torch.Tensor, predicting: torch.Tensor
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """KL(original || adapted) of the next-token distributions at the positions t where ``predicting``
+    (B, T - 1) says ``x_{t+1}`` is supervised, with ``loss/kl`` and ``agree/original`` (how often the
+    adapted model's argmax is the original's there); the LoRA families' guard on the served model."""
+    adapted = logits[:, :-1][predicting].float()
+    original = original_logits[:, :-1][predicting].float()
     kl = _distillation_kl(adapted, original)
-    metrics.update({"loss/kl": float(kl.detach()), "loss/heads": float(heads.detach())})
+    metrics = {"loss/kl": float(kl.detach())}
     if adapted.shape[0]:
         metrics["agree/original"] = float((adapted.detach().argmax(-1) == original.argmax(-1)).float().mean())
-    return LossOutput(kl_weight * kl + head_weight * heads, metrics)
+    return kl, metrics
 
 
 def _distillation_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
@@ -258,25 +269,33 @@ def streaming_loss(
     main_weight: float = 1.0,
     stream_weight: float = 0.1,
     pruning_weight: float = 1.0,
+    kl_weight: float = 1.0,
 ) -> LossOutput:
     """Speculative Streaming: ``main_weight * CE(x_{t+1}) + stream_weight * sum_j CE_j(x_{t+j+1})``,
-    plus ``pruning_weight * CE_prune(x_{t+1})`` when the model has a tree-pruning adapter.
+    plus ``kl_weight * KL(original || adapted)`` (default 1.0, as Medusa-2's) and, when the model has a
+    tree-pruning adapter, ``pruning_weight * CE_prune(x_{t+1})``.
 
     The main stream at t predicts ``x_{t+1}``, stream j (1..γ) at t predicts ``x_{t+j+1}``, and so
     does the adapter's early exit at t ``x_{t+1}`` (its input is detached: that term trains the
-    adapter alone); a term counts where its label is an assistant token. ``frozen`` is unused: the
-    model runs the target itself.
+    adapter alone); a term counts where its label is an assistant token. The KL is self-distillation
+    of the main stream against the same target with the adapters off (see :func:`medusa2_loss`): it
+    keeps the served, adapted model close to the original; ``kl_weight`` 0 skips that extra forward.
+    ``frozen`` is unused: the model runs the target itself.
 
     Metrics: ``loss/main``, ``loss/stream{j}``, ``acc/stream{j}`` (top-1 against the label),
-    ``loss/pruning``, ``acc/pruning`` and ``sim/accept_length`` = 1 + the mean number of leading
-    streams that are all right at a position."""
+    ``loss/kl`` and ``agree/original`` (with the KL), ``loss/pruning``, ``acc/pruning`` and
+    ``sim/accept_length`` = 1 + the mean number of leading streams that are all right at a position."""
     core = getattr(model, "module", model)  # DDP / DeepSpeed wrap the model; compute still goes through model()
-    out = model(batch.input_ids, attention_mask=batch.attention_mask)
+    out = model(batch.input_ids, attention_mask=batch.attention_mask, original=kl_weight > 0)
     supervised = (batch.loss_mask * batch.attention_mask).bool()
     streams = out.stream_hidden.shape[2]
     main_rows = supervised[:, 1:]
     main_ce = _masked_ce(out.logits[:, :-1][main_rows], batch.input_ids[:, 1:][main_rows])
     loss, metrics = main_weight * main_ce, {"loss/main": float(main_ce.detach())}
+    if out.original_logits is not None:
+        kl, kl_metrics = _self_distillation(out.logits, out.original_logits, main_rows)
+        loss = loss + kl_weight * kl
+        metrics.update(kl_metrics)
     if out.pruning_hidden is not None:
         pruning_ce, pruning_metrics = _pruning_ce(core, out.pruning_hidden, batch.input_ids, main_rows)
         loss = loss + pruning_weight * pruning_ce

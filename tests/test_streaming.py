@@ -240,6 +240,47 @@ def test_self_distillation_kl_is_against_the_target_with_the_adapters_off():
     assert model.stream_embeddings.grad is None or not model.stream_embeddings.grad.any()
 
 
+@pytest.mark.parametrize("chunk_rows", [1, 7, 1000])
+def test_chunked_stream_logits_give_the_unchunked_loss_and_gradients(chunk_rows):
+    target = make_target()
+    batch = batch_of([[5, 17, 23, 8, 44, 91, 3, 60, 12, 7], [12, 13, 14, 15, 16, 17]], [2, 1])
+
+    def loss_and_grads(rows: int) -> tuple[float, dict[str, torch.Tensor]]:
+        model = make_streaming(target, pruning_rank=2).train()
+        with torch.no_grad():
+            model.pruning[1].weight.normal_(std=0.1)  # a non-zero adapter: its A gets a gradient too
+        out = streaming_loss(model, batch, None, stream_weight=1.0, kl_weight=0.0, logit_chunk_rows=rows)
+        out.loss.backward()
+        return out, {name: p.grad.clone() for name, p in model.named_parameters()}
+
+    reference, reference_grads = loss_and_grads(0)
+    chunked, grads = loss_and_grads(chunk_rows)
+    assert float(chunked.loss.detach()) == pytest.approx(float(reference.loss.detach()), rel=1e-6)
+    assert chunked.metrics == pytest.approx(reference.metrics, rel=1e-6)  # hits (acc/*) included
+    for name, grad in reference_grads.items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_chunked_ce_keeps_no_chunk_logits_for_the_backward():
+    """Each chunk's logits are made again in the backward (checkpointed), not stored; rows are exact."""
+    from draftsmith.train.losses import _chunked_ce
+
+    torch.manual_seed(0)
+    head, calls = torch.nn.Linear(8, 50), []
+    hidden, labels = torch.randn(23, 8, requires_grad=True), torch.randint(0, 50, (23,))
+
+    def project(x):
+        calls.append(x.shape[0])
+        return head(x)
+
+    ce, hits = _chunked_ce(hidden, labels, project, chunk_rows=7)
+    assert calls == [7, 7, 7, 2] and hits.shape == (23,)
+    ce.backward()
+    assert sorted(calls) == sorted([7, 7, 7, 2] * 2)  # the backward recomputed every chunk
+    torch.testing.assert_close(ce, torch.nn.functional.cross_entropy(head(hidden), labels))
+    assert torch.equal(hits, head(hidden).argmax(-1) == labels)
+
+
 def train_streams(target, model, prompts, seqs, steps, lr=1e-2):
     model.train()
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)

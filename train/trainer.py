@@ -404,13 +404,12 @@ class Trainer:
         }
 
     def _save(self, step: int, tracker: Tracker) -> Path:
-        path = save_checkpoint(
-            self.accelerator, self.model, self.output_dir, self._state(step), self.recipe.train.keep_last
-        )
-        evaluation = self.evaluate()
+        """Evaluate, then write the checkpoint with its held-out figures (which rank it for ``--best``)."""
+        evaluation = self.evaluate()  # leaves the RNG and train mode as they were: the saved state is unchanged
         if evaluation:
             tracker.log(step, evaluation)
-        return path
+        state = {**self._state(step), "eval": evaluation}
+        return save_checkpoint(self.accelerator, self.model, self.output_dir, state, self.recipe.train.keep_last)
 
     def run(self) -> TrainResult:
         train = self.recipe.train

@@ -196,6 +196,9 @@ class DrafterModel(nn.Module):
     :meth:`parameter_counts`; the runtime calls :meth:`from_pretrained` and :meth:`runtime_drafter`."""
 
     config_class: ClassVar[type[DrafterConfig]]
+    # The names :meth:`parameter_groups` may use, in its order: a recipe's ``train.lr_scale`` keys are
+    # checked against them before any model is built.
+    PARAMETER_GROUPS: ClassVar[tuple[str, ...]] = ("drafter",)
     # True for drafters that run inside the target (the LoRA families): they train with the target
     # attached (:meth:`attach_target`) and compute their own features, so batches carry none.
     runs_inside_target: ClassVar[bool] = False
@@ -217,9 +220,15 @@ class DrafterModel(nn.Module):
         """``train.init_from``: weights of an exported drafter; returns the tensors that start fresh."""
         return load_weights_into(self, directory)
 
+    def parameter_groups(self) -> dict[str, list[nn.Parameter]]:
+        """The drafter's own parameters by kind, each kind an optimizer group with its own learning
+        rate (``train.lr_scale``); keys among :attr:`PARAMETER_GROUPS`, in that order, every parameter
+        in exactly one group (frozen ones included: the trainer leaves those out)."""
+        return {"drafter": list(self.parameters())}
+
     def parameter_counts(self) -> dict[str, int]:
         """The drafter's own parameters by kind (the target's are not counted)."""
-        return {"drafter": sum(p.numel() for p in self.parameters())}
+        return {name: sum(p.numel() for p in group) for name, group in self.parameter_groups().items()}
 
     def save_pretrained(self, directory: str | Path) -> None:
         save_drafter_weights(self, directory)

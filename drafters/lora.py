@@ -359,8 +359,11 @@ class AdaptsTargetMixin:
         with self.lora.enabled():
             yield target
 
-    def lora_parameter_count(self) -> int:
-        return sum(p.numel() for p in self.lora.parameters())
+    @torch.no_grad()
+    def original_logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """(B, T, V) logits of the target with the adapters off: the self-distillation teacher, from
+        the same target object (no second copy), without gradient."""
+        return self.target(input_ids=input_ids, attention_mask=attention_mask).logits
 
 
 class VerifiesAdaptedTarget:

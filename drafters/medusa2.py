@@ -73,6 +73,7 @@ class Medusa2Model(AdaptsTargetMixin, DrafterModel):
 
     config_class = Medusa2Config
     adapter_prefix = "medusa2"
+    PARAMETER_GROUPS = ("heads", "lora")
 
     def __init__(self, config: Medusa2Config) -> None:
         super().__init__(config)
@@ -100,10 +101,7 @@ class Medusa2Model(AdaptsTargetMixin, DrafterModel):
         (B, T_k) bool selects among the first T_k; with ``original`` also the unadapted target's logits
         (the self-distillation teacher). One call, so DDP / DeepSpeed see every trained weight used."""
         target = self.target
-        original_logits = None
-        if original:
-            with torch.no_grad():
-                original_logits = target(input_ids=input_ids, attention_mask=attention_mask).logits
+        original_logits = self.original_logits(input_ids, attention_mask) if original else None
         with self.adapted():
             out = target(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True)
         features = out.hidden_states[-1]  # the input of lm_head, as the runtime hands it to the heads
@@ -111,9 +109,9 @@ class Medusa2Model(AdaptsTargetMixin, DrafterModel):
         return Medusa2Output(out.logits, head_logits, features, original_logits)
 
     # ---- parameters and saving --------------------------------------------------------------
-    def parameter_counts(self) -> dict[str, int]:
-        """Extra parameters by kind: the heads vs the LoRA on the target."""
-        return {"heads": sum(p.numel() for p in self.heads.parameters()), "lora": self.lora_parameter_count()}
+    def parameter_groups(self) -> dict[str, list[nn.Parameter]]:
+        """The heads vs the LoRA on the target (which the recipes train at a lower rate)."""
+        return {"heads": list(self.heads.parameters()), "lora": list(self.lora.parameters())}
 
     def save_pretrained(self, directory: str | Path) -> None:
         """The exported layout: heads as Medusa-1 writes them, the adapter in peft's format."""

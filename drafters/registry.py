@@ -58,6 +58,11 @@ class Family:
         """The serve-time tree options (``--method NAME=DIR:top_k=3``) its drafters take."""
         return self.config_class.TREE_OPTIONS
 
+    @property
+    def parameter_groups(self) -> tuple[str, ...]:
+        """The optimizer groups its drafters may have (``train.lr_scale`` keys)."""
+        return self.model_class.PARAMETER_GROUPS
+
     def option_names(self) -> list[str]:
         """The recipe's ``drafter.*`` keys."""
         return self.config_class.option_names()

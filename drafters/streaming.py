@@ -124,6 +124,7 @@ class StreamingOutput:
     hidden_states: tuple[torch.Tensor, ...] | None = None
     pruning_hidden: torch.Tensor | None = None  # (B, q', h): o_θ(M^{L-Ns}); lm_head gives the pruning adapter's logits
     kept_rows: torch.Tensor | None = None  # (q',): rows of input_ids that tree pruning kept (None = all)
+    original_logits: torch.Tensor | None = None  # (B, q, V): the target with the adapters off, no gradient
 
 
 @dataclass
@@ -146,6 +147,7 @@ class StreamingModel(AdaptsTargetMixin, DrafterModel):
 
     config_class = StreamingConfig
     adapter_prefix = "streaming"  # unique adapter names: two models may share a target
+    PARAMETER_GROUPS = ("streams", "pruning", "lora")
 
     def __init__(self, config: StreamingConfig) -> None:
         super().__init__(config)
@@ -191,6 +193,7 @@ class StreamingModel(AdaptsTargetMixin, DrafterModel):
         stream_rows: torch.Tensor | None = None,
         output_hidden_states: bool = False,
         prune_threshold: float = 0.0,
+        original: bool = False,
     ) -> StreamingOutput:
         """The adapted target over ``input_ids`` (B, q); with ``streams`` also every stream at the
         query rows ``stream_rows`` (None = all). ``attention_mask`` is a 2D padding mask (B, past + q),
@@ -198,8 +201,11 @@ class StreamingModel(AdaptsTargetMixin, DrafterModel):
 
         ``prune_threshold`` > 0 (a tree mask, batch 1) drops the tree's sub-trees whose estimated
         transition probability is under it after layer L - Ns: the output then covers ``kept_rows``
-        only, and so does the KV cache of every layer."""
+        only, and so does the KV cache of every layer. ``original`` (training, no cache) adds the
+        unadapted target's logits, the self-distillation teacher; the streams are off in that forward
+        (its hooks see no run)."""
         target = self.target
+        original_logits = self.original_logits(input_ids, attention_mask) if original else None
         if streams and past_key_values is None:
             past_key_values = DynamicCache(config=target.config)  # the hooks read main keys/values from it
         past = past_key_values.get_seq_length() if past_key_values is not None else 0
@@ -223,14 +229,16 @@ class StreamingModel(AdaptsTargetMixin, DrafterModel):
         finally:
             self._run = None
         if run is None:
-            return StreamingOutput(out.logits, None, out.past_key_values, out.hidden_states)
+            return StreamingOutput(
+                out.logits, None, out.past_key_values, out.hidden_states, original_logits=original_logits
+            )
         if run.kept is not None:  # the pruned rows left keys/values in the layers below L - Ns
             layers = slice(0, self.config.first_stream_layer)
             keep_positions(out.past_key_values, kept_columns(run.kept, past), layers)
         stream_hidden = target.model.norm(run.states)
         pruning_hidden = None if self.pruning is None else self.pruning(run.fork.detach())  # trains o_θ alone
         return StreamingOutput(
-            out.logits, stream_hidden, out.past_key_values, out.hidden_states, pruning_hidden, run.kept
+            out.logits, stream_hidden, out.past_key_values, out.hidden_states, pruning_hidden, run.kept, original_logits
         )
 
     def _tree_pruning(
@@ -304,16 +312,16 @@ class StreamingModel(AdaptsTargetMixin, DrafterModel):
         return main[:, :, None, :] + self.stream_embeddings.to(main.dtype)
 
     # ---- parameters and saving --------------------------------------------------------------
-    def parameter_counts(self) -> dict[str, int]:
-        """Extra parameters by kind: stream embeddings (+ stream init map), the pruning adapter (when
-        there is one) and, apart, the LoRA (which adapts the served model rather than drafting)."""
-        streams = self.stream_embeddings.numel()
+    def parameter_groups(self) -> dict[str, list[nn.Parameter]]:
+        """Stream embeddings (+ stream init map), the pruning adapter (when there is one) and, apart,
+        the LoRA (which adapts the served model rather than drafting)."""
+        streams = [self.stream_embeddings]
         if self.stream_init is not None:
-            streams += sum(p.numel() for p in self.stream_init.parameters())
-        counts = {"streams": streams}
+            streams += list(self.stream_init.parameters())
+        groups = {"streams": streams}
         if self.pruning is not None:
-            counts["pruning"] = sum(p.numel() for p in self.pruning.parameters())
-        return {**counts, "lora": self.lora_parameter_count()}
+            groups["pruning"] = list(self.pruning.parameters())
+        return {**groups, "lora": list(self.lora.parameters())}
 
     def runtime_drafter(self, target_model: nn.Module, tree: TreeOptions) -> StreamingTreeDrafter:
         """The runtime drafter: this model bound into ``target_model`` (whose weights it adapts)."""

@@ -196,6 +196,31 @@ def test_trainer_steps_and_resume_exactly(medusa2_run):
     assert set(a) == set(b)
     for key in a:
         torch.testing.assert_close(a[key], b[key], rtol=1e-6, atol=1e-7)
+    records = [json.loads(line) for line in (medusa2_run / "b/run/metrics.jsonl").read_text().splitlines()]
+    rates = [(r["lr/heads"], r["lr/lora"]) for r in records if "loss" in r]
+    assert len(rates) == 3 and all(lora == pytest.approx(0.1 * heads) and heads == 1e-3 for heads, lora in rates)
+
+
+def test_parameter_groups_take_their_scaled_rate_through_the_schedule():
+    """The shipped recipe's ``lr_scale.lora: 0.1``: heads then LoRA, every group warmed up and decayed."""
+    from draftsmith.train.recipe import TrainSection
+    from draftsmith.train.trainer import build_scheduler, optimizer_groups
+
+    model = get_family("medusa2").build(tiny_llama(VOCAB).config, {"num_heads": 2, "lora_rank": 4})
+    train = TrainSection(lr=1e-2, lr_scale={"lora": 0.1}, scheduler="linear", warmup_steps=2)
+    groups = optimizer_groups(model, train)
+    assert [g["name"] for g in groups] == ["heads", "lora"]
+    assert sum(len(g["params"]) for g in groups) == len(list(model.parameters()))
+    optimizer = torch.optim.AdamW(groups, lr=train.lr)
+    scheduler = build_scheduler(optimizer, train, total_steps=6)
+    seen = []
+    for _ in range(6):
+        heads, lora = (group["lr"] for group in optimizer.param_groups)
+        assert lora == pytest.approx(0.1 * heads, abs=1e-15)
+        seen.append(heads)
+        optimizer.step()
+        scheduler.step()
+    assert seen[0] == 0.0 and seen[2] == pytest.approx(1e-2) and seen[5] < seen[2]
 
 
 def test_export_holds_heads_and_a_peft_adapter_and_round_trips(medusa2_run, tiny_target_dir):

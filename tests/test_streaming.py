@@ -182,6 +182,19 @@ def test_gradients_reach_only_lora_and_streams(pair):
     assert model.parameter_counts() == {"streams": 3 * 64, "lora": sum(p.numel() for p in model.lora.parameters())}
 
 
+def test_parameter_groups_cover_the_trainable_parameters_in_declared_order():
+    from draftsmith.train.recipe import TrainSection
+    from draftsmith.train.trainer import optimizer_groups
+
+    target = make_target()
+    model = make_streaming(target, pruning_rank=2, stream_init_rank=2)
+    groups = optimizer_groups(model, TrainSection(lr=1.0, lr_scale={"lora": 0.1}))
+    assert [(g["name"], g["lr"]) for g in groups] == [("streams", 1.0), ("pruning", 1.0), ("lora", 0.1)]
+    assert sum(len(g["params"]) for g in groups) == len(list(model.parameters()))
+    pruning_only = make_streaming(target, pruning_rank=2, train_pruning_only=True)
+    assert [g["name"] for g in optimizer_groups(pruning_only, TrainSection())] == ["pruning"]  # frozen ones left out
+
+
 def test_stream_j_at_t_is_supervised_on_token_t_plus_j_plus_1(pair):
     """The vectorised loss against a position-by-position loop."""
     _, model = pair
@@ -189,7 +202,7 @@ def test_stream_j_at_t_is_supervised_on_token_t_plus_j_plus_1(pair):
     batch = batch_of([seq])
     batch.loss_mask[0, :3] = 0  # the prompt part
     with torch.no_grad():
-        out = streaming_loss(model, batch, None, main_weight=0.0, stream_weight=1.0)
+        out = streaming_loss(model, batch, None, main_weight=0.0, stream_weight=1.0, kl_weight=0.0)
         hidden = model(batch.input_ids).stream_hidden[0]
     expected = 0.0
     for j in range(1, 4):
@@ -200,6 +213,72 @@ def test_stream_j_at_t_is_supervised_on_token_t_plus_j_plus_1(pair):
         ]
         expected += float(torch.stack(terms).mean())
     assert out.loss.item() == pytest.approx(expected, rel=1e-5)
+
+
+def test_self_distillation_kl_is_against_the_target_with_the_adapters_off():
+    target = make_target()
+    batch = batch_of([[5, 17, 23, 8, 44, 91, 3, 60], [12, 13, 14, 15, 16]], [3, 2])
+    zero = streaming_loss(make_streaming(target, lora_noise=0.0).train(), batch, None)
+    assert zero.metrics["loss/kl"] == pytest.approx(0.0, abs=1e-6) and zero.metrics["agree/original"] == 1.0
+    model = make_streaming(make_target(), lora_noise=0.5).train()
+    out = streaming_loss(model, batch, None, kl_weight=2.0)
+    without = streaming_loss(model, batch, None, kl_weight=0.0)
+    assert "loss/kl" not in without.metrics and out.metrics["loss/kl"] > 1e-4
+    assert float(out.loss) == pytest.approx(float(without.loss) + 2.0 * out.metrics["loss/kl"], rel=1e-5)
+    # the teacher is the plain target: its logits, the KL over the supervised next-token positions
+    rows = (batch.loss_mask * batch.attention_mask).bool()[:, 1:]
+    with torch.no_grad():
+        adapted = model(batch.input_ids, attention_mask=batch.attention_mask, streams=False).logits[:, :-1][rows]
+        original = model.target(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1][rows]
+    expected = (original.softmax(-1) * (original.log_softmax(-1) - adapted.log_softmax(-1))).sum(-1).mean()
+    assert out.metrics["loss/kl"] == pytest.approx(float(expected), rel=1e-4)
+    # only the KL's gradient: it reaches the LoRA and nothing else of the drafter
+    model.zero_grad()
+    kl_only = streaming_loss(model, batch, None, main_weight=0.0, stream_weight=0.0, pruning_weight=0.0)
+    kl_only.loss.backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in model.lora.parameters())
+    assert model.stream_embeddings.grad is None or not model.stream_embeddings.grad.any()
+
+
+@pytest.mark.parametrize("chunk_rows", [1, 7, 1000])
+def test_chunked_stream_logits_give_the_unchunked_loss_and_gradients(chunk_rows):
+    target = make_target()
+    batch = batch_of([[5, 17, 23, 8, 44, 91, 3, 60, 12, 7], [12, 13, 14, 15, 16, 17]], [2, 1])
+
+    def loss_and_grads(rows: int) -> tuple[float, dict[str, torch.Tensor]]:
+        model = make_streaming(target, pruning_rank=2).train()
+        with torch.no_grad():
+            model.pruning[1].weight.normal_(std=0.1)  # a non-zero adapter: its A gets a gradient too
+        out = streaming_loss(model, batch, None, stream_weight=1.0, kl_weight=0.0, logit_chunk_rows=rows)
+        out.loss.backward()
+        return out, {name: p.grad.clone() for name, p in model.named_parameters()}
+
+    reference, reference_grads = loss_and_grads(0)
+    chunked, grads = loss_and_grads(chunk_rows)
+    assert float(chunked.loss.detach()) == pytest.approx(float(reference.loss.detach()), rel=1e-6)
+    assert chunked.metrics == pytest.approx(reference.metrics, rel=1e-6)  # hits (acc/*) included
+    for name, grad in reference_grads.items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_chunked_ce_keeps_no_chunk_logits_for_the_backward():
+    """Each chunk's logits are made again in the backward (checkpointed), not stored; rows are exact."""
+    from draftsmith.train.losses import _chunked_ce
+
+    torch.manual_seed(0)
+    head, calls = torch.nn.Linear(8, 50), []
+    hidden, labels = torch.randn(23, 8, requires_grad=True), torch.randint(0, 50, (23,))
+
+    def project(x):
+        calls.append(x.shape[0])
+        return head(x)
+
+    ce, hits = _chunked_ce(hidden, labels, project, chunk_rows=7)
+    assert calls == [7, 7, 7, 2] and hits.shape == (23,)
+    ce.backward()
+    assert sorted(calls) == sorted([7, 7, 7, 2] * 2)  # the backward recomputed every chunk
+    torch.testing.assert_close(ce, torch.nn.functional.cross_entropy(head(hidden), labels))
+    assert torch.equal(hits, head(hidden).argmax(-1) == labels)
 
 
 def train_streams(target, model, prompts, seqs, steps, lr=1e-2):
@@ -319,6 +398,7 @@ def test_shipped_recipe_validates():
 
     recipe = load_train_recipe(REPO / "recipes/streaming-smollm2.yaml")
     assert recipe.family_name == "streaming" and recipe.drafter["num_streams"] == 4
+    assert recipe.loss["kl_weight"] > 0 and recipe.train.lr_scale == {"lora": 0.1}
     for ns in (2, 4, 8):
         assert load_train_recipe(REPO / "recipes/streaming-smollm2.yaml", [f"drafter.num_stream_layers={ns}"])
 

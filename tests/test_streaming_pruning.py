@@ -166,7 +166,7 @@ def test_the_adapter_loss_trains_the_adapter_alone():
     with torch.no_grad():
         model.pruning[1].weight.normal_(std=0.1)  # else A's gradient is 0 while B is
     batch = batch_of([[5, 6, 7, 8, 9, 10, 11], [12, 13, 14, 15, 16]])
-    out = streaming_loss(model, batch, None, main_weight=0.0, stream_weight=0.0, pruning_weight=1.0)
+    out = streaming_loss(model, batch, None, main_weight=0.0, stream_weight=0.0, pruning_weight=1.0, kl_weight=0.0)
     assert torch.isfinite(out.loss) and {"loss/pruning", "acc/pruning"} <= set(out.metrics)
     out.loss.backward()
     for name, parameter in model.named_parameters():

@@ -80,6 +80,10 @@ def test_training_logs_finite_losses_and_writes_complete_checkpoints(tmp_path, r
     train_record = next(r for r in records if "loss" in r)
     assert {"lr", "tokens_per_s", "loss/smooth_l1", "loss/ce", "acc/step1", "acc/step2"} <= set(train_record)
     assert any("eval/loss" in r for r in records)  # held-out evaluation at each checkpoint
+    evaluated = next(r for r in records if "eval/loss" in r and r["step"] == 4)
+    state = json.loads((run / "checkpoints/step-4/trainer_state.json").read_text())
+    assert state["eval"] == {k: v for k, v in evaluated.items() if k.startswith("eval/")}  # recorded with it
+    assert "eval/sim/accept_length" in state["eval"]
     assert train_record["lr"] == 0.0 and train_record["tokens_per_s"] > 0  # warmup starts at zero
     assert [p.name for p in complete_checkpoints(run)] == ["step-4"]  # keep_last=1
     assert result.checkpoint == run / "checkpoints" / "step-4" and result.step == 4
@@ -196,6 +200,9 @@ def test_nan_loss_stops_with_one_line_naming_the_step(tmp_path, recipe_path, mon
         (["loss.ce_wieght=0.1"], "did you mean 'ce_weight'"),
         (["train.batch_size=0"], "train.batch_size must be > 0"),
         (["train.lrr=1"], "did you mean 'lr'"),
+        (["train.lr_scale.lora=0.1"], r"a fspad drafter has no parameter group 'lora' \(its groups: drafter\)"),
+        (["train.lr_scale.drafter=0"], "train.lr_scale.drafter must be a number > 0, got 0"),
+        (["train.lr_scale.drafter=fast"], "train.lr_scale.drafter must be float, got 'fast'"),
     ],
 )
 def test_recipe_errors_before_training(recipe_path, overrides, message):
@@ -280,6 +287,38 @@ def test_export_writes_a_self_describing_drafter(tmp_path, recipe_path, capsys):
     with pytest.raises(SystemExit):  # FSPAD has no place in vLLM's EAGLE layout: one line, not a traceback
         main(["export", recipe.output_dir, "--out", str(tmp_path / "o4"), "--layout", "speculators"])
     assert "cannot export" in capsys.readouterr().err and not (tmp_path / "o4").exists()
+
+
+def test_the_best_checkpoint_survives_keep_last_and_export_best_takes_it(tmp_path, recipe_path, monkeypatch, capsys):
+    from draftsmith.train.checkpoint import BEST_METRIC
+
+    original, scores = Trainer.evaluate, iter([2.0, 3.0, 1.0])  # steps 2, 4, 6: step 4 is the best
+
+    def evaluate(self):
+        return {**original(self), BEST_METRIC: next(scores)}
+
+    monkeypatch.setattr(Trainer, "evaluate", evaluate)
+    run = tmp_path / "run"
+    main(["train", str(recipe_path), "train.max_steps=6", "train.keep_last=1", "data.eval_samples=2"])
+    assert [p.name for p in complete_checkpoints(run)] == ["step-4", "step-6"]  # step-2 went, the best stayed
+    main(["export", str(run), "--out", str(tmp_path / "best"), "--best"])
+    main(["export", str(run), "--out", str(tmp_path / "last")])
+    best, last = (
+        load_file(str(tmp_path / "best/model.safetensors")),
+        load_file(str(tmp_path / "last/model.safetensors")),
+    )
+    step4 = load_file(str(run / "checkpoints/step-4/drafter/model.safetensors"))
+    assert all(torch.equal(best[k], step4[k]) for k in step4) and not all(torch.equal(best[k], last[k]) for k in last)
+    with pytest.raises(SystemExit):
+        main(["export", str(run), "--out", str(tmp_path / "x"), "--best", "--checkpoint", "step-6"])
+    assert "give --checkpoint or --best, not both" in capsys.readouterr().err
+
+
+def test_export_best_needs_evaluated_checkpoints(tmp_path, recipe_path, capsys):
+    main(["train", str(recipe_path), "train.max_steps=2"])  # no eval samples: nothing ranks the checkpoints
+    with pytest.raises(SystemExit):
+        main(["export", str(tmp_path / "run"), "--out", str(tmp_path / "x"), "--best"])
+    assert "recorded eval/sim/accept_length (train with data.eval_samples > 0)" in capsys.readouterr().err
 
 
 def test_export_in_speculators_layout(tmp_path, tiny_target_dir, prepared_dir):

@@ -3,14 +3,16 @@
 Layout of ``OUTPUT_DIR/checkpoints/step-N``::
 
     COMPLETE                 written last: a directory without it is never used
-    trainer_state.json       step, epoch, data position, world size, global batch, target identity
+    trainer_state.json       step, epoch, data position, world size, global batch, target identity,
+                             and ``eval``: the held-out metrics at this step (empty without eval samples)
     drafter/                 config.json + model.safetensors (what `draftsmith export` reads)
     ...                      accelerate's state: weights (or the DeepSpeed engine's files), optimizer,
                              scheduler, RNG states of python / numpy / torch for every rank
 
 Every rank writes its part into ``checkpoints/.tmp-step-N``; after a barrier the main process adds
 the marker and renames the directory to ``step-N``, then deletes all but the last ``keep_last``
-complete ones. A crash at any point leaves the previous complete checkpoint untouched.
+complete ones and the best one (the highest :data:`BEST_METRIC`, which ``draftsmith export --best``
+takes). A crash at any point leaves the previous complete checkpoint untouched.
 """
 
 from __future__ import annotations
@@ -33,6 +35,9 @@ STATE_FILE = "trainer_state.json"
 RESOLVED_RECIPE = "recipe.resolved.yaml"  # the run's recipe, file + overrides + defaults, beside its checkpoints
 DRAFTER_DIR = "drafter"
 RNG_STATE_KEYS = ("random_state", "numpy_random_seed", "torch_manual_seed")  # what accelerate restores
+# The held-out figure that ranks checkpoints, higher is better: the top-1 chain acceptance length every
+# family's loss reports, the closest of the logged figures to decoding speed.
+BEST_METRIC = "eval/sim/accept_length"
 _NAME = re.compile(r"^step-(\d+)$")
 
 
@@ -76,6 +81,30 @@ def find_checkpoint(output_dir: Path, name: str | None) -> Path:
     return path
 
 
+def best_checkpoint(output_dir: Path) -> Path | None:
+    """The complete checkpoint with the highest :data:`BEST_METRIC` (the later one on a tie); None
+    when no checkpoint recorded it (a run without ``data.eval_samples``)."""
+    scored = [(score, path) for path in complete_checkpoints(output_dir) if (score := eval_score(path)) is not None]
+    return max(reversed(scored), key=lambda item: item[0])[1] if scored else None  # max keeps the first it sees
+
+
+def eval_score(checkpoint: Path) -> float | None:
+    """The checkpoint's recorded :data:`BEST_METRIC`, if any."""
+    score = read_state(checkpoint).get("eval", {}).get(BEST_METRIC)
+    return None if score is None else float(score)
+
+
+def find_best_checkpoint(output_dir: Path) -> Path:
+    """:func:`best_checkpoint`, or a clear error when no checkpoint was evaluated."""
+    path = best_checkpoint(output_dir)
+    if path is None:
+        raise CheckpointError(
+            f"no checkpoint of {output_dir} recorded {BEST_METRIC} (train with data.eval_samples > 0); "
+            "export the last one without --best"
+        )
+    return path
+
+
 def read_state(checkpoint: Path) -> dict[str, Any]:
     return json.loads((Path(checkpoint) / STATE_FILE).read_text())
 
@@ -97,8 +126,10 @@ def save_checkpoint(accelerator: Any, model: Any, output_dir: Path, state: dict[
         _fsync_tree(tmp)
         (tmp / MARKER).write_text(f"step {step}\n")
         publish_directory(tmp, final)  # the same step written again replaces it (a resumed run's final save)
+        best = best_checkpoint(output_dir)
         for old in complete_checkpoints(output_dir)[:-keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
+            if old != best:
+                shutil.rmtree(old, ignore_errors=True)
     accelerator.wait_for_everyone()
     return final
 

@@ -48,6 +48,7 @@ def cmd_export(args: argparse.Namespace) -> None:
         overwrite=args.overwrite,
         layout=args.layout,
         verifier=args.verifier,
+        best=args.best,
     )
     if args.layout == "speculators":
         print(f"exported to {out} in vLLM's speculators layout (serve it with vLLM's --speculative-config)")
@@ -82,7 +83,7 @@ def add_train_commands(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "export",
         help="export a training run as a safetensors drafter directory",
-        description="Write a run's last complete checkpoint (or --checkpoint step-N) as config.json + "
+        description="Write a run's last complete checkpoint (or --checkpoint step-N, or --best) as config.json + "
         "model.safetensors, ready for `draftsmith generate` and `draftsmith bench`.",
     )
     p.add_argument("run_dir", help="the run's output_dir")
@@ -90,6 +91,11 @@ def add_train_commands(subparsers: Any) -> None:
     p.add_argument("--checkpoint", default=None, help="a checkpoint name such as step-500 (default: the last)")
     p.add_argument(
         "--overwrite", action="store_true", help="replace an earlier export (never a directory export did not write)"
+    )
+    p.add_argument(
+        "--best",
+        action="store_true",
+        help="the checkpoint with the highest held-out eval/sim/accept_length (needs data.eval_samples > 0)",
     )
     p.add_argument(
         "--layout",

@@ -15,7 +15,14 @@ from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.io import check_output_directory
 from draftsmith.drafters.io import drafter_output_rules, export_drafter, export_speculators, read_drafter_config
 from draftsmith.drafters.registry import get_family
-from draftsmith.train.checkpoint import DRAFTER_DIR, RESOLVED_RECIPE, CheckpointError, find_checkpoint, read_state
+from draftsmith.train.checkpoint import (
+    DRAFTER_DIR,
+    RESOLVED_RECIPE,
+    CheckpointError,
+    find_best_checkpoint,
+    find_checkpoint,
+    read_state,
+)
 from draftsmith.train.recipe import TrainRecipe
 from draftsmith.train.recipe_loader import build
 
@@ -27,8 +34,10 @@ def export_run(
     overwrite: bool = False,
     layout: str = "draftsmith",
     verifier: str | None = None,
+    best: bool = False,
 ) -> Path:
-    """Write the drafter of ``run_dir``'s last complete checkpoint (or ``checkpoint``) to ``out``.
+    """Write the drafter of ``run_dir``'s last complete checkpoint (or ``checkpoint``, or with ``best``
+    the one with the highest ``eval/sim/accept_length``) to ``out``.
 
     ``layout="speculators"`` writes vLLM's ``speculators`` EAGLE layout instead (plain EAGLE only),
     naming ``verifier`` (default: the recipe's target) as the model it drafts for."""
@@ -39,7 +48,9 @@ def export_run(
     keep = (("the training run", run_dir),)
     check_output_directory(Path(out), overwrite, drafter_output_rules(keep))
     recipe = build(TrainRecipe, yaml.safe_load(recipe_path.read_text()))
-    source = find_checkpoint(run_dir, checkpoint)
+    if best and checkpoint is not None:
+        raise CheckpointError("give --checkpoint or --best, not both")
+    source = find_best_checkpoint(run_dir) if best else find_checkpoint(run_dir, checkpoint)
     state = read_state(source)
     family = get_family(state.get("family", recipe.family_name))
     model = family.model_class.from_pretrained(str(source / DRAFTER_DIR))

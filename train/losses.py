@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from draftsmith.core.tree import causal_mask
 from draftsmith.drafters.base import FrozenTarget
@@ -234,13 +235,24 @@ def medusa2_loss(
     features = out.features.float()
     heads, metrics = _medusa_heads_ce(core.heads, batch, features, rows, out.head_logits, frozen, decay, soft_labels)
     predicting = (batch.loss_mask * batch.attention_mask).bool()[:, 1:]  # x_{t+1} is an assistant token
-    adapted = out.logits[:, :-1][predicting].float()
-    original = out.original_logits[:, :-1][predicting].float()
+    kl, kl_metrics = _self_distillation(out.logits, out.original_logits, predicting)
+    metrics.update({**kl_metrics, "loss/heads": float(heads.detach())})
+    return LossOutput(kl_weight * kl + head_weight * heads, metrics)
+
+
+def _self_distillation(
+    logits: torch.Tensor, original_logits: torch.Tensor, predicting: torch.Tensor
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """KL(original || adapted) of the next-token distributions at the positions t where ``predicting``
+    (B, T - 1) says ``x_{t+1}`` is supervised, with ``loss/kl`` and ``agree/original`` (how often the
+    adapted model's argmax is the original's there); the LoRA families' guard on the served model."""
+    adapted = logits[:, :-1][predicting].float()
+    original = original_logits[:, :-1][predicting].float()
     kl = _distillation_kl(adapted, original)
-    metrics.update({"loss/kl": float(kl.detach()), "loss/heads": float(heads.detach())})
+    metrics = {"loss/kl": float(kl.detach())}
     if adapted.shape[0]:
         metrics["agree/original"] = float((adapted.detach().argmax(-1) == original.argmax(-1)).float().mean())
-    return LossOutput(kl_weight * kl + head_weight * heads, metrics)
+    return kl, metrics
 
 
 def _distillation_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
@@ -258,34 +270,46 @@ def streaming_loss(
     main_weight: float = 1.0,
     stream_weight: float = 0.1,
     pruning_weight: float = 1.0,
+    kl_weight: float = 1.0,
+    logit_chunk_rows: int = 1024,
 ) -> LossOutput:
     """Speculative Streaming: ``main_weight * CE(x_{t+1}) + stream_weight * sum_j CE_j(x_{t+j+1})``,
-    plus ``pruning_weight * CE_prune(x_{t+1})`` when the model has a tree-pruning adapter.
+    plus ``kl_weight * KL(original || adapted)`` (default 1.0, as Medusa-2's) and, when the model has a
+    tree-pruning adapter, ``pruning_weight * CE_prune(x_{t+1})``.
 
     The main stream at t predicts ``x_{t+1}``, stream j (1..γ) at t predicts ``x_{t+j+1}``, and so
     does the adapter's early exit at t ``x_{t+1}`` (its input is detached: that term trains the
-    adapter alone); a term counts where its label is an assistant token. ``frozen`` is unused: the
-    model runs the target itself.
+    adapter alone); a term counts where its label is an assistant token. The KL is self-distillation
+    of the main stream against the same target with the adapters off (see :func:`medusa2_loss`): it
+    keeps the served, adapted model close to the original; ``kl_weight`` 0 skips that extra forward.
+    The streams' and the adapter's full-vocabulary logits are computed ``logit_chunk_rows`` rows at a
+    time (0 = all at once; see :func:`_chunked_ce`): the same loss and gradients, without the
+    (rows x γ x V) logits in memory. ``frozen`` is unused: the model runs the target itself.
 
     Metrics: ``loss/main``, ``loss/stream{j}``, ``acc/stream{j}`` (top-1 against the label),
-    ``loss/pruning``, ``acc/pruning`` and ``sim/accept_length`` = 1 + the mean number of leading
-    streams that are all right at a position."""
+    ``loss/kl`` and ``agree/original`` (with the KL), ``loss/pruning``, ``acc/pruning`` and
+    ``sim/accept_length`` = 1 + the mean number of leading streams that are all right at a position."""
     core = getattr(model, "module", model)  # DDP / DeepSpeed wrap the model; compute still goes through model()
-    out = model(batch.input_ids, attention_mask=batch.attention_mask)
+    out = model(batch.input_ids, attention_mask=batch.attention_mask, original=kl_weight > 0)
     supervised = (batch.loss_mask * batch.attention_mask).bool()
     streams = out.stream_hidden.shape[2]
     main_rows = supervised[:, 1:]
     main_ce = _masked_ce(out.logits[:, :-1][main_rows], batch.input_ids[:, 1:][main_rows])
     loss, metrics = main_weight * main_ce, {"loss/main": float(main_ce.detach())}
+    if out.original_logits is not None:
+        kl, kl_metrics = _self_distillation(out.logits, out.original_logits, main_rows)
+        loss = loss + kl_weight * kl
+        metrics.update(kl_metrics)
     if out.pruning_hidden is not None:
-        pruning_ce, pruning_metrics = _pruning_ce(core, out.pruning_hidden, batch.input_ids, main_rows)
+        pruning_ce, pruning_metrics = _pruning_ce(
+            core, out.pruning_hidden, batch.input_ids, main_rows, logit_chunk_rows
+        )
         loss = loss + pruning_weight * pruning_ce
         metrics.update(pruning_metrics)
 
     def stream_ce(j: int, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        labels = batch.input_ids[:, j + 1 :][rows]
-        logits = core.stream_logits(out.stream_hidden[:, : rows.shape[1], j - 1][rows])
-        return _masked_ce(logits, labels), logits.detach().argmax(-1) == labels
+        hidden = out.stream_hidden[:, : rows.shape[1], j - 1][rows]
+        return _chunked_ce(hidden, batch.input_ids[:, j + 1 :][rows], core.stream_logits, logit_chunk_rows)
 
     ces, stream_metrics = _per_offset_ce(batch, streams, stream_ce, "stream")
     metrics.update(stream_metrics)
@@ -294,16 +318,45 @@ def streaming_loss(
 
 
 def _pruning_ce(
-    core, pruning_hidden: torch.Tensor, input_ids: torch.Tensor, rows: torch.Tensor
+    core, pruning_hidden: torch.Tensor, input_ids: torch.Tensor, rows: torch.Tensor, chunk_rows: int
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The tree-pruning adapter's next-token CE: ``lm_head(o_θ(M_t))`` against ``x_{t+1}`` at ``rows``."""
     labels = input_ids[:, 1:][rows]
-    logits = core.stream_logits(pruning_hidden[:, :-1][rows])  # the target's lm_head
-    ce = _masked_ce(logits, labels)
+    ce, hits = _chunked_ce(pruning_hidden[:, :-1][rows], labels, core.stream_logits, chunk_rows)  # the target's lm_head
     metrics = {"loss/pruning": float(ce.detach())}
     if labels.numel():
-        metrics["acc/pruning"] = float((logits.detach().argmax(-1) == labels).float().mean())
+        metrics["acc/pruning"] = float(hits.float().mean())
     return ce, metrics
+
+
+def _chunked_ce(
+    hidden: torch.Tensor, labels: torch.Tensor, project: Callable[[torch.Tensor], torch.Tensor], chunk_rows: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean CE of ``project(hidden)`` (N, V) against ``labels`` (N,), and the top-1 hits (N,) bool.
+
+    With ``chunk_rows`` > 0 the logits are made ``chunk_rows`` rows at a time and each chunk is
+    checkpointed: only its (chunk_rows, h) input is kept for the backward, which makes the chunk's
+    logits again, so at most one chunk's (chunk_rows, V) logits exist at any time (a (16 x 2048)-row
+    batch's logits over a 49k vocabulary, per stream, do not fit a GPU beside the model). The
+    gradients are the unchunked ones, up to float summation order. 0 = all rows at once, kept."""
+    if not labels.numel():
+        return hidden.sum() * 0.0, labels.new_zeros(0, dtype=torch.bool)  # zero, with a graph
+    size = chunk_rows if chunk_rows > 0 else labels.numel()
+    recompute = chunk_rows > 0 and torch.is_grad_enabled() and hidden.requires_grad
+    sums, hits = [], []
+    for start in range(0, labels.numel(), size):
+        part = (project, hidden[start : start + size], labels[start : start + size])
+        ce_sum, hit = checkpoint(_ce_sum_and_hits, *part, use_reentrant=False) if recompute else _ce_sum_and_hits(*part)
+        sums.append(ce_sum)
+        hits.append(hit)
+    return torch.stack(sums).sum() / labels.numel(), torch.cat(hits)
+
+
+def _ce_sum_and_hits(
+    project: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, labels: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    logits = project(hidden).float()
+    return F.cross_entropy(logits, labels, reduction="sum"), logits.detach().argmax(-1) == labels
 
 
 def _masked_ce(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

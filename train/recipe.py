@@ -36,6 +36,9 @@ class DataSection:
 @dataclass
 class TrainSection:
     lr: float = 3e-5
+    # learning rate of a parameter group as a multiple of `lr`, e.g. {lora: 0.1}; unnamed groups take `lr`.
+    # The groups are the family's (medusa2: heads, lora; streaming: streams, pruning, lora; others: drafter)
+    lr_scale: dict[str, float] = field(default_factory=dict)
     betas: tuple[float, ...] = (0.9, 0.95)
     weight_decay: float = 0.0
     grad_clip: Optional[float] = 0.5  # max global gradient norm; None turns clipping off
@@ -141,9 +144,22 @@ def validate(recipe: TrainRecipe) -> None:
             raise RecipeError(f"{key} must be > 0, got {value}")
     if train.warmup_steps < 0 or recipe.data.eval_samples < 0:
         raise RecipeError("train.warmup_steps and data.eval_samples must be >= 0")
+    _check_lr_scale(train.lr_scale, family.name, family.parameter_groups)
     if len(train.betas) != 2:
         raise RecipeError(f"train.betas must be two numbers, got {list(train.betas)}")
     if not all(0 <= beta < 1 for beta in train.betas):
         raise RecipeError(f"train.betas must each be in [0, 1) (e.g. [0.9, 0.95]), got {list(train.betas)}")
     if recipe.data.max_length is not None and recipe.data.max_length < 3:
         raise RecipeError(f"data.max_length must be >= 3 tokens, got {recipe.data.max_length}")
+
+
+def _check_lr_scale(scales: dict[str, Any], family: str, groups: tuple[str, ...]) -> None:
+    """``train.lr_scale`` names groups the family has, each with a number > 0."""
+    for name, scale in scales.items():
+        if name not in groups:
+            raise RecipeError(
+                f"train.lr_scale.{name}: a {family} drafter has no parameter group {name!r} "
+                f"(its groups: {', '.join(groups)})"
+            )
+        if not scale > 0:  # NaN too
+            raise RecipeError(f"train.lr_scale.{name} must be a number > 0, got {scale!r}")

@@ -112,7 +112,8 @@ def _convert(value: Any, tp: Any, where: str) -> Any:
     if origin is dict:
         if not isinstance(value, dict):
             raise RecipeError(f"{where} must be a mapping, got {value!r}")
-        return dict(value)
+        value_type = args[1] if len(args) == 2 else Any
+        return {key: _convert(item, value_type, f"{where}.{key}") for key, item in value.items()}
     if tp is float and isinstance(value, (int, float)) and not isinstance(value, bool):
         return float(value)
     if tp is float and isinstance(value, str):  # YAML 1.1 reads "5e-5" as a string

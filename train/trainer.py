@@ -28,7 +28,7 @@ from tqdm.auto import tqdm
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.io import atomic_write_json
 from draftsmith.core.target import TargetIdentity, load_target
-from draftsmith.drafters.base import FrozenTarget
+from draftsmith.drafters.base import DrafterModel, FrozenTarget
 from draftsmith.drafters.io import check_drafter_target, read_drafter_config
 from draftsmith.drafters.registry import get_family
 from draftsmith.train.batch import TrainBatch
@@ -114,6 +114,30 @@ def build_scheduler(optimizer: torch.optim.Optimizer, train: TrainSection, total
         return get_constant_schedule_with_warmup(optimizer, train.warmup_steps)
     schedule = get_linear_schedule_with_warmup if train.scheduler == "linear" else get_cosine_schedule_with_warmup
     return schedule(optimizer, train.warmup_steps, total_steps)
+
+
+def optimizer_groups(model: DrafterModel, train: TrainSection) -> list[dict[str, Any]]:
+    """AdamW's parameter groups: the drafter's :meth:`~DrafterModel.parameter_groups` in their declared
+    order (a resumed run's saved optimizer state is matched to groups by position), trainable
+    parameters only, each at ``train.lr`` times its ``train.lr_scale``; groups left empty are dropped."""
+    declared = model.parameter_groups()
+    seen: set[int] = set()
+    groups = []
+    for name, params in declared.items():
+        # A family's own mistake, not the user's: say which hook to fix.
+        if name not in model.PARAMETER_GROUPS:
+            raise TrainingError(f"{type(model).__name__}.parameter_groups() gives {name!r}, not in PARAMETER_GROUPS")
+        if any(id(p) in seen for p in params):
+            raise TrainingError(f"{type(model).__name__}.parameter_groups() puts a parameter in two groups")
+        seen.update(id(p) for p in params)
+        trainable = [p for p in params if p.requires_grad]
+        if trainable:
+            scale = float(train.lr_scale.get(name, 1.0))
+            groups.append({"params": trainable, "lr": train.lr * scale, "name": name, "lr_scale": scale})
+    missing = [name for name, p in model.named_parameters() if p.requires_grad and id(p) not in seen]
+    if missing:
+        raise TrainingError(f"{type(model).__name__}.parameter_groups() leaves out {', '.join(missing[:3])}")
+    return groups
 
 
 def _check_resumable(recipe: TrainRecipe, output_dir: Path) -> None:
@@ -238,9 +262,9 @@ class Trainer:
             self._load_initial_weights(model, Path(train.init_from))
         if model.runs_inside_target:  # LoRA families train inside the target, on the run's device
             model.attach_target(self.target.model.to(self.accelerator.device))
-        params = [p for p in model.parameters() if p.requires_grad]
-        self.n_trainable = sum(p.numel() for p in params)
-        optimizer = torch.optim.AdamW(params, lr=train.lr, betas=tuple(train.betas), weight_decay=train.weight_decay)
+        groups = optimizer_groups(model, train)
+        self.n_trainable = sum(p.numel() for group in groups for p in group["params"])
+        optimizer = torch.optim.AdamW(groups, lr=train.lr, betas=tuple(train.betas), weight_decay=train.weight_decay)
         scheduler = build_scheduler(optimizer, train, self.total_steps)
         _configure_deepspeed(self.accelerator, train, self.plan)
         self.model, self.optimizer, self.scheduler = self.accelerator.prepare(model, optimizer, scheduler)
@@ -348,11 +372,16 @@ class Trainer:
             tokens += micro_tokens
             for key, value in out.metrics.items():
                 metrics[key].append(float(value))
-        lr = self.scheduler.get_last_lr()[0]
+        figures = {"loss": sum(losses) / len(losses), **self._learning_rates(), "tokens": tokens}
         self.scheduler.step()
-        figures = {"loss": sum(losses) / len(losses), "lr": lr, "tokens": tokens}
         figures.update({key: sum(values) / len(values) for key, values in metrics.items()})
         return figures
+
+    def _learning_rates(self) -> dict[str, float]:
+        """``lr`` (the schedule's rate for ``train.lr``) and ``lr/{group}`` for each optimizer group."""
+        rates = {f"lr/{group['name']}": float(group["lr"]) for group in self.optimizer.param_groups}
+        first = self.optimizer.param_groups[0]
+        return {"lr": float(first["lr"]) / first["lr_scale"], **rates}
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
@@ -397,13 +426,12 @@ class Trainer:
         }
 
     def _save(self, step: int, tracker: Tracker) -> Path:
-        path = save_checkpoint(
-            self.accelerator, self.model, self.output_dir, self._state(step), self.recipe.train.keep_last
-        )
-        evaluation = self.evaluate()
+        """Evaluate, then write the checkpoint with its held-out figures (which rank it for ``--best``)."""
+        evaluation = self.evaluate()  # leaves the RNG and train mode as they were: the saved state is unchanged
         if evaluation:
             tracker.log(step, evaluation)
-        return path
+        state = {**self._state(step), "eval": evaluation}
+        return save_checkpoint(self.accelerator, self.model, self.output_dir, state, self.recipe.train.keep_last)
 
     def run(self) -> TrainResult:
         train = self.recipe.train

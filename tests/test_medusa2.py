@@ -201,6 +201,25 @@ def test_trainer_steps_and_resume_exactly(medusa2_run):
     assert len(rates) == 3 and all(lora == pytest.approx(0.1 * heads) and heads == 1e-3 for heads, lora in rates)
 
 
+def test_a_checkpoint_with_other_optimizer_groups_is_refused_in_one_line(medusa2_run, tiny_target_dir, monkeypatch):
+    """A run written before the groups existed (one group for heads and LoRA) cannot be resumed."""
+    from draftsmith.train import trainer as trainer_module
+    from draftsmith.train.recipe import load_train_recipe
+
+    def one_group(model, train):
+        params = [p for p in model.parameters() if p.requires_grad]
+        return [{"params": params, "lr": train.lr, "name": "heads", "lr_scale": 1.0}]
+
+    path = tiny_recipe(medusa2_run / "old", tiny_target_dir, medusa2_run / "prepared")
+    with monkeypatch.context() as patch:
+        patch.setattr(trainer_module, "optimizer_groups", one_group)
+        trainer_module.train(load_train_recipe(path, ["train.max_steps=2", "data.eval_samples=0"]))
+    with pytest.raises(
+        trainer_module.TrainingError, match=r"other parameter groups than this drafter's \(heads, lora\)"
+    ):
+        trainer_module.Trainer(load_train_recipe(path, ["train.max_steps=3", "data.eval_samples=0"]), resume=True)
+
+
 def test_parameter_groups_take_their_scaled_rate_through_the_schedule():
     """The shipped recipe's ``lr_scale.lora: 0.1``: heads then LoRA, every group warmed up and decayed."""
     from draftsmith.train.recipe import TrainSection

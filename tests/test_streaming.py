@@ -224,7 +224,9 @@ def test_self_distillation_kl_is_against_the_target_with_the_adapters_off():
     out = streaming_loss(model, batch, None, kl_weight=2.0)
     without = streaming_loss(model, batch, None, kl_weight=0.0)
     assert "loss/kl" not in without.metrics and out.metrics["loss/kl"] > 1e-4
-    assert float(out.loss) == pytest.approx(float(without.loss) + 2.0 * out.metrics["loss/kl"], rel=1e-5)
+    assert float(out.loss.detach()) == pytest.approx(
+        float(without.loss.detach()) + 2.0 * out.metrics["loss/kl"], rel=1e-5
+    )
     # the teacher is the plain target: its logits, the KL over the supervised next-token positions
     rows = (batch.loss_mask * batch.attention_mask).bool()[:, 1:]
     with torch.no_grad():

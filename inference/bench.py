@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.io import OutputRules, atomic_directory, atomic_write_bytes, atomic_write_json
 from draftsmith.core.target import Target
+from draftsmith.inference.context import check_fits_context
 from draftsmith.inference.methods import build_drafter
 from draftsmith.inference.runtime import generate
 
@@ -112,7 +113,7 @@ def read_questions(path: Path, categories: list[str] | None, limit: int | None) 
         try:
             record = json.loads(line)
             question = Question(str(record["question_id"]), str(record["category"]), [str(t) for t in record["turns"]])
-        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+        except (json.JSONDecodeError, KeyError, TypeError, RecursionError) as exc:
             raise BenchError(
                 f"{path} line {number} is not a Spec-Bench question (question_id, category, turns): "
                 f"{type(exc).__name__}"
@@ -178,6 +179,9 @@ def _served_reference(target: Target, drafter, prompt: list[int], max_new_tokens
 def run_bench(target: Target, questions: list[Question], methods: list[str], max_new_tokens: int) -> dict[str, Any]:
     """Per method, overall and per category: tau, speedup, tokens_per_s, identical, total."""
     eos = target.eos_token_ids
+    for question in questions:  # later turns depend on earlier answers: they are checked when they are asked
+        prompt = target.encode_chat([{"role": "user", "content": question.turns[0]}])
+        check_fits_context(target.model, len(prompt), max_new_tokens, f"question {question.id} turn 1")
     methods = ["none"] + [m for m in methods if m != "none"]  # runtime overhead is always shown
     drafters = {name: build_drafter(name, target) for name in methods}
     tallies: dict[str, dict[str, Tally]] = {name: defaultdict(Tally) for name in [BASELINE, *methods]}
@@ -188,6 +192,9 @@ def run_bench(target: Target, questions: list[Question], methods: list[str], max
         for turn_index, turn in enumerate(question.turns):
             messages.append({"role": "user", "content": turn})
             prompt = target.encode_chat(messages)
+            check_fits_context(
+                target.model, len(prompt), max_new_tokens, f"question {question.id} turn {turn_index + 1}"
+            )
             reference, base_seconds = hf_greedy(target.model, prompt, max_new_tokens, eos)
             where = f"{question.id}/{turn_index}"
             for scope in scopes_of(question.category):

@@ -30,6 +30,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
     import torch
 
     from draftsmith.core.verify import SamplingConfig
+    from draftsmith.inference.context import check_fits_context
     from draftsmith.inference.methods import build_drafter
     from draftsmith.inference.runtime import generate
 
@@ -40,6 +41,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
         ids = target.tokenizer(prompt, add_special_tokens=True)["input_ids"]
     else:
         ids = target.encode_chat([{"role": "user", "content": prompt}])
+    check_fits_context(target.model, len(ids), args.max_new_tokens)
     sampling = None if args.temperature <= 0 else SamplingConfig(args.temperature, args.top_k, args.top_p)
     result = generate(
         target.model,

@@ -15,7 +15,7 @@ import pytest
 import yaml
 from test_trainer import losses, prepared_dir, write_recipe  # noqa: F401  (prepared_dir is a fixture)
 
-from conftest import write_jsonl
+from conftest import sharegpt, write_jsonl
 from draftsmith.train.checkpoint import latest_checkpoint, rng_state_file
 from draftsmith.train.cli import main
 
@@ -313,4 +313,98 @@ def test_bench_questions_without_turns(tmp_path, turns, no_model_loads, capsys):
     questions = write_jsonl(tmp_path / "q.jsonl", [record])
     line = refused(["bench", "--questions", questions, "--out", tmp_path / "out"], capsys)
     assert "line 1" in line and ("'turns' must be a list of at least one user message" in line or "TypeError" in line)
+    assert not (tmp_path / "out").exists()
+
+
+# ---- work bounded by its limits -------------------------------------------------------------------------
+
+
+def test_a_long_conversation_is_rendered_only_as_far_as_max_length(tokenizer, monkeypatch):
+    """10,000 turns took 248 s (every turn rendered the whole prefix again); now rendering stops once the
+    token budget is passed, and the sample is exactly the one the first turns alone give."""
+    from draftsmith.data.formats import Conversation
+    from draftsmith.data.templates import tokenize_conversation
+
+    turns = [
+        {"role": "user" if i % 2 == 0 else "assistant", "content": f"Two plus two equals four, turn {i}."}
+        for i in range(10_000)
+    ]
+    renders = []
+    real_render = type(tokenizer).apply_chat_template
+
+    def counted(self, messages, **kwargs):
+        renders.append(len(messages))
+        return real_render(self, messages, **kwargs)
+
+    monkeypatch.setattr(type(tokenizer), "apply_chat_template", counted)
+    cut = tokenize_conversation(tokenizer, Conversation("long", turns), max_length=256)
+    assert sum(renders) < 10_000  # the old loop rendered ~50 million turns
+    assert 0 < len(cut.input_ids) <= 256 and cut.dropped_turns == 5_000 - cut.assistant_turns
+    alone = tokenize_conversation(tokenizer, Conversation("long", turns[: 2 * cut.assistant_turns]))
+    assert (cut.input_ids, cut.loss_mask) == (alone.input_ids, alone.loss_mask)
+
+
+def test_a_huge_first_turn_is_never_tokenised_whole(tokenizer, monkeypatch):
+    from draftsmith.data.formats import Conversation, RecordError
+    from draftsmith.data.templates import tokenize_conversation
+
+    tokenised = []
+    real_call = type(tokenizer).__call__
+    monkeypatch.setattr(
+        type(tokenizer), "__call__", lambda self, text, **kw: tokenised.append(len(text)) or real_call(self, text, **kw)
+    )
+    turns = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "four " * 2_000_000}]
+    with pytest.raises(RecordError) as info:
+        tokenize_conversation(tokenizer, Conversation("huge", turns), max_length=64)
+    assert info.value.reason == "too_long" and max(tokenised) <= 64 * 32
+
+
+def test_prepare_skips_an_oversized_record_without_parsing_it(tmp_path, chat_records, tiny_target_dir, monkeypatch):
+    import draftsmith.data.formats as formats
+
+    monkeypatch.setattr(formats, "MAX_RECORD_CHARS", 10_000)  # the real bound is 8 MiB: same path, smaller file
+    huge = sharegpt(("human", "Hi"), ("gpt", "four " * 5_000), id="huge")
+    data = write_jsonl(tmp_path / "d.jsonl", [*chat_records, huge])
+    parsed = []
+    real_loads = formats.json.loads
+    monkeypatch.setattr(
+        formats.json, "loads", lambda text, *a, **k: parsed.append(len(text)) or real_loads(text, *a, **k)
+    )
+    main(["data", "prepare", str(data), "--out", str(tmp_path / "p"), "--target", str(tiny_target_dir)])
+    counts = json.loads((tmp_path / "p" / "manifest.json").read_text())["counts"]
+    assert counts["used"] == 3 and counts["skipped"] == {"too_large": 1}
+    assert len(json.dumps(huge)) not in parsed  # skipped by its length alone
+
+
+@pytest.mark.parametrize("suffix", ["jsonl", "json"])
+def test_deeply_nested_json_is_one_line(tmp_path, chat_records, tiny_target_dir, capsys, suffix):
+    nested = "[" * 200_000 + "]" * 200_000
+    path = tmp_path / f"d.{suffix}"
+    if suffix == "jsonl":
+        path.write_text(json.dumps(chat_records[0]) + "\n" + nested + "\n")
+    else:
+        path.write_text("[" + json.dumps(chat_records[0]) + "," + nested + "]")
+    line = refused(["data", "prepare", path, "--out", tmp_path / "p", "--target", tiny_target_dir], capsys)
+    where = " at line 2" if suffix == "jsonl" else ""
+    assert f"{path} nests JSON values too deeply{where}" in line
+    assert not (tmp_path / "p").exists()
+
+
+def test_generate_refuses_a_prompt_longer_than_the_context(tiny_target_dir, capsys):
+    """The tiny target's context is 512 tokens: speculation used to be switched off silently."""
+    line = refused(["generate", "snow " * 600, "--raw", "--target", tiny_target_dir, "--method", "pld"], capsys)
+    assert "the prompt is " in line and "tokens but the target's context is 512; shorten it" in line
+    line = refused(["generate", "snow " * 200, "--raw", "--target", tiny_target_dir, "--max-new-tokens", "400"], capsys)
+    assert "plus --max-new-tokens 400 exceeds the target's context of 512 tokens" in line
+    assert "pass --max-new-tokens" in line
+
+
+def test_bench_refuses_a_question_longer_than_the_context_before_running(tmp_path, tiny_target_dir, capsys):
+    short = {"question_id": "q1", "category": "writing", "turns": ["Write a poem about snow."]}
+    long = {"question_id": "q2", "category": "writing", "turns": ["snow " * 600]}
+    questions = write_jsonl(tmp_path / "q.jsonl", [short, long])
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("draftsmith.inference.bench.hf_greedy", lambda *a, **k: pytest.fail("the run started"))
+        line = refused(bench_argv(questions, tmp_path / "out", tiny_target_dir), capsys)
+    assert "question q2 turn 1 is " in line and "the target's context is 512; shorten it" in line
     assert not (tmp_path / "out").exists()

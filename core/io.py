@@ -128,15 +128,20 @@ def publish_directory(staging: Path, dest: Path) -> None:
 
 
 @contextmanager
-def atomic_directory(dest: Path, overwrite: bool = False, rules: OutputRules | None = None) -> Iterator[Path]:
+def atomic_directory(
+    dest: Path, overwrite: bool = False, rules: OutputRules | None = None, record_files: bool = False
+) -> Iterator[Path]:
     """Yield a staging directory that replaces ``dest`` only if the block finishes; the one way every
     artifact directory (prepared data, exports, bench results, the target cache) is written. What
-    ``dest`` may replace is decided by :func:`check_output_directory` with ``rules``."""
+    ``dest`` may replace is decided by :func:`check_output_directory` with ``rules``; ``record_files``
+    adds :data:`FILES_MANIFEST` (size and sha256 of every file) for :func:`verify_files`."""
     dest = Path(dest)
     check_output_directory(dest, overwrite, rules)
     staging = staging_directory(dest)
     try:
         yield staging
+        if record_files:
+            write_files_manifest(staging)
         publish_directory(staging, dest)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
@@ -148,3 +153,59 @@ def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
         while block := handle.read(chunk):
             digest.update(block)
     return digest.hexdigest()
+
+
+# ---- integrity of artifact directories -------------------------------------------------------------
+
+FILES_MANIFEST = "files.json"  # {"format", "files": {relative path: {"size", "sha256"}}}
+FILES_FORMAT = "draftsmith.files/1"
+
+
+class IntegrityError(DraftsmithError, ValueError):
+    """An artifact file that is missing, truncated or changed since its directory was written."""
+
+
+def describe_files(root: Path) -> dict[str, dict[str, Any]]:
+    """Size and sha256 of every file under ``root`` (but the files manifest itself), by relative path."""
+    root = Path(root)
+    return {
+        path.relative_to(root).as_posix(): {"size": path.stat().st_size, "sha256": sha256_file(path)}
+        for path in sorted(root.rglob("*"))
+        if path.is_file() and path.name != FILES_MANIFEST
+    }
+
+
+def write_files_manifest(root: Path) -> None:
+    atomic_write_json(Path(root) / FILES_MANIFEST, {"format": FILES_FORMAT, "files": describe_files(root)})
+
+
+def file_problems(root: Path, hashes: bool = True) -> dict[str, str]:
+    """What is wrong with each recorded file of ``root`` (by relative path): missing, another size, or
+    (with ``hashes``) other bytes. Empty when all is well or nothing was recorded (an artifact written
+    before files were recorded is read as it is)."""
+    root = Path(root)
+    manifest_path = root / FILES_MANIFEST
+    if not manifest_path.is_file():
+        return {}
+    try:
+        recorded = json.loads(manifest_path.read_text())["files"]
+        entries = {str(name): (int(entry["size"]), str(entry["sha256"])) for name, entry in recorded.items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return {FILES_MANIFEST: f"{manifest_path} is damaged"}
+    problems = {}
+    for name, (size, digest) in entries.items():
+        path = root / name
+        if not path.is_file():
+            problems[name] = f"{path} is missing"
+        elif (actual := path.stat().st_size) != size:
+            problems[name] = f"{path} has {actual:,} bytes, {size:,} when written (truncated or replaced)"
+        elif hashes and sha256_file(path) != digest:
+            problems[name] = f"{path} is damaged (its sha256 differs from the one recorded when it was written)"
+    return problems
+
+
+def verify_files(root: Path, rebuild: str, hashes: bool = True, error: type[DraftsmithError] = IntegrityError) -> None:
+    """Raise ``error`` naming the first damaged file of ``root`` and ``rebuild``, the fix."""
+    problems = file_problems(root, hashes)
+    if problems:
+        raise error(f"{next(iter(problems.values()))}; {rebuild}")

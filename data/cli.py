@@ -80,6 +80,7 @@ def cmd_prepare(args: argparse.Namespace) -> None:
         max_length=args.max_length,
         source=source,
         overwrite=args.overwrite,
+        vocab_size=len(tokenizer),
     )
     print(stats.summary())
     print(

@@ -2,8 +2,10 @@
 
 Layout of a prepared directory::
 
-    manifest.json        target identity, template hash, max length, read/used/skipped counts, ids
+    manifest.json        target identity, template hash, max length, vocabulary size, read/used/skipped
+                         counts, ids
     tokens.safetensors   input_ids (int32), loss_mask (uint8), offsets (int64, n + 1)
+    files.json           size and sha256 of both, verified on open (then token ids are range-checked)
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from draftsmith.core.errors import DraftsmithError
-from draftsmith.core.io import OutputRules, atomic_directory, atomic_write_json
+from draftsmith.core.io import OutputRules, atomic_directory, atomic_write_json, verify_files
 from draftsmith.core.target import TargetIdentity
 from draftsmith.data.formats import ReadStats
 from draftsmith.data.templates import TokenizedConversation
@@ -61,8 +63,10 @@ def write_prepared(
     max_length: int | None,
     source: str,
     overwrite: bool = False,
+    vocab_size: int | None = None,
 ) -> dict[str, Any]:
-    """Write samples and a manifest into ``out`` atomically; returns the manifest."""
+    """Write samples and a manifest into ``out`` atomically; returns the manifest. ``vocab_size`` (the
+    tokenizer's) is recorded so a reader can range-check every token id."""
     ids, masks, offsets, sample_ids = [], [], [0], []
     for sample in samples:
         ids.append(torch.tensor(sample.input_ids, dtype=torch.int32))
@@ -83,13 +87,15 @@ def write_prepared(
         "target": identity.to_dict(),
         "chat_template_sha256": template_hash(chat_template),
         "max_length": max_length,
+        "vocab_size": vocab_size,
         "counts": stats.to_dict(),
         "n_samples": len(sample_ids),
         "n_tokens": int(tensors["input_ids"].numel()),
         "n_supervised": int(tensors["loss_mask"].sum()),
         "sample_ids": sample_ids,
     }
-    with atomic_directory(Path(out), overwrite=overwrite, rules=prepared_output_rules(source)) as tmp:
+    rules = prepared_output_rules(source)
+    with atomic_directory(Path(out), overwrite=overwrite, rules=rules, record_files=True) as tmp:
         save_file(tensors, str(tmp / TOKENS))
         atomic_write_json(tmp / MANIFEST, manifest)
     return manifest
@@ -113,11 +119,15 @@ class PreparedDataset:
                 f"{self.path} is not a prepared dataset (no {MANIFEST}); "
                 "make one with `draftsmith data prepare INPUT --out DIR`"
             )
+        verify_files(self.path, self.rebuild, error=PreparedDataError)
         try:
             self.manifest = json.loads(manifest_path.read_text())
             tensors = load_file(str(self.path / TOKENS))
         except Exception as exc:  # json / safetensors errors on damaged files
-            raise PreparedDataError(f"{self.path} is damaged ({type(exc).__name__}: {exc}); prepare it again") from None
+            detail = str(exc).splitlines()[0] if str(exc) else ""
+            raise PreparedDataError(
+                f"{self.path} is damaged ({type(exc).__name__}: {detail}); {self.rebuild}"
+            ) from None
         if self.manifest.get("format") != PREPARED_FORMAT:
             raise PreparedDataError(
                 f"{self.path} has format {self.manifest.get('format')!r}, expected {PREPARED_FORMAT}"
@@ -126,8 +136,32 @@ class PreparedDataset:
         self.loss_mask = tensors["loss_mask"]
         self.offsets = tensors["offsets"]
         self.sample_ids: list[str] = self.manifest["sample_ids"]
-        if len(self.offsets) != len(self.sample_ids) + 1 or int(self.offsets[-1]) != self.input_ids.numel():
-            raise PreparedDataError(f"{self.path} is damaged: offsets do not match the tokens; prepare it again")
+        self._check_ranges()
+
+    @property
+    def rebuild(self) -> str:
+        """The command that writes this directory again."""
+        return f"prepare it again: `draftsmith data prepare INPUT --out {self.path} --overwrite`"
+
+    def _check_ranges(self) -> None:
+        """Offsets, token ids and mask values are used as indices: out of range, they would fail (or
+        read the wrong rows) deep inside the model, so they are checked here."""
+        offsets, n_tokens = self.offsets, self.input_ids.numel()
+        if len(offsets) != len(self.sample_ids) + 1 or int(offsets[0]) != 0 or int(offsets[-1]) != n_tokens:
+            raise PreparedDataError(f"{self.path} is damaged: offsets do not match the tokens; {self.rebuild}")
+        if len(offsets) > 1 and bool((offsets[1:] < offsets[:-1]).any()):
+            raise PreparedDataError(f"{self.path} is damaged: offsets go backwards; {self.rebuild}")
+        vocab = self.manifest.get("vocab_size")  # None in datasets prepared before it was recorded
+        low, high = (int(self.input_ids.min()), int(self.input_ids.max())) if n_tokens else (0, 0)
+        if low < 0 or (vocab and high >= vocab):
+            raise PreparedDataError(
+                f"{self.path} is damaged: token id {low if low < 0 else high} is outside the tokenizer's vocabulary "
+                f"0..{(vocab or 0) - 1}; {self.rebuild}"
+            )
+        if n_tokens and int(self.loss_mask.max()) > 1:
+            raise PreparedDataError(
+                f"{self.path} is damaged: loss_mask holds values other than 0 and 1; {self.rebuild}"
+            )
 
     @property
     def identity(self) -> TargetIdentity:

@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from draftsmith.core.errors import DraftsmithError
-from draftsmith.core.io import OutputRules, atomic_directory
+from draftsmith.core.io import OutputRules, atomic_directory, verify_files
 from draftsmith.core.target import Target, TargetError, TargetIdentity
 
 WEIGHTS_NAME = "model.safetensors"
@@ -24,6 +24,38 @@ WEIGHTS_NAME = "model.safetensors"
 
 class DrafterCheckpointError(DraftsmithError, ValueError):
     """A drafter directory that is missing files or does not match its config."""
+
+
+# Buffers of token ids into the target's vocabulary: a damaged value would index out of range deep in
+# the runtime, so each is range-checked when a drafter is loaded (:func:`check_vocabulary_indices`).
+VOCAB_INDEX_BUFFERS = ("draft_vocab",)
+
+
+def rebuild_export(directory: str | Path) -> str:
+    return f"export it again: `draftsmith export RUN --out {directory} --overwrite`"
+
+
+def load_weights_file(path: str | Path) -> dict[str, torch.Tensor]:
+    """A safetensors file's tensors; a truncated or garbled file is one line, not a SafetensorError."""
+    try:
+        return load_file(str(path))
+    except Exception as exc:  # safetensors raises its own error types (and OSError) for damaged files
+        detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise DrafterCheckpointError(f"{path} is damaged ({detail}); {rebuild_export(Path(path).parent)}") from None
+
+
+def check_vocabulary_indices(model: nn.Module, vocab_size: int, directory: str | Path) -> None:
+    """Every token id a drafter stores (:data:`VOCAB_INDEX_BUFFERS`) lies in ``0..vocab_size-1``."""
+    for name, buffer in model.named_buffers():
+        if name.rsplit(".", 1)[-1] not in VOCAB_INDEX_BUFFERS or not buffer.numel():
+            continue
+        low, high = int(buffer.min()), int(buffer.max())
+        if low < 0 or high >= vocab_size:
+            bad = low if low < 0 else high
+            raise DrafterCheckpointError(
+                f"{directory}: {name} holds token id {bad}, outside the target's vocabulary 0..{vocab_size - 1} "
+                f"(the file is damaged); {rebuild_export(directory)}"
+            )
 
 
 def save_drafter_weights(model: nn.Module, directory: str | Path, state: dict[str, torch.Tensor] | None = None) -> None:
@@ -42,7 +74,7 @@ def load_drafter_weights(cls: Any, directory: str | Path) -> nn.Module:
         if not (directory / name).is_file():
             raise DrafterCheckpointError(f"{directory} is not a drafter checkpoint: {name} is missing")
     model = cls(cls.config_class.from_pretrained(directory))
-    missing, unexpected = model.load_state_dict(load_file(str(directory / WEIGHTS_NAME)), strict=False)
+    missing, unexpected = model.load_state_dict(load_weights_file(directory / WEIGHTS_NAME), strict=False)
     if missing or unexpected:
         raise DrafterCheckpointError(
             f"{directory}/{WEIGHTS_NAME} does not match its config.json "
@@ -59,7 +91,7 @@ def load_weights_into(model: nn.Module, directory: str | Path) -> list[str]:
     path = Path(directory) / WEIGHTS_NAME
     if not path.is_file():
         raise DrafterCheckpointError(f"{directory} is not a drafter directory: {WEIGHTS_NAME} is missing")
-    state, own = load_file(str(path)), model.state_dict()
+    state, own = load_weights_file(path), model.state_dict()
     misfits = sorted(name for name, tensor in state.items() if name not in own or own[name].shape != tensor.shape)
     if misfits:
         raise DrafterCheckpointError(
@@ -70,12 +102,14 @@ def load_weights_into(model: nn.Module, directory: str | Path) -> list[str]:
 
 
 def read_drafter_config(directory: str | Path) -> dict[str, Any]:
-    """The ``config.json`` of an exported drafter, which names its family."""
+    """The ``config.json`` of an exported drafter, which names its family; every file the export
+    recorded is checked first (size and sha256: its weights are about to be loaded)."""
     path = Path(directory) / "config.json"
     if not path.is_file():
         raise DrafterCheckpointError(
             f"{directory} is not an exported drafter (no config.json); make one with `draftsmith export`"
         )
+    verify_files(Path(directory), rebuild_export(directory))
     try:
         config = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
@@ -123,7 +157,7 @@ def export_drafter(
     """The self-describing drafter directory: config (family, options, target identity) and weights,
     as the model's ``save_pretrained`` writes them (Medusa-2 adds its LoRA adapter in peft's format)."""
     model.config.target_identity = dict(target_identity)
-    with atomic_directory(Path(out), overwrite, drafter_output_rules(keep)) as staging:
+    with atomic_directory(Path(out), overwrite, drafter_output_rules(keep), record_files=True) as staging:
         model.save_pretrained(staging)
     return Path(out)
 
@@ -138,7 +172,7 @@ def export_speculators(
     """A drafter in vLLM ``speculators`` layout (``config.json`` + ``model.safetensors``), for
     ``vllm serve TARGET --speculative-config '{"model": OUT, "method": "eagle", ...}'``."""
     config, state = model.speculators_layout(verifier_name)
-    with atomic_directory(Path(out), overwrite, drafter_output_rules(keep)) as staging:
+    with atomic_directory(Path(out), overwrite, drafter_output_rules(keep), record_files=True) as staging:
         (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         save_file(state, str(staging / WEIGHTS_NAME), metadata={"format": "pt"})
     return Path(out)

@@ -22,12 +22,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
 from torch import nn
 
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.drafters.base import DrafterModel, FrozenTarget, TreeOptions
-from draftsmith.drafters.io import WEIGHTS_NAME, DrafterCheckpointError, load_drafter_weights, load_weights_into
+from draftsmith.drafters.io import (
+    WEIGHTS_NAME,
+    DrafterCheckpointError,
+    load_drafter_weights,
+    load_weights_file,
+    load_weights_into,
+)
 from draftsmith.drafters.lora import (
     PEFT_CONFIG_NAME,
     AdaptedTarget,
@@ -136,7 +141,7 @@ class Medusa2Model(AdaptsTargetMixin, DrafterModel):
         if not (directory / PEFT_CONFIG_NAME).is_file():
             return load_drafter_weights(cls, directory)
         model = cls(Medusa2Config.from_pretrained(directory))
-        missing, unexpected = model.heads.load_state_dict(load_file(str(directory / WEIGHTS_NAME)), strict=False)
+        missing, unexpected = model.heads.load_state_dict(load_weights_file(directory / WEIGHTS_NAME), strict=False)
         if missing or unexpected:
             raise DrafterCheckpointError(
                 f"{directory}/{WEIGHTS_NAME} does not hold the heads its config.json describes "

@@ -7,7 +7,12 @@ from pathlib import Path
 from draftsmith.core.drafting import Drafter
 from draftsmith.core.target import Target
 from draftsmith.drafters.base import TreeOptions
-from draftsmith.drafters.io import DrafterCheckpointError, check_drafter_target, read_drafter_config
+from draftsmith.drafters.io import (
+    DrafterCheckpointError,
+    check_drafter_target,
+    check_vocabulary_indices,
+    read_drafter_config,
+)
 from draftsmith.drafters.registry import FAMILIES
 
 
@@ -27,5 +32,7 @@ def load_drafter(
             f"{directory} holds a {name!r} drafter, not {expect!r}; use --method {family.method_name}={directory}"
         )
     check_drafter_target(config, target, directory)
-    model = family.model_class.from_pretrained(directory).to(target.model.device, target.model.dtype)
+    model = family.model_class.from_pretrained(directory)
+    check_vocabulary_indices(model, int(target.model.config.vocab_size), directory)
+    model = model.to(target.model.device, target.model.dtype)
     return model.runtime_drafter(target.model, tree or TreeOptions())

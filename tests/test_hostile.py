@@ -408,3 +408,212 @@ def test_bench_refuses_a_question_longer_than_the_context_before_running(tmp_pat
         line = refused(bench_argv(questions, tmp_path / "out", tiny_target_dir), capsys)
     assert "question q2 turn 1 is " in line and "the target's context is 512; shorten it" in line
     assert not (tmp_path / "out").exists()
+
+
+# ---- resume survives what a crash leaves -----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def two_checkpoint_run(tmp_path_factory, tiny_target_dir, prepared_dir) -> Path:  # noqa: F811
+    """A four-step run with checkpoints step-2 and step-4 (its loss curve is the uninterrupted one)."""
+    root = tmp_path_factory.mktemp("two-checkpoints")
+    recipe = write_recipe(root, tiny_target_dir, prepared_dir, train={"max_steps": 4, "save_every": 2})
+    main(["train", str(recipe)])
+    return root / "run"
+
+
+@pytest.fixture()
+def run4(tmp_path, two_checkpoint_run) -> Path:
+    """This test's own copy of the four-step run (recipes pointing at the copy)."""
+    root = shutil.copytree(two_checkpoint_run.parent, tmp_path / "runs")
+    for recipe in (root / "recipe.yaml", root / "run" / "recipe.resolved.yaml"):
+        tree = yaml.safe_load(recipe.read_text())
+        recipe.write_text(yaml.safe_dump({**tree, "output_dir": str(root / "run")}))
+    return root / "run"
+
+
+def tensor_bytes(path: Path, name: str) -> tuple[int, int]:
+    """Where tensor ``name``'s data lies in a safetensors file: (start, end) byte offsets."""
+    raw = path.read_bytes()
+    header_length = int.from_bytes(raw[:8], "little")
+    start, end = json.loads(raw[8 : 8 + header_length])[name]["data_offsets"]
+    return 8 + header_length + start, 8 + header_length + end
+
+
+def flip_byte(path: Path, offset: int, value: int = 0x7F) -> None:
+    raw = bytearray(path.read_bytes())
+    raw[offset] ^= value
+    path.write_bytes(bytes(raw))
+
+
+def truncate(path: Path, keep: float = 0.5) -> None:
+    path.write_bytes(path.read_bytes()[: int(path.stat().st_size * keep)])
+
+
+def damage_latest(run: Path, how: str) -> None:
+    latest = run / "checkpoints" / "step-4"
+    if how == "optimizer-truncated":
+        truncate(latest / "optimizer.bin")
+    elif how == "weights-flipped":
+        flip_byte(latest / "model.safetensors", latest.joinpath("model.safetensors").stat().st_size - 5)
+    elif how == "state-torn":
+        (latest / "trainer_state.json").write_text('{"step": 4, "epo')
+    elif how == "drafter-missing":
+        (latest / "drafter" / "model.safetensors").unlink()
+    elif how == "legacy-optimizer-truncated":  # saved before files were recorded: found when loading
+        (latest / "files.json").unlink()
+        truncate(latest / "optimizer.bin")
+
+
+@pytest.mark.parametrize(
+    "how, message",
+    [
+        ("optimizer-truncated", "optimizer.bin has "),
+        ("weights-flipped", "model.safetensors is damaged (its sha256 differs"),
+        ("state-torn", "trainer_state.json has "),
+        ("drafter-missing", "drafter/model.safetensors is missing"),
+        (
+            "legacy-optimizer-truncated",
+            "cannot be loaded (RuntimeError: PytorchStreamReader failed reading zip archive",
+        ),
+    ],
+)
+def test_resume_falls_back_to_the_previous_intact_checkpoint(run4, two_checkpoint_run, capsys, how, message):
+    damage_latest(run4, how)
+    before = snapshot(run4 / "checkpoints" / "step-2")
+    main(["train", str(run4.parent / "recipe.yaml"), "train.max_steps=4", "--resume"])
+    err = capsys.readouterr().err
+    warning = [line for line in err.splitlines() if "resuming from the previous intact checkpoint step-2" in line]
+    assert len(warning) == 1 and message in warning[0] and "Traceback" not in err, err
+    assert snapshot(run4 / "checkpoints" / "step-2") == before  # the good checkpoint is untouched
+    assert losses(run4) == losses(two_checkpoint_run)  # steps 3 and 4 trained again, exactly as before
+
+
+def test_resume_ignores_a_half_written_checkpoint_and_a_torn_metrics_line(run4, two_checkpoint_run, capsys):
+    partial = run4 / "checkpoints" / ".tmp-step-6"
+    shutil.copytree(run4 / "checkpoints" / "step-4", partial)
+    (partial / "COMPLETE").unlink()
+    truncate(partial / "optimizer.bin")
+    with open(run4 / "metrics.jsonl", "a") as handle:
+        handle.write('{"step": 5, "loss": 1.2')  # the crash cut this line
+    main(["train", str(run4.parent / "recipe.yaml"), "train.max_steps=5", "--resume"])
+    out, err = capsys.readouterr()
+    assert f"resumed from {run4 / 'checkpoints' / 'step-4'}" in out
+    assert "ignoring .tmp-step-6" in err and "dropped 1 unreadable line(s) of" in err and "Traceback" not in err
+    curve = losses(run4)
+    assert sorted(curve) == [1, 2, 3, 4, 5] and {k: curve[k] for k in range(1, 5)} == losses(two_checkpoint_run)
+
+
+def test_resume_with_every_checkpoint_damaged_is_one_line(run4, capsys):
+    for name in ("step-2", "step-4"):
+        truncate(run4 / "checkpoints" / name / "optimizer.bin")
+    before = snapshot(run4)
+    line = refused(["train", run4.parent / "recipe.yaml", "train.max_steps=5", "--resume"], capsys)
+    assert "no intact checkpoint to resume" in line and "step-4/optimizer.bin has " in line
+    assert "restore the run from a copy" in line
+    assert snapshot(run4) == before
+
+
+def test_a_hostile_random_state_pickle_runs_no_code(runs, tmp_path, capsys):
+    import torch
+
+    marker = tmp_path / "pwned"
+
+    class Hostile:
+        def __reduce__(self):
+            return (Path.touch, (marker,))
+
+    states = rng_state_file(latest_checkpoint(runs / "run"), 0)
+    torch.save({"random_state": Hostile()}, states)
+    line = refused(["train", runs / "recipe.yaml", "train.max_steps=3", "--resume"], capsys)
+    assert f"cannot resume exactly: {states}" in line
+    assert not marker.exists()
+
+
+# ---- integrity of artifacts --------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def exported_with_vocab(tmp_path_factory, tiny_target_dir, prepared_dir) -> Path:  # noqa: F811
+    """An exported FSPAD drafter with a 32-token draft vocabulary (a tensor of token ids)."""
+    root = tmp_path_factory.mktemp("vocab-export")
+    recipe = write_recipe(
+        root, tiny_target_dir, prepared_dir, train={"max_steps": 1, "save_every": 1}, drafter={"draft_vocab_size": 32}
+    )
+    main(["train", str(recipe)])
+    main(["export", str(root / "run"), "--out", str(root / "drafter")])
+    return root / "drafter"
+
+
+@pytest.fixture()
+def drafter_copy(tmp_path, exported_with_vocab) -> Path:
+    return shutil.copytree(exported_with_vocab, tmp_path / "drafter")
+
+
+def generate_argv(drafter: Path, target: Path) -> list:
+    return [
+        "generate",
+        "Write a poem about snow.",
+        "--target",
+        target,
+        "--method",
+        f"fspad={drafter}",
+        "--max-new-tokens",
+        "4",
+    ]
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        ("truncated", "model.safetensors has "),
+        ("vocab-flipped", "model.safetensors is damaged (its sha256 differs"),
+        ("legacy-truncated", "model.safetensors is damaged ("),
+        ("legacy-vocab-flipped", "draft_vocab holds token id "),
+    ],
+)
+@pytest.mark.parametrize("command", ["generate", "bench"])
+def test_a_damaged_export_is_one_line(
+    drafter_copy, tiny_target_dir, questions, tmp_path, capsys, damage, message, command
+):
+    weights = drafter_copy / "model.safetensors"
+    if damage.startswith("legacy"):  # exported before files were recorded: the loader's own checks
+        (drafter_copy / "files.json").unlink()
+    if damage.endswith("truncated"):
+        truncate(weights)
+    else:
+        start, _ = tensor_bytes(weights, "draft_vocab")
+        flip_byte(weights, start + 5, 0x01)  # a high byte of the first token id: 2**40 more
+    if command == "generate":
+        line = refused(generate_argv(drafter_copy, tiny_target_dir), capsys)
+    else:
+        line = refused(
+            bench_argv(questions, tmp_path / "b", tiny_target_dir, "--methods", f"fspad={drafter_copy}"), capsys
+        )
+        assert not (tmp_path / "b").exists()
+    assert message in line and f"export it again: `draftsmith export RUN --out {drafter_copy} --overwrite`" in line
+    if damage == "legacy-vocab-flipped":
+        assert "outside the target's vocabulary 0..399" in line
+
+
+def test_export_of_a_damaged_checkpoint_is_one_line(run4, tmp_path, capsys):
+    truncate(run4 / "checkpoints" / "step-4" / "drafter" / "model.safetensors")
+    line = refused(["export", run4, "--out", tmp_path / "drafter"], capsys)
+    assert "step-4/drafter/model.safetensors has " in line
+    assert "export another checkpoint with --checkpoint NAME (complete ones: step-2)" in line
+    main(["export", str(run4), "--out", str(tmp_path / "drafter"), "--checkpoint", "step-2"])  # documented success
+
+
+@pytest.mark.parametrize("legacy", [False, True], ids=["recorded", "legacy"])
+def test_a_prepared_dataset_with_flipped_bytes_is_one_line(tmp_path, prepared_dir, tiny_target_dir, capsys, legacy):  # noqa: F811
+    data = shutil.copytree(prepared_dir, tmp_path / "prepared")
+    tokens = data / "tokens.safetensors"
+    start, _ = tensor_bytes(tokens, "input_ids")
+    flip_byte(tokens, start + 2)  # the third byte of the first int32 token id: out of the vocabulary
+    if legacy:
+        (data / "files.json").unlink()
+    recipe = write_recipe(tmp_path, tiny_target_dir, data)
+    line = refused(["train", recipe], capsys)
+    expected = "is outside the tokenizer's vocabulary 0..399" if legacy else "tokens.safetensors is damaged (its sha256"
+    assert expected in line and f"prepare it again: `draftsmith data prepare INPUT --out {data} --overwrite`" in line
+    assert not (tmp_path / "run" / "checkpoints").exists()

@@ -3,6 +3,8 @@
 Layout of ``OUTPUT_DIR/checkpoints/step-N``::
 
     COMPLETE                 written last: a directory without it is never used
+    files.json               size and sha256 of every other file, written just before COMPLETE: a
+                             resume verifies them and falls back to the previous intact checkpoint
     trainer_state.json       step, epoch, data position, world size, global batch, target identity,
                              and ``eval``: the held-out metrics at this step (empty without eval samples)
     drafter/                 config.json + model.safetensors (what `draftsmith export` reads)
@@ -24,10 +26,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from draftsmith.core.errors import DraftsmithError
-from draftsmith.core.io import atomic_write_json, publish_directory
+from draftsmith.core.io import atomic_write_json, file_problems, publish_directory, write_files_manifest
 from draftsmith.drafters.io import save_drafter_weights
 
 MARKER = "COMPLETE"
@@ -124,6 +124,7 @@ def save_checkpoint(accelerator: Any, model: Any, output_dir: Path, state: dict[
         save_drafter_weights(accelerator.unwrap_model(model), tmp / DRAFTER_DIR, weights)
         atomic_write_json(tmp / STATE_FILE, state)
         _fsync_tree(tmp)
+        write_files_manifest(tmp)  # after the flush: what it records is what is on disk
         (tmp / MARKER).write_text(f"step {step}\n")
         publish_directory(tmp, final)  # the same step written again replaces it (a resumed run's final save)
         best = best_checkpoint(output_dir)
@@ -142,16 +143,42 @@ def rng_state_file(checkpoint: Path, process_index: int) -> Path:
 def rng_state_problem(checkpoint: Path, process_index: int) -> str | None:
     """Why this rank's random states cannot be restored, or None. accelerate itself skips a missing or
     damaged file with an INFO log, and the resumed run then silently stops matching an uninterrupted one."""
+    from accelerate.utils import load
+
     path = rng_state_file(checkpoint, process_index)
     if not path.is_file():
         return f"{path} is missing"
     try:
-        states = torch.load(path, weights_only=False)  # the run's own pickle, as accelerate loads it next
+        states = load(path)  # as accelerate loads it next: weights_only, so a hostile pickle runs no code
     except Exception as exc:  # any unpickling failure means the same: the file is damaged
         return f"{path} is unreadable ({type(exc).__name__})"
     if not isinstance(states, dict) or not all(key in states for key in RNG_STATE_KEYS):
         return f"{path} holds no random states"
     return None
+
+
+def incomplete_checkpoints(output_dir: Path) -> list[str]:
+    """Names of checkpoint directories a crash left half-written (no marker, or still a temp dir)."""
+    root = checkpoints_dir(output_dir)
+    if not root.is_dir():
+        return []
+    return sorted(
+        path.name
+        for path in root.iterdir()
+        if path.is_dir()
+        and (path.name.startswith(".tmp-step-") or _NAME.match(path.name))
+        and not (path / MARKER).is_file()
+    )
+
+
+def damaged_files(checkpoint: Path) -> dict[str, str]:
+    """The checkpoint's files that differ from what :data:`FILES_MANIFEST` recorded at save (size and
+    sha256), by relative path; empty for an intact one (or one saved before files were recorded)."""
+    return file_problems(checkpoint, hashes=True)
+
+
+def is_rng_state(name: str) -> bool:
+    return re.fullmatch(r"random_states_\d+\.pkl", name) is not None
 
 
 def load_checkpoint(accelerator: Any, checkpoint: Path) -> dict[str, Any]:

@@ -12,13 +12,14 @@ from pathlib import Path
 import yaml
 
 from draftsmith.core.errors import DraftsmithError
-from draftsmith.core.io import check_output_directory
+from draftsmith.core.io import check_output_directory, verify_files
 from draftsmith.drafters.io import drafter_output_rules, export_drafter, export_speculators, read_drafter_config
 from draftsmith.drafters.registry import get_family
 from draftsmith.train.checkpoint import (
     DRAFTER_DIR,
     RESOLVED_RECIPE,
     CheckpointError,
+    complete_checkpoints,
     find_best_checkpoint,
     find_checkpoint,
     read_state,
@@ -51,6 +52,8 @@ def export_run(
     if best and checkpoint is not None:
         raise CheckpointError("give --checkpoint or --best, not both")
     source = find_best_checkpoint(run_dir) if best else find_checkpoint(run_dir, checkpoint)
+    others = ", ".join(p.name for p in complete_checkpoints(run_dir) if p != source) or "none"
+    verify_files(source, f"export another checkpoint with --checkpoint NAME (complete ones: {others})")
     state = read_state(source)
     family = get_family(state.get("family", recipe.family_name))
     model = family.model_class.from_pretrained(str(source / DRAFTER_DIR))

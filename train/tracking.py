@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import uuid
 from pathlib import Path
 from typing import Any
@@ -34,11 +35,28 @@ def format_metrics(step: int, metrics: dict[str, float]) -> str:
     return " | ".join(parts)
 
 
+def _step_of(line: str) -> int | None:
+    """The step of one metrics record, None for a line that is not one (e.g. half-written by a crash)."""
+    try:
+        record = json.loads(line)
+        return int(record["step"])
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
 def truncate_jsonl(path: Path, last_step: int) -> None:
-    """Drop records after ``last_step``: a resumed run rewrites them, so the file stays one curve."""
+    """Drop records after ``last_step``: a resumed run rewrites them, so the file stays one curve. A line
+    a crash left half-written is dropped too, and said in one line."""
     if not path.is_file():
         return
-    kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= last_step]
+    lines = [line for line in path.read_text(errors="replace").splitlines() if line.strip()]
+    steps = [_step_of(line) for line in lines]
+    torn = sum(step is None for step in steps)
+    if torn:
+        tqdm.write(
+            f"draftsmith: dropped {torn} unreadable line(s) of {path} (a write cut off by a crash)", file=sys.stderr
+        )
+    kept = [line for line, step in zip(lines, steps) if step is not None and step <= last_step]
     atomic_write_bytes(path, "".join(line + "\n" for line in kept).encode())
 
 

@@ -16,7 +16,7 @@ import time
 from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +34,12 @@ from draftsmith.drafters.registry import get_family
 from draftsmith.train.batch import TrainBatch
 from draftsmith.train.checkpoint import (
     RESOLVED_RECIPE,
+    CheckpointError,
+    checkpoints_dir,
+    complete_checkpoints,
+    damaged_files,
+    incomplete_checkpoints,
+    is_rng_state,
     latest_checkpoint,
     load_checkpoint,
     read_state,
@@ -179,18 +185,68 @@ def _starting_checkpoint(recipe: TrainRecipe, output_dir: Path, resume: bool, is
     return checkpoint
 
 
-def _check_rng_state(checkpoint: Path, process_index: int, inexact: bool, is_main: bool) -> None:
-    """Exact resume needs the checkpoint's random states; without them only an explicit inexact resume
-    goes on (with the states the seed gives), and says so."""
-    problem = rng_state_problem(checkpoint, process_index)
-    if problem is None:
-        return
-    if not inexact:
+@dataclass
+class _Candidates:
+    """Complete checkpoints a resume may still start from, newest first, and what was wrong with
+    the ones passed over (reported in one line when an older one is used)."""
+
+    older: list[Path]
+    skipped: list[str] = field(default_factory=list)
+
+
+def _checkpoint_problem(checkpoint: Path, process_index: int, inexact: bool) -> tuple[str | None, bool]:
+    """Why ``checkpoint`` cannot be resumed from (None if it can), and whether that is only its random
+    states (which ``inexact`` accepts). Its files are verified against the sizes and sha256 recorded
+    at save, so a truncated optimizer state or a half-copied weights file is caught before loading."""
+    damaged = damaged_files(checkpoint)
+    other = [problem for name, problem in damaged.items() if not is_rng_state(name)]
+    if other:
+        return other[0], False
+    rng = next(iter(damaged.values()), None) or rng_state_problem(checkpoint, process_index)
+    return (None, False) if rng is None or inexact else (rng, True)
+
+
+def _next_checkpoint(candidates: _Candidates, output_dir: Path, process_index: int, inexact: bool) -> Path:
+    """The newest intact checkpoint among ``candidates`` (removed from it); a clear error when none is."""
+    first_refusal: tuple[str, bool] | None = None
+    while candidates.older:
+        checkpoint = candidates.older.pop(0)
+        problem, rng_only = _checkpoint_problem(checkpoint, process_index, inexact)
+        if problem is None:
+            return checkpoint
+        first_refusal = first_refusal or (problem, rng_only)
+        candidates.skipped.append(problem)
+    problem, rng_only = first_refusal or (f"{output_dir} holds no complete checkpoint", False)
+    if rng_only and len(candidates.skipped) == 1:
         raise TrainingError(
             f"cannot resume exactly: {problem}; resume from an intact copy of the run, or pass --resume-inexact "
             "(train.resume_inexact=true) to continue with fresh random states"
         )
-    if is_main:
+    raise CheckpointError(
+        f"no intact checkpoint to resume {output_dir} from ({problem}); restore the run from a copy, or start "
+        "again in another output_dir"
+    )
+
+
+def _report_resume_point(checkpoint: Path, candidates: _Candidates, output_dir: Path, inexact: bool) -> None:
+    """One line each: half-written checkpoints ignored, damaged ones passed over, an inexact resume."""
+    incomplete = incomplete_checkpoints(output_dir)
+    if incomplete:
+        tqdm.write(
+            f"draftsmith: ignoring {', '.join(incomplete)} in {checkpoints_dir(output_dir)} "
+            "(saves that did not finish)",
+            file=sys.stderr,
+        )
+    if candidates.skipped:
+        more = f" (and {len(candidates.skipped) - 1} newer damaged)" if len(candidates.skipped) > 1 else ""
+        tqdm.write(
+            f"draftsmith: warning: {candidates.skipped[-1]}{more}; resuming from the previous intact checkpoint "
+            f"{checkpoint.name}",
+            file=sys.stderr,
+        )
+        candidates.skipped.clear()
+    damaged_rng = [problem for name, problem in damaged_files(checkpoint).items() if is_rng_state(name)]
+    if inexact and (problem := next(iter(damaged_rng), None) or rng_state_problem(checkpoint, 0)):
         tqdm.write(f"draftsmith: warning: {problem}; resuming inexactly with fresh random states", file=sys.stderr)
 
 
@@ -218,9 +274,10 @@ class Trainer:
         self.accelerator = build_accelerator(recipe.train)
         self.is_main = self.accelerator.is_main_process
         self.checkpoint = _starting_checkpoint(recipe, self.output_dir, resume or recipe.train.resume, self.is_main)
+        self.inexact = resume_inexact or recipe.train.resume_inexact
         if self.checkpoint is not None:  # before the target loads: a refused resume costs nothing
-            inexact = resume_inexact or recipe.train.resume_inexact
-            _check_rng_state(self.checkpoint, self.accelerator.process_index, inexact, self.is_main)
+            self.candidates = _Candidates(list(reversed(complete_checkpoints(self.output_dir))))
+            self.checkpoint = self._next_checkpoint()
         self._load_target_and_data()
         self._build_model()
         self.start_step = self._restore() if self.checkpoint else 0
@@ -290,8 +347,28 @@ class Trainer:
             shown = ", ".join(fresh[:3]) + (f" and {len(fresh) - 3} more" if len(fresh) > 3 else "")
             tqdm.write(f"draftsmith: started from {directory}; {len(fresh)} tensors start fresh: {shown}")
 
+    def _next_checkpoint(self) -> Path:
+        checkpoint = _next_checkpoint(self.candidates, self.output_dir, self.accelerator.process_index, self.inexact)
+        if self.is_main:
+            _report_resume_point(checkpoint, self.candidates, self.output_dir, self.inexact)
+        return checkpoint
+
     def _restore(self) -> int:
-        state = read_state(self.checkpoint)
+        """Load the chosen checkpoint; one that fails to load (a file damaged in a way its recorded
+        sizes and hashes cannot tell, or a checkpoint saved before they were recorded) gives way to
+        the previous intact one, said in one line."""
+        while True:
+            try:
+                return self._restore_from(self.checkpoint)
+            except DraftsmithError:
+                raise
+            except Exception as error:  # torch / accelerate / safetensors errors of a damaged file
+                detail = str(error).splitlines()[0].split(". ")[0] if str(error) else ""
+                self.candidates.skipped.append(f"{self.checkpoint} cannot be loaded ({type(error).__name__}: {detail})")
+                self.checkpoint = self._next_checkpoint()
+
+    def _restore_from(self, checkpoint: Path) -> int:
+        state = read_state(checkpoint)
         if state["world_size"] != self.plan.world_size or state["global_batch"] != self.plan.global_batch:
             raise TrainingError(
                 f"{self.checkpoint} was written by {state['world_size']} processes with global batch "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -69,19 +70,22 @@ def check_output_directory(dest: Path, overwrite: bool, rules: OutputRules | Non
         raise OutputDirectoryError(f"{dest} already exists and is not empty; choose another --out")
 
 
-def check_creatable_directory(dest: Path) -> None:
+def check_creatable_directory(dest: Path, inside: bool = False, option: str = "--out") -> None:
     """Fail now, not after hours of work, if ``dest`` could not be written by :func:`atomic_directory`:
-    its nearest existing ancestor must be a directory in which we can create (and remove) an entry."""
+    its nearest existing ancestor must be a directory in which we can create (and remove) an entry.
+    With ``inside`` (a directory written in place, such as a training run), an existing ``dest`` itself
+    must take new entries."""
     dest = Path(dest)
     # the staging directory and the final rename happen in dest's parent
-    ancestor = next(p for p in dest.absolute().parents if p.exists())
+    candidates = [dest.absolute(), *dest.absolute().parents] if inside else list(dest.absolute().parents)
+    ancestor = next(p for p in candidates if p.exists())
     if not ancestor.is_dir():
-        raise OutputDirectoryError(f"--out {dest} cannot be created: {ancestor} is a file; choose another --out")
+        raise OutputDirectoryError(f"{option} {dest} cannot be created: {ancestor} is a file; choose another {option}")
     try:
         os.rmdir(tempfile.mkdtemp(prefix=".draftsmith-probe-", dir=ancestor))
     except OSError as error:
         raise OutputDirectoryError(
-            f"--out {dest} cannot be written ({error.strerror} in {ancestor}); choose another --out"
+            f"{option} {dest} cannot be written ({error.strerror} in {ancestor}); choose another {option}"
         ) from None
 
 
@@ -127,6 +131,27 @@ def publish_directory(staging: Path, dest: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
+# Write failures that are the disk's, not the program's: a full disk, a quota, a read-only file system.
+# safetensors and torch report them in their own exception types, so their words are matched too.
+_DISK_ERRNOS = {errno.ENOSPC, errno.EROFS, errno.EDQUOT}
+_DISK_WORDS = ("No space left on device", "Read-only file system", "Disk quota exceeded")
+
+
+class OutputWriteError(DraftsmithError, OSError):
+    """A write that failed for lack of room or a read-only disk; what was there before is intact."""
+
+
+def disk_failure(error: BaseException) -> str | None:
+    """Why ``error`` says the disk refused a write (e.g. "No space left on device"), or None."""
+    if isinstance(error, OSError) and error.errno in _DISK_ERRNOS:
+        return error.strerror or os.strerror(error.errno)
+    text = str(error)
+    found = next((words for words in _DISK_WORDS if words in text), None)
+    if found is None and "PytorchStreamWriter failed writing file" in text:  # torch.save's words for a short write
+        return "a file could not be written in full (disk full?)"
+    return found
+
+
 @contextmanager
 def atomic_directory(
     dest: Path, overwrite: bool = False, rules: OutputRules | None = None, record_files: bool = False
@@ -143,6 +168,14 @@ def atomic_directory(
         if record_files:
             write_files_manifest(staging)
         publish_directory(staging, dest)
+    except Exception as error:
+        reason = disk_failure(error)
+        if reason is None:
+            raise
+        kept = f"the earlier {dest} is intact" if dest.exists() else "nothing was written"
+        raise OutputWriteError(
+            f"writing {dest} failed ({reason}); {kept}: free space or choose another --out, and run again"
+        ) from None
     finally:
         shutil.rmtree(staging, ignore_errors=True)
 

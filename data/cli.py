@@ -42,7 +42,7 @@ def _tokenizer_for(args: argparse.Namespace) -> tuple[Any, Any]:
 def cmd_prepare(args: argparse.Namespace) -> None:
     from tqdm.auto import tqdm
 
-    from draftsmith.core.io import check_output_directory
+    from draftsmith.core.io import check_creatable_directory, check_output_directory
     from draftsmith.data.formats import ReadStats, RecordError, check_source_available, read_conversations
     from draftsmith.data.prepared import prepared_output_rules, write_prepared
     from draftsmith.data.templates import tokenize_conversation
@@ -50,6 +50,7 @@ def cmd_prepare(args: argparse.Namespace) -> None:
     source = _source(args.input)
     check_source_available(source)
     check_output_directory(Path(args.out), args.overwrite, prepared_output_rules(source))
+    check_creatable_directory(Path(args.out))
     tokenizer, identity = _tokenizer_for(args)
     stats = ReadStats()
     dropped_turns = 0
@@ -187,6 +188,7 @@ def _parse_layers(text: str) -> tuple[int, ...]:
 
 
 def cmd_cache_features(args: argparse.Namespace) -> None:
+    from draftsmith.core.io import check_creatable_directory
     from draftsmith.core.target import load_target
     from draftsmith.data.features import CacheSettings, FeatureCache, build_feature_cache
     from draftsmith.data.prepared import PreparedDataset
@@ -202,6 +204,7 @@ def cmd_cache_features(args: argparse.Namespace) -> None:
     if args.prepared is None:
         raise DataOptionError("give the prepared dataset directory (from `draftsmith data prepare`)")
     dataset = PreparedDataset(Path(args.prepared))
+    check_creatable_directory(Path(args.out), inside=True)  # shards are written in place, resumably
     target = load_target(args.target, dtype=args.model_dtype, device=args.device)
     n_layers = target.model.config.num_hidden_layers
     if any(not -n_layers - 1 <= layer <= n_layers for layer in args.layers):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -190,6 +191,8 @@ def build_feature_cache(
     out.mkdir(parents=True, exist_ok=True)
     plan = _plan_shards(dataset, settings.shard_tokens)
     done = len(manifest["shards"])
+    remaining = sum(dataset.sample_length(i) for shard in plan[done:] for i in shard)
+    _check_free_space(out, remaining, target.hidden_size, settings)
     total_tokens = int(dataset.offsets[-1])
     progress = tqdm(total=total_tokens, unit="tok", desc="caching features", dynamic_ncols=True)
     progress.update(int(sum(s["n_tokens"] for s in manifest["shards"])))
@@ -221,6 +224,19 @@ def build_feature_cache(
         manifest["complete"] = True
         atomic_write_json(manifest_path, manifest)
     return manifest
+
+
+def _check_free_space(out: Path, tokens: int, hidden: int, settings: CacheSettings) -> None:
+    """Refuse, before the first forward, a cache the disk under ``out`` cannot hold: each token stores
+    (1 + extra layers) hidden vectors plus its id and mask bit; 5% is added for headers and offsets."""
+    per_token = (1 + len(settings.layers)) * hidden * DTYPES[settings.dtype].itemsize + 5
+    needed, free = int(tokens * per_token * 1.05), shutil.disk_usage(out).free
+    if needed > free:
+        raise FeatureCacheError(
+            f"the feature cache needs about {needed / 1e9:.2f} GB more ({tokens:,} tokens x {per_token:,} bytes) "
+            f"but {out} has {free / 1e9:.2f} GB free; free space, store --dtype bf16 or fewer --layers, or choose "
+            "another --out"
+        )
 
 
 class FeatureCache:

@@ -7,6 +7,7 @@ checks that the good artifacts around it (inputs, runs, siblings, earlier result
 
 from __future__ import annotations
 
+import errno
 import json
 import shutil
 from pathlib import Path
@@ -617,3 +618,141 @@ def test_a_prepared_dataset_with_flipped_bytes_is_one_line(tmp_path, prepared_di
     expected = "is outside the tokenizer's vocabulary 0..399" if legacy else "tokens.safetensors is damaged (its sha256"
     assert expected in line and f"prepare it again: `draftsmith data prepare INPUT --out {data} --overwrite`" in line
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+# ---- the disk: checked up front, and a failed write keeps the earlier good state ------------------------------
+
+NO_SPACE = OSError(errno.ENOSPC, "No space left on device")
+# how safetensors and torch report a full disk: their own exception types, errno only in the words
+SAFETENSORS_NO_SPACE = RuntimeError(
+    'Error while serializing: IoError(Os { code: 28, message: "No space left on device" })'
+)
+TORCH_SHORT_WRITE = RuntimeError(
+    "[enforce fail at inline_container.cc:672] . PytorchStreamWriter failed writing file data/0"
+)
+
+
+def failing(error: BaseException):
+    def write(*args, **kwargs):
+        raise error
+
+    return write
+
+
+def no_staging_left(parent: Path) -> bool:
+    return not [p.name for p in parent.iterdir() if ".tmp-" in p.name or p.name.endswith(".old")]
+
+
+@pytest.mark.parametrize("error", [NO_SPACE, SAFETENSORS_NO_SPACE], ids=["oserror", "safetensors"])
+def test_prepare_on_a_full_disk_keeps_the_earlier_dataset(
+    tmp_path, data_dir, tiny_target_dir, monkeypatch, capsys, error
+):
+    out = tmp_path / "prepared"
+    argv = ["data", "prepare", data_dir / "mydata.jsonl", "--out", out, "--target", tiny_target_dir]
+    main([str(a) for a in argv])
+    before = snapshot(out)
+    monkeypatch.setattr("draftsmith.data.prepared.save_file", failing(error))
+    line = refused([*argv, "--overwrite", "--max-length", "64"], capsys)
+    assert f"writing {out} failed (No space left on device); the earlier {out} is intact" in line
+    assert snapshot(out) == before and no_staging_left(tmp_path)
+
+
+@pytest.mark.parametrize("error", [NO_SPACE, SAFETENSORS_NO_SPACE], ids=["oserror", "safetensors"])
+def test_export_on_a_full_disk_keeps_the_earlier_export(runs, tmp_path, monkeypatch, capsys, error):
+    out = tmp_path / "drafter"
+    main(["export", str(runs / "run"), "--out", str(out)])
+    before = snapshot(out)
+    monkeypatch.setattr("draftsmith.drafters.io.save_file", failing(error))
+    line = refused(["export", runs / "run", "--out", out, "--overwrite"], capsys)
+    assert f"writing {out} failed (No space left on device); the earlier {out} is intact" in line
+    assert snapshot(out) == before and no_staging_left(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "where, error, reason",
+    [
+        ("draftsmith.train.checkpoint.save_drafter_weights", NO_SPACE, "No space left on device"),
+        ("draftsmith.train.checkpoint.save_drafter_weights", SAFETENSORS_NO_SPACE, "No space left on device"),
+        ("draftsmith.train.checkpoint.atomic_write_json", TORCH_SHORT_WRITE, "could not be written in full"),
+    ],
+    ids=["oserror", "safetensors", "torch"],
+)
+def test_a_checkpoint_save_on_a_full_disk_keeps_the_last_checkpoint(
+    run4, two_checkpoint_run, monkeypatch, capsys, where, error, reason
+):
+    shutil.rmtree(run4 / "checkpoints" / "step-4")  # as if the run had stopped at step 2
+    import draftsmith.train.checkpoint as checkpoint
+
+    real = {
+        "draftsmith.train.checkpoint.save_drafter_weights": checkpoint.save_drafter_weights,
+        "draftsmith.train.checkpoint.atomic_write_json": checkpoint.atomic_write_json,
+    }[where]
+    with pytest.MonkeyPatch.context() as patch:  # the disk fills up while step 4 is saved
+        patch.setattr(
+            where,
+            lambda *a, **k: failing(error)() if any("step-4" in str(x) for x in a[:2]) else real(*a, **k),
+        )
+        line = refused(["train", run4.parent / "recipe.yaml", "train.max_steps=4", "--resume"], capsys)
+    assert f"saving checkpoint step-4 in {run4 / 'checkpoints'} failed (" in line and reason in line
+    assert "the last complete checkpoint step-2 is intact: free space and rerun with --resume" in line
+    assert sorted(p.name for p in (run4 / "checkpoints").iterdir()) == ["step-2"]  # no half-written step-4 left
+    main(["train", str(run4.parent / "recipe.yaml"), "train.max_steps=4", "--resume"])  # the disk has room again
+    assert losses(run4) == losses(two_checkpoint_run)
+
+
+def read_only(monkeypatch):
+    """A read-only file system, as the probe of check_creatable_directory meets it (we run as root, so a
+    chmod would not stop us): the probe's mkdtemp fails with EROFS."""
+    monkeypatch.setattr("draftsmith.core.io.tempfile.mkdtemp", failing(OSError(errno.EROFS, "Read-only file system")))
+
+
+@pytest.mark.parametrize("command", ["prepare", "export", "train", "cache-features"])
+@pytest.mark.parametrize("problem", ["under-a-file", "read-only"])
+def test_outputs_are_checked_before_any_work(
+    runs,
+    tmp_path,
+    data_dir,
+    tiny_target_dir,
+    prepared_dir,  # noqa: F811
+    monkeypatch,
+    capsys,
+    command,
+    problem,
+):
+    (tmp_path / "blocker").write_text("a file\n")
+    out = tmp_path / ("blocker/out" if problem == "under-a-file" else "out")
+    argv = {
+        "prepare": ["data", "prepare", data_dir / "mydata.jsonl", "--out", out, "--target", tiny_target_dir],
+        "export": ["export", runs / "run", "--out", out],
+        "train": ["train", runs / "recipe.yaml", f"output_dir={out}"],
+        "cache-features": ["data", "cache-features", prepared_dir, "--out", out, "--target", tiny_target_dir],
+    }[command]
+    before = snapshot(tmp_path)
+    if problem == "read-only":
+        read_only(monkeypatch)
+    for module in ("draftsmith.core.target", "draftsmith.train.trainer"):
+        monkeypatch.setattr(f"{module}.load_target", failing(AssertionError("the model loaded")), raising=False)
+    monkeypatch.setattr("draftsmith.core.target.load_tokenizer", failing(AssertionError("the tokenizer loaded")))
+    line = refused(argv, capsys)
+    option = "output_dir" if command == "train" else "--out"
+    expected = "is a file" if problem == "under-a-file" else "cannot be written (Read-only file system in"
+    assert f"{option} {out} cannot be" in line and expected in line and f"choose another {option}" in line
+    assert snapshot(tmp_path) == before
+
+
+def test_a_feature_cache_the_disk_cannot_hold_is_refused_before_the_first_forward(
+    tmp_path,
+    prepared_dir,  # noqa: F811
+    tiny_target_dir,
+    monkeypatch,
+    capsys,  # noqa: F811
+):
+    from collections import namedtuple
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr("draftsmith.data.features.shutil.disk_usage", lambda path: usage(10**6, 10**6 - 1000, 1000))
+    monkeypatch.setattr("draftsmith.data.features.target_features", failing(AssertionError("a forward ran")))
+    out = tmp_path / "cache"
+    line = refused(["data", "cache-features", prepared_dir, "--out", out, "--target", tiny_target_dir], capsys)
+    assert "the feature cache needs about 0.00 GB more (" in line and "tokens x 133 bytes) but" in line
+    assert "has 0.00 GB free; free space, store --dtype bf16 or fewer --layers, or choose another --out" in line

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from draftsmith.core.errors import DraftsmithError
-from draftsmith.core.io import atomic_write_json, file_problems, publish_directory, write_files_manifest
+from draftsmith.core.io import atomic_write_json, disk_failure, file_problems, publish_directory, write_files_manifest
 from draftsmith.drafters.io import save_drafter_weights
 
 MARKER = "COMPLETE"
@@ -110,7 +110,26 @@ def read_state(checkpoint: Path) -> dict[str, Any]:
 
 
 def save_checkpoint(accelerator: Any, model: Any, output_dir: Path, state: dict[str, Any], keep_last: int) -> Path:
-    """Write the full training state of step ``state['step']``; call on every rank."""
+    """Write the full training state of step ``state['step']``; call on every rank. A save the disk
+    refuses (full, read-only) removes its half-written directory and says which checkpoint is intact."""
+    root = checkpoints_dir(output_dir)
+    step = int(state["step"])
+    tmp = root / f".tmp-step-{step}"
+    try:
+        return _save_checkpoint(accelerator, model, output_dir, state, keep_last)
+    except Exception as error:
+        reason = disk_failure(error)
+        if reason is None:
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
+        previous = latest_checkpoint(output_dir)
+        kept = f"the last complete checkpoint {previous.name} is intact" if previous else "no earlier checkpoint exists"
+        raise CheckpointError(
+            f"saving checkpoint step-{step} in {root} failed ({reason}); {kept}: free space and rerun with --resume"
+        ) from None
+
+
+def _save_checkpoint(accelerator: Any, model: Any, output_dir: Path, state: dict[str, Any], keep_last: int) -> Path:
     root = checkpoints_dir(output_dir)
     step = int(state["step"])
     tmp, final = root / f".tmp-step-{step}", root / f"step-{step}"

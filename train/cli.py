@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 from draftsmith.core.errors import DraftsmithError
+from draftsmith.core.io import disk_failure
 from draftsmith.data.cli import add_data_commands
 from draftsmith.inference.cli import add_inference_commands
 from draftsmith.train.commands import add_train_commands
@@ -57,6 +58,15 @@ def run_command(args: argparse.Namespace) -> None:
         args.func(args)
     except USER_ERRORS as error:
         print(f"draftsmith: error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
+    except OSError as error:  # a write the disk refused outside an atomic artifact (e.g. appending a log)
+        if disk_failure(error) is None:
+            raise
+        print(
+            f"draftsmith: error: {disk_failure(error)} writing {error.filename or 'a file'}; files already complete "
+            "were kept (each is written to a temporary copy first): free space and run the command again",
+            file=sys.stderr,
+        )
         raise SystemExit(2) from None
     except KeyboardInterrupt:
         print("draftsmith: interrupted; rerun the same command to resume where supported", file=sys.stderr)

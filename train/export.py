@@ -12,7 +12,7 @@ from pathlib import Path
 import yaml
 
 from draftsmith.core.errors import DraftsmithError
-from draftsmith.core.io import check_output_directory, verify_files
+from draftsmith.core.io import check_creatable_directory, check_output_directory, verify_files
 from draftsmith.drafters.io import drafter_output_rules, export_drafter, export_speculators, read_drafter_config
 from draftsmith.drafters.registry import get_family
 from draftsmith.train.checkpoint import (
@@ -48,6 +48,7 @@ def export_run(
         raise CheckpointError(f"{run_dir} is not a training run (no {RESOLVED_RECIPE}); give the run's output_dir")
     keep = (("the training run", run_dir),)
     check_output_directory(Path(out), overwrite, drafter_output_rules(keep))
+    check_creatable_directory(Path(out))
     recipe = build(TrainRecipe, yaml.safe_load(recipe_path.read_text()))
     if best and checkpoint is not None:
         raise CheckpointError("give --checkpoint or --best, not both")

@@ -26,7 +26,7 @@ import yaml
 from tqdm.auto import tqdm
 
 from draftsmith.core.errors import DraftsmithError
-from draftsmith.core.io import atomic_write_json
+from draftsmith.core.io import atomic_write_json, check_creatable_directory
 from draftsmith.core.target import TargetIdentity, load_target
 from draftsmith.drafters.base import DrafterModel, FrozenTarget
 from draftsmith.drafters.io import check_drafter_target, read_drafter_config
@@ -275,6 +275,9 @@ class Trainer:
         self.is_main = self.accelerator.is_main_process
         self.checkpoint = _starting_checkpoint(recipe, self.output_dir, resume or recipe.train.resume, self.is_main)
         self.inexact = resume_inexact or recipe.train.resume_inexact
+        check_creatable_directory(
+            self.output_dir, inside=True, option="output_dir"
+        )  # before the target loads, not at the first save
         if self.checkpoint is not None:  # before the target loads: a refused resume costs nothing
             self.candidates = _Candidates(list(reversed(complete_checkpoints(self.output_dir))))
             self.checkpoint = self._next_checkpoint()

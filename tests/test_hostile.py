@@ -756,3 +756,95 @@ def test_a_feature_cache_the_disk_cannot_hold_is_refused_before_the_first_forwar
     line = refused(["data", "cache-features", prepared_dir, "--out", out, "--target", tiny_target_dir], capsys)
     assert "the feature cache needs about 0.00 GB more (" in line and "tokens x 133 bytes) but" in line
     assert "has 0.00 GB free; free space, store --dtype bf16 or fewer --layers, or choose another --out" in line
+
+
+# ---- kill -9 at random points, then resume -----------------------------------------------------------------
+
+
+def final_weights(run: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(latest_checkpoint(run) / "drafter" / "model.safetensors"))
+
+
+def kill_at_random_point(recipe: Path, run: Path, delay: float, during_save: int | None = None) -> str:
+    """Start ``draftsmith train`` in a process of its own; ``delay`` seconds after its first complete
+    checkpoint (or, with ``during_save``, after the save of that step began), SIGKILL it; returns where
+    the kill landed."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline"}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "draftsmith.train", str(recipe)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 120
+
+        def waiting() -> bool:
+            if during_save is not None:
+                return not (run / "checkpoints" / f".tmp-step-{during_save}").exists()
+            return latest_checkpoint(run) is None
+
+        while waiting() and process.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.002)
+        time.sleep(delay)
+        alive = process.poll() is None
+        if alive:
+            os.kill(process.pid, signal.SIGKILL)
+        process.wait(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    saving = [p.name for p in (run / "checkpoints").iterdir() if p.name.startswith(".tmp-")]
+    last = latest_checkpoint(run)
+    return f"{'killed' if alive else 'finished'} after {last.name if last else 'no checkpoint'}" + (
+        f", {saving[0]} half-written" if saving else ""
+    )
+
+
+@pytest.mark.slow
+def test_kill_9_at_random_points_then_resume_reaches_the_uninterrupted_weights(
+    tmp_path,
+    tiny_target_dir,
+    prepared_dir,  # noqa: F811
+):
+    """Ten runs with a checkpoint every step, each killed with SIGKILL at a random moment (during a step
+    or a save) and resumed: every resume starts from a complete checkpoint, and every run ends with the
+    loss curve and final weights of an uninterrupted run, bit for bit."""
+    import random
+
+    import torch
+
+    train = {"max_steps": 5, "save_every": 1, "keep_last": 2}
+    reference = write_recipe(tmp_path / "reference", tiny_target_dir, prepared_dir, train=train)
+    main(["train", str(reference)])
+    expected_weights, expected_curve = (
+        final_weights(tmp_path / "reference" / "run"),
+        losses(tmp_path / "reference" / "run"),
+    )
+    chooser = random.Random(15)
+    landed = []
+    for index in range(10):
+        root = tmp_path / f"killed-{index}"
+        recipe = write_recipe(root, tiny_target_dir, prepared_dir, train=train)
+        if index % 2:  # inside a checkpoint save: a few milliseconds after it began
+            outcome = kill_at_random_point(recipe, root / "run", chooser.uniform(0.0, 0.03), chooser.randint(2, 4))
+        else:  # anywhere in the run after its first checkpoint
+            outcome = kill_at_random_point(recipe, root / "run", chooser.uniform(0.0, 1.5))
+        landed.append(outcome)
+        assert latest_checkpoint(root / "run") is not None
+        main(["train", str(recipe), "--resume"])
+        weights = final_weights(root / "run")
+        assert weights.keys() == expected_weights.keys(), landed[-1]
+        assert all(torch.equal(weights[k], expected_weights[k]) for k in weights), landed[-1]
+        assert losses(root / "run") == expected_curve, landed[-1]
+    assert sum(outcome.startswith("killed") for outcome in landed) >= 5, landed  # most kills landed mid-run
+    print("\n".join(landed))

@@ -68,12 +68,25 @@ def save_drafter_weights(model: nn.Module, directory: str | Path, state: dict[st
     save_file(tensors, str(directory / WEIGHTS_NAME), metadata={"format": "pt"})
 
 
+def checked_config(cls: Any, directory: str | Path) -> Any:
+    """A drafter directory's config, held to the same checks as a recipe's options: its tree indices
+    (e.g. Medusa's choice paths, which index heads and their ranks) must fit before anything decodes."""
+    config = cls.config_class.from_pretrained(directory)
+    try:
+        config.check()
+    except DraftsmithError as error:
+        raise DrafterCheckpointError(
+            f"{directory}/config.json is invalid ({error}); {rebuild_export(directory)}"
+        ) from None
+    return config
+
+
 def load_drafter_weights(cls: Any, directory: str | Path) -> nn.Module:
     directory = Path(directory)
     for name in ("config.json", WEIGHTS_NAME):
         if not (directory / name).is_file():
             raise DrafterCheckpointError(f"{directory} is not a drafter checkpoint: {name} is missing")
-    model = cls(cls.config_class.from_pretrained(directory))
+    model = cls(checked_config(cls, directory))
     missing, unexpected = model.load_state_dict(load_weights_file(directory / WEIGHTS_NAME), strict=False)
     if missing or unexpected:
         raise DrafterCheckpointError(

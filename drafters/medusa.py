@@ -200,10 +200,16 @@ class MedusaConfig(DrafterConfig):
         super().check()
         if self.num_heads < 1 or self.num_layers < 0 or self.draft_vocab_size < 0:
             raise MedusaTreeError("drafter.num_heads must be >= 1, num_layers and draft_vocab_size >= 0")
-        resolve_tree(self.tree, self.num_heads)  # a bad tree is a recipe error now, not at the first decode
+        paths = resolve_tree(self.tree, self.num_heads)  # a bad tree is a recipe error now, not at the first decode
         if self.draft_vocab_size > self.vocab_size:
             raise MedusaTreeError(
                 f"drafter.draft_vocab_size {self.draft_vocab_size} exceeds the vocabulary ({self.vocab_size})"
+            )
+        deepest_rank = max((rank for path in paths or () for rank in path), default=0)
+        if self.vocab_size and deepest_rank >= self.head_vocab_size:  # vocab_size is 0 before it is derived
+            raise MedusaTreeError(
+                f"drafter.tree ranks a head's candidate {deepest_rank}, but each head has "
+                f"{self.head_vocab_size} outputs"
             )
 
     @property

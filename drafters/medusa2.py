@@ -29,6 +29,7 @@ from draftsmith.drafters.base import DrafterModel, FrozenTarget, TreeOptions
 from draftsmith.drafters.io import (
     WEIGHTS_NAME,
     DrafterCheckpointError,
+    checked_config,
     load_drafter_weights,
     load_weights_file,
     load_weights_into,
@@ -140,7 +141,7 @@ class Medusa2Model(AdaptsTargetMixin, DrafterModel):
         directory = Path(directory)
         if not (directory / PEFT_CONFIG_NAME).is_file():
             return load_drafter_weights(cls, directory)
-        model = cls(Medusa2Config.from_pretrained(directory))
+        model = cls(checked_config(cls, directory))
         missing, unexpected = model.heads.load_state_dict(load_weights_file(directory / WEIGHTS_NAME), strict=False)
         if missing or unexpected:
             raise DrafterCheckpointError(

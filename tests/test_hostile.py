@@ -848,3 +848,26 @@ def test_kill_9_at_random_points_then_resume_reaches_the_uninterrupted_weights(
         assert losses(root / "run") == expected_curve, landed[-1]
     assert sum(outcome.startswith("killed") for outcome in landed) >= 5, landed  # most kills landed mid-run
     print("\n".join(landed))
+
+
+@pytest.mark.parametrize(
+    "tree", [[[0], [0, 0, 0]], [[0], [-1]], [[0], [400]]], ids=["deeper-than-heads", "negative-rank", "rank-past-vocab"]
+)
+def test_a_drafter_whose_tree_indices_do_not_fit_is_one_line(
+    tmp_path, tiny_target_dir, exported_with_vocab, capsys, tree
+):
+    from transformers import AutoConfig
+
+    from draftsmith.drafters.io import export_drafter
+    from draftsmith.drafters.registry import get_family
+
+    model = get_family("medusa").build(AutoConfig.from_pretrained(tiny_target_dir), {"num_heads": 2})
+    identity = json.loads((exported_with_vocab / "config.json").read_text())["target_identity"]
+    out = export_drafter(model, identity, tmp_path / "medusa")
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, "tree": tree}))
+    line = refused(["generate", "hi", "--target", tiny_target_dir, "--method", f"medusa={out}"], capsys)
+    assert "config.json has " in line and "export it again" in line  # the recorded size says it changed
+    (out / "files.json").unlink()  # an export from before files were recorded: the config's own checks
+    line = refused(["generate", "hi", "--target", tiny_target_dir, "--method", f"medusa={out}"], capsys)
+    assert f"{out}/config.json is invalid (" in line and "export it again" in line

@@ -212,6 +212,18 @@ def write_files_manifest(root: Path) -> None:
     atomic_write_json(Path(root) / FILES_MANIFEST, {"format": FILES_FORMAT, "files": describe_files(root)})
 
 
+def record_rewritten_file(root: Path, name: str) -> None:
+    """After a command rewrote ``root/name`` in place (e.g. a calibrated tree in an export's config),
+    record its new size and sha256, so the directory still verifies."""
+    manifest_path = Path(root) / FILES_MANIFEST
+    if not manifest_path.is_file():  # an artifact from before files were recorded stays unrecorded
+        return
+    manifest = json.loads(manifest_path.read_text())
+    path = Path(root) / name
+    manifest["files"][name] = {"size": path.stat().st_size, "sha256": sha256_file(path)}
+    atomic_write_json(manifest_path, manifest)
+
+
 def file_problems(root: Path, hashes: bool = True) -> dict[str, str]:
     """What is wrong with each recorded file of ``root`` (by relative path): missing, another size, or
     (with ``hashes``) other bytes. Empty when all is well or nothing was recorded (an artifact written

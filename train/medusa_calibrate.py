@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from draftsmith.core.io import atomic_write_json
+from draftsmith.core.io import atomic_write_json, record_rewritten_file
 from draftsmith.core.target import load_target
 from draftsmith.data.features import CACHE_FORMAT, FeatureCache, target_features
 from draftsmith.data.prepared import PreparedDataset
@@ -142,4 +142,5 @@ def calibrate(
         atomic_write_json(Path(out), {"format": TREE_FORMAT, "paths": paths, **record})
     else:
         atomic_write_json(directory / "config.json", {**config, "tree": paths, "tree_calibration": record})
+        record_rewritten_file(directory, "config.json")
     return {"paths": paths, **record}

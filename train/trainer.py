@@ -208,16 +208,16 @@ def _checkpoint_problem(checkpoint: Path, process_index: int, inexact: bool) -> 
 
 def _next_checkpoint(candidates: _Candidates, output_dir: Path, process_index: int, inexact: bool) -> Path:
     """The newest intact checkpoint among ``candidates`` (removed from it); a clear error when none is."""
-    first_refusal: tuple[str, bool] | None = None
+    refusals: list[tuple[str, bool]] = []
     while candidates.older:
         checkpoint = candidates.older.pop(0)
         problem, rng_only = _checkpoint_problem(checkpoint, process_index, inexact)
         if problem is None:
             return checkpoint
-        first_refusal = first_refusal or (problem, rng_only)
+        refusals.append((problem, rng_only))
         candidates.skipped.append(problem)
-    problem, rng_only = first_refusal or (f"{output_dir} holds no complete checkpoint", False)
-    if rng_only and len(candidates.skipped) == 1:
+    problem = refusals[0][0] if refusals else f"{output_dir} holds no complete checkpoint"
+    if refusals and all(rng_only for _, rng_only in refusals):  # only their random states: exact resume impossible
         raise TrainingError(
             f"cannot resume exactly: {problem}; resume from an intact copy of the run, or pass --resume-inexact "
             "(train.resume_inexact=true) to continue with fresh random states"
@@ -275,9 +275,8 @@ class Trainer:
         self.is_main = self.accelerator.is_main_process
         self.checkpoint = _starting_checkpoint(recipe, self.output_dir, resume or recipe.train.resume, self.is_main)
         self.inexact = resume_inexact or recipe.train.resume_inexact
-        check_creatable_directory(
-            self.output_dir, inside=True, option="output_dir"
-        )  # before the target loads, not at the first save
+        # an output_dir that cannot take a checkpoint fails now, before the target loads, not at the first save
+        check_creatable_directory(self.output_dir, inside=True, option="output_dir")
         if self.checkpoint is not None:  # before the target loads: a refused resume costs nothing
             self.candidates = _Candidates(list(reversed(complete_checkpoints(self.output_dir))))
             self.checkpoint = self._next_checkpoint()

@@ -63,6 +63,7 @@ def test_an_export_written_with_the_old_tree_keys_still_loads(tiny_target_dir, t
     for old, new in [("tree_depth", "depth"), ("tree_top_k", "top_k"), ("tree_total_tokens", "total_tokens")]:
         config[old] = config.pop(new)
     (tmp_path / "e" / "config.json").write_text(json.dumps(config))
+    (tmp_path / "e" / "files.json").unlink()  # exports of that time recorded no sizes and hashes
     drafter = build_drafter(f"eagle={tmp_path / 'e'}", tiny)
     assert (drafter.depth, drafter.top_k, drafter.total_tokens) == (2, 3, 5)
 

@@ -226,6 +226,10 @@ def build_feature_cache(
     return manifest
 
 
+def _size(n_bytes: int) -> str:
+    return f"{n_bytes / 1e9:.2f} GB" if n_bytes >= 1e9 else f"{n_bytes / 1e6:.1f} MB"
+
+
 def _check_free_space(out: Path, tokens: int, hidden: int, settings: CacheSettings) -> None:
     """Refuse, before the first forward, a cache the disk under ``out`` cannot hold: each token stores
     (1 + extra layers) hidden vectors plus its id and mask bit; 5% is added for headers and offsets."""
@@ -233,8 +237,8 @@ def _check_free_space(out: Path, tokens: int, hidden: int, settings: CacheSettin
     needed, free = int(tokens * per_token * 1.05), shutil.disk_usage(out).free
     if needed > free:
         raise FeatureCacheError(
-            f"the feature cache needs about {needed / 1e9:.2f} GB more ({tokens:,} tokens x {per_token:,} bytes) "
-            f"but {out} has {free / 1e9:.2f} GB free; free space, store --dtype bf16 or fewer --layers, or choose "
+            f"the feature cache needs about {_size(needed)} more ({tokens:,} tokens x {per_token:,} bytes) "
+            f"but {out} has {_size(free)} free; free space, store --dtype bf16 or fewer --layers, or choose "
             "another --out"
         )
 

@@ -11,11 +11,13 @@ runs eagerly (its length varies per prompt).
 On CPU the backend is inductor; on CUDA ``mode="reduce-overhead"`` adds CUDA graphs. Compilation
 happens the first time a (tree bucket, context bucket) pair is met; :attr:`CompiledTarget.compile_seconds`
 says how long those first calls took. Inductor keeps compiled kernels in its cache directory
-(``TORCHINDUCTOR_CACHE_DIR``, by default under the system temp dir), so a second process starts faster.
+(``TORCHINDUCTOR_CACHE_DIR``; unless set, draftsmith points it at ``inductor/`` in its own cache,
+``$DRAFTSMITH_CACHE`` or ``~/.cache/draftsmith``), so a second process starts faster.
 """
 
 from __future__ import annotations
 
+import os
 import time
 
 import torch
@@ -23,6 +25,7 @@ from transformers import StaticCache
 
 from draftsmith.core.cache import supports_preallocation
 from draftsmith.core.errors import DraftsmithError
+from draftsmith.core.target import cache_root
 from draftsmith.core.tree import DraftTree, ancestry
 
 TREE_BUCKETS = (1, 4, 8, 16, 32, 64)
@@ -97,6 +100,7 @@ class CompiledTarget:
                 "--compile needs a target whose layers all use full attention (no sliding window); "
                 "run without --compile"
             )
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root() / "inductor"))
         self.model = model
         device = next(model.parameters()).device
         mode = "reduce-overhead" if device.type == "cuda" else None  # CUDA graphs on GPU

@@ -111,3 +111,24 @@ def test_inductor_compiled_forward_is_lossless(model):
     second = generate(model, prompt, None, max_new_tokens=24, compiled=compiled)
     assert first.tokens == second.tokens == truth
     assert first.compile_seconds > 0 and second.compile_seconds == 0  # compiled once, then reused
+
+
+def test_bench_compile_and_the_static_compiled_hf_baseline(tmp_path, tiny_target_dir):
+    import json
+
+    from draftsmith.train.cli import main
+
+    questions = tmp_path / "q.jsonl"
+    questions.write_text(json.dumps({"question_id": 1, "category": "writing", "turns": ["Say a b a b a b."]}) + "\n")
+    out = tmp_path / "bench"
+    main(
+        ["bench", "--questions", str(questions), "--methods", "pld,hf-static-compile", "--max-new-tokens", "10"]
+        + ["--target", str(tiny_target_dir), "--compile", "--out", str(out)]
+    )
+    results = json.loads((out / "results.json").read_text())
+    assert results["compiled"] and results["compile_seconds"] > 0 and results["hf-static-compile_compile_seconds"] > 0
+    for method in ["hf-generate", "none", "pld", "hf-static-compile"]:
+        overall = results["methods"][method]["overall"]
+        assert overall["total"] == 1 and overall["identical"] == 1, method
+    assert results["methods"]["hf-static-compile"]["overall"]["tau"] == 1.0
+    assert "compiled" in (out / "results.md").read_text()

@@ -132,3 +132,29 @@ def test_bench_compile_and_the_static_compiled_hf_baseline(tmp_path, tiny_target
         assert overall["total"] == 1 and overall["identical"] == 1, method
     assert results["methods"]["hf-static-compile"]["overall"]["tau"] == 1.0
     assert "compiled" in (out / "results.md").read_text()
+
+
+class FeatureRecorder(TruthPlusNoiseDrafter):
+    """A feature drafter's view: records the target features the runtime hands it each round."""
+
+    wants_features = True
+
+    def __init__(self, truth: list[int], prompt_length: int) -> None:
+        super().__init__(truth, prompt_length)
+        self.seen: list[torch.Tensor] = []
+
+    def propose(self, context) -> DraftTree:
+        assert context.features.shape[0] == len(context.tokens) - 1
+        self.seen.append(context.features[-1].clone())
+        return super().propose(context)
+
+
+def test_feature_drafters_get_the_same_features_from_the_compiled_forward(model):
+    prompt = [7, 3, 9, 12, 40, 41, 5]
+    truth = hf_greedy(model, prompt, 30, eos=())
+    eager, compiled = FeatureRecorder(truth, len(prompt)), FeatureRecorder(truth, len(prompt))
+    assert generate(model, prompt, eager, max_new_tokens=30).tokens == truth
+    result = generate(model, prompt, compiled, max_new_tokens=30, compiled=CompiledTarget(model, backend="aot_eager"))
+    assert result.tokens == truth and len(eager.seen) == len(compiled.seen)
+    for ours, reference in zip(compiled.seen, eager.seen):
+        torch.testing.assert_close(ours, reference)

@@ -21,7 +21,10 @@ from tqdm.auto import tqdm
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.io import OutputRules, atomic_directory, atomic_write_bytes, atomic_write_json
 from draftsmith.core.target import Target
+from draftsmith.inference.compiled import CompiledTarget
 from draftsmith.inference.context import check_fits_context
+from draftsmith.inference.hf_compiled import NAME as HF_STATIC_COMPILE
+from draftsmith.inference.hf_compiled import StaticCompiledGenerate
 from draftsmith.inference.methods import build_drafter
 from draftsmith.inference.runtime import generate
 
@@ -176,14 +179,23 @@ def _served_reference(target: Target, drafter, prompt: list[int], max_new_tokens
         return hf_greedy(model, prompt, max_new_tokens, eos)
 
 
-def run_bench(target: Target, questions: list[Question], methods: list[str], max_new_tokens: int) -> dict[str, Any]:
-    """Per method, overall and per category: tau, speedup, tokens_per_s, identical, total."""
+def run_bench(
+    target: Target,
+    questions: list[Question],
+    methods: list[str],
+    max_new_tokens: int,
+    compiled: CompiledTarget | None = None,
+) -> dict[str, Any]:
+    """Per method, overall and per category: tau, speedup, tokens_per_s, identical, total. With
+    ``compiled``, every runtime method verifies through it (compile time is kept out of the timings
+    and reported as ``compile_seconds``)."""
     eos = target.eos_token_ids
     for question in questions:  # later turns depend on earlier answers: they are checked when they are asked
         prompt = target.encode_chat([{"role": "user", "content": question.turns[0]}])
         check_fits_context(target.model, len(prompt), max_new_tokens, f"question {question.id} turn 1")
     methods = ["none"] + [m for m in methods if m != "none"]  # runtime overhead is always shown
-    drafters = {name: build_drafter(name, target) for name in methods}
+    plain = {name: StaticCompiledGenerate(target.model) for name in methods if name == HF_STATIC_COMPILE}
+    drafters = {name: build_drafter(name, target) for name in methods if name not in plain}
     tallies: dict[str, dict[str, Tally]] = {name: defaultdict(Tally) for name in [BASELINE, *methods]}
     hf_greedy(target.model, target.encode_chat([{"role": "user", "content": "Hi"}]), 4, eos)  # warm-up
     progress = tqdm(total=sum(len(q.turns) for q in questions), desc="bench", unit="turn", dynamic_ncols=True)
@@ -199,9 +211,15 @@ def run_bench(target: Target, questions: list[Question], methods: list[str], max
             where = f"{question.id}/{turn_index}"
             for scope in scopes_of(question.category):
                 tallies[BASELINE][scope].add(reference, len(reference), base_seconds, base_seconds, reference, where)
+            for name, decode in plain.items():  # other plain decoders: same tokens, their own time
+                tokens, seconds = decode(prompt, max_new_tokens, eos)
+                for scope in scopes_of(question.category):
+                    tallies[name][scope].add(tokens, len(tokens), seconds, base_seconds, reference, where)
             for name, drafter in drafters.items():
                 own_reference, own_seconds = _served_reference(target, drafter, prompt, max_new_tokens, eos)
-                result = generate(target.model, prompt, drafter, max_new_tokens=max_new_tokens, eos_token_ids=eos)
+                result = generate(
+                    target.model, prompt, drafter, max_new_tokens=max_new_tokens, eos_token_ids=eos, compiled=compiled
+                )
                 for scope in scopes_of(question.category):
                     tally = tallies[name][scope]
                     if own_reference is None:
@@ -223,6 +241,9 @@ def run_bench(target: Target, questions: list[Question], methods: list[str], max
         "device": str(target.model.device),
         "dtype": str(target.model.dtype).removeprefix("torch."),
         "questions": len(questions),
+        "compiled": compiled is not None,
+        **({"compile_seconds": round(compiled.compile_seconds, 1)} if compiled is not None else {}),
+        **{f"{name}_compile_seconds": round(decode.compile_seconds, 1) for name, decode in plain.items()},
         "baseline": BASELINE,
         "methods": {name: {scope: t.summary() for scope, t in scopes.items()} for name, scopes in tallies.items()},
     }
@@ -232,7 +253,7 @@ def markdown_table(results: dict[str, Any]) -> str:
     scopes = ["overall"] + sorted(s for s in results["methods"][BASELINE] if s != "overall")
     lines = [
         f"Greedy, max {results['max_new_tokens']} new tokens, {results.get('dtype', 'float32')} on "
-        f"{results.get('device', 'cpu')}, {results['threads']} threads; "
+        f"{results.get('device', 'cpu')}, {results['threads']} threads{_compile_note(results)}; "
         f"speedup = {BASELINE} time / method time on the same prompts.",
         "",
         "| method | scope | tau | speedup | tokens/s | identical |",
@@ -247,6 +268,12 @@ def markdown_table(results: dict[str, Any]) -> str:
                     f"{s['identical']}/{s['total']} |"
                 )
     return "\n".join(lines) + "\n"
+
+
+def _compile_note(results: dict[str, Any]) -> str:
+    if not results.get("compiled"):
+        return ""
+    return f"; runtime forwards compiled ({results['compile_seconds']} s compiling, not counted)"
 
 
 def write_chart(results: dict[str, Any], path: Path) -> None:

@@ -36,6 +36,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
     target = _load_target(args)
     drafter = build_drafter(args.method, target)
+    compiled = _compiled_target(args, target)
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
     if args.raw:
         ids = target.tokenizer(prompt, add_special_tokens=True)["input_ids"]
@@ -52,13 +53,25 @@ def cmd_generate(args: argparse.Namespace) -> None:
         sampling=sampling,
         generator=torch.Generator().manual_seed(args.seed),
         on_tokens=_stream_printer(target.tokenizer),
+        compiled=compiled,
     )
     print()
+    if result.compile_seconds:
+        print(f"[compile] {result.compile_seconds:.1f} s compiling (not counted below)", file=sys.stderr)
     print(
         f"[{args.method}] {len(result.tokens)} tokens, {result.target_forwards} target forwards, "
         f"tau {result.tau:.2f}, {len(result.tokens) / result.seconds:.1f} tokens/s",
         file=sys.stderr,
     )
+
+
+def _compiled_target(args: argparse.Namespace, target):
+    """The compiled verification forward when ``--compile`` was given."""
+    if not args.compile:
+        return None
+    from draftsmith.inference.compiled import CompiledTarget
+
+    return CompiledTarget(target.model)
 
 
 def _method_inputs(methods: list[str]) -> tuple[tuple[str, Path], ...]:
@@ -97,7 +110,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
     check_output_directory(out, args.overwrite, rules)
     check_creatable_directory(out)
     target = _load_target(args)
-    results = run_bench(target, questions, methods, args.max_new_tokens)
+    results = run_bench(target, questions, methods, args.max_new_tokens, _compiled_target(args, target))
     print(markdown_table(results))  # shown before writing, so a failed write loses no figures
     write_results(results, out, args.overwrite, rules)
     print(f"results in {args.out}/results.json, results.md, chart.png")
@@ -144,6 +157,15 @@ def _add_target_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_compile_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="run the target's verification forwards through torch.compile (inductor; CUDA graphs on a GPU), "
+        "padded to a few tree-size buckets; compile time is reported once and excluded from speed figures",
+    )
+
+
 def _load_target(args: argparse.Namespace):
     from draftsmith.core.target import load_target
 
@@ -175,6 +197,7 @@ def add_inference_commands(subparsers: Any) -> None:
     p.add_argument("--top-k", type=int, default=0, help="with sampling: keep the k most likely tokens (0 = all)")
     p.add_argument("--top-p", type=float, default=1.0, help="with sampling: nucleus mass to keep")
     p.add_argument("--seed", type=int, default=0, help="with sampling: random seed")
+    _add_compile_argument(p)
     p.set_defaults(func=cmd_generate)
     p = subparsers.add_parser(
         "bench",
@@ -187,7 +210,8 @@ def add_inference_commands(subparsers: Any) -> None:
     p.add_argument(
         "--methods",
         default="pld",
-        help="comma-separated methods, e.g. pld,draft=layers:20 (none is always included)",
+        help="comma-separated methods, e.g. pld,draft=layers:20 (none is always included); hf-static-compile "
+        "adds plain decoding by transformers with a static cache and torch.compile as a second baseline",
     )
     p.add_argument(
         "--limit", type=positive_int, default=None, help="at most N (>= 1) questions, spread over categories"
@@ -200,6 +224,7 @@ def add_inference_commands(subparsers: Any) -> None:
     p.add_argument(
         "--overwrite", action="store_true", help="replace earlier bench results (never a directory bench did not write)"
     )
+    _add_compile_argument(p)
     p.set_defaults(func=cmd_bench)
     p = subparsers.add_parser(
         "spectra-index",

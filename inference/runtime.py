@@ -18,6 +18,7 @@ from draftsmith.core.cache import commit_tree_path, preallocated_cache_for
 from draftsmith.core.drafting import DraftContext, Drafter
 from draftsmith.core.tree import DraftTree, TreeInputBuffers
 from draftsmith.core.verify import SamplingConfig, sample, verify_greedy, verify_sampling
+from draftsmith.inference.compiled import CompiledTarget, StaticTreeInputs, commit_static, static_rows, tree_bucket
 
 
 @dataclass
@@ -25,7 +26,8 @@ class GenerationResult:
     tokens: list[int]  # new tokens, EOS included if it was produced
     target_forwards: int  # prefill included: plain decoding has tau == 1
     accept_lengths: list[int] = field(default_factory=list)  # tokens committed per verification forward
-    seconds: float = 0.0
+    seconds: float = 0.0  # compilation excluded
+    compile_seconds: float = 0.0  # first calls of a compiled forward's new shapes during this generation
 
     @property
     def tau(self) -> float:
@@ -67,6 +69,24 @@ def _finish(tokens: list[int], max_new_tokens: int, eos: set[int]) -> tuple[list
     return tokens[:max_new_tokens], len(tokens) >= max_new_tokens
 
 
+def _eager_forward(model, cache, tree_inputs: TreeInputBuffers, root: int, tree: DraftTree, past: int, hidden: bool):
+    """The verification forward over ``[root, tree]`` on top of ``past`` cached rows, uncompiled."""
+    device = tree_inputs.device
+    if len(tree):
+        mask, positions = tree_inputs.build(tree, past)
+    else:  # the root alone sees every cached key: no mask, as in plain decoding
+        mask, positions = None, torch.tensor([[past]], device=device)
+    input_ids = torch.cat([torch.tensor([root]), tree.tokens]).to(device)[None]
+    return model(
+        input_ids,
+        attention_mask=mask,
+        position_ids=positions,
+        past_key_values=cache,
+        use_cache=True,
+        output_hidden_states=hidden,
+    )
+
+
 @torch.no_grad()
 def generate(
     model,
@@ -78,18 +98,27 @@ def generate(
     sampling: SamplingConfig | None = None,
     generator: torch.Generator | None = None,
     on_tokens: Callable[[list[int]], None] | None = None,
+    compiled: CompiledTarget | None = None,
 ) -> GenerationResult:
     """Speculative decoding of one prompt, greedy (``sampling=None``) or sampled; ``drafter=None`` is
-    plain decoding through the runtime. ``on_tokens`` receives all new tokens so far after every commit."""
+    plain decoding through the runtime. ``on_tokens`` receives all new tokens so far after every commit.
+    ``compiled`` (built for ``model``) runs every verification forward through its compiled graphs;
+    drafters that verify with their own model (an adapted target) run eagerly."""
     start = time.perf_counter()
+    compiled_before = compiled.compile_seconds if compiled is not None else 0.0
     verifier = drafter.verifier_model() if drafter is not None else None
     model = model if verifier is None else verifier
+    compiled = compiled if verifier is None else None
     device = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
     eos = set(eos_token_ids)
     capacity = len(prompt_ids) + max_new_tokens + DEFAULT_TREE_ROOM
-    cache = preallocated_cache_for(model.config, capacity)
-    tree_inputs = TreeInputBuffers(DEFAULT_TREE_ROOM, capacity, dtype, device)
+    if compiled is None:
+        cache = preallocated_cache_for(model.config, capacity)
+        tree_inputs = TreeInputBuffers(DEFAULT_TREE_ROOM, capacity, dtype, device)
+    else:
+        cache = compiled.new_cache(capacity)
+        static_inputs = StaticTreeInputs(static_rows(cache), dtype, device)
     wants_features = drafter is not None and drafter.wants_features
     # The prompt's logits matter at its last token only; a bare target (like HF generate) skips the
     # lm_head over every other prompt row. Verifier models keep their own full-logits contract.
@@ -118,29 +147,26 @@ def generate(
         tree = drafter.propose(context) if drafter else DraftTree.empty()
         if limit is not None and past + 1 + len(tree) > limit:
             tree = DraftTree.empty()  # no speculation past the model's context window
-        if len(tree):
-            mask, positions = tree_inputs.build(tree, past)
-        else:  # the root alone sees every cached key: no mask, as in plain decoding
-            mask, positions = None, torch.tensor([[past]], device=device)
-        input_ids = torch.cat([torch.tensor([committed[-1]]), tree.tokens]).to(device)[None]
-        out = model(
-            input_ids,
-            attention_mask=mask,
-            position_ids=positions,
-            past_key_values=cache,
-            use_cache=True,
-            output_hidden_states=wants_features,
-        )
+        if compiled is not None and past + tree_bucket(1 + len(tree)) > static_inputs.columns:
+            tree = DraftTree.empty()  # a tree too big for the static cache's spare rows
+        if compiled is None:
+            out = _eager_forward(model, cache, tree_inputs, committed[-1], tree, past, wants_features)
+        else:
+            out = compiled.verify(*static_inputs.build(committed[-1], tree, past), cache, past, wants_features)
+        queries = 1 + len(tree)
         kept = drafter.verified_rows(out) if drafter is not None else None
         if kept is not None:  # the verifier pruned the tree inside its forward: verify what is left
             tree = tree.subtree(kept[1:] - 1)
-        logits = out.logits[0]
+        logits = out.logits[0, :queries]  # rows past the queries are a compiled bucket's padding
         verdict = (
             verify_greedy(tree, logits) if sampling is None else verify_sampling(tree, logits, sampling, generator)
         )
         if drafter is not None:
             drafter.observe(tree, logits, verdict)
-        commit_tree_path(cache, past, verdict.accepted_nodes)
+        if compiled is None:
+            commit_tree_path(cache, past, verdict.accepted_nodes)
+        else:
+            commit_static(cache, past, verdict.accepted_nodes)
         if wants_features:  # the root's row and the accepted nodes' rows, in commit order
             rows = torch.tensor([0] + [i + 1 for i in verdict.accepted_nodes], device=device)
             features.append(out.hidden_states[-1][0].index_select(0, rows))
@@ -151,5 +177,7 @@ def generate(
         if on_tokens:
             on_tokens(new)
     result.tokens = new
-    result.seconds = time.perf_counter() - start
+    if compiled is not None:
+        result.compile_seconds = compiled.compile_seconds - compiled_before
+    result.seconds = time.perf_counter() - start - result.compile_seconds
     return result

@@ -106,3 +106,17 @@ def test_training_free_methods_are_lossless_on_cuda(method, target, tiny_target_
         reference = hf_greedy(loaded.model, prompt, 32, eos=loaded.eos_token_ids)
         result = generate(loaded.model, prompt, drafter, max_new_tokens=32, eos_token_ids=loaded.eos_token_ids)
         assert result.tokens == reference
+
+
+def test_compiled_verification_with_cuda_graphs_is_lossless(target):
+    """--compile on CUDA: mode="reduce-overhead" (CUDA graphs per bucket), prompt lookup trees padded."""
+    from draftsmith.inference.compiled import CompiledTarget
+    from draftsmith.inference.pld import PromptLookupDrafter
+
+    compiled = CompiledTarget(target)
+    for prompt in random_prompts(3, seed=5, vocab=VOCAB):
+        prompt = prompt * 4  # repeats give prompt lookup something to draft
+        for drafter in (None, PromptLookupDrafter()):
+            result = generate(target, prompt, drafter, max_new_tokens=32, eos_token_ids=[EOS], compiled=compiled)
+            assert result.tokens == hf_greedy(target, prompt, 32, EOS)
+    assert compiled.compile_seconds > 0

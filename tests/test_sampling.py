@@ -78,11 +78,13 @@ class SampledChain(Drafter):
         return DraftTree.chain(tokens, self.q.repeat(2, 1))
 
 
-def sample_counts(model, drafter, config, seed):
+def sample_counts(model, drafter, config, seed, compiled=None):
     generator = torch.Generator().manual_seed(seed)
     counts = Counter()
     for _ in range(N_SAMPLES):
-        result = generate(model, PROMPT, drafter, max_new_tokens=3, sampling=config, generator=generator)
+        result = generate(
+            model, PROMPT, drafter, max_new_tokens=3, sampling=config, generator=generator, compiled=compiled
+        )
         counts[tuple(result.tokens)] += 1
     return counts
 
@@ -103,6 +105,16 @@ def test_speculative_sampling_matches_the_exact_distribution(model, drafter, con
     assert abs(sum(exact.values()) - 1) < 1e-5
     counts = sample_counts(model, drafter, config, seed=11)
     assert chi_square_p_value(counts, exact, N_SAMPLES) > 1e-3
+
+
+def test_compiled_verification_samples_the_exact_distribution(model):
+    """The compiled path's padded, bucketed forwards (aot_eager here: the same graphs, compiled fast)
+    under recursive rejection over siblings at two depths."""
+    from draftsmith.inference.compiled import CompiledTarget
+
+    config = CONFIGS[1]
+    counts = sample_counts(model, FixedTree(), config, seed=12, compiled=CompiledTarget(model, backend="aot_eager"))
+    assert chi_square_p_value(counts, exact_distribution(model, config), N_SAMPLES) > 1e-3
 
 
 def lossy_verify(tree, logits, config, generator=None):

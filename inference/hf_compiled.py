@@ -1,0 +1,62 @@
+"""``bench --methods hf-static-compile``: the fastest plain decoding a transformers user gets without
+another engine, as a second baseline: ``model.generate`` with a static KV cache and its decoding
+step compiled by ``torch.compile`` (transformers' own ``compile_config``; inductor on CPU, CUDA graphs
+on a GPU).
+
+The static cache is sized by :func:`~draftsmith.inference.compiled.context_bucket`, so few shapes are
+ever compiled; the first prompt of each size is decoded once untimed to compile (that time is
+reported as ``compile_seconds``), then timed like HF ``generate``.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from transformers import CompileConfig, StaticCache
+
+from draftsmith.inference.compiled import context_bucket
+
+NAME = "hf-static-compile"
+
+
+class StaticCompiledGenerate:
+    """Greedy ``generate`` with a bucketed ``StaticCache`` and a compiled decoding step."""
+
+    name = NAME
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        cuda = model.device.type == "cuda"
+        self.config = CompileConfig(fullgraph=True, mode="reduce-overhead" if cuda else "default")
+        self.config._compile_all_devices = True  # transformers compiles only on accelerators unless told
+        self.compile_seconds = 0.0
+        self._warm: set[int] = set()
+
+    def __call__(self, prompt: list[int], max_new_tokens: int, eos: list[int]) -> tuple[list[int], float]:
+        """The greedy tokens (no EOS stop, like ``hf_greedy``) and the seconds they took."""
+        rows = context_bucket(len(prompt) + max_new_tokens)
+        if rows not in self._warm:
+            start = time.perf_counter()
+            self._generate(prompt, min(3, max_new_tokens), eos, rows)
+            self.compile_seconds += time.perf_counter() - start
+            self._warm.add(rows)
+        start = time.perf_counter()
+        tokens = self._generate(prompt, max_new_tokens, eos, rows)
+        return tokens, time.perf_counter() - start
+
+    @torch.no_grad()
+    def _generate(self, prompt: list[int], max_new_tokens: int, eos: list[int], rows: int) -> list[int]:
+        out = self.model.generate(
+            torch.tensor([prompt], device=self.model.device),
+            past_key_values=StaticCache(config=self.model.config, max_cache_len=rows),
+            compile_config=self.config,
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+            eos_token_id=list(eos) or None,
+            pad_token_id=eos[0] if eos else 0,
+            temperature=None,
+            top_p=None,
+            top_k=None,
+        )
+        return out[0, len(prompt) :].tolist()  # waits for the device

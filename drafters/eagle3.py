@@ -178,9 +178,9 @@ class Eagle3Drafter(DrafterModel):
         self.lm_head.weight.copy_(weight[self.draft_token_ids().to(weight.device)].to(self.lm_head.weight))
 
     # ---- one step ------------------------------------------------------------------------------
-    def read_target(self, embeds: torch.Tensor, layer_states: torch.Tensor, *args: Any, **kwargs: Any) -> DrafterOutput:
+    def read_target(self, *args: Any, **kwargs: Any) -> DrafterOutput:
         """A step whose hidden is the target's (len(aux_layer_ids) x h) concatenated layer states."""
-        return self(embeds, self.fuse(layer_states, embeds), *args, **kwargs)
+        return self(*args, from_target=True, **kwargs)
 
     def fuse(self, layer_states: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
         fused = self.fc(layer_states)
@@ -193,8 +193,12 @@ class Eagle3Drafter(DrafterModel):
         position_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         past_key_values: DynamicCache | None = None,
+        from_target: bool = False,
     ) -> DrafterOutput:
-        """``attention_mask``: a 4D additive mask ``(B, 1, T, past + T)``; None = causal over the inputs."""
+        """``attention_mask``: a 4D additive mask ``(B, 1, T, past + T)``; None = causal over the inputs.
+        ``from_target``: ``hidden`` is the target's concatenated layer states, fused first."""
+        if from_target:
+            hidden = self.fuse(hidden, embeds)
         if attention_mask is None:
             attention_mask = causal_mask(hidden.shape[1], hidden.dtype, hidden.device)
         rotary = self.rotary_emb(hidden, position_ids)

@@ -168,6 +168,12 @@ class DrafterConfig(PretrainedConfig):
         # generation config to move it to.
         return {}
 
+    def feature_layers(self) -> tuple[int, ...]:
+        """The target's ``hidden_states`` indices this drafter reads, concatenated in this order
+        (0 = the embeddings, i = the state entering layer i, -1 = the input of ``lm_head``). The one
+        declaration the runtime, the trainer (online and offline features) and the feature cache read."""
+        return (-1,)
+
     def tree_options(self) -> TreeOptions:
         """The tree this drafter drafts by default."""
         return TreeOptions(**{name: getattr(self, name) for name in self.TREE_OPTIONS})

@@ -203,17 +203,27 @@ class EagleDrafter(DraftVocabMixin, DrafterModel):
         out = residual + out
         return DrafterOutput(token_features=out, next_features=out)
 
+    def read_target(self, *args: Any, **kwargs: Any) -> DrafterOutput:
+        """A step over the target's own features (:meth:`forward`: EAGLE reads them as they are)."""
+        return self(*args, **kwargs)
+
     def runtime_drafter(self, target_model: nn.Module, tree: TreeOptions) -> EagleTreeDrafter:
         frozen = FrozenTarget.from_model(target_model)
         options = tree.over(self.config.tree_options())
-        return EagleTreeDrafter(self, frozen.embed_tokens, frozen.lm_head, options, name=self.config.drafter_family)
+        head = DraftHead(frozen.lm_head, self.draft_vocab)
+        return EagleTreeDrafter(self, frozen.embed_tokens, head, options, name=self.config.drafter_family)
 
     def engine_layout(self, fmt: str, verifier: Verifier, speculative_tokens: int | None) -> EngineExport:
         return vllm_eagle_layout(self, fmt, verifier, speculative_tokens or self.config.depth)
 
 
 class EagleTreeDrafter(Drafter):
-    """Drafts an EAGLE-2 dynamic tree for the runtime.
+    """Drafts an EAGLE-2 dynamic tree for the runtime, from an EAGLE/FSPAD or EAGLE-3/FSPAD-3 model.
+
+    The model reads the target's states at committed tokens through ``read_target`` (the layers its
+    config's ``feature_layers()`` names) and its own predicted features everywhere else; ``head`` turns
+    token features into logits over the draft vocabulary and columns into token ids
+    (:class:`~draftsmith.drafters.vocab.DraftHead` or the drafter's own head).
 
     The drafter keeps its own KV cache over committed positions only, fed with the target's true
     features of accepted tokens (from the verification forward). Each round it expands the root's
@@ -224,11 +234,12 @@ class EagleTreeDrafter(Drafter):
     wants_features = True
 
     def __init__(
-        self, model: EagleDrafter, embed_tokens: nn.Module, lm_head: nn.Module, tree: TreeOptions, name: str = "eagle"
+        self, model: DrafterModel, embed_tokens: nn.Module, head: Any, tree: TreeOptions, name: str = "eagle"
     ) -> None:
         self.model = model.eval()
+        self.feature_layers = model.config.feature_layers()
         self.embed_tokens = embed_tokens
-        self.head = DraftHead(lm_head, model.draft_vocab)
+        self.head = head
         self.depth, self.top_k, self.total_tokens = tree.depth, tree.top_k, tree.total_tokens
         self.name = name
         self._reset()
@@ -280,7 +291,7 @@ class EagleTreeDrafter(Drafter):
         positions = torch.arange(start, end, device=device)[None]
         mask = torch.zeros(1, 1, end - start, end, dtype=features.dtype, device=device)
         mask[..., start:] = causal_mask(end - start, features.dtype, device)
-        out = self.model(embeds, features[start:end][None], positions, mask, self._cache)
+        out = self.model.read_target(embeds, features[start:end][None], positions, mask, self._cache)
         self._fed = list(tokens)
         self._root_token_features = out.token_features[0, -1]
         self._last_feature = out.next_features[0, -1]

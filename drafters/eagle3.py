@@ -39,6 +39,17 @@ from draftsmith.drafters.eagle import (
     EagleTreeDrafter,
     FeatureSampler,
 )
+from draftsmith.drafters.engine_layouts import (
+    EAGLE3_SPECULATORS_REQUIRED,
+    SGLANG_EAGLE3_REQUIRED,
+    SPECULATORS_REQUIRED,
+    SPECULATORS_VERSION,
+    EngineExport,
+    EngineLayoutError,
+    Verifier,
+    llama_layer_config,
+    speculators_block,
+)
 from draftsmith.drafters.vocab import draft_vocab_maps, most_frequent_tokens
 
 
@@ -218,6 +229,115 @@ class Eagle3Drafter(DrafterModel):
         frozen = FrozenTarget.from_model(target_model)
         options = tree.over(self.config.tree_options())
         return EagleTreeDrafter(self, frozen.embed_tokens, Eagle3Head(self), options, name=self.config.drafter_family)
+
+    def engine_layout(self, fmt: str, verifier: Verifier, speculative_tokens: int | None) -> EngineExport:
+        if self.config.feature_sampler or self.config.partial_alignment:
+            raise EngineLayoutError(
+                "FSPAD-3 has no serving-engine layout (no engine's EAGLE-3 model has a feature sampler or partial "
+                "alignment); serve it with `draftsmith generate`, or export an eagle3 drafter"
+            )
+        if fmt == "sglang":
+            return sglang_eagle3_layout(self, speculative_tokens or self.config.depth)
+        return speculators_eagle3_layout(self, verifier, speculative_tokens or self.config.depth)
+
+
+# How the engines' EAGLE-3 models take this drafter: vLLM reads ``norm_before_residual`` (true here:
+# the residual starts from the normed hidden) and defaults it to true, the speculators library to false,
+# so it is always written. SGLang's LlamaForCausalLMEagle3 (sgl-project/sglang@03d5a77) has no such
+# switch and starts the residual from the un-normed hidden: it would serve a slightly different drafter.
+SGLANG_RESIDUAL_CAVEAT = (
+    "SGLang's LlamaForCausalLMEagle3 starts the residual before hidden_norm (norm_before_residual=false) and "
+    "has no switch for it; this drafter was trained with true (vLLM's default), so SGLang would draft with a "
+    "slightly different model (outputs stay lossless, acceptance may drop). Not run here."
+)
+
+
+def _eagle3_tensors(model: Eagle3Drafter, layer_prefix: str) -> dict[str, torch.Tensor]:
+    """The drafter's weights under an engine's names (``layer.*`` -> ``layer_prefix*``), float32 on CPU."""
+    tensors = {}
+    for name, tensor in model.state_dict().items():
+        if name.startswith("layer."):
+            name = layer_prefix + name[len("layer.") :]
+        tensors[name] = tensor.detach().cpu().contiguous()
+        if tensors[name].is_floating_point():
+            tensors[name] = tensors[name].float()
+    return tensors
+
+
+def speculators_eagle3_layout(model: Eagle3Drafter, verifier: Verifier, speculative_tokens: int) -> EngineExport:
+    """vLLM's ``speculators`` EAGLE-3 layout (what ``speculators`` 0.9.0 writes, vLLM 0.32 loads):
+    ``Eagle3DraftModel`` with ``embed_tokens`` (the target's, copied: vLLM reads the drafter's own),
+    ``fc``, ``layers.0.*``, ``norm``, ``lm_head`` and, for a reduced vocabulary, ``d2t``/``t2d`` (vLLM
+    has no place for them when the draft vocabulary is the whole one)."""
+    config = model.config
+    if len(set(config.aux_layer_ids)) < len(config.aux_layer_ids):
+        raise EngineLayoutError(
+            f"vLLM collects each layer's state once, so drafter.aux_layer_ids={config.aux_layer_ids} "
+            "(a layer named twice) cannot be served; train with distinct layers"
+        )
+    vocab, draft_vocab = int(config.layer["vocab_size"]), int(config.draft_vocab_size)
+    tensors = _eagle3_tensors(model, "layers.0.")
+    embedding = verifier.embedding()
+    if tuple(embedding.shape) != (vocab, config.hidden_size):
+        raise EngineLayoutError(
+            f"the verifier's embedding is {tuple(embedding.shape)}, the drafter expects "
+            f"({vocab}, {config.hidden_size}); pass --verifier with the target it was trained for"
+        )
+    tensors["embed_tokens.weight"] = embedding.float().contiguous()
+    if draft_vocab == vocab:
+        tensors.pop("d2t"), tensors.pop("t2d")
+    exported = {
+        "architectures": ["Eagle3DraftModel"],
+        "speculators_model_type": "eagle3",
+        "speculators_version": SPECULATORS_VERSION,
+        "draft_vocab_size": draft_vocab,
+        "eagle_aux_hidden_state_layer_ids": list(config.aux_layer_ids),
+        "norm_before_residual": True,
+        "norm_before_fc": False,
+        "fc_norm": False,
+        "norm_output": False,
+        "embed_requires_grad": False,
+        "target_hidden_size": None,
+        "speculators_config": speculators_block("eagle3", verifier, speculative_tokens),
+        "transformer_layer_config": llama_layer_config(config.layer),
+    }
+    return EngineExport(
+        config=exported,
+        tensors=tensors,
+        required=SPECULATORS_REQUIRED + EAGLE3_SPECULATORS_REQUIRED,
+        required_tensors=("embed_tokens.weight", "fc.weight", "norm.weight", "lm_head.weight")
+        + (("d2t", "t2d") if draft_vocab < vocab else ()),
+        speculative_tokens=speculative_tokens,
+    )
+
+
+def sglang_eagle3_layout(model: Eagle3Drafter, speculative_tokens: int) -> EngineExport:
+    """SGLang's ``LlamaForCausalLMEagle3``: ``fc``, ``midlayer.*``, ``norm``, ``lm_head`` over the draft
+    vocabulary, ``d2t``, ``t2d``, no embedding (SGLang shares the target's). SGLang names the fused
+    states as layer *outputs*: its ids are vLLM's minus one."""
+    config = model.config
+    if min(config.aux_layer_ids) < 1:
+        raise EngineLayoutError(
+            f"SGLang names fused states as layer outputs and cannot take the embedding (aux layer 0) of "
+            f"drafter.aux_layer_ids={config.aux_layer_ids}"
+        )
+    exported = {
+        **llama_layer_config(config.layer),
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "draft_vocab_size": int(config.draft_vocab_size),
+        "target_hidden_size": config.hidden_size,
+        "tie_word_embeddings": False,  # SGLang would otherwise use the embedding as the draft lm_head
+        "norm_before_residual": True,
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in config.aux_layer_ids]},
+    }
+    return EngineExport(
+        config=exported,
+        tensors=_eagle3_tensors(model, "midlayer."),
+        required=SGLANG_EAGLE3_REQUIRED,
+        required_tensors=("fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"),
+        speculative_tokens=speculative_tokens,
+        caveat=SGLANG_RESIDUAL_CAVEAT,
+    )
 
 
 class Eagle3Head:

@@ -83,6 +83,7 @@ class EngineExport:
     required: tuple[tuple[str | int, ...], ...] = ()  # config paths the engine cannot do without
     required_tensors: tuple[str, ...] = ()
     speculative_tokens: int = 0  # tokens the engine drafts per step when serving it (``bench`` vllm=DIR)
+    caveat: str = ""  # what the engine is known to do differently with it, shown by ``draftsmith export``
 
 
 def llama_layer_config(layer: dict[str, Any], **extra: Any) -> dict[str, Any]:

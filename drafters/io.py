@@ -154,6 +154,7 @@ def export_for_engine(
         "format": fmt,
         "speculative_tokens": export.speculative_tokens,
         "target_identity": dict(target_identity),
+        **({"caveat": export.caveat} if export.caveat else {}),
     }
     config = {**export.config, ENGINE_EXPORT_KEY: record}
     with atomic_directory(Path(out), overwrite, drafter_output_rules(keep)) as staging:

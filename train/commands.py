@@ -57,13 +57,18 @@ def cmd_export(args: argparse.Namespace) -> None:
         speculative_tokens=args.speculative_tokens,
     )
     if args.format != "draftsmith":
-        engine = "SGLang" if args.format == "sglang" else "vLLM"
-        print(
-            f"exported to {out} in the {args.format} layout for {engine}; compare it in vLLM with "
-            f"`draftsmith bench --methods vllm,vllm={out} --vllm-python PATH`"
-            if engine == "vLLM"
-            else f"exported to {out} in the {args.format} layout for {engine}"
-        )
+        from draftsmith.drafters.io import read_engine_export
+
+        record = read_engine_export(out) or {}
+        if args.format == "sglang":
+            print(f"exported to {out} in SGLang's EAGLE-3 layout (LlamaForCausalLMEagle3)")
+        else:
+            print(
+                f"exported to {out} in the layout vLLM loads (method {record.get('family')}); compare it in vLLM "
+                f"with `draftsmith bench --methods vllm,vllm={out} --vllm-python VENV/bin/python`"
+            )
+        if record.get("caveat"):
+            print(f"note: {record['caveat']}")
         return
     from draftsmith.drafters.registry import get_family
 

@@ -24,7 +24,13 @@ from draftsmith.core.io import OutputRules, atomic_directory, atomic_write_bytes
 from draftsmith.core.target import Target
 from draftsmith.inference.methods import build_drafter
 from draftsmith.inference.runtime import generate
-from draftsmith.inference.vllm_engine import find_vllm_python, is_vllm_method, parse_vllm_method, run_vllm
+from draftsmith.inference.vllm_engine import (
+    VllmError,
+    find_vllm_python,
+    is_vllm_method,
+    parse_vllm_method,
+    run_vllm,
+)
 
 BASELINE = "hf-generate"
 # Spec-Bench files label MT-bench questions either "mt_bench" or by MT-bench's own eight categories;
@@ -255,7 +261,13 @@ def run_bench(
     engine_info = {}
     for method in engine_methods:
         print(f"bench: {method.name} in vLLM ({len(turns)} prompts; the engine starts in about a minute)", flush=True)
-        run = run_vllm(vllm_python, method, target_dir, [t.prompt for t in turns], max_new_tokens, eos)
+        try:
+            run = run_vllm(vllm_python, method, target_dir, [t.prompt for t in turns], max_new_tokens, eos)
+        except VllmError as error:  # the other methods' measurements are kept; the error is reported
+            print(f"bench: {error}", flush=True)
+            engine_info[method.name] = {"error": str(error)}
+            del tallies[method.name]
+            continue
         engine_info[method.name] = {key: run[key] for key in ("vllm_version", "startup_seconds")}
         for turn, result in zip(turns, run["results"]):
             for scope in scopes_of(turn.category):
@@ -294,6 +306,8 @@ def markdown_table(results: dict[str, Any]) -> str:
                     f"| {name} | {scope} | {s['tau']:.2f} | {s['speedup']:.2f}x | {s['tokens_per_s']:.1f} | "
                     f"{s['identical']}/{s['total']} |"
                 )
+    failed = {name: info["error"] for name, info in results.get("vllm", {}).items() if "error" in info}
+    lines += [f"{name} did not run: {error}" for name, error in failed.items()]
     engines = {name: s["overall"] for name, s in results["methods"].items() if name.startswith("vllm")}
     if engines:
         lines += ["", "vLLM methods: tau = tokens / (speculative steps + 1 prefill); vLLM's own acceptance length:"]

@@ -2,6 +2,7 @@
 required config fields, refusals; and vLLM as a bench method (the live tests skip without vLLM)."""
 
 import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -264,3 +265,46 @@ def test_vllm_serves_an_eagle3_export_losslessly(tmp_path, tokenizer, monkeypatc
         run = run_vllm(vllm_python(), parse_vllm_method(spec, tiny), target_dir, prompts, 12, [])
         assert [r["tokens"] for r in run["results"]] == references, spec
     assert sum(r["drafts"] for r in run["results"]) > 0  # the drafter did draft
+
+
+STUB_ENGINE = """#!/bin/sh
+# Stands in for vLLM's python: '$0 WORKER REQUEST RESULT'. Fails when the request names a drafter;
+# otherwise 'generates' each prompt's last three tokens in one speculative step with one accepted token.
+exec {python} - "$@" <<'PY'
+import json, sys
+request = json.load(open(sys.argv[2]))
+if request["speculative_config"]:
+    sys.stderr.write("INFO loading\\nTraceback (most recent call last):\\nValueError: no drafter today\\n")
+    sys.exit(1)
+step = {{"seconds": 0.5, "drafts": 1, "draft_tokens": 2, "accepted": 1}}
+results = [{{"tokens": p[-3:], **step}} for p in request["prompts"]]
+json.dump({{"vllm_version": "stub", "startup_seconds": 1.0, "results": results}}, open(sys.argv[3], "w"))
+PY
+"""
+
+
+def test_bench_accounts_for_vllm_runs_and_keeps_results_when_one_fails(tmp_path, tiny_target_dir):
+    """The bench's bookkeeping of vLLM methods, with a stand-in engine (not vLLM): tau = tokens /
+    (speculative steps + prefill), vLLM's acceptance length, identity against HF generate; a method
+    whose engine fails is reported by its error line and the others' results are kept."""
+    import sys
+
+    from draftsmith.core.target import load_target
+    from draftsmith.inference.bench import Question, markdown_table, run_bench
+
+    stub = tmp_path / "python"
+    stub.write_text(STUB_ENGINE.format(python=sys.executable))
+    stub.chmod(0o755)
+    tiny = load_target(str(tiny_target_dir))
+    model = get_family("eagle").build(tiny.model.config, {})
+    verifier = Verifier(str(tiny_target_dir))
+    export_for_engine(model, "vllm", verifier, 2, tiny.identity.to_dict(), tmp_path / "eagle")
+    questions = [Question("q1", "writing", ["Hello there", "And again?"])]
+    methods = ["vllm", f"vllm={tmp_path / 'eagle'}"]
+    results = run_bench(tiny, questions, methods, 4, str(stub), Path(tiny_target_dir))
+    plain = results["methods"]["vllm"]["overall"]
+    assert plain["total"] == 2 and plain["tokens"] == 6 and plain["target_forwards"] == 4  # (1 step + prefill) x 2
+    assert plain["tau"] == 1.5 and plain["engine_acceptance_length"] == 2.0 and plain["identical"] == 0
+    assert f"vllm={tmp_path / 'eagle'}" not in results["methods"]
+    assert results["vllm"][f"vllm={tmp_path / 'eagle'}"]["error"].endswith("ValueError: no drafter today")
+    assert "did not run: vLLM" in markdown_table(results) and "- vllm: 2.00" in markdown_table(results)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -27,6 +28,8 @@ from draftsmith.drafters.io import check_drafter_target, read_engine_export
 VLLM = "vllm"
 VLLM_PYTHON_ENV = "DRAFTSMITH_VLLM_PYTHON"
 WORKER = Path(__file__).with_name("vllm_worker.py")
+ERROR_LINE = re.compile(r"\b[A-Z]\w*(?:Error|Exception): .+")
+GENERIC_ERRORS = ("EngineDeadError", "RuntimeError: Worker failed", "RuntimeError: Engine core initialization failed")
 # The engine's vLLM method for each exported family (``draftsmith export --format vllm``).
 VLLM_METHODS = {"eagle": "eagle", "eagle3": "eagle3", "medusa": "medusa"}
 
@@ -139,7 +142,8 @@ def run_vllm(
 
 
 def last_error_line(stderr: str) -> str:
-    """The line of a failed run's stderr that says what went wrong (the exception's own line)."""
+    """What went wrong in a failed run's stderr: the first exception line (``SomeError: message``) that
+    is not vLLM's generic "engine died" one, else the last line."""
+    errors = [match.group(0) for match in ERROR_LINE.finditer(stderr) if not match.group(0).startswith(GENERIC_ERRORS)]
     lines = [line.strip() for line in stderr.splitlines() if line.strip()]
-    errors = [line for line in lines if "Error" in line.split(":")[0] or line.startswith("RuntimeError")]
-    return (errors or lines or ["no output"])[-1][:500]
+    return (errors[:1] or lines[-1:] or ["no output"])[0][:500]

@@ -229,6 +229,13 @@ def test_a_failed_vllm_run_is_reported_by_its_error_line():
 
     stderr = "INFO starting\nTraceback (most recent call last):\n  File x\nValueError: Invalid speculators config\n"
     assert last_error_line(stderr) == "ValueError: Invalid speculators config"
+    worker = (
+        "(Worker pid=1) ERROR 11-23 [executor.py:1] RuntimeError: Unsupported CPU attention configuration: head_dim=16"
+    )
+    dead = "vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue. See stack trace"
+    assert (
+        last_error_line(f"{worker}\n{dead}\n") == "RuntimeError: Unsupported CPU attention configuration: head_dim=16"
+    )
 
 
 def vllm_python() -> str | None:
@@ -252,8 +259,10 @@ def test_vllm_serves_an_eagle3_export_losslessly(tmp_path, tokenizer, monkeypatc
     from draftsmith.inference.vllm_engine import parse_vllm_method, run_vllm
 
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
-    target_dir = tmp_path / "target"  # four layers: vLLM takes no fused state from the embedding (layer 0)
-    tiny_llama(len(tokenizer), num_hidden_layers=4).save_pretrained(target_dir)
+    # vLLM's CPU attention takes head_dim 32 and up (the suite's tiny Llama has 16)
+    shape = {"hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 2, "num_key_value_heads": 1}
+    target_dir = tmp_path / "target"
+    tiny_llama(len(tokenizer), num_hidden_layers=4, **shape).save_pretrained(target_dir)
     tokenizer.save_pretrained(target_dir)
     tiny = load_target(str(target_dir))
     model = get_family("eagle3").build(tiny.model.config, {"aux_layer_ids": [1, 2, 3]})

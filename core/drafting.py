@@ -26,8 +26,8 @@ class DraftContext:
     prompt_length: int
     sampling: SamplingConfig | None = None  # None = greedy
     generator: torch.Generator | None = None  # for drafters that sample their drafts
-    # For drafters with ``wants_features = True``: the target's feature (the input of its lm_head) at
-    # every committed token but the last, (len(tokens) - 1, h); rows of accepted tokens come from the
+    # For drafters with ``wants_features = True``: the target's states ``Drafter.feature_layers`` at
+    # every committed token but the last, (len(tokens) - 1, layers x h); rows of accepted tokens come from the
     # verification forward itself, so features cost no extra target work.
     features: torch.Tensor | None = None
 
@@ -41,6 +41,9 @@ class Drafter:
     name: str = "drafter"
     # True: the runtime hands the target's features to :meth:`propose` (``DraftContext.features``).
     wants_features: ClassVar[bool] = False
+    # Which of the target's ``hidden_states`` (indices; -1 = the input of its lm_head) make up
+    # ``DraftContext.features``, concatenated in this order: taken from the verification forward.
+    feature_layers: tuple[int, ...] = (-1,)
 
     def propose(self, context: DraftContext) -> DraftTree:
         raise NotImplementedError(f"{type(self).__name__} must define propose()")

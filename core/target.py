@@ -228,6 +228,16 @@ def _resolve(name: str | None) -> tuple[str, str | None, TargetIdentity | None]:
     raise TargetError(f"target {name!r} is neither '{DEFAULT_TARGET}', a model directory, a .gguf file nor a hub id")
 
 
+def safetensors_directory(name: str | None) -> Path | None:
+    """The local safetensors model directory of a target, the form serving engines such as vLLM open
+    (for the embedded default: its dequantised cache); None for a hub id or a GGUF file."""
+    location, gguf_file, _ = _resolve(name)
+    path = Path(location)
+    if gguf_file or not path.is_dir() or not any(path.glob("*.safetensors")):
+        return None
+    return path.resolve()
+
+
 def _identity_for(name: str, location: str, gguf_file: str | None, config: Any, tokenizer: Any) -> TargetIdentity:
     path = Path(location)
     if gguf_file:

@@ -26,6 +26,7 @@ from transformers import PretrainedConfig
 
 from draftsmith.core.drafting import Drafter
 from draftsmith.core.errors import DraftsmithError
+from draftsmith.drafters.engine_layouts import EngineExport, EngineLayoutError, Verifier
 from draftsmith.drafters.io import load_drafter_weights, load_weights_into, save_drafter_weights
 from draftsmith.drafters.vocab import most_frequent_tokens, vocab_token_ids
 
@@ -167,6 +168,12 @@ class DrafterConfig(PretrainedConfig):
         # generation config to move it to.
         return {}
 
+    def feature_layers(self) -> tuple[int, ...]:
+        """The target's ``hidden_states`` indices this drafter reads, concatenated in this order
+        (0 = the embeddings, i = the state entering layer i, -1 = the input of ``lm_head``). The one
+        declaration the runtime, the trainer (online and offline features) and the feature cache read."""
+        return (-1,)
+
     def tree_options(self) -> TreeOptions:
         """The tree this drafter drafts by default."""
         return TreeOptions(**{name: getattr(self, name) for name in self.TREE_OPTIONS})
@@ -193,7 +200,8 @@ class DrafterModel(nn.Module):
 
     The trainer calls :meth:`fit_data`, :meth:`init_from_target`, :meth:`load_initial_weights` and
     :meth:`attach_target` in that order; ``draftsmith export`` calls :meth:`save_pretrained` and
-    :meth:`parameter_counts`; the runtime calls :meth:`from_pretrained` and :meth:`runtime_drafter`."""
+    :meth:`parameter_counts` (``--format vllm|speculators|sglang``: :meth:`engine_layout`); the runtime
+    calls :meth:`from_pretrained` and :meth:`runtime_drafter`."""
 
     config_class: ClassVar[type[DrafterConfig]]
     # The names :meth:`parameter_groups` may use, in its order: a recipe's ``train.lr_scale`` keys are
@@ -242,11 +250,13 @@ class DrafterModel(nn.Module):
         holds serve-time overrides of :meth:`DrafterConfig.tree_options`."""
         raise NotImplementedError(f"{type(self).__name__} must define runtime_drafter()")
 
-    def speculators_layout(self, verifier_name: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-        """``(config, state_dict)`` in vLLM's ``speculators`` layout, for families that have one."""
-        raise DraftsmithError(
-            f"the speculators layout has no place for a {self.config.drafter_family!r} drafter; "
-            "export an eagle drafter for vLLM"
+    def engine_layout(self, fmt: str, verifier: Verifier, speculative_tokens: int | None) -> EngineExport:
+        """This drafter in a serving engine's layout (``fmt``: one of ``ENGINE_FORMATS``) for ``verifier``,
+        proposing ``speculative_tokens`` per step by default (None: the family's own default, e.g. its
+        tree depth); families an engine can serve override it."""
+        raise EngineLayoutError(
+            f"a {self.config.drafter_family!r} drafter has no {fmt} layout (no serving engine runs this "
+            "family); serve it with `draftsmith generate` or `draftsmith bench`"
         )
 
 

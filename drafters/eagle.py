@@ -28,6 +28,7 @@ from draftsmith.core.drafting import DraftContext, Drafter
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.tree import DraftTree, TreeGrowth, causal_mask, grow_tree
 from draftsmith.drafters.base import DrafterConfig, DrafterModel, DraftVocabMixin, FrozenTarget, TreeOptions
+from draftsmith.drafters.engine_layouts import EngineExport, EngineLayoutError, Verifier, llama_layer_config
 from draftsmith.drafters.vocab import DraftHead
 
 # Target config keys the drafter's layer copies: the shape of one decoder layer and its positions.
@@ -202,17 +203,27 @@ class EagleDrafter(DraftVocabMixin, DrafterModel):
         out = residual + out
         return DrafterOutput(token_features=out, next_features=out)
 
+    def read_target(self, *args: Any, **kwargs: Any) -> DrafterOutput:
+        """A step over the target's own features (:meth:`forward`: EAGLE reads them as they are)."""
+        return self(*args, **kwargs)
+
     def runtime_drafter(self, target_model: nn.Module, tree: TreeOptions) -> EagleTreeDrafter:
         frozen = FrozenTarget.from_model(target_model)
         options = tree.over(self.config.tree_options())
-        return EagleTreeDrafter(self, frozen.embed_tokens, frozen.lm_head, options, name=self.config.drafter_family)
+        head = DraftHead(frozen.lm_head, self.draft_vocab)
+        return EagleTreeDrafter(self, frozen.embed_tokens, head, options, name=self.config.drafter_family)
 
-    def speculators_layout(self, verifier_name: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-        return speculators_layout(self, verifier_name)
+    def engine_layout(self, fmt: str, verifier: Verifier, speculative_tokens: int | None) -> EngineExport:
+        return vllm_eagle_layout(self, fmt, verifier, speculative_tokens or self.config.depth)
 
 
 class EagleTreeDrafter(Drafter):
-    """Drafts an EAGLE-2 dynamic tree for the runtime.
+    """Drafts an EAGLE-2 dynamic tree for the runtime, from an EAGLE/FSPAD or EAGLE-3/FSPAD-3 model.
+
+    The model reads the target's states at committed tokens through ``read_target`` (the layers its
+    config's ``feature_layers()`` names) and its own predicted features everywhere else; ``head`` turns
+    token features into logits over the draft vocabulary and columns into token ids
+    (:class:`~draftsmith.drafters.vocab.DraftHead` or the drafter's own head).
 
     The drafter keeps its own KV cache over committed positions only, fed with the target's true
     features of accepted tokens (from the verification forward). Each round it expands the root's
@@ -223,11 +234,12 @@ class EagleTreeDrafter(Drafter):
     wants_features = True
 
     def __init__(
-        self, model: EagleDrafter, embed_tokens: nn.Module, lm_head: nn.Module, tree: TreeOptions, name: str = "eagle"
+        self, model: DrafterModel, embed_tokens: nn.Module, head: Any, tree: TreeOptions, name: str = "eagle"
     ) -> None:
         self.model = model.eval()
+        self.feature_layers = model.config.feature_layers()
         self.embed_tokens = embed_tokens
-        self.head = DraftHead(lm_head, model.draft_vocab)
+        self.head = head
         self.depth, self.top_k, self.total_tokens = tree.depth, tree.top_k, tree.total_tokens
         self.name = name
         self._reset()
@@ -279,7 +291,7 @@ class EagleTreeDrafter(Drafter):
         positions = torch.arange(start, end, device=device)[None]
         mask = torch.zeros(1, 1, end - start, end, dtype=features.dtype, device=device)
         mask[..., start:] = causal_mask(end - start, features.dtype, device)
-        out = self.model(embeds, features[start:end][None], positions, mask, self._cache)
+        out = self.model.read_target(embeds, features[start:end][None], positions, mask, self._cache)
         self._fed = list(tokens)
         self._root_token_features = out.token_features[0, -1]
         self._last_feature = out.next_features[0, -1]
@@ -312,51 +324,43 @@ class EagleTreeDrafter(Drafter):
             keep_positions(self._cache, torch.arange(committed))
 
 
-SPECULATORS_VERSION = "0.1.0"  # the config layout of vLLM's `speculators` EAGLE models this export follows
+def vllm_eagle_layout(model: EagleDrafter, fmt: str, verifier: Verifier, speculative_tokens: int) -> EngineExport:
+    """``(config, tensors)`` of a plain EAGLE drafter in the layout vLLM's ``eagle`` method loads: the
+    SafeAILab EAGLE-1 ``EagleLlamaForCausalLM`` checkpoint (a Llama ``config.json`` with one layer,
+    ``fc.weight`` and ``layers.0.*``; embedding and lm_head shared from the target).
 
-
-def speculators_layout(model: EagleDrafter, verifier_name: str, speculative_tokens: int = 5):
-    """``(config, state_dict)`` in the layout vLLM's ``speculators`` documents for EAGLE-1/2 models
-    (``EagleSpeculator``: ``fusion_fc`` + one ``LlamaDecoderLayer`` called ``transformer`` whose input
-    norm is an identity; embedding and lm_head come from the verifier).
-
-    Only plain EAGLE fits that layout: FSPAD's feature sampler and two-feature MLP have no place in it."""
+    vLLM's ``fc`` has no bias and its layer's input norm is an identity, so the drafter's ``fc`` bias
+    ``b`` moves, exactly, into attention biases: the layer input ``x + b`` is read by q/k/v (bias
+    ``W b`` each) and carried by the residual (``o_proj`` bias ``b``). vLLM drafts over the target's
+    whole vocabulary: a reduced draft vocabulary is not carried over (verification stays lossless;
+    proposals may differ where the best token lies outside it)."""
     config = model.config
     if config.feature_sampler or config.partial_alignment:
-        raise EagleConfigError(
-            "the speculators EAGLE layout has no feature sampler or partial alignment; "
-            "export an eagle drafter (drafter.feature_sampler=false drafter.partial_alignment=false) for vLLM"
+        raise EngineLayoutError(
+            "FSPAD has no serving-engine layout (vLLM's EAGLE models have no feature sampler or partial "
+            "alignment); serve it with `draftsmith generate`, or export a plain eagle drafter for vLLM"
         )
-    layer = {**config.layer_config().to_diff_dict(), "num_hidden_layers": 1, "model_type": "llama"}
-    layer.pop("_attn_implementation_autoset", None)
-    speculators_config = {
-        "architectures": ["EagleSpeculator", "LlamaDecoderLayer"],
-        "speculators_model_type": "eagle",
-        "speculators_version": SPECULATORS_VERSION,
-        "transformer_layer_architecture": "LlamaDecoderLayer",
-        "transformer_layer_config": layer,
-        "layernorms": False,
-        "fusion_bias": True,
-        "speculators_config": {
-            "algorithm": "eagle",
-            "default_proposal_method": "greedy",
-            "proposal_methods": [
-                {
-                    "proposal_type": "greedy",
-                    "speculative_tokens": speculative_tokens,
-                    "verifier_accept_k": 1,
-                    "accept_tolerance": 0.0,
-                }
-            ],
-            "verifier": {"name_or_path": verifier_name, "architectures": ["LlamaForCausalLM"]},
-        },
-    }
-    rename = {"fc.": "fusion_fc.", "self_attn.": "transformer.self_attn.", "mlp.": "transformer.mlp."}
-    rename["post_attention_layernorm."] = "transformer.post_attention_layernorm."
-    state = {}
-    for name, tensor in model.state_dict().items():
-        if name == "draft_vocab":  # speculators' EAGLE drafts over the verifier's whole vocabulary
-            continue
-        prefix = next(p for p in rename if name.startswith(p))
-        state[rename[prefix] + name[len(prefix) :]] = tensor.detach().contiguous().cpu()
-    return speculators_config, state
+    if fmt != "vllm":
+        raise EngineLayoutError(
+            f"an eagle drafter has no {fmt} layout (vLLM 0.32 dropped speculators' EAGLE-1 type; SGLang serves "
+            "EAGLE-3 only); use --format vllm"
+        )
+    state = {name: tensor.detach().float().cpu() for name, tensor in model.state_dict().items()}
+    tensors = {"fc.weight": state["fc.weight"]}
+    for name, tensor in state.items():
+        if name.startswith(("self_attn.", "post_attention_layernorm.", "mlp.")):
+            tensors["layers.0." + name] = tensor
+    shift = state["fc.bias"]  # x + b enters the layer
+    for proj in ("q_proj", "k_proj", "v_proj"):
+        key = f"layers.0.self_attn.{proj}"
+        tensors[f"{key}.bias"] = tensors.get(f"{key}.bias", 0) + tensors[f"{key}.weight"] @ shift
+    key = "layers.0.self_attn.o_proj.bias"
+    tensors[key] = tensors.get(key, 0) + shift
+    layer = llama_layer_config(config.layer, architectures=["LlamaForCausalLM"], attention_bias=True)
+    return EngineExport(
+        config=layer,
+        tensors={name: tensor.contiguous() for name, tensor in tensors.items()},
+        required=(("architectures",), ("hidden_size",), ("vocab_size",), ("num_hidden_layers",)),
+        required_tensors=("fc.weight", "layers.0.self_attn.q_proj.weight", "layers.0.mlp.down_proj.weight"),
+        speculative_tokens=speculative_tokens,
+    )

@@ -1,7 +1,7 @@
 """A drafter's directory: ``config.json`` + ``model.safetensors`` (its own weights, nothing of the target).
 
 Reading one (:func:`read_drafter_config`, :func:`check_drafter_target`) and writing one
-(:func:`save_drafter_weights`, :func:`export_drafter`, :func:`export_speculators`) for the trainer's
+(:func:`save_drafter_weights`, :func:`export_drafter`, :func:`export_for_engine`) for the trainer's
 checkpoints, ``draftsmith export`` and the runtime's loader alike.
 """
 
@@ -18,6 +18,7 @@ from torch import nn
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.io import OutputRules, atomic_directory, verify_files
 from draftsmith.core.target import Target, TargetError, TargetIdentity
+from draftsmith.drafters.engine_layouts import Verifier, check_engine_export
 
 WEIGHTS_NAME = "model.safetensors"
 
@@ -146,13 +147,15 @@ def check_drafter_target(config: dict[str, Any], target: Target, directory: str 
 
 
 def is_exported_drafter(path: Path) -> bool:
-    """Whether ``path`` holds what ``draftsmith export`` writes, in either layout (its config.json names
-    a drafter family or a speculators model type)."""
+    """Whether ``path`` holds what ``draftsmith export`` writes, in any format (its config.json names a
+    drafter family, or records an engine export; older exports: a speculators model type)."""
     try:
         config = json.loads((Path(path) / "config.json").read_text())
     except (OSError, ValueError):
         return False
-    return isinstance(config, dict) and ("drafter_family" in config or "speculators_model_type" in config)
+    return isinstance(config, dict) and any(
+        key in config for key in ("drafter_family", ENGINE_EXPORT_KEY, "speculators_model_type")
+    )
 
 
 def drafter_output_rules(keep: tuple[tuple[str, Path], ...] = ()) -> OutputRules:
@@ -175,17 +178,44 @@ def export_drafter(
     return Path(out)
 
 
-def export_speculators(
+ENGINE_EXPORT_KEY = "draftsmith_export"  # config.json key of engine exports: family, format, target identity
+
+
+def export_for_engine(
     model: Any,
-    verifier_name: str,
+    fmt: str,
+    verifier: Verifier,
+    speculative_tokens: int | None,
+    target_identity: dict[str, str],
     out: str | Path,
     overwrite: bool = False,
     keep: tuple[tuple[str, Path], ...] = (),
 ) -> Path:
-    """A drafter in vLLM ``speculators`` layout (``config.json`` + ``model.safetensors``), for
-    ``vllm serve TARGET --speculative-config '{"model": OUT, "method": "eagle", ...}'``."""
-    config, state = model.speculators_layout(verifier_name)
+    """The drafter in a serving engine's layout (``config.json`` + ``model.safetensors``), after
+    checking that the config holds every field the engine requires; the config also records, under
+    :data:`ENGINE_EXPORT_KEY`, the family, format and target identity (engines ignore the key)."""
+    export = model.engine_layout(fmt, verifier, speculative_tokens)
+    check_engine_export(export, fmt)
+    record = {
+        "family": model.config.drafter_family,
+        "format": fmt,
+        "speculative_tokens": export.speculative_tokens,
+        "target_identity": dict(target_identity),
+        **({"caveat": export.caveat} if export.caveat else {}),
+    }
+    config = {**export.config, ENGINE_EXPORT_KEY: record}
     with atomic_directory(Path(out), overwrite, drafter_output_rules(keep), record_files=True) as staging:
         (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        save_file(state, str(staging / WEIGHTS_NAME), metadata={"format": "pt"})
+        save_file(export.tensors, str(staging / WEIGHTS_NAME), metadata={"format": "pt"})
     return Path(out)
+
+
+def read_engine_export(directory: str | Path) -> dict[str, Any] | None:
+    """What :func:`export_for_engine` recorded in ``directory`` (family, format, target identity), or
+    None when ``directory`` holds no engine export."""
+    try:
+        config = json.loads((Path(directory) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    record = config.get(ENGINE_EXPORT_KEY) if isinstance(config, dict) else None
+    return record if isinstance(record, dict) else None

@@ -34,6 +34,7 @@ from draftsmith.core.drafting import DraftContext, Drafter
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.tree import DraftTree, cartesian_tree
 from draftsmith.drafters.base import DrafterConfig, DrafterModel, DraftVocabMixin, FrozenTarget, TreeOptions
+from draftsmith.drafters.engine_layouts import EngineExport, EngineLayoutError, Verifier
 
 DYNAMIC = "dynamic"
 
@@ -288,6 +289,42 @@ class MedusaHeads(DraftVocabMixin, DrafterModel):
     def runtime_drafter(self, target_model: nn.Module, tree: TreeOptions) -> MedusaTreeDrafter:
         # The heads own their output layers; the target is only the verifier.
         return MedusaTreeDrafter(self, tree, name=self.config.drafter_family)
+
+    def engine_layout(self, fmt: str, verifier: Verifier, speculative_tokens: int | None) -> EngineExport:
+        """vLLM's ``MedusaModel``: ``blocks.{k}.layers.{i}`` (the ResBlocks, with bias) and ``lm_heads.{k}``.
+        vLLM drafts a chain (each head's top-1) over the whole vocabulary, so reduced-vocabulary heads
+        have no place in it."""
+        if fmt != "vllm":
+            raise EngineLayoutError(f"a medusa drafter has no {fmt} layout; use --format vllm")
+        if self.config.draft_vocab_size:
+            raise EngineLayoutError(
+                "vLLM's Medusa heads cover the whole vocabulary; train with drafter.draft_vocab_size=0 to serve them"
+            )
+        tensors = {}
+        for k, head in enumerate(self.medusa_head):
+            for i, block in enumerate(head[:-1]):
+                tensors[f"blocks.{k}.layers.{i}.weight"] = block.linear.weight
+                tensors[f"blocks.{k}.layers.{i}.bias"] = block.linear.bias
+            tensors[f"lm_heads.{k}.weight"] = head[-1].weight
+        config = {
+            "architectures": ["MedusaModel"],
+            "model_type": "medusa",
+            "hidden_size": self.config.hidden_size,
+            "vocab_size": self.config.vocab_size,
+            "num_heads": self.config.num_heads,
+            "num_hidden_layers": self.config.num_layers,
+            "medusa_fc_bias": True,  # the ResBlocks' Linear has a bias (vLLM's default is none)
+            "truncated_vocab_size": self.config.vocab_size,
+        }
+        return EngineExport(
+            config=config,
+            tensors={name: tensor.detach().float().cpu().contiguous() for name, tensor in tensors.items()},
+            required=tuple(
+                (key,) for key in ("model_type", "hidden_size", "vocab_size", "num_heads", "medusa_fc_bias")
+            ),
+            required_tensors=tuple(f"lm_heads.{k}.weight" for k in range(self.config.num_heads)),
+            speculative_tokens=min(speculative_tokens or self.config.num_heads, self.config.num_heads),
+        )
 
 
 class MedusaTreeDrafter(Drafter):

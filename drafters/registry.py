@@ -18,6 +18,7 @@ from transformers import PretrainedConfig
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.drafters.base import DrafterConfig, DrafterModel
 from draftsmith.drafters.eagle import EagleConfig, EagleDrafter
+from draftsmith.drafters.eagle3 import Eagle3Config, Eagle3Drafter
 from draftsmith.drafters.medusa import MedusaConfig, MedusaHeads
 from draftsmith.drafters.medusa2 import Medusa2Config, Medusa2Model
 from draftsmith.drafters.streaming import StreamingConfig, StreamingModel
@@ -83,6 +84,14 @@ FAMILIES: dict[str, Family] = {
         EagleConfig,
         EagleDrafter,
         "feature_distillation_loss",
+        defaults={"feature_sampler": True, "partial_alignment": True},
+    ),
+    "eagle3": Family("eagle3", Eagle3Config, Eagle3Drafter, "eagle3_loss"),
+    "fspad3": Family(
+        "fspad3",
+        Eagle3Config,
+        Eagle3Drafter,
+        "eagle3_loss",
         defaults={"feature_sampler": True, "partial_alignment": True},
     ),
     "medusa": Family("medusa", MedusaConfig, MedusaHeads, "medusa_loss"),

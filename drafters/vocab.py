@@ -16,6 +16,15 @@ def most_frequent_tokens(token_counts: torch.Tensor, size: int) -> torch.Tensor:
     return token_counts.topk(size).indices.sort().values
 
 
+def draft_vocab_maps(token_ids: torch.Tensor, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """EAGLE-3's maps of a draft vocabulary (ascending target ids): ``d2t`` (N,) int64 offsets, target
+    id = i + d2t[i], and ``t2d`` (vocab_size,) bool, True on drafted tokens (the layout vLLM and SGLang load)."""
+    token_ids = token_ids.long().cpu()
+    t2d = torch.zeros(vocab_size, dtype=torch.bool)
+    t2d[token_ids] = True
+    return token_ids - torch.arange(token_ids.numel()), t2d
+
+
 def vocab_token_ids(vocab: torch.Tensor | None, columns: torch.Tensor) -> torch.Tensor:
     """Target token ids of output columns over ``vocab`` (None or empty = the whole vocabulary)."""
     return columns if vocab is None or not vocab.numel() else vocab[columns]

@@ -3,7 +3,8 @@
 For each question turn, HF ``generate`` (greedy) runs first and defines both the reference output
 and the baseline time; then each method runs on the same prompt. Multi-turn questions ask the second
 turn after the model's own first answer (the reference one, so every method sees the same prompt).
-Methods run interleaved prompt by prompt, so machine noise hits all of them alike.
+Methods run interleaved prompt by prompt, so machine noise hits all of them alike; ``vllm`` and
+``vllm=DIR`` (vLLM in its own environment, see ``vllm_engine.py``) run afterwards on the same prompts.
 """
 
 from __future__ import annotations
@@ -27,6 +28,13 @@ from draftsmith.inference.hf_compiled import NAME as HF_STATIC_COMPILE
 from draftsmith.inference.hf_compiled import StaticCompiledGenerate
 from draftsmith.inference.methods import build_drafter
 from draftsmith.inference.runtime import generate
+from draftsmith.inference.vllm_engine import (
+    VllmError,
+    find_vllm_python,
+    is_vllm_method,
+    parse_vllm_method,
+    run_vllm,
+)
 
 BASELINE = "hf-generate"
 # Spec-Bench files label MT-bench questions either "mt_bench" or by MT-bench's own eight categories;
@@ -50,6 +58,17 @@ class Question:
 
 
 @dataclass
+class Turn:
+    """One benchmarked prompt, kept for the methods that run after the interleaved loop (vLLM)."""
+
+    prompt: list[int]
+    reference: list[int]
+    base_seconds: float
+    category: str
+    where: str
+
+
+@dataclass
 class Tally:
     tokens: int = 0
     forwards: int = 0
@@ -58,6 +77,8 @@ class Tally:
     identical: int = 0
     total: int = 0
     first_differences: list[dict[str, Any]] = field(default_factory=list)
+    engine_drafts: int = 0  # vLLM methods: the engine's speculative steps and tokens accepted in them
+    engine_accepted: int = 0
     agreeing_tokens: int = 0  # adapted-model methods: positions where its output equals the target's
     compared_tokens: int = 0
 
@@ -83,6 +104,10 @@ class Tally:
             )
             self.first_differences.append({"turn": where, "position": position})
 
+    def add_engine_counters(self, drafts: int, accepted: int) -> None:
+        self.engine_drafts += drafts
+        self.engine_accepted += accepted
+
     def add_agreement(self, served: list[int], original: list[int]) -> None:
         """How far an adapted served model drifts from the original target (position-wise token agreement)."""
         self.agreeing_tokens += sum(a == b for a, b in zip(served, original))
@@ -99,6 +124,12 @@ class Tally:
             "target_forwards": self.forwards,
             "seconds": round(self.seconds, 3),
             "first_differences": self.first_differences[:10],
+            # vLLM's mean acceptance length: accepted draft tokens per speculative step + 1
+            **(
+                {"engine_acceptance_length": 1 + self.engine_accepted / self.engine_drafts}
+                if self.engine_drafts
+                else {}
+            ),
             **(
                 {"agreement_with_target": self.agreeing_tokens / self.compared_tokens, "reference": "served model"}
                 if self.compared_tokens
@@ -185,18 +216,30 @@ def run_bench(
     methods: list[str],
     max_new_tokens: int,
     compiled: CompiledTarget | None = None,
+    vllm_python: str | None = None,
+    target_dir: Path | None = None,
 ) -> dict[str, Any]:
     """Per method, overall and per category: tau, speedup, tokens_per_s, identical, total. With
     ``compiled``, every runtime method verifies through it (compile time is kept out of the timings
-    and reported as ``compile_seconds``)."""
+    and reported as ``compile_seconds``).
+
+    ``vllm`` / ``vllm=DIR`` methods run after the others, in vLLM (``vllm_python``'s environment, the
+    target opened from ``target_dir``), on the same prompts, each prompt timed alone."""
     eos = target.eos_token_ids
     for question in questions:  # later turns depend on earlier answers: they are checked when they are asked
         prompt = target.encode_chat([{"role": "user", "content": question.turns[0]}])
         check_fits_context(target.model, len(prompt), max_new_tokens, f"question {question.id} turn 1")
-    methods = ["none"] + [m for m in methods if m != "none"]  # runtime overhead is always shown
+    engine_methods = [parse_vllm_method(m, target) for m in methods if is_vllm_method(m)]
+    if engine_methods:
+        vllm_python = find_vllm_python(vllm_python)  # before any decoding, so a missing vLLM costs nothing
+        if target_dir is None:
+            raise BenchError("vLLM opens the target as a safetensors model directory; give --target DIR")
+    methods = ["none"] + [m for m in methods if m != "none" and not is_vllm_method(m)]  # overhead always shown
     plain = {name: StaticCompiledGenerate(target.model) for name in methods if name == HF_STATIC_COMPILE}
     drafters = {name: build_drafter(name, target) for name in methods if name not in plain}
-    tallies: dict[str, dict[str, Tally]] = {name: defaultdict(Tally) for name in [BASELINE, *methods]}
+    names = [BASELINE, *methods, *(m.name for m in engine_methods)]
+    tallies: dict[str, dict[str, Tally]] = {name: defaultdict(Tally) for name in names}
+    turns: list[Turn] = []
     hf_greedy(target.model, target.encode_chat([{"role": "user", "content": "Hi"}]), 4, eos)  # warm-up
     progress = tqdm(total=sum(len(q.turns) for q in questions), desc="bench", unit="turn", dynamic_ncols=True)
     for question in questions:
@@ -229,11 +272,29 @@ def run_bench(
                             result.tokens, result.target_forwards, result.seconds, own_seconds, own_reference, where
                         )
                         tally.add_agreement(own_reference, reference)
+            turns.append(Turn(prompt, reference, base_seconds, question.category, where))
             messages.append(
                 {"role": "assistant", "content": target.tokenizer.decode(reference, skip_special_tokens=True)}
             )
             progress.update(1)
     progress.close()
+    engine_info = {}
+    for method in engine_methods:
+        print(f"bench: {method.name} in vLLM ({len(turns)} prompts; the engine starts in about a minute)", flush=True)
+        try:
+            run = run_vllm(vllm_python, method, target_dir, [t.prompt for t in turns], max_new_tokens, eos)
+        except VllmError as error:  # the other methods' measurements are kept; the error is reported
+            print(f"bench: {error}", flush=True)
+            engine_info[method.name] = {"error": str(error)}
+            del tallies[method.name]
+            continue
+        engine_info[method.name] = {key: run[key] for key in ("vllm_version", "startup_seconds")}
+        for turn, result in zip(turns, run["results"]):
+            for scope in scopes_of(turn.category):
+                tally = tallies[method.name][scope]
+                forwards = 1 + result["drafts"] if result["drafts"] else len(result["tokens"])
+                tally.add(result["tokens"], forwards, result["seconds"], turn.base_seconds, turn.reference, turn.where)
+                tally.add_engine_counters(result["drafts"], result["accepted"])
     return {
         "target": target.identity.to_dict(),
         "max_new_tokens": max_new_tokens,
@@ -246,6 +307,7 @@ def run_bench(
         **{f"{name}_compile_seconds": round(decode.compile_seconds, 1) for name, decode in plain.items()},
         "baseline": BASELINE,
         "methods": {name: {scope: t.summary() for scope, t in scopes.items()} for name, scopes in tallies.items()},
+        **({"vllm": engine_info} if engine_info else {}),
     }
 
 
@@ -267,6 +329,16 @@ def markdown_table(results: dict[str, Any]) -> str:
                     f"| {name} | {scope} | {s['tau']:.2f} | {s['speedup']:.2f}x | {s['tokens_per_s']:.1f} | "
                     f"{s['identical']}/{s['total']} |"
                 )
+    failed = {name: info["error"] for name, info in results.get("vllm", {}).items() if "error" in info}
+    lines += [f"{name} did not run: {error}" for name, error in failed.items()]
+    engines = {name: s["overall"] for name, s in results["methods"].items() if name.startswith("vllm")}
+    if engines:
+        lines += ["", "vLLM methods: tau = tokens / (speculative steps + 1 prefill); vLLM's own acceptance length:"]
+        lines += [
+            f"- {name}: {s['engine_acceptance_length']:.2f}"
+            for name, s in engines.items()
+            if "engine_acceptance_length" in s
+        ]
     return "\n".join(lines) + "\n"
 
 

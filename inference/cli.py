@@ -91,6 +91,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
     import torch
 
     from draftsmith.core.io import check_creatable_directory, check_output_directory
+    from draftsmith.core.target import safetensors_directory
     from draftsmith.inference.bench import (
         bench_output_rules,
         markdown_table,
@@ -98,6 +99,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
         run_bench,
         write_results,
     )
+    from draftsmith.inference.vllm_engine import is_vllm_method
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -110,7 +112,10 @@ def cmd_bench(args: argparse.Namespace) -> None:
     check_output_directory(out, args.overwrite, rules)
     check_creatable_directory(out)
     target = _load_target(args)
-    results = run_bench(target, questions, methods, args.max_new_tokens, _compiled_target(args, target))
+    target_dir = safetensors_directory(args.target) if any(is_vllm_method(m) for m in methods) else None
+    results = run_bench(
+        target, questions, methods, args.max_new_tokens, _compiled_target(args, target), args.vllm_python, target_dir
+    )
     print(markdown_table(results))  # shown before writing, so a failed write loses no figures
     write_results(results, out, args.overwrite, rules)
     print(f"results in {args.out}/results.json, results.md, chart.png")
@@ -211,7 +216,14 @@ def add_inference_commands(subparsers: Any) -> None:
         "--methods",
         default="pld",
         help="comma-separated methods, e.g. pld,draft=layers:20 (none is always included); hf-static-compile "
-        "adds plain decoding by transformers with a static cache and torch.compile as a second baseline",
+        "adds plain decoding by transformers with a static cache and torch.compile as a second baseline; vllm and "
+        "vllm=DIR[:tokens=N] run vLLM plain and with a drafter exported by `draftsmith export --format vllm`",
+    )
+    p.add_argument(
+        "--vllm-python",
+        default=None,
+        help="for vllm methods: the python of the separate venv that has vLLM (default: $DRAFTSMITH_VLLM_PYTHON, "
+        "else this one if it has vLLM)",
     )
     p.add_argument(
         "--limit", type=positive_int, default=None, help="at most N (>= 1) questions, spread over categories"

@@ -61,6 +61,14 @@ class FeatureRows:
         return self._buffer[: self._length]
 
 
+def _drafter_states(hidden_states: tuple[torch.Tensor, ...], layers: tuple[int, ...]) -> torch.Tensor:
+    """The first sequence's rows of the target states a drafter declares (``Drafter.feature_layers``),
+    concatenated: views of what the forward computed anyway, so no extra target work."""
+    if len(layers) == 1:
+        return hidden_states[layers[0]][0]
+    return torch.cat([hidden_states[layer][0] for layer in layers], dim=-1)
+
+
 def _finish(tokens: list[int], max_new_tokens: int, eos: set[int]) -> tuple[list[int], bool]:
     """Cut at the first EOS (kept) or at the token budget; True when generation is over."""
     for i, token in enumerate(tokens[:max_new_tokens]):
@@ -131,7 +139,8 @@ def generate(
         **last_logits_only,
     )
     logits = out.logits
-    features = FeatureRows(out.hidden_states[-1][0], capacity) if wants_features else None
+    layers = drafter.feature_layers if wants_features else ()
+    features = FeatureRows(_drafter_states(out.hidden_states, layers), capacity) if wants_features else None
     first = int(logits[0, -1].argmax()) if sampling is None else sample(sampling.probs(logits[0, -1]), generator)
     new, done = _finish([first], max_new_tokens, eos)
     result = GenerationResult(new, target_forwards=1)
@@ -169,7 +178,7 @@ def generate(
             commit_static(cache, past, verdict.accepted_nodes)
         if wants_features:  # the root's row and the accepted nodes' rows, in commit order
             rows = torch.tensor([0] + [i + 1 for i in verdict.accepted_nodes], device=device)
-            features.append(out.hidden_states[-1][0].index_select(0, rows))
+            features.append(_drafter_states(out.hidden_states, layers).index_select(0, rows))
         step = [int(tree.tokens[i]) for i in verdict.accepted_nodes] + [verdict.next_token]
         result.target_forwards += 1
         result.accept_lengths.append(len(step))

@@ -232,39 +232,64 @@ def test_loading_checks_the_target(tiny_target_dir, other_target_dir, tmp_path):
         build_drafter(f"eagle={tmp_path}", tiny)
 
 
-def test_speculators_export_matches_the_documented_layout(target, tmp_path):
-    """Keys and shapes of vLLM speculators' EagleSpeculator: fusion_fc (2h -> h, with bias) and one
-    LlamaDecoderLayer named ``transformer`` without input norm; no embedding or lm_head."""
-    import json
+def test_vllm_eagle_layout_computes_what_the_drafter_computes(target):
+    """vLLM's EAGLE-1 model (SafeAILab layout): ``fc`` without bias, one Llama layer whose input norm is
+    an identity, no final norm. Rebuilt from the exported config and tensors with transformers' own
+    LlamaDecoderLayer, it gives the drafter's output: the fc bias moved exactly into attention biases."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
-    from safetensors.torch import load_file
+    from draftsmith.drafters.engine_layouts import Verifier
 
-    from draftsmith.drafters.io import export_speculators
-
-    model = get_family("eagle").build(target.config, {})
-    export_speculators(model, "tiny/verifier", tmp_path / "vllm")
-    config = json.loads((tmp_path / "vllm" / "config.json").read_text())
-    assert config["speculators_model_type"] == "eagle" and config["layernorms"] is False
-    assert config["speculators_config"]["verifier"]["name_or_path"] == "tiny/verifier"
-    layer = config["transformer_layer_config"]
-    assert layer["num_hidden_layers"] == 1 and layer["hidden_size"] == 64 and layer["num_key_value_heads"] == 2
+    torch.manual_seed(0)
+    model = get_family("eagle").build(target.config, {"draft_vocab_size": 16}).eval()
+    for parameter in model.parameters():  # a trained drafter: no zero or unit weights left
+        torch.nn.init.normal_(parameter, std=0.2)
+    export = model.engine_layout("vllm", Verifier("tiny/verifier"), None)
+    config, tensors = export.config, export.tensors
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["num_hidden_layers"] == 1
+    assert config["attention_bias"] is True and config["vocab_size"] == VOCAB and export.speculative_tokens == 5
     h, i, kv = 64, 128, 2 * 16
-    expected = {
-        "fusion_fc.weight": (h, 2 * h),
-        "fusion_fc.bias": (h,),
-        "transformer.self_attn.q_proj.weight": (h, h),
-        "transformer.self_attn.k_proj.weight": (kv, h),
-        "transformer.self_attn.v_proj.weight": (kv, h),
-        "transformer.self_attn.o_proj.weight": (h, h),
-        "transformer.post_attention_layernorm.weight": (h,),
-        "transformer.mlp.gate_proj.weight": (i, h),
-        "transformer.mlp.up_proj.weight": (i, h),
-        "transformer.mlp.down_proj.weight": (h, i),
+    assert {k: tuple(v.shape) for k, v in tensors.items()} == {
+        "fc.weight": (h, 2 * h),
+        "layers.0.self_attn.q_proj.weight": (h, h),
+        "layers.0.self_attn.k_proj.weight": (kv, h),
+        "layers.0.self_attn.v_proj.weight": (kv, h),
+        "layers.0.self_attn.o_proj.weight": (h, h),
+        "layers.0.self_attn.q_proj.bias": (h,),
+        "layers.0.self_attn.k_proj.bias": (kv,),
+        "layers.0.self_attn.v_proj.bias": (kv,),
+        "layers.0.self_attn.o_proj.bias": (h,),
+        "layers.0.post_attention_layernorm.weight": (h,),
+        "layers.0.mlp.gate_proj.weight": (i, h),
+        "layers.0.mlp.up_proj.weight": (i, h),
+        "layers.0.mlp.down_proj.weight": (h, i),
     }
-    weights = load_file(str(tmp_path / "vllm" / "model.safetensors"))
-    assert {k: tuple(v.shape) for k, v in weights.items()} == expected
-    with pytest.raises(ValueError, match="no feature sampler or partial alignment"):
-        export_speculators(get_family("fspad").build(target.config, {}), "x", tmp_path / "fspad")
+    layer_config = LlamaConfig(**{k: v for k, v in config.items() if k != "architectures"})
+    layer = LlamaDecoderLayer(layer_config, layer_idx=0).eval()
+    layer.input_layernorm = torch.nn.Identity()
+    prefix = "layers.0."
+    layer.load_state_dict({k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}, strict=False)
+    embeds, features = torch.randn(1, 7, h), torch.randn(1, 7, h)
+    positions = torch.arange(7)[None]
+    with torch.no_grad():
+        x = torch.cat([embeds, features], -1) @ tensors["fc.weight"].T
+        rope = LlamaRotaryEmbedding(layer_config)(x, positions)
+        served = layer(x, attention_mask=causal_mask(7, x.dtype, x.device), position_embeddings=rope)
+        served = served[0] if isinstance(served, tuple) else served
+        ours = model(embeds, features, positions).token_features
+    torch.testing.assert_close(served, ours, rtol=1e-5, atol=1e-5)
+
+
+def test_fspad_and_other_formats_have_no_engine_layout(target):
+    from draftsmith.drafters.engine_layouts import EngineLayoutError, Verifier
+
+    with pytest.raises(EngineLayoutError, match="FSPAD has no serving-engine layout"):
+        get_family("fspad").build(target.config, {}).engine_layout("vllm", Verifier("x"), None)
+    eagle = get_family("eagle").build(target.config, {})
+    for fmt in ("speculators", "sglang"):
+        with pytest.raises(EngineLayoutError, match=f"an eagle drafter has no {fmt} layout.*use --format vllm"):
+            eagle.engine_layout(fmt, Verifier("x"), None)
 
 
 def test_tree_options_at_serve_time(tiny_target_dir, tmp_path):

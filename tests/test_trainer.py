@@ -285,8 +285,8 @@ def test_export_writes_a_self_describing_drafter(tmp_path, recipe_path, capsys):
     assert "complete ones: step-2, step-4" in capsys.readouterr().err
     main(["export", recipe.output_dir, "--out", str(tmp_path / "o3"), "--checkpoint", "step-2"])
     with pytest.raises(SystemExit):  # FSPAD has no place in vLLM's EAGLE layout: one line, not a traceback
-        main(["export", recipe.output_dir, "--out", str(tmp_path / "o4"), "--layout", "speculators"])
-    assert "cannot export" in capsys.readouterr().err and not (tmp_path / "o4").exists()
+        main(["export", recipe.output_dir, "--out", str(tmp_path / "o4"), "--format", "vllm"])
+    assert "FSPAD has no serving-engine layout" in capsys.readouterr().err and not (tmp_path / "o4").exists()
 
 
 def test_the_best_checkpoint_survives_keep_last_and_export_best_takes_it(tmp_path, recipe_path, monkeypatch, capsys):
@@ -321,14 +321,37 @@ def test_export_best_needs_evaluated_checkpoints(tmp_path, recipe_path, capsys):
     assert "recorded eval/sim/accept_length (train with data.eval_samples > 0)" in capsys.readouterr().err
 
 
-def test_export_in_speculators_layout(tmp_path, tiny_target_dir, prepared_dir):
+def test_export_for_vllm_checks_the_verifier(tmp_path, tiny_target_dir, other_target_dir, prepared_dir, capsys):
+    from draftsmith.train.commands import EXPORT_FORMATS
+    from draftsmith.train.export import FORMATS
+
+    assert EXPORT_FORMATS == FORMATS
     recipe_path = write_recipe(tmp_path, tiny_target_dir, prepared_dir, drafter={"family": "eagle"})
     recipe = load_train_recipe(recipe_path, ["train.max_steps=1", "train.save_every=1"])
     train(recipe)
-    out = tmp_path / "spec"
-    main(["export", recipe.output_dir, "--out", str(out), "--layout", "speculators", "--verifier", "org/tiny"])
+    out = tmp_path / "vllm"
+    main(["export", recipe.output_dir, "--out", str(out), "--format", "vllm"])
     config = json.loads((out / "config.json").read_text())
-    assert "speculators_config" in config and load_file(str(out / "model.safetensors"))
+    assert config["architectures"] == ["LlamaForCausalLM"] and "fc.weight" in load_file(str(out / "model.safetensors"))
+    record = config["draftsmith_export"]
+    assert record["family"] == "eagle" and record["format"] == "vllm" and record["speculative_tokens"] == 5
+    main(["export", recipe.output_dir, "--out", str(out), "--format", "vllm", "--overwrite"])  # its own export
+    with pytest.raises(SystemExit):  # the drafter was trained for another target
+        main(
+            [
+                "export",
+                recipe.output_dir,
+                "--out",
+                str(tmp_path / "x"),
+                "--format",
+                "vllm",
+                "--verifier",
+                str(other_target_dir),
+            ]
+        )
+    assert "not the verifier" in capsys.readouterr().err and not (tmp_path / "x").exists()
+    main(["export", recipe.output_dir, "--out", str(tmp_path / "hub"), "--format", "vllm", "--verifier", "org/tiny"])
+    assert json.loads((tmp_path / "hub/config.json").read_text())["draftsmith_export"]["family"] == "eagle"
 
 
 def test_wandb_offline_run_writes_its_files(tmp_path, recipe_path, monkeypatch):

@@ -19,17 +19,25 @@ class TrainBatch:
 
     ``hidden_states`` is the feature ``f_t`` = the input of the target's ``lm_head`` at every position
     (``outputs.hidden_states[-1]``), read from the feature cache (offline) or computed in the step
-    with the frozen target (online); float32 on the model's device."""
+    with the frozen target (online); float32 on the model's device. ``drafter_states`` are the target
+    states the drafter reads (its config's ``feature_layers()``, concatenated): the same tensor as
+    ``hidden_states`` for drafters that read the feature alone."""
 
     input_ids: torch.Tensor  # (B, T) long
     loss_mask: torch.Tensor  # (B, T) float: 1 on supervised (assistant) tokens
     attention_mask: torch.Tensor  # (B, T) long: 1 on real tokens, 0 on padding
     hidden_states: torch.Tensor | None = None  # (B, T, h)
+    drafter_states: torch.Tensor | None = None  # (B, T, layers x h)
 
     def to(self, device: torch.device | str) -> TrainBatch:
+        hidden = None if self.hidden_states is None else self.hidden_states.to(device)
+        states = self.drafter_states
+        if states is not None:
+            states = hidden if states is self.hidden_states else states.to(device)
         return TrainBatch(
             *(t.to(device) if t is not None else None for t in (self.input_ids, self.loss_mask, self.attention_mask)),
-            hidden_states=None if self.hidden_states is None else self.hidden_states.to(device),
+            hidden_states=hidden,
+            drafter_states=states,
         )
 
 

@@ -6,6 +6,11 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from draftsmith.core.arguments import positive_int
+
+# train.export.FORMATS, spelled out so that building the parser imports no torch (a test keeps them equal)
+EXPORT_FORMATS = ("draftsmith", "vllm", "speculators", "sglang")
+
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("recipe", help="a training recipe (YAML), e.g. recipes/fspad-smollm2.yaml")
@@ -46,12 +51,24 @@ def cmd_export(args: argparse.Namespace) -> None:
         Path(args.out),
         checkpoint=args.checkpoint,
         overwrite=args.overwrite,
-        layout=args.layout,
+        fmt=args.format,
         verifier=args.verifier,
         best=args.best,
+        speculative_tokens=args.speculative_tokens,
     )
-    if args.layout == "speculators":
-        print(f"exported to {out} in vLLM's speculators layout (serve it with vLLM's --speculative-config)")
+    if args.format != "draftsmith":
+        from draftsmith.drafters.io import read_engine_export
+
+        record = read_engine_export(out) or {}
+        if args.format == "sglang":
+            print(f"exported to {out} in SGLang's EAGLE-3 layout (LlamaForCausalLMEagle3)")
+        else:
+            print(
+                f"exported to {out} in the layout vLLM loads (method {record.get('family')}); compare it in vLLM "
+                f"with `draftsmith bench --methods vllm,vllm={out} --vllm-python VENV/bin/python`"
+            )
+        if record.get("caveat"):
+            print(f"note: {record['caveat']}")
         return
     from draftsmith.drafters.registry import get_family
 
@@ -98,10 +115,24 @@ def add_train_commands(subparsers: Any) -> None:
         help="the checkpoint with the highest held-out eval/sim/accept_length (needs data.eval_samples > 0)",
     )
     p.add_argument(
+        "--format",
         "--layout",
-        choices=["draftsmith", "speculators"],
+        dest="format",
+        choices=list(EXPORT_FORMATS),
         default="draftsmith",
-        help="draftsmith (default; for generate/bench) or vLLM's speculators EAGLE layout (plain eagle only)",
+        help="draftsmith (default; for generate/bench); vllm: the layout vLLM loads for the family (eagle3: "
+        "speculators, eagle: EAGLE-1, medusa: MedusaModel); speculators (eagle3); sglang (eagle3)",
     )
-    p.add_argument("--verifier", default=None, help="with --layout speculators: the target's hub id to record")
+    p.add_argument(
+        "--verifier",
+        default=None,
+        help="engine formats: the target to record (default: the recipe's; a local one is checked against the "
+        "drafter's target)",
+    )
+    p.add_argument(
+        "--speculative-tokens",
+        type=positive_int,
+        default=None,
+        help="speculators format: tokens proposed per step by default (default: the drafter's tree depth)",
+    )
     p.set_defaults(func=cmd_export)

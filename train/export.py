@@ -2,18 +2,23 @@
 
 The directory holds ``config.json`` (the family's config with ``drafter_family`` and the target's
 identity) and ``model.safetensors`` (the drafter's own weights, nothing of the target), which
-``inference/`` loads with one call and refuses for any other target.
+``inference/`` loads with one call and refuses for any other target. ``--format vllm|speculators|sglang``
+writes a serving engine's layout instead.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
+import torch
 import yaml
+from safetensors import safe_open
 
-from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.io import check_creatable_directory, check_output_directory, verify_files
-from draftsmith.drafters.io import drafter_output_rules, export_drafter, export_speculators, read_drafter_config
+from draftsmith.core.target import TargetIdentity, load_tokenizer, safetensors_directory
+from draftsmith.drafters.engine_layouts import ENGINE_FORMATS, EngineLayoutError, Verifier
+from draftsmith.drafters.io import drafter_output_rules, export_drafter, export_for_engine, read_drafter_config
 from draftsmith.drafters.registry import get_family
 from draftsmith.train.checkpoint import (
     DRAFTER_DIR,
@@ -27,22 +32,31 @@ from draftsmith.train.checkpoint import (
 from draftsmith.train.recipe import TrainRecipe
 from draftsmith.train.recipe_loader import build
 
+EMBEDDING = "model.embed_tokens.weight"
+
+
+FORMATS = ("draftsmith", *ENGINE_FORMATS)
+
 
 def export_run(
     run_dir: Path,
     out: Path,
     checkpoint: str | None = None,
     overwrite: bool = False,
-    layout: str = "draftsmith",
+    fmt: str = "draftsmith",
     verifier: str | None = None,
     best: bool = False,
+    speculative_tokens: int | None = None,
 ) -> Path:
     """Write the drafter of ``run_dir``'s last complete checkpoint (or ``checkpoint``, or with ``best``
     the one with the highest ``eval/sim/accept_length``) to ``out``.
 
-    ``layout="speculators"`` writes vLLM's ``speculators`` EAGLE layout instead (plain EAGLE only),
-    naming ``verifier`` (default: the recipe's target) as the model it drafts for."""
+    ``fmt`` other than ``draftsmith`` writes a serving engine's layout (``vllm``, ``speculators``,
+    ``sglang``; see :mod:`draftsmith.drafters.engine_layouts`) for ``verifier`` (default: the recipe's
+    target), which must be the target the drafter was trained for when it is a local model."""
     run_dir = Path(run_dir)
+    if fmt not in FORMATS:
+        raise CheckpointError(f"unknown export format {fmt!r}; use one of {', '.join(FORMATS)}")
     recipe_path = run_dir / RESOLVED_RECIPE
     if not recipe_path.is_file():
         raise CheckpointError(f"{run_dir} is not a training run (no {RESOLVED_RECIPE}); give the run's output_dir")
@@ -59,12 +73,42 @@ def export_run(
     family = get_family(state.get("family", recipe.family_name))
     model = family.model_class.from_pretrained(str(source / DRAFTER_DIR))
     model.config.drafter_family = family.name
-    if layout == "speculators":
-        try:
-            return export_speculators(model, verifier or recipe.target.name, out, overwrite=overwrite, keep=keep)
-        except DraftsmithError as error:  # a family or option the layout cannot express
-            raise CheckpointError(f"cannot export {run_dir} for speculators: {error}") from None
-    return export_drafter(model, state["target_identity"], out, overwrite=overwrite, keep=keep)
+    if fmt == "draftsmith":
+        return export_drafter(model, state["target_identity"], out, overwrite=overwrite, keep=keep)
+    try:
+        engine_target = engine_verifier(verifier or recipe.target.name, state["target_identity"])
+        return export_for_engine(
+            model, fmt, engine_target, speculative_tokens, state["target_identity"], out, overwrite, keep
+        )
+    except EngineLayoutError as error:  # a family or option the layout cannot express
+        raise CheckpointError(f"cannot export {run_dir} as {fmt}: {error}") from None
+
+
+def engine_verifier(name: str, trained_for: dict[str, str]) -> Verifier:
+    """The target an engine export names: its local safetensors directory when there is one (checked
+    against the target the drafter was trained for, so an export for another target is refused), else
+    the hub id as given (the engine fetches it; nothing here can check it)."""
+    directory = safetensors_directory(name)
+    if directory is None:
+        return Verifier(name)
+    _, identity = load_tokenizer(name)
+    problem = TargetIdentity.from_dict(trained_for).mismatch(identity)
+    if problem:
+        raise CheckpointError(
+            f"the drafter was trained for {trained_for['name']}, not the verifier {name}: {problem}; "
+            "pass --verifier with the target it was trained for"
+        )
+    architectures = json.loads((directory / "config.json").read_text()).get("architectures") or ["LlamaForCausalLM"]
+    return Verifier(str(directory), tuple(architectures), embed_tokens=lambda: read_embedding(directory))
+
+
+def read_embedding(directory: Path) -> torch.Tensor:
+    """The token embedding (``model.embed_tokens.weight``) from a safetensors model directory."""
+    for path in sorted(directory.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as handle:
+            if EMBEDDING in handle.keys():
+                return handle.get_tensor(EMBEDDING).float()
+    raise CheckpointError(f"{directory} holds no {EMBEDDING}; is it a Llama-architecture model?")
 
 
 def drafter_parameter_counts(directory: Path) -> dict[str, int]:

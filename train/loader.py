@@ -57,8 +57,11 @@ def open_prepared(path: str, identity: TargetIdentity) -> PreparedDataset:
     return dataset
 
 
-def open_feature_cache(path: str, prepared: PreparedDataset, identity: TargetIdentity, hidden: int) -> FeatureCache:
-    """The recipe's feature cache: complete, for this target, for this prepared dataset, this hidden size."""
+def open_feature_cache(
+    path: str, prepared: PreparedDataset, identity: TargetIdentity, hidden: int, layers: tuple[int, ...] = (-1,)
+) -> FeatureCache:
+    """The recipe's feature cache: complete, for this target, for this prepared dataset, this hidden
+    size, holding the target states ``layers`` (``hidden_states`` indices; -1 = the feature)."""
     cache = FeatureCache(Path(path))
     cache.check_target(identity)
     if cache.manifest["dataset"]["fingerprint"] != _dataset_fingerprint(prepared):
@@ -71,7 +74,24 @@ def open_feature_cache(path: str, prepared: PreparedDataset, identity: TargetIde
             f"data.features: {path} holds features of size {cache.manifest['hidden_size']}, "
             f"the target's hidden size is {hidden}; cache features again"
         )
+    missing = [layer for layer in layers if layer != -1 and layer not in cache.manifest["layers"]]
+    if missing:
+        wanted = ",".join(str(layer) for layer in layers if layer != -1)
+        raise FeatureCacheError(
+            f"data.features: {path} lacks the target states {missing} this drafter reads; run "
+            f"`draftsmith data cache-features {prepared.path} --out {path} --layers {wanted} --overwrite`"
+        )
     return cache
+
+
+def state_key(layer: int) -> str:
+    """The feature cache's name for ``hidden_states[layer]`` (-1 is the feature itself)."""
+    return "feature" if layer == -1 else f"hidden_states.{layer}"
+
+
+def drafter_states(states: dict[int, torch.Tensor], layers: tuple[int, ...]) -> torch.Tensor:
+    """``layers``' states concatenated on the last axis (the one tensor itself when there is one)."""
+    return states[layers[0]] if len(layers) == 1 else torch.cat([states[layer] for layer in layers], dim=-1)
 
 
 @dataclass
@@ -82,6 +102,7 @@ class TrainData:
     cache: FeatureCache | None = None
     max_length: int | None = None
     eval_samples: int = 0
+    layers: tuple[int, ...] = (-1,)  # the target states the drafter reads (its config's feature_layers())
     train_indices: list[int] = field(init=False)
     eval_indices: list[int] = field(init=False)
     _order: tuple[int, list[int]] | None = field(default=None, init=False, repr=False)
@@ -145,44 +166,57 @@ class TrainData:
             counts -= torch.bincount(sample.input_ids[sample.loss_mask.bool()], minlength=vocab_size)
         return counts
 
-    def sample(self, index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """(input_ids, loss_mask, feature or None) of one sample, cut to ``max_length``."""
+    def sample(self, index: int) -> tuple[torch.Tensor, torch.Tensor, dict[int, torch.Tensor] | None]:
+        """(input_ids, loss_mask, {layer: cached state} or None) of one sample, cut to ``max_length``;
+        the states are the feature (-1) and :attr:`layers`."""
         if self.cache is not None:
             item = self.cache[index]
-            ids, mask, feature = item["input_ids"], item["loss_mask"], item["feature"]
+            ids, mask = item["input_ids"], item["loss_mask"]
+            states = {layer: item[state_key(layer)] for layer in {-1, *self.layers}}
         else:
             item = self.prepared[index]
-            ids, mask, feature = item.input_ids, item.loss_mask, None
+            ids, mask, states = item.input_ids, item.loss_mask, None
         if self.max_length is not None:
             ids, mask = ids[: self.max_length], mask[: self.max_length]
-            feature = None if feature is None else feature[: self.max_length]
-        return ids, mask, feature
+            states = None if states is None else {k: v[: self.max_length] for k, v in states.items()}
+        return ids, mask, states
 
     def collate(self, indices: list[int]) -> TrainBatch:
-        """A right-padded batch; offline batches carry the cached features as float32."""
+        """A right-padded batch; offline batches carry the cached states as float32."""
         samples = [self.sample(i) for i in indices]
         width = max(len(ids) for ids, _, _ in samples)
         input_ids = torch.zeros(len(samples), width, dtype=torch.long)
         loss_mask = torch.zeros(len(samples), width, dtype=torch.float32)
         attention_mask = torch.zeros(len(samples), width, dtype=torch.long)
-        hidden = None
+        padded = None
         if self.offline:
-            hidden = torch.zeros(len(samples), width, samples[0][2].shape[-1], dtype=torch.float32)
-        for row, (ids, mask, feature) in enumerate(samples):
+            shapes = {layer: state.shape[-1] for layer, state in samples[0][2].items()}
+            padded = {layer: torch.zeros(len(samples), width, size) for layer, size in shapes.items()}
+        for row, (ids, mask, states) in enumerate(samples):
             length = len(ids)
             input_ids[row, :length] = ids
             loss_mask[row, :length] = mask.float()
             attention_mask[row, :length] = 1
-            if hidden is not None:
-                hidden[row, :length] = feature.float()
-        return TrainBatch(input_ids, loss_mask, attention_mask, hidden)
+            for layer, state in (states or {}).items():
+                padded[layer][row, :length] = state.float()
+        if padded is None:
+            return TrainBatch(input_ids, loss_mask, attention_mask)
+        return TrainBatch(input_ids, loss_mask, attention_mask, padded[-1], drafter_states(padded, self.layers))
 
 
 @torch.no_grad()
-def online_features(target_model: torch.nn.Module, batch: TrainBatch) -> torch.Tensor:
-    """The feature ``hidden_states[-1]`` (input of ``lm_head``) of a right-padded batch, float32.
+def online_features(
+    target_model: torch.nn.Module, batch: TrainBatch, layers: tuple[int, ...] = (-1,)
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The feature ``hidden_states[-1]`` (input of ``lm_head``) of a right-padded batch and the
+    states ``layers`` concatenated (:attr:`TrainBatch.drafter_states`), float32.
 
     The base model only: its ``last_hidden_state`` is the feature, and the ``lm_head`` logits would
     cost more than the rest of the forward on small targets (same definition as the feature cache)."""
-    out = target_model.base_model(input_ids=batch.input_ids, attention_mask=batch.attention_mask)
-    return out.last_hidden_state.float()
+    extra = any(layer != -1 for layer in layers)
+    out = target_model.base_model(
+        input_ids=batch.input_ids, attention_mask=batch.attention_mask, output_hidden_states=extra
+    )
+    feature = out.last_hidden_state.float()
+    states = {layer: feature if layer == -1 else out.hidden_states[layer].float() for layer in layers}
+    return feature, drafter_states(states, layers)

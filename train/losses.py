@@ -12,6 +12,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
+from transformers import DynamicCache
 
 from draftsmith.core.tree import causal_mask
 from draftsmith.drafters.base import FrozenTarget
@@ -109,6 +110,94 @@ def _draft_step_accuracy(model, frozen, head, embeds, inputs, first, positions, 
 
 def _padded_causal_mask(padding: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return causal_mask(padding.shape[1], dtype, padding.device, padding)
+
+
+def eagle3_loss(model, batch: TrainBatch, frozen: FrozenTarget, decay: float = 0.8, teacher_chunk_rows: int = 1024):
+    """EAGLE-3 / FSPAD-3: the training-time test, ``sum_i decay^i * CE_i`` over ``drafter.ttt_steps`` steps.
+
+    Step 0: position t reads the fused target states at t and ``x_{t+1}`` (causal attention) and
+    predicts ``x_{t+2}``. Step i: position t reads step i-1's fed-back hidden at t and ``x_{t+1+i}``
+    (rotary position t + i) and predicts ``x_{t+2+i}``, attending causally to step 0's keys plus only
+    its own position's keys of steps 1..i (:func:`ttt_mask`): the chain the runtime drafts, one step
+    per depth. ``CE_i`` is the soft cross-entropy to the target's distribution restricted to the draft
+    vocabulary, at positions whose label is an assistant token and whose target argmax is drafted.
+    The teacher's full-vocabulary logits are made ``teacher_chunk_rows`` rows at a time (no gradient).
+
+    Metrics: ``loss/step{i}``, ``acc/step{i+1}`` (top-1 agreement with the target's argmax over its
+    whole vocabulary, a token outside the draft vocabulary a miss) and ``sim/accept_length`` =
+    ``1 + sum_k prod_{j<=k} acc_j``, the top-1 chain length they imply."""
+    core = getattr(model, "module", model)  # DDP / DeepSpeed wrap the drafter; compute goes through model()
+    teacher, truth = _draft_vocab_teacher(frozen, core, batch.hidden_states.float(), teacher_chunk_rows)
+    drafted = core.t2d[truth]  # (B, T): the target's argmax at f_s is in the draft vocabulary
+    supervised = (batch.loss_mask * batch.attention_mask).bool()
+    total, metrics, accuracies = 0.0, {}, []
+    steps = ttt_unroll(model, frozen, batch.input_ids, batch.attention_mask, batch.drafter_states.float())
+    for step, out in enumerate(steps):
+        labelled = _shift_left(supervised, 2 + step)  # x_{t+2+i} is an assistant token
+        rows = labelled & _shift_left(drafted, 1 + step)
+        logits = core.logits(out.token_features)
+        ce = _soft_cross_entropy(logits[rows].float(), _shift_left(teacher, 1 + step)[rows])
+        step_loss = ce.sum() / rows.sum().clamp_min(1)
+        total = total + decay**step * step_loss
+        metrics[f"loss/step{step}"] = float(step_loss.detach())
+        if labelled.any():
+            hits = core.token_ids(logits[labelled].detach().argmax(-1)) == _shift_left(truth, 1 + step)[labelled]
+            accuracies.append(float(hits.float().mean()))
+            metrics[f"acc/step{step + 1}"] = accuracies[-1]
+    if accuracies:
+        metrics["sim/accept_length"] = 1.0 + float(torch.tensor(accuracies).cumprod(0).sum())
+    return LossOutput(total, metrics)
+
+
+def ttt_unroll(model, frozen: FrozenTarget, input_ids: torch.Tensor, attention_mask: torch.Tensor, states):
+    """The training-time test's steps, each a ``DrafterOutput`` over all positions (see :func:`eagle3_loss`):
+    step 0 reads the target ``states`` (B, T, layers x h), step i the hidden step i-1 fed back, and
+    ``x_{t+1+i}`` at rotary position t + i; their keys accumulate in one KV cache, masked by :func:`ttt_mask`."""
+    core = getattr(model, "module", model)
+    width = input_ids.shape[1]
+    key_padding = _shift_left(attention_mask, 1)  # position s reads x_{s+1}: real when x_{s+1} is
+    cache, hidden = DynamicCache(), states
+    for step in range(core.config.ttt_steps):
+        embeds = frozen.embed_tokens(_shift_left(input_ids, 1 + step)).to(states.dtype)
+        positions = (torch.arange(width, device=input_ids.device) + step)[None].expand(input_ids.shape[0], -1)
+        mask = ttt_mask(key_padding, step, states.dtype)
+        out = model(embeds, hidden, positions, mask, cache, from_target=step == 0)  # through DDP's forward
+        hidden = out.next_features
+        yield out
+
+
+def ttt_mask(key_padding: torch.Tensor, step: int, dtype: torch.dtype) -> torch.Tensor:
+    """(B, 1, T, (step + 1) T) additive mask of training-time-test step ``step``: query t sees step 0's
+    keys at positions <= t (real ones, ``key_padding`` (B, T)) and its own position's key of every
+    step 1..``step``; the key columns are the steps' keys in order, as the KV cache holds them."""
+    causal = causal_mask(key_padding.shape[1], dtype, key_padding.device, key_padding)
+    own = torch.full_like(causal[:1], torch.finfo(dtype).min).diagonal_scatter(
+        torch.zeros(key_padding.shape[1], dtype=dtype, device=key_padding.device)[None, None], dim1=2, dim2=3
+    )
+    return torch.cat([causal, *[own.expand_as(causal)] * step], dim=-1)
+
+
+def _shift_left(tensor: torch.Tensor, shift: int) -> torch.Tensor:
+    """``tensor[:, t + shift]`` at t (zeros past the end), same shape: what position t reads ``shift`` ahead."""
+    shifted = torch.zeros_like(tensor)
+    if shift < tensor.shape[1]:
+        shifted[:, : tensor.shape[1] - shift] = tensor[:, shift:]
+    return shifted
+
+
+@torch.no_grad()
+def _draft_vocab_teacher(frozen: FrozenTarget, core, features: torch.Tensor, chunk_rows: int):
+    """The target's logits at every position restricted to the draft vocabulary (B, T, N) and its
+    argmax over the whole vocabulary (B, T), ``chunk_rows`` rows of full-vocabulary logits at a time."""
+    flat = features.reshape(-1, features.shape[-1])
+    vocab = core.draft_token_ids()
+    restricted, argmax = [], []
+    for start in range(0, flat.shape[0], chunk_rows if chunk_rows > 0 else max(flat.shape[0], 1)):
+        logits = frozen.lm_head(flat[start : start + chunk_rows if chunk_rows > 0 else None]).float()
+        restricted.append(logits[:, vocab])
+        argmax.append(logits.argmax(-1))
+    shape = features.shape[:2]
+    return torch.cat(restricted).reshape(*shape, -1), torch.cat(argmax).reshape(shape)
 
 
 def medusa_loss(

@@ -296,12 +296,16 @@ class Trainer:
         self.target = load_target(recipe.target.name, dtype=recipe.target.dtype)
         self.target.model.requires_grad_(False)
         prepared = open_prepared(recipe.data.prepared, self.target.identity)
+        # the target states the drafter reads: its config's one declaration
+        self.layers = self.family.build_config(self.target.model.config, recipe.drafter_options).feature_layers()
         cache = None
         if recipe.data.features:
-            cache = open_feature_cache(recipe.data.features, prepared, self.target.identity, self.target.hidden_size)
+            cache = open_feature_cache(
+                recipe.data.features, prepared, self.target.identity, self.target.hidden_size, self.layers
+            )
         elif self.family.needs_features:
             self.target.model.to(device)  # online: the frozen target computes features inside the step
-        self.data = TrainData(prepared, cache, recipe.data.max_length, recipe.data.eval_samples)
+        self.data = TrainData(prepared, cache, recipe.data.max_length, recipe.data.eval_samples, self.layers)
         self.frozen = FrozenTarget.from_model(self.target.model)
         self.frozen.embed_tokens.to(device)
         self.frozen.lm_head.to(device)
@@ -421,7 +425,7 @@ class Trainer:
     def _batch(self, indices: list[int]) -> TrainBatch:
         batch = self.data.collate(indices).to(self.accelerator.device)
         if batch.hidden_states is None and self.family.needs_features:
-            batch.hidden_states = online_features(self.target.model, batch)
+            batch.hidden_states, batch.drafter_states = online_features(self.target.model, batch, self.layers)
         return batch
 
     def _autocast(self) -> Any:

@@ -1,0 +1,133 @@
+"""What serving engines load: the parts every family's engine layout shares, and their checks.
+
+A family writes its own layout in its :meth:`DrafterModel.engine_layout` hook (EAGLE: vLLM's EAGLE-1
+``EagleLlamaForCausalLM``; Medusa: vLLM's ``MedusaModel``; EAGLE-3: vLLM ``speculators`` and SGLang);
+this module holds what those share: the :class:`Verifier` an export is made for, the decoder-layer
+config engines read, the ``speculators_config`` block, and :func:`check_engine_export`, which refuses
+a config missing a field the engine requires instead of writing it.
+
+Formats (``draftsmith export --format``): ``vllm`` is whatever vLLM loads for the family,
+``speculators`` the layout vLLM's ``speculators`` library writes (EAGLE-3 only in vLLM 0.32, which
+dropped the speculators EAGLE-1 type), ``sglang`` SGLang's EAGLE-3 layout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from draftsmith.core.errors import DraftsmithError
+
+ENGINE_FORMATS = ("vllm", "speculators", "sglang")
+SPECULATORS_VERSION = "0.9.0"  # the speculators release whose eagle3 config this export follows (vLLM 0.32 loads it)
+
+# What vLLM 0.32 reads from a speculators config.json before anything else
+# (SpeculatorsConfig.validate_speculators_config; a missing one is "Invalid speculators config structure").
+SPECULATORS_REQUIRED: tuple[tuple[str | int, ...], ...] = (
+    ("speculators_model_type",),
+    ("speculators_config", "verifier", "name_or_path"),
+    ("speculators_config", "proposal_methods", 0, "speculative_tokens"),
+    ("transformer_layer_config",),
+)
+# EAGLE-3 fields vLLM reads with a default that would silently change the model when absent:
+# ``norm_before_residual`` defaults to true in vLLM and false in the speculators library.
+EAGLE3_SPECULATORS_REQUIRED: tuple[tuple[str | int, ...], ...] = (
+    ("draft_vocab_size",),
+    ("eagle_aux_hidden_state_layer_ids",),
+    ("norm_before_residual",),
+    ("transformer_layer_config", "hidden_size"),
+    ("transformer_layer_config", "vocab_size"),
+)
+SGLANG_EAGLE3_REQUIRED: tuple[tuple[str | int, ...], ...] = (
+    ("architectures",),
+    ("eagle_config", "eagle_aux_hidden_state_layer_ids"),
+    ("draft_vocab_size",),
+    ("vocab_size",),
+    ("hidden_size",),
+    ("num_hidden_layers",),
+)
+
+
+class EngineLayoutError(DraftsmithError, ValueError):
+    """A drafter (or an option of it) that a serving engine's layout cannot express, or an export
+    missing what the engine requires."""
+
+
+@dataclass(frozen=True)
+class Verifier:
+    """The target an engine export drafts for: the name the engine opens it by, and (when the export
+    must carry part of the target, e.g. EAGLE-3's token embedding for vLLM) its weights."""
+
+    name_or_path: str
+    architectures: tuple[str, ...] = ("LlamaForCausalLM",)
+    embed_tokens: Callable[[], torch.Tensor] | None = field(default=None, compare=False)
+
+    def embedding(self) -> torch.Tensor:
+        if self.embed_tokens is None:
+            raise EngineLayoutError(
+                f"this layout carries the target's token embedding, but {self.name_or_path!r} is not a local "
+                "model directory; pass --verifier DIR (the target's safetensors directory)"
+            )
+        return self.embed_tokens()
+
+
+@dataclass
+class EngineExport:
+    """``config.json`` and the tensors of ``model.safetensors`` in an engine's layout."""
+
+    config: dict[str, Any]
+    tensors: dict[str, torch.Tensor]
+    required: tuple[tuple[str | int, ...], ...] = ()  # config paths the engine cannot do without
+    required_tensors: tuple[str, ...] = ()
+    speculative_tokens: int = 0  # tokens the engine drafts per step when serving it (``bench`` vllm=DIR)
+    caveat: str = ""  # what the engine is known to do differently with it, shown by ``draftsmith export``
+
+
+def llama_layer_config(layer: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    """One Llama decoder layer's settings as engines read them (``model_type: llama``, one layer)."""
+    config = {key: value for key, value in layer.items() if not key.startswith("_")}
+    config.update(model_type="llama", num_hidden_layers=1, **extra)
+    return config
+
+
+def speculators_block(algorithm: str, verifier: Verifier, speculative_tokens: int) -> dict[str, Any]:
+    """The ``speculators_config`` entry: the verifier and one greedy proposal method."""
+    if speculative_tokens < 1:
+        raise EngineLayoutError(f"speculative_tokens must be >= 1, got {speculative_tokens}")
+    return {
+        "algorithm": algorithm,
+        "default_proposal_method": "greedy",
+        "proposal_methods": [
+            {
+                "proposal_type": "greedy",
+                "speculative_tokens": int(speculative_tokens),
+                "verifier_accept_k": 1,
+                "accept_tolerance": 0.0,
+            }
+        ],
+        "verifier": {"name_or_path": verifier.name_or_path, "architectures": list(verifier.architectures)},
+    }
+
+
+def missing_field(config: dict[str, Any], path: tuple[str | int, ...]) -> bool:
+    node: Any = config
+    for key in path:
+        try:
+            node = node[key]
+        except (KeyError, IndexError, TypeError):
+            return True
+    return node is None
+
+
+def check_engine_export(export: EngineExport, fmt: str) -> None:
+    """Refuse an export that lacks a config field or tensor its engine requires (one line naming it)."""
+    for path in export.required:
+        if missing_field(export.config, path):
+            name = ".".join(str(key) if isinstance(key, str) else f"[{key}]" for key in path).replace(".[", "[")
+            raise EngineLayoutError(f"the {fmt} export lacks {name}, which the engine requires; this is a bug")
+    absent = [name for name in export.required_tensors if name not in export.tensors]
+    if absent:
+        raise EngineLayoutError(f"the {fmt} export lacks the tensor(s) {', '.join(absent)}; this is a bug")

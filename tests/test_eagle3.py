@@ -1,0 +1,209 @@
+"""EAGLE-3 / FSPAD-3 drafters: draft vocabulary maps, the training-time test, export/load and lossless
+EAGLE-2 trees over the fused target layers."""
+
+import pytest
+import torch
+
+from conftest import tiny_llama
+from decoding_helpers import hf_greedy, self_distilled_batch, serve
+from decoding_helpers import random_prompts as _random_prompts
+from draftsmith.core.drafting import DraftContext
+from draftsmith.drafters.base import FrozenTarget
+from draftsmith.drafters.eagle import EagleConfigError
+from draftsmith.drafters.eagle3 import Eagle3Drafter, default_aux_layer_ids
+from draftsmith.drafters.io import export_drafter
+from draftsmith.drafters.registry import get_family
+from draftsmith.drafters.vocab import draft_vocab_maps
+from draftsmith.inference.runtime import generate
+from draftsmith.train.loader import online_features
+from draftsmith.train.losses import family_loss, ttt_mask, ttt_unroll
+
+VOCAB = 97
+EOS = 2
+LAYERS = [0, 2, 3]  # the states entering layers 0, 2 and 3 of the 5-layer target
+
+
+def random_prompts(n, seed):
+    return _random_prompts(n, seed, VOCAB)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_llama(VOCAB, seed=0, num_hidden_layers=5)
+
+
+def fused_batch(target, layers, **kwargs):
+    """A self-distilled batch carrying the target states ``layers`` (what the trainer hands the loss)."""
+    batch = self_distilled_batch(target, VOCAB, **kwargs)
+    batch.hidden_states, batch.drafter_states = online_features(target, batch, tuple(layers))
+    return batch
+
+
+def train(family_name, target, batch, steps, **options):
+    torch.manual_seed(0)
+    family = get_family(family_name)
+    model = family.build(target.config, {"aux_layer_ids": LAYERS, **options})
+    model.fit_data(torch.bincount(batch.input_ids[batch.attention_mask.bool()], minlength=VOCAB))
+    frozen = FrozenTarget.from_model(target)
+    model.init_from_target(frozen)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(steps):
+        out = family_loss(family)(model, batch, frozen)
+        optimizer.zero_grad()
+        out.loss.backward()
+        optimizer.step()
+        losses.append(float(out.loss.detach()))
+    return model.eval(), losses
+
+
+@pytest.fixture(scope="module")
+def trained_eagle3(target):
+    model, _ = train("eagle3", target, fused_batch(target, LAYERS), 150, depth=4, top_k=3)
+    return model
+
+
+def test_config_defaults_follow_vllm_and_refuse_bad_layers(target):
+    model = get_family("eagle3").build(target.config, {})
+    assert model.config.aux_layer_ids == default_aux_layer_ids(5) == [2, 2, 2]
+    assert default_aux_layer_ids(30) == [2, 15, 27]  # SmolLM2, as vLLM picks them
+    assert model.config.feature_layers() == (2, 2, 2) and model.config.draft_vocab_size == VOCAB
+    assert model.fc.in_features == 3 * 64 and model.lm_head.out_features == VOCAB
+    with pytest.raises(EagleConfigError, match="aux_layer_ids must name at least two of the target's layers 0..4"):
+        get_family("eagle3").build(target.config, {"aux_layer_ids": [1, 5]})
+    with pytest.raises(EagleConfigError, match="ttt_steps must be >= 1"):
+        get_family("eagle3").build(target.config, {"ttt_steps": 0})
+    fspad3 = get_family("fspad3").build(target.config, {"partial_alignment": False})
+    assert fspad3.feature_sampler is not None and fspad3.layer.mlp.down_proj.out_features == 64
+    assert get_family("fspad3").build(target.config, {}).layer.mlp.down_proj.out_features == 128
+
+
+def test_draft_vocabulary_maps_round_trip(target, tmp_path):
+    ids = torch.tensor([3, 4, 10, 50, 96])
+    d2t, t2d = draft_vocab_maps(ids, VOCAB)
+    assert d2t.dtype == torch.long and t2d.dtype == torch.bool and t2d.shape == (VOCAB,)
+    assert (torch.arange(5) + d2t).tolist() == ids.tolist() and t2d.nonzero().flatten().tolist() == ids.tolist()
+
+    model = get_family("eagle3").build(target.config, {"aux_layer_ids": LAYERS, "draft_vocab_size": 6})
+    counts = torch.zeros(VOCAB, dtype=torch.long)
+    counts[[90, 7, 33, 12, 61, 5]] = torch.tensor([9, 8, 7, 6, 5, 4])
+    counts[40] = 1  # the 7th most frequent: left out
+    model.fit_data(counts)
+    drafted = [5, 7, 12, 33, 61, 90]  # the six most frequent, ascending
+    assert model.draft_token_ids().tolist() == drafted
+    assert model.t2d.nonzero().flatten().tolist() == drafted
+    assert model.token_ids(torch.tensor([0, 5])).tolist() == [5, 90]
+    model.init_from_target(FrozenTarget.from_model(target))
+    torch.testing.assert_close(model.lm_head.weight, target.lm_head.weight[drafted])
+    export_drafter(model, {"name": "t"}, tmp_path / "d")
+    loaded = Eagle3Drafter.from_pretrained(tmp_path / "d")
+    assert loaded.draft_token_ids().tolist() == drafted and torch.equal(loaded.t2d, model.t2d)
+    assert loaded.config.aux_layer_ids == LAYERS and loaded.config.drafter_family == "eagle3"
+
+
+def test_ttt_mask_shape():
+    mask = ttt_mask(torch.tensor([[1, 1, 1, 0]]), 2, torch.float32)
+    allowed = (mask[0, 0] == 0).int()
+    assert allowed.shape == (4, 12)
+    assert allowed[:, :4].tolist() == [[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 1, 1]]  # padded row: itself
+    assert allowed[:, 4:8].tolist() == allowed[:, 8:].tolist() == torch.eye(4, dtype=torch.int).tolist()
+
+
+@pytest.mark.parametrize("family", ["eagle3", "fspad3"])
+def test_training_time_test_never_sees_a_later_position(target, family):
+    """Changing the target states after position t, and the tokens after the last one any step at t
+    reads, leaves every step's output at t unchanged."""
+    torch.manual_seed(0)
+    model = get_family(family).build(target.config, {"aux_layer_ids": LAYERS, "ttt_steps": 3})
+    frozen = FrozenTarget.from_model(target)
+    ids = torch.randint(4, VOCAB, (2, 12))
+    attention = torch.ones_like(ids)
+    states = torch.randn(2, 12, 3 * 64)
+    t = 5
+    changed_ids, changed_states = ids.clone(), states.clone()
+    changed_ids[:, t + 4 :] = torch.randint(4, VOCAB, (2, 12 - t - 4))  # step 2 at t reads x_{t+3}
+    changed_states[:, t + 1 :] += torch.randn(2, 12 - t - 1, 3 * 64)
+    with torch.no_grad():
+        before = list(ttt_unroll(model, frozen, ids, attention, states))
+        after = list(
+            ttt_unroll(model, frozen, changed_ids, changed_states.new_ones(1).long() * attention, changed_states)
+        )
+    for first, second in zip(before, after):
+        torch.testing.assert_close(first.token_features[:, : t + 1], second.token_features[:, : t + 1])
+        assert not torch.allclose(first.token_features[:, t + 1 :], second.token_features[:, t + 1 :])
+
+
+@pytest.mark.parametrize("family", ["eagle3", "fspad3"])
+def test_loss_is_finite_trains_only_the_drafter_and_overfits(target, family):
+    batch = fused_batch(target, LAYERS, n=4, new_tokens=12)
+    model = get_family(family).build(target.config, {"aux_layer_ids": LAYERS})
+    frozen = FrozenTarget.from_model(target)
+    out = family_loss(get_family(family))(model, batch, frozen)
+    assert torch.isfinite(out.loss)
+    out.loss.backward()
+    assert all(p.grad is not None for p in model.parameters())
+    assert frozen.lm_head.weight.grad is None and frozen.embed_tokens.weight.grad is None
+    assert {"loss/step0", "loss/step2", "acc/step1", "acc/step3", "sim/accept_length"} <= set(out.metrics)
+    assert out.metrics["sim/accept_length"] < 1.5
+    # the soft CE's floor is the random target's entropy (near log V): the KL part is what drops
+    trained, losses = train(family, target, batch, 60)
+    assert losses[-1] < losses[0] - 0.03
+    assert family_loss(get_family(family))(trained, batch, frozen).metrics["sim/accept_length"] > 2.5
+
+
+def _context(target, prompt, extra, layers):
+    tokens = prompt + extra
+    with torch.no_grad():
+        hidden = target.model(torch.tensor([tokens]), output_hidden_states=True).hidden_states
+    return DraftContext(tokens, len(prompt), features=torch.cat([hidden[i][0, :-1] for i in layers], -1))
+
+
+def test_runtime_chain_is_the_training_time_test(target, trained_eagle3):
+    """A top-1 chain drafted at decode time equals the training-time test's steps at the last committed
+    position when the unrolled tokens are the chain itself: same masks, same positions."""
+    prompt = random_prompts(1, seed=7)[0]
+    context = _context(target, prompt, hf_greedy(target, prompt, 3), LAYERS)
+    drafter = serve(trained_eagle3, target, depth=3, top_k=1, total_tokens=3)
+    assert drafter.feature_layers == tuple(LAYERS)
+    chain = drafter.propose(context).tokens.tolist()
+    ids = torch.tensor([context.tokens + chain])
+    states = torch.cat([context.features, context.features[-1:].repeat(len(chain) + 1, 1)])[None]
+    last = len(context.tokens) - 2  # the position reading the root token
+    with torch.no_grad():
+        steps = ttt_unroll(trained_eagle3, FrozenTarget.from_model(target), ids, torch.ones_like(ids), states)
+        unrolled = [
+            int(trained_eagle3.token_ids(trained_eagle3.logits(out.token_features[0, last]).argmax())) for out in steps
+        ]
+    assert unrolled == chain
+
+
+@pytest.mark.parametrize("family", ["eagle3", "fspad3"])
+def test_greedy_decoding_is_lossless(target, trained_eagle3, family):
+    models = {
+        "random": get_family(family).build(target.config, {"aux_layer_ids": LAYERS, "draft_vocab_size": 40}).eval()
+    }
+    if family == "eagle3":
+        models["trained"] = trained_eagle3
+    for name, model in models.items():
+        drafter = serve(model, target, total_tokens=10)
+        results = []
+        for prompt in random_prompts(10, seed=11):
+            result = generate(target, prompt, drafter, max_new_tokens=40, eos_token_ids=[EOS])
+            assert result.tokens == hf_greedy(target, prompt, 40)
+            results.append(result)
+        tau = sum(len(r.tokens) for r in results) / sum(r.target_forwards for r in results)
+        if name == "trained":
+            assert tau > 1.3  # its trees really get accepted
+
+
+def test_export_and_load_round_trip(target, tmp_path, trained_eagle3):
+    export_drafter(
+        trained_eagle3, {"name": "t", "revision": "r", "config_hash": "c", "tokenizer_hash": "k"}, tmp_path / "d"
+    )
+    loaded = Eagle3Drafter.from_pretrained(tmp_path / "d").eval()
+    args = (torch.randn(1, 6, 64), torch.randn(1, 6, 3 * 64), torch.arange(6)[None])
+    with torch.no_grad():
+        torch.testing.assert_close(
+            loaded.read_target(*args).token_features, trained_eagle3.read_target(*args).token_features
+        )
+    assert "embed_tokens.weight" not in loaded.state_dict()

@@ -1,0 +1,319 @@
+"""Exports for serving engines (vLLM speculators / EAGLE-1 / Medusa, SGLang EAGLE-3): names, shapes,
+required config fields, refusals; and vLLM as a bench method (the live tests skip without vLLM)."""
+
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import tiny_llama
+from draftsmith.drafters.engine_layouts import (
+    EAGLE3_SPECULATORS_REQUIRED,
+    SPECULATORS_REQUIRED,
+    EngineLayoutError,
+    Verifier,
+    check_engine_export,
+)
+from draftsmith.drafters.io import export_for_engine, is_exported_drafter, read_engine_export
+from draftsmith.drafters.registry import get_family
+
+VOCAB = 97
+AUX = [1, 2, 3]  # the states entering layers 1, 2 and 3 of the 5-layer target
+H, FF, KV = 64, 128, 2 * 16  # hidden, intermediate, key/value width of the tiny target
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_llama(VOCAB, seed=0, num_hidden_layers=5)
+
+
+@pytest.fixture(scope="module")
+def verifier(target):
+    return Verifier("/models/tiny", embed_tokens=lambda: target.get_input_embeddings().weight.detach().clone())
+
+
+def eagle3(target, draft_vocab_size=40, **options):
+    torch.manual_seed(0)
+    model = get_family(options.pop("family", "eagle3")).build(
+        target.config, {"aux_layer_ids": AUX, "draft_vocab_size": draft_vocab_size, **options}
+    )
+    if draft_vocab_size:
+        model.fit_vocab(torch.arange(0, 2 * draft_vocab_size, 2))  # every other token: offsets d2t[i] = i
+    return model
+
+
+LAYER_SHAPES = {
+    "self_attn.q_proj.weight": (H, 2 * H),
+    "self_attn.k_proj.weight": (KV, 2 * H),
+    "self_attn.v_proj.weight": (KV, 2 * H),
+    "self_attn.o_proj.weight": (H, H),
+    "hidden_norm.weight": (H,),
+    "input_layernorm.weight": (H,),
+    "post_attention_layernorm.weight": (H,),
+    "mlp.gate_proj.weight": (FF, H),
+    "mlp.up_proj.weight": (FF, H),
+    "mlp.down_proj.weight": (H, FF),
+}
+
+
+def test_eagle3_speculators_layout_is_what_vllm_reads(target, verifier):
+    model = eagle3(target)
+    export = model.engine_layout("speculators", verifier, None)
+    config, tensors = export.config, export.tensors
+    assert config["architectures"] == ["Eagle3DraftModel"] and config["speculators_model_type"] == "eagle3"
+    assert config["speculators_config"]["verifier"]["name_or_path"] == "/models/tiny"
+    assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == model.config.depth
+    assert config["eagle_aux_hidden_state_layer_ids"] == AUX and config["draft_vocab_size"] == 40
+    assert config["norm_before_residual"] is True  # vLLM reads true when absent, speculators false: always written
+    layer = config["transformer_layer_config"]
+    assert layer["model_type"] == "llama" and layer["num_hidden_layers"] == 1 and layer["vocab_size"] == VOCAB
+    assert {k: tuple(v.shape) for k, v in tensors.items()} == {
+        "embed_tokens.weight": (VOCAB, H),
+        "fc.weight": (H, 3 * H),
+        **{f"layers.0.{k}": v for k, v in LAYER_SHAPES.items()},
+        "norm.weight": (H,),
+        "lm_head.weight": (40, H),
+        "d2t": (40,),
+        "t2d": (VOCAB,),
+    }
+    assert torch.equal(tensors["embed_tokens.weight"], target.get_input_embeddings().weight)
+    assert tensors["d2t"].dtype == torch.int64 and tensors["t2d"].dtype == torch.bool
+    assert torch.equal(torch.arange(40) + tensors["d2t"], torch.arange(0, 80, 2))  # target id = i + d2t[i]
+    assert torch.equal(tensors["t2d"].nonzero().flatten(), torch.arange(0, 80, 2))
+    check_engine_export(export, "speculators")
+
+
+def test_eagle3_over_the_whole_vocabulary_has_no_vocabulary_maps(target, verifier):
+    """vLLM keeps no d2t buffer when the draft vocabulary is the target's: one in the file fails to load."""
+    export = eagle3(target, draft_vocab_size=0).engine_layout("vllm", verifier, 3)
+    assert export.config["draft_vocab_size"] == VOCAB and "d2t" not in export.tensors and "t2d" not in export.tensors
+    assert export.config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3
+
+
+@pytest.mark.parametrize(
+    "path", SPECULATORS_REQUIRED + EAGLE3_SPECULATORS_REQUIRED, ids=lambda p: ".".join(map(str, p))
+)
+def test_a_speculators_config_missing_a_required_field_is_refused(target, verifier, tmp_path, path):
+    export = eagle3(target).engine_layout("speculators", verifier, None)
+    node = export.config
+    for key in path[:-1]:
+        node = node[key]
+    del node[path[-1]]
+    with pytest.raises(EngineLayoutError, match="which the engine requires"):
+        check_engine_export(export, "speculators")
+
+
+def test_a_missing_required_tensor_is_refused_before_anything_is_written(target, verifier, tmp_path, monkeypatch):
+    model = eagle3(target)
+    original = type(model).engine_layout
+
+    def without_d2t(self, *args):
+        export = original(self, *args)
+        del export.tensors["d2t"]
+        return export
+
+    monkeypatch.setattr(type(model), "engine_layout", without_d2t)
+    with pytest.raises(EngineLayoutError, match="lacks the tensor"):
+        export_for_engine(model, "speculators", verifier, None, {"name": "tiny"}, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_eagle3_sglang_layout_names_layer_outputs_and_has_no_embedding(target, verifier):
+    export = eagle3(target).engine_layout("sglang", verifier, None)
+    config, tensors = export.config, export.tensors
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["num_hidden_layers"] == 1
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [i - 1 for i in AUX]
+    assert config["vocab_size"] == VOCAB and config["draft_vocab_size"] == 40 and config["tie_word_embeddings"] is False
+    assert {k: tuple(v.shape) for k, v in tensors.items()} == {
+        "fc.weight": (H, 3 * H),
+        **{f"midlayer.{k}": v for k, v in LAYER_SHAPES.items()},
+        "norm.weight": (H,),
+        "lm_head.weight": (40, H),
+        "d2t": (40,),
+        "t2d": (VOCAB,),
+    }
+    assert "norm_before_residual" in export.caveat  # SGLang cannot express it: said, not hidden
+    with pytest.raises(EngineLayoutError, match="cannot take the embedding"):
+        eagle3(target, aux_layer_ids=[0, 2, 3]).engine_layout("sglang", verifier, None)
+    with pytest.raises(EngineLayoutError, match="each layer's state once"):
+        eagle3(target, aux_layer_ids=[2, 2, 3]).engine_layout("vllm", verifier, None)
+
+
+def test_fspad3_and_fspad_have_no_engine_layout(target, verifier):
+    with pytest.raises(EngineLayoutError, match="FSPAD-3 has no serving-engine layout"):
+        eagle3(target, family="fspad3").engine_layout("speculators", verifier, None)
+    for family in ("medusa2", "streaming"):
+        model = get_family(family).build(target.config, {})
+        with pytest.raises(EngineLayoutError, match=f"a '{family}' drafter has no vllm layout"):
+            model.engine_layout("vllm", verifier, None)
+
+
+def test_an_engine_export_without_a_local_verifier_refuses_to_guess_the_embedding(target):
+    with pytest.raises(EngineLayoutError, match="not a local model directory; pass --verifier DIR"):
+        eagle3(target).engine_layout("speculators", Verifier("org/model"), None)
+
+
+def test_medusa_vllm_layout(target, verifier, tmp_path):
+    torch.manual_seed(0)
+    model = get_family("medusa").build(target.config, {"num_heads": 3, "num_layers": 1})
+    export = model.engine_layout("vllm", verifier, None)
+    assert export.config["model_type"] == "medusa" and export.config["num_heads"] == 3
+    assert export.config["medusa_fc_bias"] is True and export.speculative_tokens == 3
+    assert {k: tuple(v.shape) for k, v in export.tensors.items()} == {
+        **{f"blocks.{k}.layers.0.weight": (H, H) for k in range(3)},
+        **{f"blocks.{k}.layers.0.bias": (H,) for k in range(3)},
+        **{f"lm_heads.{k}.weight": (VOCAB, H) for k in range(3)},
+    }
+    with pytest.raises(EngineLayoutError, match="whole vocabulary; train with drafter.draft_vocab_size=0"):
+        get_family("medusa").build(target.config, {"draft_vocab_size": 8}).engine_layout("vllm", verifier, None)
+    with pytest.raises(EngineLayoutError, match="no sglang layout"):
+        model.engine_layout("sglang", verifier, None)
+
+
+def test_engine_export_records_what_it_is(target, verifier, tmp_path):
+    out = export_for_engine(eagle3(target), "vllm", verifier, 4, {"name": "tiny"}, tmp_path / "e3")
+    record = read_engine_export(out)
+    assert record == {
+        "family": "eagle3",
+        "format": "vllm",
+        "speculative_tokens": 4,
+        "target_identity": {"name": "tiny"},
+    }
+    assert is_exported_drafter(out) and set(load_file(str(out / "model.safetensors"))) >= {"fc.weight", "d2t"}
+    with pytest.raises(FileExistsError):  # never replaced without --overwrite
+        export_for_engine(eagle3(target), "vllm", verifier, 4, {"name": "tiny"}, out)
+
+
+# ---- vLLM as a bench method ----------------------------------------------------------------------
+
+
+def test_vllm_methods_are_checked_before_anything_runs(tmp_path, tiny_target_dir, other_target_dir, monkeypatch):
+    from draftsmith.core.target import TargetError, load_target
+    from draftsmith.drafters.io import export_drafter
+    from draftsmith.inference.vllm_engine import VllmError, find_vllm_python, parse_vllm_method
+
+    tiny = load_target(str(tiny_target_dir))
+    assert parse_vllm_method("vllm", tiny).speculative_config() is None
+    with pytest.raises(VllmError, match="not a drafter exported for vLLM; make one with"):
+        parse_vllm_method(f"vllm={tmp_path}", tiny)
+    model = get_family("eagle").build(tiny.model.config, {})
+    export_drafter(model, tiny.identity.to_dict(), tmp_path / "ours")
+    with pytest.raises(VllmError, match="not a drafter exported for vLLM"):
+        parse_vllm_method(f"vllm={tmp_path / 'ours'}", tiny)
+    verifier = Verifier(str(tiny_target_dir), embed_tokens=lambda: tiny.model.get_input_embeddings().weight)
+    export_for_engine(model, "vllm", verifier, None, tiny.identity.to_dict(), tmp_path / "eagle")
+    method = parse_vllm_method(f"vllm={tmp_path / 'eagle'}:tokens=2", tiny)
+    assert method.speculative_config() == {
+        "method": "eagle",
+        "model": str(tmp_path / "eagle"),
+        "num_speculative_tokens": 2,
+    }
+    with pytest.raises(TargetError, match="not this target"):
+        parse_vllm_method(f"vllm={tmp_path / 'eagle'}", load_target(str(other_target_dir)))
+    e3 = get_family("eagle3").build(tiny.model.config, {"aux_layer_ids": [1, 1, 1]})
+    export_for_engine(e3, "sglang", verifier, None, tiny.identity.to_dict(), tmp_path / "sglang")
+    with pytest.raises(VllmError, match="which vLLM does not serve; export it with --format vllm"):
+        parse_vllm_method(f"vllm={tmp_path / 'sglang'}", tiny)
+    monkeypatch.delenv("DRAFTSMITH_VLLM_PYTHON", raising=False)
+    monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: None)
+    with pytest.raises(VllmError, match="vLLM is not installed here; install it in its own venv"):
+        find_vllm_python(None)
+    with pytest.raises(VllmError, match="does not exist"):
+        find_vllm_python(str(tmp_path / "nope"))
+
+
+def test_a_failed_vllm_run_is_reported_by_its_error_line():
+    from draftsmith.inference.vllm_engine import last_error_line
+
+    stderr = "INFO starting\nTraceback (most recent call last):\n  File x\nValueError: Invalid speculators config\n"
+    assert last_error_line(stderr) == "ValueError: Invalid speculators config"
+    worker = (
+        "(Worker pid=1) ERROR 11-23 [executor.py:1] RuntimeError: Unsupported CPU attention configuration: head_dim=16"
+    )
+    dead = "vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue. See stack trace"
+    assert (
+        last_error_line(f"{worker}\n{dead}\n") == "RuntimeError: Unsupported CPU attention configuration: head_dim=16"
+    )
+
+
+def vllm_python() -> str | None:
+    """The vLLM environment for the live tests: $DRAFTSMITH_VLLM_PYTHON, or this one if it has vLLM."""
+    from draftsmith.inference.vllm_engine import VllmError, find_vllm_python
+
+    try:
+        python = find_vllm_python(None)
+    except VllmError:
+        return None
+    has = subprocess.run([python, "-c", "import vllm"], capture_output=True, timeout=120).returncode == 0
+    return python if has else None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(vllm_python() is None, reason="vLLM is not installed (set DRAFTSMITH_VLLM_PYTHON)")
+def test_vllm_serves_an_eagle3_export_losslessly(tmp_path, tokenizer, monkeypatch):
+    """vLLM plain and with a (random) eagle3 export give HF generate's greedy tokens on a tiny target."""
+    from draftsmith.core.target import load_target
+    from draftsmith.inference.bench import hf_greedy
+    from draftsmith.inference.vllm_engine import parse_vllm_method, run_vllm
+
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    # vLLM's CPU attention takes head_dim 32 and up (the suite's tiny Llama has 16)
+    shape = {"hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 2, "num_key_value_heads": 1}
+    target_dir = tmp_path / "target"
+    tiny_llama(len(tokenizer), num_hidden_layers=4, **shape).save_pretrained(target_dir)
+    tokenizer.save_pretrained(target_dir)
+    tiny = load_target(str(target_dir))
+    model = get_family("eagle3").build(tiny.model.config, {"aux_layer_ids": [1, 2, 3]})
+    verifier = Verifier(str(target_dir), embed_tokens=lambda: tiny.model.get_input_embeddings().weight)
+    export_for_engine(model, "speculators", verifier, 2, tiny.identity.to_dict(), tmp_path / "e3")
+    prompts = [tiny.encode_chat([{"role": "user", "content": text}]) for text in ("Hello there", "What is 3 plus 4?")]
+    references = [hf_greedy(tiny.model, p, 12, [])[0] for p in prompts]
+    for spec in ("vllm", f"vllm={tmp_path / 'e3'}"):
+        run = run_vllm(vllm_python(), parse_vllm_method(spec, tiny), target_dir, prompts, 12, [])
+        assert [r["tokens"] for r in run["results"]] == references, spec
+    assert sum(r["drafts"] for r in run["results"]) > 0  # the drafter did draft
+
+
+STUB_ENGINE = """#!/bin/sh
+# Stands in for vLLM's python: '$0 WORKER REQUEST RESULT'. Fails when the request names a drafter;
+# otherwise 'generates' each prompt's last three tokens in one speculative step with one accepted token.
+exec {python} - "$@" <<'PY'
+import json, sys
+request = json.load(open(sys.argv[2]))
+if request["speculative_config"]:
+    sys.stderr.write("INFO loading\\nTraceback (most recent call last):\\nValueError: no drafter today\\n")
+    sys.exit(1)
+step = {{"seconds": 0.5, "drafts": 1, "draft_tokens": 2, "accepted": 1}}
+results = [{{"tokens": p[-3:], **step}} for p in request["prompts"]]
+json.dump({{"vllm_version": "stub", "startup_seconds": 1.0, "results": results}}, open(sys.argv[3], "w"))
+PY
+"""
+
+
+def test_bench_accounts_for_vllm_runs_and_keeps_results_when_one_fails(tmp_path, tiny_target_dir):
+    """The bench's bookkeeping of vLLM methods, with a stand-in engine (not vLLM): tau = tokens /
+    (speculative steps + prefill), vLLM's acceptance length, identity against HF generate; a method
+    whose engine fails is reported by its error line and the others' results are kept."""
+    import sys
+
+    from draftsmith.core.target import load_target
+    from draftsmith.inference.bench import Question, markdown_table, run_bench
+
+    stub = tmp_path / "python"
+    stub.write_text(STUB_ENGINE.format(python=sys.executable))
+    stub.chmod(0o755)
+    tiny = load_target(str(tiny_target_dir))
+    model = get_family("eagle").build(tiny.model.config, {})
+    verifier = Verifier(str(tiny_target_dir))
+    export_for_engine(model, "vllm", verifier, 2, tiny.identity.to_dict(), tmp_path / "eagle")
+    questions = [Question("q1", "writing", ["Hello there", "And again?"])]
+    methods = ["vllm", f"vllm={tmp_path / 'eagle'}"]
+    results = run_bench(tiny, questions, methods, 4, str(stub), Path(tiny_target_dir))
+    plain = results["methods"]["vllm"]["overall"]
+    assert plain["total"] == 2 and plain["tokens"] == 6 and plain["target_forwards"] == 4  # (1 step + prefill) x 2
+    assert plain["tau"] == 1.5 and plain["engine_acceptance_length"] == 2.0 and plain["identical"] == 0
+    assert f"vllm={tmp_path / 'eagle'}" not in results["methods"]
+    assert results["vllm"][f"vllm={tmp_path / 'eagle'}"]["error"].endswith("ValueError: no drafter today")
+    assert "did not run: vLLM" in markdown_table(results) and "- vllm: 2.00" in markdown_table(results)

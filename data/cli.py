@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -207,6 +208,9 @@ def cmd_cache_features(args: argparse.Namespace) -> None:
     check_creatable_directory(Path(args.out), inside=True)  # shards are written in place, resumably
     target = load_target(args.target, dtype=args.model_dtype, device=args.device)
     n_layers = target.model.config.num_hidden_layers
+    if getattr(args, "recipe", None):
+        extra = args.recipe_layers(args.recipe, target.model.config)
+        args.layers = tuple(args.layers) + tuple(layer for layer in extra if layer not in args.layers)
     if any(not -n_layers - 1 <= layer <= n_layers for layer in args.layers):
         raise DataOptionError(f"--layers must be within 0..{n_layers} (hidden_states indices)")
     settings = CacheSettings(
@@ -229,7 +233,10 @@ def _add_target(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def add_data_commands(subparsers: Any) -> None:
+def add_data_commands(subparsers: Any, recipe_layers: Callable[[str, Any], tuple[int, ...]] | None = None) -> None:
+    """The ``data`` commands; ``recipe_layers(recipe_path, target_config)`` (given by the ``draftsmith``
+    entry point, which knows recipes and drafters) names the target states a recipe's drafter reads,
+    for ``cache-features --recipe``."""
     data = subparsers.add_parser(
         "data",
         help="prepare, inspect, regenerate and cache training data",
@@ -340,6 +347,13 @@ def add_data_commands(subparsers: Any) -> None:
     _add_target(p)
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16", help="storage dtype")
     p.add_argument("--layers", type=_parse_layers, default=(), help="extra hidden_states indices, e.g. 3,15")
+    if recipe_layers is not None:
+        p.add_argument(
+            "--recipe",
+            default=None,
+            help="also cache the target states this training recipe's drafter reads (e.g. EAGLE-3's fused layers)",
+        )
+        p.set_defaults(recipe_layers=recipe_layers)
     p.add_argument("--shard-tokens", type=int, default=1 << 20, help="tokens per shard")
     p.add_argument("--batch-tokens", type=int, default=4096, help="padded tokens per forward")
     p.add_argument("--device", default="cpu")

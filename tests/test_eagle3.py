@@ -207,3 +207,15 @@ def test_export_and_load_round_trip(target, tmp_path, trained_eagle3):
             loaded.read_target(*args).token_features, trained_eagle3.read_target(*args).token_features
         )
     assert "embed_tokens.weight" not in loaded.state_dict()
+
+
+def test_teacher_chunks_do_not_change_the_loss(target):
+    batch = fused_batch(target, LAYERS, n=3, new_tokens=8)
+    batch.loss_mask[:, :6] = 0  # prompt rows: no teacher needed there
+    model = get_family("eagle3").build(target.config, {"aux_layer_ids": LAYERS, "draft_vocab_size": 50})
+    model.fit_data(torch.bincount(batch.input_ids.flatten(), minlength=VOCAB))
+    frozen = FrozenTarget.from_model(target)
+    whole = family_loss(get_family("eagle3"))(model, batch, frozen, teacher_chunk_rows=0)
+    chunked = family_loss(get_family("eagle3"))(model, batch, frozen, teacher_chunk_rows=5)
+    torch.testing.assert_close(whole.loss, chunked.loss)
+    assert whole.metrics == chunked.metrics

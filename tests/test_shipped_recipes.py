@@ -11,6 +11,7 @@ RECIPES = sorted(shipped_recipes().glob("*.yaml"))
 def test_the_documented_recipes_are_shipped():
     names = {path.name for path in RECIPES}
     assert {"eagle-smollm2.yaml", "fspad-smollm2.yaml", "eagle-llama3-8b.yaml", "fspad-llama3-8b.yaml"} <= names
+    assert {"eagle3-smollm2.yaml", "fspad3-smollm2.yaml", "eagle3-llama3-8b.yaml", "fspad3-llama3-8b.yaml"} <= names
     assert {"medusa1-smollm2.yaml", "medusa2-smollm2.yaml", "streaming-smollm2.yaml"} <= names
 
 

@@ -4,6 +4,7 @@ tracking, and (slow) data parallelism with DeepSpeed ZeRO-2 on two CPU processes
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -417,3 +418,29 @@ def test_two_process_deepspeed_zero2_equals_one_process(tmp_path, tiny_target_di
     assert weights_one.keys() == weights_two.keys()
     for key in weights_one:
         torch.testing.assert_close(weights_two[key], weights_one[key], rtol=1e-4, atol=1e-6)
+
+
+def test_eagle3_reads_its_declared_layers_offline_and_online(tmp_path, tiny_target_dir, prepared_dir, capsys):
+    """The fused layers come from the drafter's config alone: `cache-features --recipe` caches them, the
+    trainer checks the cache holds them and hands the same states offline as online."""
+    drafter = {"family": "eagle3", "aux_layer_ids": [0, 1], "draft_vocab_size": 64, "ttt_steps": 2}
+    cache, bare = tmp_path / "features", tmp_path / "bare"
+    recipe = write_recipe(tmp_path / "r", tiny_target_dir, prepared_dir, drafter=drafter, data={"features": str(cache)})
+    recipe.write_text(yaml.safe_dump({**yaml.safe_load(recipe.read_text()), "loss": {"decay": 0.8}}))
+    target = ["--target", str(tiny_target_dir), "--dtype", "fp32"]
+    main(["data", "cache-features", str(prepared_dir), "--out", str(bare), *target])
+    with pytest.raises(FeatureCacheError, match=r"lacks the target states \[0, 1\].*--layers 0,1 --overwrite"):
+        Trainer(load_train_recipe(recipe, [f"data.features={bare}"]))
+    main(["data", "cache-features", str(prepared_dir), "--out", str(cache), "--recipe", str(recipe), *target])
+    assert json.loads((cache / "manifest.json").read_text())["layers"] == [0, 1]
+    result = train(load_train_recipe(recipe, ["train.max_steps=2"]))
+    assert all(math.isfinite(loss) for loss in losses(result.output_dir).values())
+    trainer = Trainer(load_train_recipe(recipe, ["output_dir=" + str(tmp_path / "x")]))
+    indices = trainer.data.global_batch(0, trainer.plan, 0)
+    cached = trainer.data.collate(indices)
+    trainer.data.cache = None
+    computed = trainer._batch(indices)
+    real = cached.attention_mask.bool()
+    assert cached.drafter_states.shape[-1] == 2 * cached.hidden_states.shape[-1]
+    torch.testing.assert_close(cached.drafter_states[real], computed.drafter_states[real], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(cached.hidden_states[real], computed.hidden_states[real], rtol=1e-4, atol=1e-5)

@@ -14,6 +14,7 @@ from draftsmith.inference.cli import add_inference_commands
 from draftsmith.train.commands import add_train_commands
 from draftsmith.train.medusa_cli import add_medusa_commands
 from draftsmith.train.quickstart import add_quickstart_command
+from draftsmith.train.recipe import recipe_cache_layers
 
 # A user's mistake: printed as one line, never as a traceback. Every draftsmith error derives from
 # DraftsmithError, so a new family's errors need no entry here.
@@ -40,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train speculative-decoding drafters for a target LLM and decode losslessly with them.",
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    add_data_commands(commands)
+    add_data_commands(commands, recipe_layers=recipe_cache_layers)
     add_quickstart_command(commands, build_parser)
     add_train_commands(commands)
     add_medusa_commands(commands)

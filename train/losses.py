@@ -121,15 +121,17 @@ def eagle3_loss(model, batch: TrainBatch, frozen: FrozenTarget, decay: float = 0
     its own position's keys of steps 1..i (:func:`ttt_mask`): the chain the runtime drafts, one step
     per depth. ``CE_i`` is the soft cross-entropy to the target's distribution restricted to the draft
     vocabulary, at positions whose label is an assistant token and whose target argmax is drafted.
-    The teacher's full-vocabulary logits are made ``teacher_chunk_rows`` rows at a time (no gradient).
+    The teacher's full-vocabulary logits (no gradient) are made only where they teach a supervised
+    token, ``teacher_chunk_rows`` rows at a time.
 
     Metrics: ``loss/step{i}``, ``acc/step{i+1}`` (top-1 agreement with the target's argmax over its
     whole vocabulary, a token outside the draft vocabulary a miss) and ``sim/accept_length`` =
     ``1 + sum_k prod_{j<=k} acc_j``, the top-1 chain length they imply."""
     core = getattr(model, "module", model)  # DDP / DeepSpeed wrap the drafter; compute goes through model()
-    teacher, truth = _draft_vocab_teacher(frozen, core, batch.hidden_states.float(), teacher_chunk_rows)
-    drafted = core.t2d[truth]  # (B, T): the target's argmax at f_s is in the draft vocabulary
     supervised = (batch.loss_mask * batch.attention_mask).bool()
+    needed = _shift_left(supervised, 1)  # f_s teaches x_{s+1}: needed where that is an assistant token
+    teacher, truth = _draft_vocab_teacher(frozen, core, batch.hidden_states.float(), needed, teacher_chunk_rows)
+    drafted = needed & core.t2d[truth]  # (B, T): the target's argmax at f_s is in the draft vocabulary
     total, metrics, accuracies = 0.0, {}, []
     steps = ttt_unroll(model, frozen, batch.input_ids, batch.attention_mask, batch.drafter_states.float())
     for step, out in enumerate(steps):
@@ -186,18 +188,23 @@ def _shift_left(tensor: torch.Tensor, shift: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def _draft_vocab_teacher(frozen: FrozenTarget, core, features: torch.Tensor, chunk_rows: int):
-    """The target's logits at every position restricted to the draft vocabulary (B, T, N) and its
-    argmax over the whole vocabulary (B, T), ``chunk_rows`` rows of full-vocabulary logits at a time."""
-    flat = features.reshape(-1, features.shape[-1])
+def _draft_vocab_teacher(frozen: FrozenTarget, core, features: torch.Tensor, needed: torch.Tensor, chunk_rows: int):
+    """The target's logits restricted to the draft vocabulary (B, T, N) and its argmax over the whole
+    vocabulary (B, T), at the ``needed`` (B, T) positions only (zeros elsewhere): ``chunk_rows`` rows
+    of full-vocabulary logits at a time (0 = all at once)."""
+    rows = features[needed]
     vocab = core.draft_token_ids()
-    restricted, argmax = [], []
-    for start in range(0, flat.shape[0], chunk_rows if chunk_rows > 0 else max(flat.shape[0], 1)):
-        logits = frozen.lm_head(flat[start : start + chunk_rows if chunk_rows > 0 else None]).float()
-        restricted.append(logits[:, vocab])
-        argmax.append(logits.argmax(-1))
-    shape = features.shape[:2]
-    return torch.cat(restricted).reshape(*shape, -1), torch.cat(argmax).reshape(shape)
+    restricted = features.new_zeros(*features.shape[:2], vocab.numel())
+    argmax = torch.zeros(features.shape[:2], dtype=torch.long, device=features.device)
+    size = chunk_rows if chunk_rows > 0 else max(rows.shape[0], 1)
+    parts, tops = [], []
+    for start in range(0, rows.shape[0], size):
+        logits = frozen.lm_head(rows[start : start + size]).float()
+        parts.append(logits[:, vocab])
+        tops.append(logits.argmax(-1))
+    if parts:
+        restricted[needed], argmax[needed] = torch.cat(parts), torch.cat(tops)
+    return restricted, argmax
 
 
 def medusa_loss(

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Optional
 
+from transformers import PretrainedConfig
+
 from draftsmith.drafters.registry import FAMILIES
 from draftsmith.train.losses import check_loss_options
 from draftsmith.train.recipe_loader import RecipeError, check_keys, load_recipe
@@ -90,6 +92,17 @@ class TrainRecipe:
     @property
     def drafter_options(self) -> dict[str, Any]:
         return {k: v for k, v in self.drafter.items() if k != "family"}
+
+    def feature_layers(self, target_config: PretrainedConfig) -> tuple[int, ...]:
+        """The target states (``hidden_states`` indices, -1 = the feature) this recipe's drafter reads,
+        as its config declares them (:meth:`DrafterConfig.feature_layers`)."""
+        return FAMILIES[self.family_name].build_config(target_config, self.drafter_options).feature_layers()
+
+
+def recipe_cache_layers(path: str, target_config: PretrainedConfig) -> tuple[int, ...]:
+    """``draftsmith data cache-features --recipe``: the extra states a recipe's drafter reads beside
+    the feature (which every cache holds)."""
+    return tuple(layer for layer in load_train_recipe(Path(path)).feature_layers(target_config) if layer != -1)
 
 
 def load_train_recipe(path: Path, overrides: Sequence[str] = ()) -> TrainRecipe:

@@ -297,7 +297,7 @@ class Trainer:
         self.target.model.requires_grad_(False)
         prepared = open_prepared(recipe.data.prepared, self.target.identity)
         # the target states the drafter reads: its config's one declaration
-        self.layers = self.family.build_config(self.target.model.config, recipe.drafter_options).feature_layers()
+        self.layers = recipe.feature_layers(self.target.model.config)
         cache = None
         if recipe.data.features:
             cache = open_feature_cache(

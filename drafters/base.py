@@ -250,6 +250,12 @@ class DrafterModel(nn.Module):
         holds serve-time overrides of :meth:`DrafterConfig.tree_options`."""
         raise NotImplementedError(f"{type(self).__name__} must define runtime_drafter()")
 
+    def stored_token_ids(self) -> dict[str, torch.Tensor]:
+        """The target token ids this drafter stores (its draft vocabulary), by buffer name: a damaged
+        value would index out of range deep in the runtime, so the loader range-checks each one.
+        Default: every ``draft_vocab`` buffer, the drafter's own or a submodule's."""
+        return {name: buffer for name, buffer in self.named_buffers() if name.rsplit(".", 1)[-1] == "draft_vocab"}
+
     def engine_layout(self, fmt: str, verifier: Verifier, speculative_tokens: int | None) -> EngineExport:
         """This drafter in a serving engine's layout (``fmt``: one of ``ENGINE_FORMATS``) for ``verifier``,
         proposing ``speculative_tokens`` per step by default (None: the family's own default, e.g. its

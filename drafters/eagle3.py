@@ -178,6 +178,9 @@ class Eagle3Drafter(DrafterModel):
         """Target token ids of ``lm_head`` columns."""
         return columns + self.d2t[columns]
 
+    def stored_token_ids(self) -> dict[str, torch.Tensor]:
+        return {"d2t": self.draft_token_ids()}  # d2t holds offsets: the ids are column + offset
+
     def draft_token_ids(self) -> torch.Tensor:
         """(N,) the target ids of the draft vocabulary, ascending."""
         return self.token_ids(torch.arange(self.d2t.numel(), device=self.d2t.device))

@@ -27,11 +27,6 @@ class DrafterCheckpointError(DraftsmithError, ValueError):
     """A drafter directory that is missing files or does not match its config."""
 
 
-# Buffers of token ids into the target's vocabulary: a damaged value would index out of range deep in
-# the runtime, so each is range-checked when a drafter is loaded (:func:`check_vocabulary_indices`).
-VOCAB_INDEX_BUFFERS = ("draft_vocab",)
-
-
 def rebuild_export(directory: str | Path) -> str:
     return f"export it again: `draftsmith export RUN --out {directory} --overwrite`"
 
@@ -46,9 +41,9 @@ def load_weights_file(path: str | Path) -> dict[str, torch.Tensor]:
 
 
 def check_vocabulary_indices(model: nn.Module, vocab_size: int, directory: str | Path) -> None:
-    """Every token id a drafter stores (:data:`VOCAB_INDEX_BUFFERS`) lies in ``0..vocab_size-1``."""
-    for name, buffer in model.named_buffers():
-        if name.rsplit(".", 1)[-1] not in VOCAB_INDEX_BUFFERS or not buffer.numel():
+    """Every token id a drafter stores (its ``stored_token_ids()``) lies in ``0..vocab_size-1``."""
+    for name, buffer in model.stored_token_ids().items():
+        if not buffer.numel():
             continue
         low, high = int(buffer.min()), int(buffer.max())
         if low < 0 or high >= vocab_size:

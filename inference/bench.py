@@ -215,6 +215,7 @@ def run_bench(
     questions: list[Question],
     methods: list[str],
     max_new_tokens: int,
+    *,
     compiled: CompiledTarget | None = None,
     vllm_python: str | None = None,
     target_dir: Path | None = None,

@@ -114,7 +114,13 @@ def cmd_bench(args: argparse.Namespace) -> None:
     target = _load_target(args)
     target_dir = safetensors_directory(args.target) if any(is_vllm_method(m) for m in methods) else None
     results = run_bench(
-        target, questions, methods, args.max_new_tokens, _compiled_target(args, target), args.vllm_python, target_dir
+        target,
+        questions,
+        methods,
+        args.max_new_tokens,
+        compiled=_compiled_target(args, target),
+        vllm_python=args.vllm_python,
+        target_dir=target_dir,
     )
     print(markdown_table(results))  # shown before writing, so a failed write loses no figures
     write_results(results, out, args.overwrite, rules)

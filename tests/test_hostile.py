@@ -599,6 +599,25 @@ def test_a_damaged_export_is_one_line(
         assert "outside the target's vocabulary 0..399" in line
 
 
+def test_a_damaged_eagle3_vocabulary_map_is_one_line(tmp_path, tiny_target_dir, capsys):
+    """EAGLE-3 stores its draft vocabulary as offsets (d2t: target id = column + offset): a damaged
+    offset is caught by the range check of the ids it yields, even in an export without files.json."""
+    from draftsmith.core.target import load_target
+    from draftsmith.drafters.io import export_drafter
+    from draftsmith.drafters.registry import get_family
+
+    target = load_target(str(tiny_target_dir))
+    model = get_family("eagle3").build(target.model.config, {"draft_vocab_size": 32})
+    drafter = export_drafter(model, target.identity.to_dict(), tmp_path / "eagle3")
+    (drafter / "files.json").unlink()  # an export that recorded no sizes: the loader's own checks
+    start, _ = tensor_bytes(drafter / "model.safetensors", "d2t")
+    flip_byte(drafter / "model.safetensors", start + 5, 0x01)  # the first offset grows by 2**40
+    argv = generate_argv(drafter, tiny_target_dir)
+    argv[argv.index("--method") + 1] = f"eagle3={drafter}"
+    line = refused(argv, capsys)
+    assert "d2t holds token id 1099511627776, outside the target's vocabulary 0..399" in line
+
+
 def test_export_of_a_damaged_checkpoint_is_one_line(run4, tmp_path, capsys):
     truncate(run4 / "checkpoints" / "step-4" / "drafter" / "model.safetensors")
     line = refused(["export", run4, "--out", tmp_path / "drafter"], capsys)

@@ -25,7 +25,7 @@ from draftsmith.core.target import Target
 from draftsmith.inference.compiled import CompiledTarget
 from draftsmith.inference.context import check_fits_context
 from draftsmith.inference.hf_compiled import NAME as HF_STATIC_COMPILE
-from draftsmith.inference.hf_compiled import StaticCompiledGenerate
+from draftsmith.inference.hf_compiled import StaticCompiledGenerate, greedy_settings
 from draftsmith.inference.methods import build_drafter
 from draftsmith.inference.runtime import generate
 from draftsmith.inference.vllm_engine import (
@@ -186,14 +186,7 @@ def hf_greedy(
     and the seconds it took. No EOS ids: it stops at the token budget only."""
     start = time.perf_counter()
     out = model.generate(
-        torch.tensor([prompt], device=model.device),
-        do_sample=False,
-        max_new_tokens=max_new_tokens,
-        eos_token_id=list(eos) or None,
-        pad_token_id=eos[0] if eos else 0,
-        temperature=None,
-        top_p=None,
-        top_k=None,
+        torch.tensor([prompt], device=model.device), max_new_tokens=max_new_tokens, **greedy_settings(eos)
     )
     tokens = out[0, len(prompt) :].tolist()  # waits for the device, so the clock stops after the last token
     return tokens, time.perf_counter() - start

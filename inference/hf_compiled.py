@@ -20,6 +20,20 @@ from draftsmith.inference.compiled import context_bucket
 NAME = "hf-static-compile"
 
 
+def greedy_settings(eos: list[int]) -> dict:
+    """``generate`` arguments for plain greedy decoding to the token budget, shared by every HF
+    baseline so they decode exactly alike (sampling settings of the model's generation config cleared)."""
+    eos = list(eos)
+    return {
+        "do_sample": False,
+        "eos_token_id": eos or None,
+        "pad_token_id": eos[0] if eos else 0,
+        "temperature": None,
+        "top_p": None,
+        "top_k": None,
+    }
+
+
 class StaticCompiledGenerate:
     """Greedy ``generate`` with a bucketed ``StaticCache`` and a compiled decoding step."""
 
@@ -51,12 +65,7 @@ class StaticCompiledGenerate:
             torch.tensor([prompt], device=self.model.device),
             past_key_values=StaticCache(config=self.model.config, max_cache_len=rows),
             compile_config=self.config,
-            do_sample=False,
             max_new_tokens=max_new_tokens,
-            eos_token_id=list(eos) or None,
-            pad_token_id=eos[0] if eos else 0,
-            temperature=None,
-            top_p=None,
-            top_k=None,
+            **greedy_settings(eos),
         )
         return out[0, len(prompt) :].tolist()  # waits for the device

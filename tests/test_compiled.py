@@ -139,8 +139,9 @@ class FeatureRecorder(TruthPlusNoiseDrafter):
 
     wants_features = True
 
-    def __init__(self, truth: list[int], prompt_length: int) -> None:
+    def __init__(self, truth: list[int], prompt_length: int, layers: tuple[int, ...]) -> None:
         super().__init__(truth, prompt_length)
+        self.feature_layers = layers
         self.seen: list[torch.Tensor] = []
 
     def propose(self, context) -> DraftTree:
@@ -149,12 +150,16 @@ class FeatureRecorder(TruthPlusNoiseDrafter):
         return super().propose(context)
 
 
-def test_feature_drafters_get_the_same_features_from_the_compiled_forward(model):
+@pytest.mark.parametrize("layers", [(-1,), (1, 2, -2)], ids=["lm-head-input", "fused-layers"])
+def test_feature_drafters_get_the_same_features_from_the_compiled_forward(model, layers):
+    """EAGLE-2 reads the lm_head input, EAGLE-3 several layers' states: both come out of the padded,
+    compiled forward exactly as out of the eager one."""
     prompt = [7, 3, 9, 12, 40, 41, 5]
     truth = hf_greedy(model, prompt, 30, eos=())
-    eager, compiled = FeatureRecorder(truth, len(prompt)), FeatureRecorder(truth, len(prompt))
+    eager, compiled = FeatureRecorder(truth, len(prompt), layers), FeatureRecorder(truth, len(prompt), layers)
     assert generate(model, prompt, eager, max_new_tokens=30).tokens == truth
     result = generate(model, prompt, compiled, max_new_tokens=30, compiled=CompiledTarget(model, backend="aot_eager"))
     assert result.tokens == truth and len(eager.seen) == len(compiled.seen)
+    assert eager.seen[0].shape[-1] == len(layers) * model.config.hidden_size
     for ours, reference in zip(compiled.seen, eager.seen):
         torch.testing.assert_close(ours, reference)

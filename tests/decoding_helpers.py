@@ -52,6 +52,19 @@ def padded(seqs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, attention
 
 
+def fit(model: torch.nn.Module, loss_of, steps: int, lr: float = 3e-3) -> list[float]:
+    """Full-batch AdamW over ``model``'s parameters on ``loss_of(model).loss``; the loss of every step."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    losses = []
+    for _ in range(steps):
+        loss = loss_of(model).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss.detach()))
+    return losses
+
+
 def self_distilled_batch(target, vocab: int, n: int = 16, new_tokens: int = 40, seed: int = 0) -> TrainBatch:
     """The target's own greedy continuations with their features: what self-distillation trains on."""
     ids, attention = padded([p + hf_greedy(target, p, new_tokens) for p in random_prompts(n, seed, vocab)])

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from conftest import tiny_llama
-from decoding_helpers import hf_greedy, sampled_twice, self_distilled_batch, serve
+from decoding_helpers import fit, hf_greedy, sampled_twice, self_distilled_batch, serve
 from decoding_helpers import random_prompts as _random_prompts
 from draftsmith.core.drafting import DraftContext
 from draftsmith.core.tree import best_first_tree
@@ -34,14 +34,7 @@ def train(family_name, target, batch, steps, **options):
     family = get_family(family_name)
     model = family.build(target.config, options)
     frozen = FrozenTarget.from_model(target)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    losses = []
-    for _ in range(steps):
-        out = family_loss(family)(model, batch, frozen, feature_noise=0.0)
-        optimizer.zero_grad()
-        out.loss.backward()
-        optimizer.step()
-        losses.append(float(out.loss.detach()))
+    losses = fit(model, lambda m: family_loss(family)(m, batch, frozen, feature_noise=0.0), steps)
     return model.eval(), losses
 
 

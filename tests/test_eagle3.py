@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from conftest import tiny_llama
-from decoding_helpers import hf_greedy, self_distilled_batch, serve
+from decoding_helpers import fit, hf_greedy, self_distilled_batch, serve
 from decoding_helpers import random_prompts as _random_prompts
 from draftsmith.core.drafting import DraftContext
 from draftsmith.drafters.base import FrozenTarget
@@ -46,14 +46,7 @@ def train(family_name, target, batch, steps, **options):
     model.fit_data(torch.bincount(batch.input_ids[batch.attention_mask.bool()], minlength=VOCAB))
     frozen = FrozenTarget.from_model(target)
     model.init_from_target(frozen)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    losses = []
-    for _ in range(steps):
-        out = family_loss(family)(model, batch, frozen)
-        optimizer.zero_grad()
-        out.loss.backward()
-        optimizer.step()
-        losses.append(float(out.loss.detach()))
+    losses = fit(model, lambda m: family_loss(family)(m, batch, frozen), steps)
     return model.eval(), losses
 
 

@@ -9,7 +9,7 @@ import yaml
 from torch import nn
 
 from conftest import tiny_llama
-from decoding_helpers import hf_greedy, prepare_arithmetic_chats, sampled_twice, self_distilled_batch, serve
+from decoding_helpers import fit, hf_greedy, prepare_arithmetic_chats, sampled_twice, self_distilled_batch, serve
 from decoding_helpers import random_prompts as _random_prompts
 from draftsmith.core.drafting import DraftContext
 from draftsmith.drafters.base import FrozenTarget, UnknownOptionError
@@ -56,14 +56,7 @@ def train(target, batch, steps, lr=3e-3, **options):
     torch.manual_seed(0)
     model = build(target, **options)
     frozen = FrozenTarget.from_model(target)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
-    losses = []
-    for _ in range(steps):
-        out = medusa_loss(model, batch, frozen)
-        optimizer.zero_grad()
-        out.loss.backward()
-        optimizer.step()
-        losses.append(float(out.loss.detach()))
+    losses = fit(model, lambda m: medusa_loss(m, batch, frozen), steps, lr)
     return model.eval(), losses
 
 

@@ -143,11 +143,14 @@ def cmd_show(args: argparse.Namespace) -> None:
 
 
 def cmd_regenerate(args: argparse.Namespace) -> None:
+    from contextlib import ExitStack
+
     from draftsmith.core.target import load_target
     from draftsmith.data.formats import check_source_available
     from draftsmith.data.regenerate import RegenerateSettings, regenerate
 
     check_source_available(_source(args.input))
+    vllm = _vllm_for_regeneration(args) if args.engine == "vllm" else None
     if args.threads is not None:
         import torch
 
@@ -160,14 +163,45 @@ def cmd_regenerate(args: argparse.Namespace) -> None:
         top_p=args.top_p,
         top_k=args.top_k,
         seed=args.seed,
+        max_turns=args.max_turns,
     )
-    report = regenerate(_source(args.input), Path(args.out), target, settings, limit=args.limit, shard=args.shard)
+    with ExitStack() as stack:
+        engine = _start_vllm(stack, vllm, target, settings, args.dtype) if vllm else None
+        report = regenerate(
+            _source(args.input), Path(args.out), target, settings, limit=args.limit, shard=args.shard, engine=engine
+        )
     print(report.stats.summary())
     print(
         f"{report.already_done} already done, {report.written} written now; {report.new_tokens} new tokens in "
         f"{report.seconds:.1f} s ({report.tokens_per_s:.1f} tokens/s); {report.truncated_turns} turns stopped at "
         f"--max-new-tokens {args.max_new_tokens}; output {args.out}"
     )
+
+
+def _vllm_for_regeneration(args: argparse.Namespace) -> tuple[str, Path]:
+    """(vLLM's python, the target's safetensors directory), checked before any model loads."""
+    from draftsmith.core.target import safetensors_directory
+    from draftsmith.core.vllm_env import VllmError, find_vllm_python
+
+    python = find_vllm_python(args.vllm_python)
+    model_dir = safetensors_directory(args.target)
+    if model_dir is None:
+        raise VllmError(
+            f"vLLM opens a local safetensors model directory and --target {args.target} is not one; "
+            "give the default target or a saved model directory, or use --engine transformers"
+        )
+    return python, model_dir
+
+
+def _start_vllm(stack: Any, vllm: tuple[str, Path], target: Any, settings: Any, dtype: str) -> Any:
+    from draftsmith.core.vllm_env import VllmServer
+    from draftsmith.data.regenerate import VllmEngine, vllm_server_settings
+
+    python, model_dir = vllm
+    print(f"starting vLLM ({python}) on {model_dir} ...", file=sys.stderr)
+    server = stack.enter_context(VllmServer(python, vllm_server_settings(model_dir, target, dtype)))
+    print(f"vLLM {server.version} ready in {server.startup_seconds:.0f} s", file=sys.stderr)
+    return VllmEngine(server, target, settings)
 
 
 def _parse_shard(text: str) -> tuple[int, int]:
@@ -304,8 +338,34 @@ def add_data_commands(subparsers: Any, recipe_layers: Callable[[str, Any], tuple
     )
     p.add_argument("--out", required=True, help="output .jsonl (appended to and resumed if it exists)")
     _add_target(p)
+    p.add_argument(
+        "--engine",
+        choices=["transformers", "vllm"],
+        default="transformers",
+        help="what generates: transformers on the loaded target (default), or vLLM kept running in its own "
+        "environment (see --vllm-python; several times faster on a CPU; the target must be the default or a "
+        "local safetensors directory)",
+    )
+    p.add_argument(
+        "--vllm-python",
+        default=None,
+        help="python of the venv where vLLM is installed (default: $DRAFTSMITH_VLLM_PYTHON, or this one if it "
+        "has vLLM); used with --engine vllm",
+    )
     p.add_argument("--max-new-tokens", type=positive_int, default=512, help="tokens per answer (>= 1)")
-    p.add_argument("--batch-size", type=positive_int, default=8, help="conversations per batch (>= 1)")
+    p.add_argument(
+        "--batch-size",
+        type=positive_int,
+        default=8,
+        help="conversations per transformers batch (>= 1); vLLM gets 8 batches' worth per call and batches them itself",
+    )
+    p.add_argument(
+        "--max-turns",
+        type=positive_int,
+        default=None,
+        help="regenerate only the first N user turns of each conversation (default: all); 1 spends the time "
+        "on more conversations",
+    )
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)

@@ -7,6 +7,14 @@ second turn, and so on; each round's prompts are sorted by length before they ar
 batches, so left padding wastes little compute. A conversation is written to ShareGPT JSONL as
 soon as its last turn is done, and a rerun skips every id already in the output, so an
 interrupted run loses at most the conversations of one window.
+
+Two engines generate the turns: transformers ``generate`` on the loaded target (batches of
+``batch_size``, left-padded), or vLLM (``--engine vllm``: one engine kept running in vLLM's own
+environment, sent a whole round of a window at once, which it batches continuously; several times
+faster on a CPU). Both receive the same token prompts (the target's chat template, tokenised here)
+and their answers are decoded here, so the output format does not depend on the engine.
+A turn whose prompt no longer fits the target's context with ``max_new_tokens`` ends the
+conversation there; a conversation with no turn left is skipped as ``too_long``.
 """
 
 from __future__ import annotations
@@ -18,7 +26,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from tqdm.auto import tqdm
@@ -26,6 +34,7 @@ from tqdm.auto import tqdm
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.io import atomic_write_json
 from draftsmith.core.target import Target
+from draftsmith.core.vllm_env import VllmServer
 from draftsmith.data.formats import Conversation, ReadStats, RecordError, RecordSample, read_conversations
 
 # Prompts sorted together per round: more means less padding, but more work lost to an interruption.
@@ -44,6 +53,7 @@ class RegenerateSettings:
     top_p: float = 1.0
     top_k: int = 0
     seed: int = 0
+    max_turns: int | None = None  # user turns kept per conversation (None = all)
 
     @property
     def greedy(self) -> bool:
@@ -71,6 +81,89 @@ class _InFlight:
     conversation: Conversation
     turns: list[dict[str, str]]  # regenerated so far
     slots: list[int]  # indices of assistant turns still to generate
+    prompt_ids: list[int] = field(default_factory=list)  # the next turn's prompt, tokenised
+
+
+@dataclass
+class Answer:
+    text: str
+    new_tokens: int  # including the end-of-answer token when there is one
+    hit_limit: bool  # stopped by max_new_tokens, not by the target
+
+
+class TurnEngine(Protocol):
+    """Generates answers for a batch of token prompts: ``(new token ids, stopped at the limit)``."""
+
+    name: str
+    prompts_per_call: int
+
+    def generate(self, prompts: list[list[int]]) -> list[tuple[list[int], bool]]: ...
+
+
+class TransformersEngine:
+    """``model.generate`` on the loaded target, ``settings.batch_size`` prompts per call, left padded."""
+
+    name = "transformers"
+
+    def __init__(self, target: Target, settings: RegenerateSettings) -> None:
+        self.target, self.settings = target, settings
+        self.prompts_per_call = settings.batch_size
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]]) -> list[tuple[list[int], bool]]:
+        tokenizer, model, settings = self.target.tokenizer, self.target.model, self.settings
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        width = max(len(p) for p in prompts)
+        input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+        attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        kwargs: dict[str, Any] = {"do_sample": not settings.greedy, "max_new_tokens": settings.max_new_tokens}
+        if settings.greedy:
+            kwargs.update(temperature=None, top_p=None, top_k=None)
+        else:
+            kwargs.update(temperature=settings.temperature, top_p=settings.top_p, top_k=settings.top_k or None)
+        device = next(model.parameters()).device
+        out = model.generate(
+            input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), pad_token_id=pad, **kwargs
+        )
+        eos = set(self.target.eos_token_ids)
+        rows = out[:, width:].cpu().tolist()
+        return [(row, not eos.intersection(row)) for row in rows]
+
+
+class VllmEngine:
+    """vLLM in its own environment (``core/vllm_env.py``), one whole round of a window per call."""
+
+    name = "vllm"
+
+    def __init__(self, server: VllmServer, target: Target, settings: RegenerateSettings) -> None:
+        self.server = server
+        self.prompts_per_call = settings.batch_size * WINDOW_BATCHES
+        self.sampling: dict[str, Any] = {
+            "max_tokens": settings.max_new_tokens,
+            "stop_token_ids": target.eos_token_ids,
+            "temperature": max(settings.temperature, 0.0),
+            "top_p": settings.top_p,
+            "top_k": settings.top_k if settings.top_k > 0 else -1,
+            "seed": settings.seed,
+        }
+
+    def generate(self, prompts: list[list[int]]) -> list[tuple[list[int], bool]]:
+        outputs = self.server.generate(prompts, self.sampling)
+        return [(out["tokens"], out["finish_reason"] == "length") for out in outputs]
+
+
+def vllm_server_settings(model_dir: Path, target: Target, dtype: str) -> dict[str, Any]:
+    """What the vLLM engine opens: the target's safetensors directory, its whole context."""
+    return {
+        "model": str(model_dir),
+        "dtype": dtype,
+        "max_model_len": context_length(target),
+        "enforce_eager": True,  # compiling costs more start-up than a CPU regeneration run gains
+    }
+
+
+def context_length(target: Target) -> int:
+    return int(target.model.config.max_position_embeddings)
 
 
 def meta_path(out: Path) -> Path:
@@ -111,49 +204,47 @@ def _check_meta(out: Path, meta: dict[str, Any], resuming: bool) -> None:
     atomic_write_json(path, meta)
 
 
-def _assistant_slots(conversation: Conversation) -> list[dict[str, str]]:
-    """The conversation with an assistant slot after a trailing user turn (prompt-only data)."""
-    turns = [dict(t) for t in conversation.turns]
+def _assistant_slots(conversation: Conversation, max_turns: int | None) -> list[dict[str, str]]:
+    """The conversation up to its ``max_turns``-th user turn, with an assistant slot after a trailing
+    user turn (prompt-only data)."""
+    turns: list[dict[str, str]] = []
+    users = 0
+    for turn in conversation.turns:
+        users += turn["role"] == "user"
+        if max_turns is not None and users > max_turns:
+            break
+        turns.append(dict(turn))
     if turns[-1]["role"] == "user":
         turns.append({"role": "assistant", "content": ""})
     return turns
 
 
-def _start(conversation: Conversation) -> _InFlight:
-    turns = _assistant_slots(conversation)
+def _start(conversation: Conversation, max_turns: int | None) -> _InFlight:
+    turns = _assistant_slots(conversation, max_turns)
     slots = [i for i, t in enumerate(turns) if t["role"] == "assistant"]
     return _InFlight(conversation, turns, slots)
 
 
-@torch.no_grad()
-def _generate_batch(
-    target: Target, prompts: list[list[dict[str, str]]], settings: RegenerateSettings
-) -> list[tuple[str, int, bool]]:
-    """(text, new tokens, hit max_new_tokens) for each prompt history."""
-    tokenizer, model = target.tokenizer, target.model
-    texts = [tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in prompts]
-    enc = tokenizer(texts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
-    device = next(model.parameters()).device
-    kwargs: dict[str, Any] = {
-        "do_sample": not settings.greedy,
-        "max_new_tokens": settings.max_new_tokens,
-        "pad_token_id": tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
-    }
-    if not settings.greedy:
-        kwargs.update(temperature=settings.temperature, top_p=settings.top_p, top_k=settings.top_k or None)
-    else:
-        kwargs.update(temperature=None, top_p=None, top_k=None)
-    out = model.generate(input_ids=enc.input_ids.to(device), attention_mask=enc.attention_mask.to(device), **kwargs)
-    new = out[:, enc.input_ids.shape[1] :].cpu()
+def encode_prompt(target: Target, history: list[dict[str, str]]) -> list[int]:
+    """The token prompt from which the target answers ``history`` (its chat template)."""
+    text = target.tokenizer.apply_chat_template(history, tokenize=False, add_generation_prompt=True)
+    return target.tokenizer(text, add_special_tokens=False).input_ids
+
+
+def decode_answer(target: Target, row: list[int], hit_limit: bool) -> Answer:
+    """The answer text of a generated row: up to its first end-of-answer token (a padded batch row
+    goes on after it); the engine says whether it stopped at max_new_tokens."""
     eos = set(target.eos_token_ids)
-    results = []
-    for row in new.tolist():
-        length = next((j + 1 for j, tok in enumerate(row) if tok in eos), None)
-        hit_limit = length is None
-        kept = row if hit_limit else row[: length - 1]
-        text = tokenizer.decode(kept, skip_special_tokens=True).strip()
-        results.append((text, len(row) if hit_limit else length, hit_limit))
-    return results
+    end = next((j for j, token in enumerate(row) if token in eos), None)
+    kept = row if end is None else row[:end]
+    text = target.tokenizer.decode(kept, skip_special_tokens=True).strip()
+    return Answer(text, len(kept) + (end is not None), hit_limit and end is None)
+
+
+def generate_answers(engine: TurnEngine, target: Target, histories: list[list[dict[str, str]]]) -> list[Answer]:
+    """One answer per history: what the target says next."""
+    rows = engine.generate([encode_prompt(target, history) for history in histories])
+    return [decode_answer(target, row, hit_limit) for row, hit_limit in rows]
 
 
 def _pending(
@@ -172,8 +263,8 @@ def _pending(
         yield conversation
 
 
-def _windows(pending: Iterator[Conversation], size: int) -> Iterator[list[_InFlight]]:
-    while window := [_start(conversation) for conversation in itertools.islice(pending, size)]:
+def _windows(pending: Iterator[Conversation], size: int, max_turns: int | None) -> Iterator[list[_InFlight]]:
+    while window := [_start(conversation, max_turns) for conversation in itertools.islice(pending, size)]:
         yield window
 
 
@@ -183,20 +274,24 @@ def _prompt(job: _InFlight) -> list[dict[str, str]]:
 
 
 def _length_sorted_batches(jobs: list[_InFlight], batch_size: int) -> Iterator[list[_InFlight]]:
-    # Characters stand in for tokens: close enough to group similar lengths without tokenising twice.
-    ordered = sorted(jobs, key=lambda job: sum(len(turn["content"]) for turn in _prompt(job)))
+    ordered = sorted(jobs, key=lambda job: len(job.prompt_ids))
     for start in range(0, len(ordered), batch_size):
         yield ordered[start : start + batch_size]
 
 
-def _generate_next_turns(
-    target: Target, batch: list[_InFlight], settings: RegenerateSettings, report: RegenerateReport
-) -> None:
-    results = _generate_batch(target, [_prompt(job) for job in batch], settings)
-    for job, (text, n_new, hit_limit) in zip(batch, results):
-        job.turns[job.slots.pop(0)]["content"] = text
-        report.new_tokens += n_new
-        report.truncated_turns += int(hit_limit)
+def _end_before_next_turn(job: _InFlight) -> None:
+    """The next prompt does not fit the context: keep the turns generated so far, drop the rest."""
+    job.turns = job.turns[: job.slots[0] - 1]
+    job.slots = []
+
+
+def _generate_next_turns(engine: TurnEngine, target: Target, batch: list[_InFlight], report: RegenerateReport) -> None:
+    rows = engine.generate([job.prompt_ids for job in batch])
+    for job, (row, hit_limit) in zip(batch, rows):
+        answer = decode_answer(target, row, hit_limit)
+        job.turns[job.slots.pop(0)]["content"] = answer.text
+        report.new_tokens += answer.new_tokens
+        report.truncated_turns += int(answer.hit_limit)
 
 
 def _sample(limit: int | None, shard: tuple[int, int]) -> RecordSample | None:
@@ -212,10 +307,13 @@ def regenerate(
     settings: RegenerateSettings,
     limit: int | None = None,
     shard: tuple[int, int] = (0, 1),
+    engine: TurnEngine | None = None,
 ) -> RegenerateReport:
     """Regenerate ``source`` into ``out`` (ShareGPT JSONL), resuming if ``out`` exists. ``limit`` and
-    ``shard`` (index, count) pick a deterministic subset spread over the whole source (RecordSample)."""
+    ``shard`` (index, count) pick a deterministic subset spread over the whole source (RecordSample).
+    ``engine`` generates the turns (default: transformers on ``target``)."""
     out = Path(out)
+    engine = engine or TransformersEngine(target, settings)
     done = _read_done_ids(out)
     sample = _sample(limit, shard)
     _check_meta(
@@ -224,6 +322,8 @@ def regenerate(
             "target": target.identity.to_dict(),
             "settings": asdict(settings),
             "source": source,
+            # Not checked on resume: both engines decode the same prompts (greedy fp32 alike).
+            "engine": engine.name,
             # Not checked on resume: a larger limit on the same output only adds records.
             "sample": asdict(sample) if sample else None,
         },
@@ -236,11 +336,19 @@ def regenerate(
     pending = _pending(source, stats, done, report, sample)
     progress = tqdm(desc="regenerating", unit="conv", dynamic_ncols=True)
     start = time.perf_counter()
+    room = context_length(target) - settings.max_new_tokens
     with open(out, "a", encoding="utf-8") as sink:
-        for jobs in _windows(pending, settings.batch_size * WINDOW_BATCHES):
+        for jobs in _windows(pending, settings.batch_size * WINDOW_BATCHES, settings.max_turns):
             while jobs:
-                for batch in _length_sorted_batches(jobs, settings.batch_size):
-                    _generate_next_turns(target, batch, settings, report)
+                for job in jobs:
+                    job.prompt_ids = encode_prompt(target, _prompt(job))
+                    if len(job.prompt_ids) > room:
+                        _end_before_next_turn(job)
+                        _write(sink, job, report)
+                        progress.update(1)
+                jobs = [job for job in jobs if job.slots]
+                for batch in _length_sorted_batches(jobs, engine.prompts_per_call):
+                    _generate_next_turns(engine, target, batch, report)
                     for job in batch:
                         if not job.slots:
                             _write(sink, job, report)
@@ -254,6 +362,14 @@ def regenerate(
 
 
 def _write(sink: Any, job: _InFlight, report: RegenerateReport) -> None:
+    if not any(t["role"] == "assistant" for t in job.turns):
+        report.stats.used -= 1
+        report.stats.skip(
+            job.conversation.id,
+            RecordError("too_long", "its first prompt does not fit the target's context with --max-new-tokens"),
+        )
+        report.skipped_ids.append(job.conversation.id)
+        return
     if any(not t["content"] for t in job.turns if t["role"] == "assistant"):
         # An empty answer would make an unusable training record; count it instead of writing it.
         report.stats.used -= 1

@@ -2,40 +2,27 @@
 ``draftsmith export --format vllm``), on the same prompts as the runtime's methods.
 
 vLLM's CPU build pins its own torch and transformers, so it lives in a separate virtual environment
-and runs there as a subprocess (``vllm_worker.py``, by path): ``--vllm-python PATH`` (or
-``$DRAFTSMITH_VLLM_PYTHON``) names that environment's interpreter; without either, the current one is
-used when it has vLLM. vLLM opens the target as a safetensors directory (for the embedded default:
-draftsmith's dequantised cache) and the drafter directory as exported.
+and runs there as a subprocess (``core/vllm_worker.py``, by path; ``core/vllm_env.py`` finds that
+environment's interpreter). vLLM opens the target as a safetensors directory (for the embedded
+default: draftsmith's dequantised cache) and the drafter directory as exported.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
-import re
 import subprocess
-import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.target import Target
+from draftsmith.core.vllm_env import WORKER, VllmError, last_error_line, vllm_environment
 from draftsmith.drafters.io import check_drafter_target, read_engine_export
 
 VLLM = "vllm"
-VLLM_PYTHON_ENV = "DRAFTSMITH_VLLM_PYTHON"
-WORKER = Path(__file__).with_name("vllm_worker.py")
-ERROR_LINE = re.compile(r"\b[A-Z]\w*(?:Error|Exception): .+")
-GENERIC_ERRORS = ("EngineDeadError", "RuntimeError: Worker failed", "RuntimeError: Engine core initialization failed")
 # The engine's vLLM method for each exported family (``draftsmith export --format vllm``).
 VLLM_METHODS = {"eagle": "eagle", "eagle3": "eagle3", "medusa": "medusa"}
-
-
-class VllmError(DraftsmithError, RuntimeError):
-    """vLLM is missing, refused a model, or failed while benchmarking."""
 
 
 @dataclass(frozen=True)
@@ -84,23 +71,6 @@ def parse_vllm_method(spec: str, target: Target) -> VllmMethod:
     return VllmMethod(spec, directory.resolve(), VLLM_METHODS[record["family"]], int(tokens))
 
 
-def find_vllm_python(explicit: str | None = None) -> str:
-    """The interpreter of the environment that has vLLM, or one line saying how to provide it."""
-    chosen = explicit or os.environ.get(VLLM_PYTHON_ENV)
-    if chosen:
-        if not Path(chosen).is_file():
-            raise VllmError(
-                f"--vllm-python {chosen} does not exist; give the python of the venv where vLLM is installed"
-            )
-        return chosen
-    if importlib.util.find_spec("vllm") is not None:
-        return sys.executable
-    raise VllmError(
-        "vLLM is not installed here; install it in its own venv (see README, 'vLLM') and pass --vllm-python "
-        f"VENV/bin/python (or set {VLLM_PYTHON_ENV})"
-    )
-
-
 def run_vllm(
     python: str,
     method: VllmMethod,
@@ -122,14 +92,13 @@ def run_vllm(
         "max_model_len": longest,
         "enforce_eager": True,  # start-up in ~40 s instead of ~100 s of compiling on a CPU
     }
-    env = {"VLLM_CPU_KVCACHE_SPACE": "2", **os.environ}
     with tempfile.TemporaryDirectory(prefix="draftsmith-vllm-") as work:
         request_path, result_path = Path(work) / "request.json", Path(work) / "result.json"
         request_path.write_text(json.dumps(request))
         try:
             done = subprocess.run(
                 [python, str(WORKER), str(request_path), str(result_path)],
-                env=env,
+                env=vllm_environment(),
                 capture_output=True,
                 text=True,
                 timeout=timeout,
@@ -139,11 +108,3 @@ def run_vllm(
         if done.returncode != 0 or not result_path.is_file():
             raise VllmError(f"vLLM ({method.name}) failed: {last_error_line(done.stderr)}")
         return json.loads(result_path.read_text())
-
-
-def last_error_line(stderr: str) -> str:
-    """What went wrong in a failed run's stderr: the first exception line (``SomeError: message``) that
-    is not vLLM's generic "engine died" one, else the last line."""
-    errors = [match.group(0) for match in ERROR_LINE.finditer(stderr) if not match.group(0).startswith(GENERIC_ERRORS)]
-    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
-    return (errors[:1] or lines[-1:] or ["no output"])[0][:500]

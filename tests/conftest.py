@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -183,3 +184,21 @@ def fake_sharegpt_package(monkeypatch, tmp_path):
         return path
 
     return install
+
+
+def vllm_python() -> str | None:
+    """The vLLM environment for the live vLLM tests: $DRAFTSMITH_VLLM_PYTHON, or this one if it has vLLM."""
+    from draftsmith.core.vllm_env import VllmError, find_vllm_python
+
+    try:
+        python = find_vllm_python(None)
+    except VllmError:
+        return None
+    has = subprocess.run([python, "-c", "import vllm"], capture_output=True, timeout=120).returncode == 0
+    return python if has else None
+
+
+def vllm_sized_llama(vocab_size: int):
+    """A tiny Llama that vLLM's CPU attention takes (head_dim 32 and up; the suite's tiny Llama has 16)."""
+    shape = {"hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 2, "num_key_value_heads": 1}
+    return tiny_llama(vocab_size, num_hidden_layers=4, **shape)

@@ -1,14 +1,13 @@
 """Exports for serving engines (vLLM speculators / EAGLE-1 / Medusa, SGLang EAGLE-3): names, shapes,
 required config fields, refusals; and vLLM as a bench method (the live tests skip without vLLM)."""
 
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import tiny_llama
+from conftest import tiny_llama, vllm_python, vllm_sized_llama
 from draftsmith.drafters.engine_layouts import (
     EAGLE3_SPECULATORS_REQUIRED,
     SPECULATORS_REQUIRED,
@@ -191,8 +190,9 @@ def test_engine_export_records_what_it_is(target, verifier, tmp_path):
 
 def test_vllm_methods_are_checked_before_anything_runs(tmp_path, tiny_target_dir, other_target_dir, monkeypatch):
     from draftsmith.core.target import TargetError, load_target
+    from draftsmith.core.vllm_env import VllmError, find_vllm_python
     from draftsmith.drafters.io import export_drafter
-    from draftsmith.inference.vllm_engine import VllmError, find_vllm_python, parse_vllm_method
+    from draftsmith.inference.vllm_engine import parse_vllm_method
 
     tiny = load_target(str(tiny_target_dir))
     assert parse_vllm_method("vllm", tiny).speculative_config() is None
@@ -225,7 +225,7 @@ def test_vllm_methods_are_checked_before_anything_runs(tmp_path, tiny_target_dir
 
 
 def test_a_failed_vllm_run_is_reported_by_its_error_line():
-    from draftsmith.inference.vllm_engine import last_error_line
+    from draftsmith.core.vllm_env import last_error_line
 
     stderr = "INFO starting\nTraceback (most recent call last):\n  File x\nValueError: Invalid speculators config\n"
     assert last_error_line(stderr) == "ValueError: Invalid speculators config"
@@ -238,18 +238,6 @@ def test_a_failed_vllm_run_is_reported_by_its_error_line():
     )
 
 
-def vllm_python() -> str | None:
-    """The vLLM environment for the live tests: $DRAFTSMITH_VLLM_PYTHON, or this one if it has vLLM."""
-    from draftsmith.inference.vllm_engine import VllmError, find_vllm_python
-
-    try:
-        python = find_vllm_python(None)
-    except VllmError:
-        return None
-    has = subprocess.run([python, "-c", "import vllm"], capture_output=True, timeout=120).returncode == 0
-    return python if has else None
-
-
 @pytest.mark.slow
 @pytest.mark.skipif(vllm_python() is None, reason="vLLM is not installed (set DRAFTSMITH_VLLM_PYTHON)")
 def test_vllm_serves_an_eagle3_export_losslessly(tmp_path, tokenizer, monkeypatch):
@@ -259,10 +247,8 @@ def test_vllm_serves_an_eagle3_export_losslessly(tmp_path, tokenizer, monkeypatc
     from draftsmith.inference.vllm_engine import parse_vllm_method, run_vllm
 
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
-    # vLLM's CPU attention takes head_dim 32 and up (the suite's tiny Llama has 16)
-    shape = {"hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 2, "num_key_value_heads": 1}
     target_dir = tmp_path / "target"
-    tiny_llama(len(tokenizer), num_hidden_layers=4, **shape).save_pretrained(target_dir)
+    vllm_sized_llama(len(tokenizer)).save_pretrained(target_dir)
     tokenizer.save_pretrained(target_dir)
     tiny = load_target(str(target_dir))
     model = get_family("eagle3").build(tiny.model.config, {"aux_layer_ids": [1, 2, 3]})

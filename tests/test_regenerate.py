@@ -4,9 +4,16 @@ import json
 
 import pytest
 
-from conftest import sharegpt, write_jsonl
+from conftest import sharegpt, vllm_python, vllm_sized_llama, write_jsonl
 from draftsmith.core.target import load_target
-from draftsmith.data.regenerate import RegenerateError, RegenerateSettings, _generate_batch, meta_path, regenerate
+from draftsmith.data.regenerate import (
+    RegenerateError,
+    RegenerateSettings,
+    TransformersEngine,
+    generate_answers,
+    meta_path,
+    regenerate,
+)
 
 
 @pytest.fixture(scope="module")
@@ -51,10 +58,11 @@ def test_every_turn_is_regenerated_from_the_regenerated_history(tmp_path, source
     assert [t["from"] for t in turns] == ["human", "gpt", "human", "gpt"]
     assert "old" not in turns[1]["value"] and "old" not in turns[3]["value"]
     history = [{"role": "user", "content": turns[0]["value"]}]
-    first = _generate_batch(tiny_target, [history], SETTINGS)[0][0]
+    engine = TransformersEngine(tiny_target, SETTINGS)
+    first = generate_answers(engine, tiny_target, [history])[0].text
     assert turns[1]["value"] == first
     history += [{"role": "assistant", "content": first}, {"role": "user", "content": turns[2]["value"]}]
-    assert turns[3]["value"] == _generate_batch(tiny_target, [history], SETTINGS)[0][0]
+    assert turns[3]["value"] == generate_answers(engine, tiny_target, [history])[0].text
     assert records["prompt-only"]["conversations"][1]["from"] == "gpt"  # a reply was added to the prompt
     meta = json.loads(meta_path(out).read_text())
     assert meta["target"] == tiny_target.identity.to_dict()
@@ -142,29 +150,55 @@ def test_limit_and_shards_pick_a_spread_subset_and_resume(tmp_path, tiny_target)
     assert json.loads(meta_path(halves[1]).read_text())["sample"] == {"limit": None, "shard": 1, "n_shards": 2}
 
 
-def test_batches_hold_prompts_of_similar_length_first_turns_first(tmp_path, tiny_target, monkeypatch):
-    import draftsmith.data.regenerate as regen
-
+def test_batches_hold_prompts_of_similar_length_first_turns_first(tmp_path, tiny_target):
     records = [
         sharegpt(("human", "x" * length), ("gpt", "old"), ("human", "again?"), ("gpt", "old"), id=f"c{length}")
         for length in (40, 3, 25, 1, 33, 12, 7, 19)
     ]
     source = write_jsonl(tmp_path / "lengths.jsonl", records)
     calls = []
-    real = regen._generate_batch
 
-    def recording(target, prompts, settings):
-        calls.append([(len(p), len(p[0]["content"])) for p in prompts])
-        return real(target, prompts, settings)
+    class Recording(TransformersEngine):
+        def generate(self, prompts):
+            calls.append([(len(p), "again?" in tiny_target.tokenizer.decode(p)) for p in prompts])
+            return super().generate(prompts)
 
-    monkeypatch.setattr(regen, "_generate_batch", recording)
+    settings = RegenerateSettings(max_new_tokens=2, batch_size=3)
     report = regenerate(
-        str(source), tmp_path / "o.jsonl", tiny_target, RegenerateSettings(max_new_tokens=2, batch_size=3)
+        str(source), tmp_path / "o.jsonl", tiny_target, settings, engine=Recording(tiny_target, settings)
     )
     assert report.written == 8 and [len(c) for c in calls] == [3, 3, 2, 3, 3, 2]
-    first_round = [length for call in calls[:3] for _, length in call]
-    assert first_round == [1, 3, 7, 12, 19, 25, 33, 40] and all(turns == 1 for call in calls[:3] for turns, _ in call)
-    assert all(turns == 3 for call in calls[3:] for turns, _ in call)  # second turns only after every first one
+    first_round = [length for call in calls[:3] for length, _ in call]
+    assert first_round == sorted(first_round) and len(set(first_round)) > 4
+    assert not any(second for call in calls[:3] for _, second in call)
+    assert all(second for call in calls[3:] for _, second in call)  # second turns only after every first one
+
+
+def test_max_turns_keeps_the_first_user_turns(tmp_path, source, tiny_target):
+    out = tmp_path / "first.jsonl"
+    settings = RegenerateSettings(max_new_tokens=3, batch_size=2, max_turns=1)
+    report = regenerate(str(source), out, tiny_target, settings)
+    records = read_out(out)
+    assert report.written == 4 and [t["from"] for t in records["two-turns"]["conversations"]] == ["human", "gpt"]
+    assert [t["from"] for t in records["with-system"]["conversations"]] == ["system", "human", "gpt"]
+
+
+def test_a_turn_that_does_not_fit_the_context_ends_its_conversation(tmp_path, tiny_target):
+    """A first prompt too long for the tiny target's context skips the record
+    (counted as too_long); a second one ends the conversation after the first answer."""
+    context = tiny_target.model.config.max_position_embeddings
+    long = " ".join(["word"] * context)
+    records = [
+        sharegpt(("human", long), id="too-long"),
+        sharegpt(("human", "Hi"), ("gpt", "old"), ("human", long), ("gpt", "old"), id="cut"),
+        sharegpt(("human", "Hi"), id="fits"),
+    ]
+    source = write_jsonl(tmp_path / "long.jsonl", records)
+    out = tmp_path / "o.jsonl"
+    report = regenerate(str(source), out, tiny_target, RegenerateSettings(max_new_tokens=4, batch_size=2))
+    assert report.written == 2 and dict(report.stats.skipped) == {"too_long": 1}
+    assert report.stats.used + report.stats.n_skipped == report.stats.read
+    assert [t["from"] for t in read_out(out)["cut"]["conversations"]] == ["human", "gpt"]
 
 
 def test_bad_shard_is_one_clear_line(tmp_path, capsys):
@@ -191,3 +225,96 @@ def test_threads_option_sets_torch_threads(tmp_path, source, tiny_target_dir):
         assert torch.get_num_threads() == 1 and len(read_out(out)) == 1
     finally:
         torch.set_num_threads(before)
+
+
+STUB_VLLM = """import json, os, sys
+# Stands in for vLLM's python: 'python WORKER --serve ENGINE.json FD'. Answers each prompt with its
+# 7th token from the end (with the tests' chat template: the user's last word) and the first stop
+# token; fails on the request [[7, 1]].
+engine = json.load(open(sys.argv[3]))
+replies = os.fdopen(int(sys.argv[4]), "w")
+print("INFO vLLM stand-in starting on", engine["model"])
+replies.write(json.dumps({"vllm_version": "stub", "startup_seconds": 0.1}) + "\\n")
+replies.flush()
+for line in sys.stdin:
+    request = json.loads(line)
+    if request["prompts"] == [[7, 1]]:
+        print("Traceback (most recent call last):\\nValueError: the stand-in refuses token 7", flush=True)
+        sys.exit(1)
+    stop = request["sampling"]["stop_token_ids"][0]
+    outputs = [{"tokens": [p[-7], stop], "finish_reason": "stop"} for p in request["prompts"]]
+    replies.write(json.dumps({"outputs": outputs}) + "\\n")
+    replies.flush()
+"""
+
+
+def stub_vllm(tmp_path):
+    """An executable standing in for vLLM's python: it runs the stand-in above instead of the worker."""
+    import sys
+
+    (tmp_path / "stub_vllm.py").write_text(STUB_VLLM)
+    stub = tmp_path / "vllm-python"
+    stub.write_text(f'#!/bin/sh\nexec {sys.executable} {tmp_path / "stub_vllm.py"} "$@"\n')
+    stub.chmod(0o755)
+    return stub
+
+
+def test_vllm_engine_plumbing_with_a_stand_in(tmp_path, source, tiny_target, tiny_target_dir, capsys):
+    """The vLLM path's protocol and bookkeeping, with a stand-in engine (not vLLM): prompts go out as the
+    target's chat-template tokens, answers come back in order and are decoded here; a worker that dies
+    is reported by its error line."""
+    from draftsmith.core.vllm_env import VllmError, VllmServer
+    from draftsmith.data.regenerate import VllmEngine, encode_prompt, vllm_server_settings
+    from draftsmith.train.cli import main
+
+    out = tmp_path / "out.jsonl"
+    args = ["data", "regenerate", str(source), "--out", str(out), "--target", str(tiny_target_dir)]
+    main([*args, "--engine", "vllm", "--vllm-python", str(stub_vllm(tmp_path)), "--max-new-tokens", "4"])
+    records = read_out(out)
+    assert set(records) == {"two-turns", "prompt-only", "with-system", "d"}
+    turns = records["two-turns"]["conversations"]
+    last_word = encode_prompt(tiny_target, [{"role": "user", "content": turns[0]["value"]}])[-7]
+    assert turns[1]["value"] == tiny_target.tokenizer.decode([last_word]).strip() == "?"
+    assert json.loads(meta_path(out).read_text())["engine"] == "vllm"
+    assert "vLLM stub ready" in capsys.readouterr().err
+
+    settings = vllm_server_settings(tiny_target_dir, tiny_target, "float32")
+    with VllmServer(str(stub_vllm(tmp_path)), settings) as server:
+        engine = VllmEngine(server, tiny_target, SETTINGS)
+        assert engine.generate([list(range(5, 12)), list(range(20, 30))]) == [([5, 2], False), ([23, 2], False)]
+        with pytest.raises(VllmError, match="vLLM failed: ValueError: the stand-in refuses token 7"):
+            engine.generate([[7, 1]])
+
+
+def test_vllm_engine_needs_a_vllm_and_a_safetensors_target(tmp_path, source, capsys):
+    from draftsmith.train.cli import main
+
+    args = ["data", "regenerate", str(source), "--out", str(tmp_path / "o.jsonl"), "--engine", "vllm"]
+    with pytest.raises(SystemExit) as info:
+        main([*args, "--vllm-python", str(tmp_path / "nope")])
+    assert info.value.code != 0 and "give the python of the venv where vLLM is installed" in capsys.readouterr().err
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")
+    with pytest.raises(SystemExit):
+        main([*args, "--vllm-python", str(stub_vllm(tmp_path)), "--target", str(gguf)])
+    assert "is not one; give the default target or a saved model directory" in capsys.readouterr().err
+    assert not (tmp_path / "o.jsonl").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(vllm_python() is None, reason="vLLM is not installed (set DRAFTSMITH_VLLM_PYTHON)")
+def test_vllm_regenerates_what_transformers_regenerates(tmp_path, source, tokenizer, monkeypatch):
+    """Greedy float32: vLLM's answers equal transformers' (one prompt per batch, so no padding)."""
+    from draftsmith.core.vllm_env import VllmServer
+    from draftsmith.data.regenerate import VllmEngine, vllm_server_settings
+
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    target_dir = tmp_path / "target"
+    vllm_sized_llama(len(tokenizer)).save_pretrained(target_dir)
+    tokenizer.save_pretrained(target_dir)
+    target = load_target(str(target_dir))
+    settings = RegenerateSettings(max_new_tokens=12, batch_size=1)
+    regenerate(str(source), tmp_path / "hf.jsonl", target, settings)
+    with VllmServer(vllm_python(), vllm_server_settings(target_dir, target, "float32")) as server:
+        regenerate(str(source), tmp_path / "vllm.jsonl", target, settings, engine=VllmEngine(server, target, settings))
+    assert read_out(tmp_path / "vllm.jsonl") == read_out(tmp_path / "hf.jsonl")

@@ -7,10 +7,12 @@ run can always report ``used + skipped == read``.
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import heapq
 import json
 import re
+import zlib
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -258,14 +260,24 @@ def _records_from_jsonl(path: Path, text: str) -> list[Any]:
     return records
 
 
-def _records_from_file(path: Path, stats: ReadStats) -> list[Any]:
+def _file_text(path: Path) -> tuple[str, str]:
+    """(the file's text, the suffix that names its format); ``X.jsonl.gz`` is read through gzip."""
+    compressed = path.suffix == ".gz"
     try:
-        text = path.read_text(encoding="utf-8")
+        data = gzip.decompress(path.read_bytes()) if compressed else path.read_bytes()
+        text = data.decode("utf-8")
+    except (gzip.BadGzipFile, EOFError, zlib.error) as exc:
+        raise DataError(f"{path} is not a complete gzip file ({exc}); recompress it or give the plain file") from None
     except UnicodeDecodeError as exc:
         raise DataError(f"{path} is not UTF-8 text (byte {exc.start}); expected a .json or .jsonl file") from None
+    return text, Path(path.stem).suffix if compressed else path.suffix
+
+
+def _records_from_file(path: Path, stats: ReadStats) -> list[Any]:
+    text, suffix = _file_text(path)
     if not text.strip():
         raise DataError(f"{path} is empty; expected ShareGPT, OpenAI-messages or UltraChat records")
-    if path.suffix == ".jsonl" or (path.suffix != ".json" and not text.lstrip().startswith("[")):
+    if suffix == ".jsonl" or (suffix != ".json" and not text.lstrip().startswith("[")):
         return _records_from_jsonl(path, text)
     return _records_from_json(path, text, stats)
 

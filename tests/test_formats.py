@@ -33,6 +33,22 @@ def test_sharegpt_json_and_jsonl_read_the_same(tmp_path, chat_records):
     assert [t["role"] for t in a[1].turns] == ["system", "user", "assistant", "user", "assistant"]
 
 
+def test_gzipped_files_read_like_plain_ones_and_a_cut_one_is_one_line(tmp_path, chat_records):
+    import gzip
+
+    plain = write_jsonl(tmp_path / "d.jsonl", chat_records)
+    packed = tmp_path / "d.jsonl.gz"
+    packed.write_bytes(gzip.compress(plain.read_bytes()))
+    as_json = tmp_path / "e.json.gz"
+    as_json.write_bytes(gzip.compress(json.dumps(chat_records).encode()))
+    expected = [c.turns for c in _read(plain)[0]]
+    assert [c.turns for c in _read(packed)[0]] == expected == [c.turns for c in _read(as_json)[0]]
+    cut = tmp_path / "cut.jsonl.gz"
+    cut.write_bytes(packed.read_bytes()[:-20])
+    with pytest.raises(DataError, match="cut.jsonl.gz is not a complete gzip file"):
+        _read(cut)
+
+
 def test_openai_messages_and_ultrachat_layouts(tmp_path):
     records = [
         {

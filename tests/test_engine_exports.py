@@ -384,6 +384,7 @@ def test_speculators_loads_the_eagle3_export_and_drafts_what_the_drafter_drafts(
     assert result["config_class"] == "Eagle3SpeculatorConfig" and result["model_class"] == "Eagle3DraftModel"
     assert result["norm_before_residual"] is True and result["draft_vocab_size"] == (draft_vocab_size or VOCAB)
     assert result["eagle_aux_hidden_state_layer_ids"] == AUX and result["verifier"] == str(target_dir)
+    assert result["speculative_tokens"] == model.config.depth
     assert result["missing_keys"] == [] and result["unexpected_keys"] == [] and result["nan_parameters"] == []
     theirs = load_file(str(tmp_path / "result/logits.safetensors"))
     if draft_vocab_size:

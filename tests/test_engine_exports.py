@@ -1,11 +1,14 @@
 """Exports for serving engines (vLLM speculators / EAGLE-1 / Medusa, SGLang EAGLE-3): names, shapes,
 required config fields, refusals; and vLLM as a bench method (the live tests skip without vLLM)."""
 
+import json
+import os
+import subprocess
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from conftest import tiny_llama, vllm_python, vllm_sized_llama
 from draftsmith.drafters.engine_layouts import (
@@ -303,3 +306,77 @@ def test_bench_accounts_for_vllm_runs_and_keeps_results_when_one_fails(tmp_path,
     assert f"vllm={tmp_path / 'eagle'}" not in results["methods"]
     assert results["vllm"][f"vllm={tmp_path / 'eagle'}"]["error"].endswith("ValueError: no drafter today")
     assert "did not run: vLLM" in markdown_table(results) and "- vllm: 2.00" in markdown_table(results)
+
+
+# ---- the speculators library reads the eagle3 export ---------------------------------------------
+
+SPECULATORS_PYTHON = os.environ.get("DRAFTSMITH_SPECULATORS_PYTHON")
+
+
+@pytest.mark.skipif(
+    not SPECULATORS_PYTHON, reason="set DRAFTSMITH_SPECULATORS_PYTHON to a python with speculators 0.9 installed"
+)
+@pytest.mark.parametrize("draft_vocab_size", [40, 0], ids=["draft-vocab", "whole-vocab"])
+def test_speculators_loads_the_eagle3_export_and_drafts_what_the_drafter_drafts(tmp_path, target, draft_vocab_size):
+    """speculators' own ``Eagle3DraftModel.from_pretrained`` builds the drafter from a ``--format
+    speculators`` export (every weight from the file, none left to its verifier fallback) and its
+    training-time-test forward gives our drafter's draft-head logits at every step, with a reduced
+    draft vocabulary (``d2t``/``t2d``) and over the whole one (no maps)."""
+    from draftsmith.drafters.base import FrozenTarget
+    from draftsmith.train.losses import ttt_unroll
+
+    target_dir = tmp_path / "target"
+    target.save_pretrained(target_dir)  # the verifier speculators reads its layer count and embedding from
+    model = eagle3(target, draft_vocab_size, ttt_steps=3).eval()
+    with torch.no_grad():  # every weight away from its initial value, so a swapped or dropped tensor shows
+        for parameter in model.parameters():
+            parameter.add_(torch.randn_like(parameter) * 0.1)
+    verifier = Verifier(str(target_dir), embed_tokens=lambda: target.get_input_embeddings().weight.detach().clone())
+    export_for_engine(model, "speculators", verifier, None, {"name": "tiny"}, tmp_path / "e3")
+
+    torch.manual_seed(1)
+    ids = torch.randint(4, VOCAB, (1, 12))
+    with torch.no_grad():
+        hidden = target(ids, output_hidden_states=True).hidden_states
+        states = torch.cat([hidden[i] for i in AUX], dim=-1)
+        frozen = FrozenTarget.from_model(target)
+        ours = [
+            model.logits(out.token_features) for out in ttt_unroll(model, frozen, ids, torch.ones_like(ids), states)
+        ]
+    # speculators' inputs are pre-shifted (position t reads x_{t+1}); the last position has no x_{t+1}
+    inputs = {
+        "hidden_states": states[:, :-1].contiguous(),
+        "input_ids": ids[:, 1:].contiguous(),
+        "position_ids": torch.arange(ids.shape[1] - 1)[None],
+        "ttt_steps": torch.tensor(3),
+    }
+    save_file(inputs, str(tmp_path / "inputs.safetensors"))
+    (tmp_path / "result").mkdir()
+    worker = Path(__file__).with_name("speculators_worker.py")
+    run = subprocess.run(
+        [
+            SPECULATORS_PYTHON,
+            str(worker),
+            str(tmp_path / "e3"),
+            str(tmp_path / "inputs.safetensors"),
+            str(tmp_path / "result"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads((tmp_path / "result/result.json").read_text())
+    assert result["config_class"] == "Eagle3SpeculatorConfig" and result["model_class"] == "Eagle3DraftModel"
+    assert result["norm_before_residual"] is True and result["draft_vocab_size"] == (draft_vocab_size or VOCAB)
+    assert result["eagle_aux_hidden_state_layer_ids"] == AUX and result["verifier"] == str(target_dir)
+    assert result["speculative_tokens"] == model.config.depth
+    assert result["missing_keys"] == [] and result["unexpected_keys"] == [] and result["nan_parameters"] == []
+    theirs = load_file(str(tmp_path / "result/logits.safetensors"))
+    if draft_vocab_size:
+        assert torch.equal(theirs["d2t"], model.d2t) and torch.equal(theirs["t2d"], model.t2d)
+    else:
+        assert "d2t" not in theirs and "t2d" not in theirs  # speculators keeps no maps for the whole vocabulary
+    for step in range(3):
+        torch.testing.assert_close(theirs[f"step{step}"], ours[step][:, :-1], rtol=1e-4, atol=1e-4)

@@ -20,6 +20,7 @@ from conftest import sharegpt, write_jsonl
 from draftsmith.core.target import load_target
 from draftsmith.data.features import CacheSettings, FeatureCacheError, build_feature_cache
 from draftsmith.data.prepared import PreparedDataError, PreparedDataset
+from draftsmith.drafters.registry import get_family
 from draftsmith.train.checkpoint import MARKER, complete_checkpoints, latest_checkpoint
 from draftsmith.train.cli import main
 from draftsmith.train.recipe import load_train_recipe
@@ -418,6 +419,51 @@ def test_two_process_deepspeed_zero2_equals_one_process(tmp_path, tiny_target_di
     assert weights_one.keys() == weights_two.keys()
     for key in weights_one:
         torch.testing.assert_close(weights_two[key], weights_one[key], rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_eagle3_under_two_process_deepspeed_zero3_equals_one_process(tmp_path, tiny_target_dir, prepared_dir, capsys):
+    """EAGLE-3's loss calls the drafter's ``norm``/``lm_head`` outside its forward, which ZeRO-3's partitioned
+    parameters must survive: two CPU processes under ZeRO-3 train (loss falling) exactly as one process
+    accumulating the same two micro-batches, and the checkpoint and both exports hold the full weights."""
+    options = {"aux_layer_ids": [0, 1], "draft_vocab_size": 64, "ttt_steps": 2}
+    recipe = write_recipe(tmp_path, tiny_target_dir, prepared_dir, drafter={"family": "eagle3", **options})
+    recipe.write_text(yaml.safe_dump({**yaml.safe_load(recipe.read_text()), "loss": {"decay": 0.8}}))
+    common = ["train.max_steps=6", "train.save_every=3", "train.lr=1e-2", "train.grad_clip=0.5", "data.eval_samples=4"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "WANDB_MODE": "disabled"}
+    accelerate = shutil.which("accelerate", path=str(Path(sys.executable).parent)) or "accelerate"
+    config = str(REPO / "recipes/accelerate/zero3.yaml")
+    two = [accelerate, "launch", "--config_file", config, "--num_processes", "2", "-m", "draftsmith.train"]
+    one = [sys.executable, "-m", "draftsmith.train.cli", "train"]
+    for command, extra in ((two, []), (one, ["train.grad_accum=2"])):
+        name = "two" if command is two else "one"
+        result = _launch([*command, str(recipe), *common, *extra, f"output_dir={tmp_path / name}"], env)
+        assert result.returncode == 0, result.stderr[-3000:]
+    info = json.loads((tmp_path / "two/run_info.json").read_text())
+    assert info["world_size"] == 2 and info["deepspeed_zero_stage"] == 3 and info["global_batch"] == 4
+    curve_one, curve_two = losses(tmp_path / "one"), losses(tmp_path / "two")
+    assert sorted(curve_two) == sorted(curve_one) == [1, 2, 3, 4, 5, 6]
+    for step in curve_one:
+        assert curve_two[step] == pytest.approx(curve_one[step], rel=1e-5)
+    held_out = [json.loads(line) for line in (tmp_path / "two/metrics.jsonl").read_text().splitlines()]
+    held_out = {record["step"]: record["eval/loss"] for record in held_out if "eval/loss" in record}
+    assert held_out[6] < held_out[3]  # the same held-out samples: it learns (a tiny random target teaches little)
+    weights_one = load_file(str(tmp_path / "one/checkpoints/step-6/drafter/model.safetensors"))
+    weights_two = load_file(str(tmp_path / "two/checkpoints/step-6/drafter/model.safetensors"))
+    fresh = load_target(str(tiny_target_dir)).model.config
+    shapes = {k: tuple(v.shape) for k, v in get_family("eagle3").build(fresh, options).state_dict().items()}
+    assert {k: tuple(v.shape) for k, v in weights_two.items()} == shapes  # full tensors, none left partitioned
+    for key in weights_one:
+        torch.testing.assert_close(weights_two[key], weights_one[key], rtol=1e-4, atol=1e-6)
+    exported = tmp_path / "export"
+    main(["export", str(tmp_path / "two"), "--out", str(exported)])
+    main(["export", str(tmp_path / "two"), "--out", str(tmp_path / "vllm"), "--format", "speculators"])
+    assert load_file(str(exported / "model.safetensors")).keys() <= weights_two.keys()
+    for key, tensor in load_file(str(exported / "model.safetensors")).items():
+        assert torch.equal(tensor, weights_two[key]), key
+    engine = load_file(str(tmp_path / "vllm/model.safetensors"))
+    assert torch.equal(engine["lm_head.weight"], weights_two["lm_head.weight"])
+    assert torch.equal(engine["layers.0.self_attn.q_proj.weight"], weights_two["layer.self_attn.q_proj.weight"])
 
 
 def test_eagle3_reads_its_declared_layers_offline_and_online(tmp_path, tiny_target_dir, prepared_dir, capsys):

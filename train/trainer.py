@@ -109,6 +109,28 @@ def _configure_deepspeed(accelerator: Any, train: TrainSection, plan: BatchPlan)
     config["gradient_clipping"] = float(train.grad_clip or 0.0)
 
 
+@contextmanager
+def _not_partitioned(accelerator: Any) -> Iterator[None]:
+    """Loads the frozen target whole on every rank. Under ZeRO-3 transformers' ``from_pretrained``
+    partitions every model it builds (``deepspeed.zero.Init``) while accelerate's DeepSpeed config is
+    registered with it, and only the model handed to DeepSpeed is gathered back for its forward: the
+    frozen target, outside the engine, would keep empty weights. accelerate 1.15's own switch
+    (``zero3_init_context_manager(enable=False)``) registers the config again, so it is unregistered
+    here, the transformers way, and restored after."""
+    from transformers.integrations.deepspeed import set_hf_deepspeed_config, unset_hf_deepspeed_config
+
+    plugin = accelerator.state.deepspeed_plugin
+    registered = getattr(plugin, "dschf", None)  # accelerate keeps the registered config alive here
+    if registered is None:
+        yield
+        return
+    unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        set_hf_deepspeed_config(registered)
+
+
 def build_scheduler(optimizer: torch.optim.Optimizer, train: TrainSection, total_steps: int) -> Any:
     from transformers import (
         get_constant_schedule_with_warmup,
@@ -293,7 +315,8 @@ class Trainer:
         recipe, device = self.recipe, self.accelerator.device
         self.family = get_family(recipe.family_name)
         self.loss = family_loss(self.family)
-        self.target = load_target(recipe.target.name, dtype=recipe.target.dtype)
+        with _not_partitioned(self.accelerator):
+            self.target = load_target(recipe.target.name, dtype=recipe.target.dtype)
         self.target.model.requires_grad_(False)
         prepared = open_prepared(recipe.data.prepared, self.target.identity)
         # the target states the drafter reads: its config's one declaration

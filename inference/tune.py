@@ -303,7 +303,7 @@ class Measured:
 
 def table(ranked: list[Prediction], plain: Prediction, top: int) -> str:
     lines = [
-        "| tree | tokens/round | draft ms | round ms | predicted tokens/s | vs plain |",
+        "| tree | τ (tokens/round) | draft ms | round ms | predicted tokens/s | vs plain |",
         "| --- | --- | --- | --- | --- | --- |",
     ]
     shown = ranked[:top] + ([] if plain in ranked[:top] else [plain])

@@ -78,7 +78,7 @@ def test_tune_writes_a_tree_the_export_still_verifies_and_generate_uses(
     argv = ["tune", str(export), "--target", str(tiny_target_dir), "--questions", str(questions), "--limit", "2"]
     main(argv + ["--max-new-tokens", "12", "--max-depth", "3", "--top-k", "1,2", "--total-tokens", "1,2,4,8"])
     out = capsys.readouterr().out
-    assert "| tree | tokens/round |" in out and "plain decoding (no drafter)" in out
+    assert "| tree | τ (tokens/round) |" in out and "plain decoding (no drafter)" in out
     assert "chosen depth=" in out and "rounds as predicted on" in out
     assert file_problems(export) == {}  # the manifest records tuned_trees.json, and everything verifies
     assert TUNED_TREES in json.loads((export / FILES_MANIFEST).read_text())["files"]

@@ -166,6 +166,29 @@ def causal_mask(length: int, dtype: torch.dtype, device: torch.device | str, pad
     return mask.masked_fill(~allowed, torch.finfo(dtype).min)
 
 
+def candidate_depths(parents: Sequence[int]) -> list[int]:
+    """Depth of each candidate (children of the root: 1), parents listed before their children."""
+    depth: list[int] = []
+    for parent in parents:
+        depth.append(1 if parent < 0 else depth[parent] + 1)
+    return depth
+
+
+def admission_order(parents: Sequence[int], scores: Sequence[float]) -> list[int]:
+    """The candidates :func:`best_first_tree` takes, in the order it takes them, with no budget: by
+    score (then depth, then index), each one only if its parent was taken before it. The tree for a
+    budget ``N`` is exactly the first ``N`` of this order (the scan decides the same way until the
+    budget runs out), which is what lets ``draftsmith tune`` read every budget from one order."""
+    depth = candidate_depths(parents)
+    taken: set[int] = set()
+    order = []
+    for i in sorted(range(len(parents)), key=lambda i: (-scores[i], depth[i], i)):
+        if parents[i] < 0 or parents[i] in taken:
+            taken.add(i)
+            order.append(i)
+    return order
+
+
 def best_first_tree(
     parents: list[int], tokens: list[int], scores: list[float], budget: int
 ) -> tuple[DraftTree, list[int]]:
@@ -173,15 +196,8 @@ def best_first_tree(
     log-probability, taking a node only after its parent (a child never scores above its parent, so
     this is the global top-``budget`` whenever scores are distinct). Returns the tree, ordered by
     depth so parents precede children, and the candidate index of each tree node."""
-    depth: list[int] = []
-    for parent in parents:
-        depth.append(1 if parent < 0 else depth[parent] + 1)
-    chosen: set[int] = set()
-    for i in sorted(range(len(tokens)), key=lambda i: (-scores[i], depth[i], i)):
-        if len(chosen) >= budget:
-            break
-        if parents[i] < 0 or parents[i] in chosen:
-            chosen.add(i)
+    depth = candidate_depths(parents)
+    chosen = admission_order(parents, scores)[:budget]
     order = sorted(chosen, key=lambda i: (depth[i], i))
     position = {candidate: node for node, candidate in enumerate(order)}
     tree = DraftTree(

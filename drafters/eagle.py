@@ -249,8 +249,13 @@ class EagleTreeDrafter(Drafter):
         self._fed: list[int] = []  # tokens[: positions in cache + 1]
         self._last_feature: torch.Tensor | None = None  # predicted feature at the root position
 
-    @torch.no_grad()
     def propose(self, context: DraftContext) -> DraftTree:
+        return self.grow(context)[0]
+
+    @torch.no_grad()
+    def grow(self, context: DraftContext) -> tuple[DraftTree, TreeGrowth]:
+        """The round's tree and every candidate it was chosen from (``draftsmith tune`` reads the
+        candidates: the tree of any smaller depth or budget is a function of them)."""
         tokens, features = context.tokens, context.features
         if features is None or features.shape[0] != len(tokens) - 1:
             raise ValueError("EAGLE drafting needs the target's features of every committed token but the root")
@@ -268,9 +273,9 @@ class EagleTreeDrafter(Drafter):
                 self._children(out.token_features[0, row], out.next_features[0, row]) for row in range(len(frontier))
             ]
 
-        tree, _ = grow_tree(expand, self.depth, self.top_k, self.total_tokens)
+        tree, growth = grow_tree(expand, self.depth, self.top_k, self.total_tokens)
         self._drop_tree_kv(len(tokens) - 1)
-        return tree
+        return tree, growth
 
     def _children(self, token_features: torch.Tensor, next_feature: torch.Tensor) -> list[tuple]:
         """One node's ``top_k`` children: (log p, token id, the feature they read when expanded)."""

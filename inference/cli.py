@@ -34,6 +34,8 @@ def cmd_generate(args: argparse.Namespace) -> None:
     from draftsmith.inference.methods import build_drafter
     from draftsmith.inference.runtime import generate
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     target = _load_target(args)
     drafter = build_drafter(args.method, target)
     compiled = _compiled_target(args, target)
@@ -143,6 +145,28 @@ def cmd_bench_tree(args: argparse.Namespace) -> None:
         print(f"results in {args.out}/bench_tree.json, bench_tree.md")
 
 
+def cmd_tune(args: argparse.Namespace) -> None:
+    import torch
+
+    from draftsmith.inference.tune import parse_numbers, run_tune
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    top_ks, totals = parse_numbers(args.top_k, "--top-k"), parse_numbers(args.total_tokens, "--total-tokens")
+    target = _load_target(args)
+    run_tune(
+        Path(args.export),
+        target,
+        Path(args.questions) if args.questions else None,
+        args.limit,
+        args.max_new_tokens,
+        max_depth=args.max_depth,
+        top_ks=top_ks,
+        totals=totals,
+        repeats=args.repeats,
+    )
+
+
 def cmd_spectra_index(args: argparse.Namespace) -> None:
     from draftsmith.inference.spectra_retrieval import build_index
 
@@ -208,6 +232,7 @@ def add_inference_commands(subparsers: Any) -> None:
     p.add_argument("--top-k", type=int, default=0, help="with sampling: keep the k most likely tokens (0 = all)")
     p.add_argument("--top-p", type=float, default=1.0, help="with sampling: nucleus mass to keep")
     p.add_argument("--seed", type=int, default=0, help="with sampling: random seed")
+    p.add_argument("--threads", type=positive_int, default=None, help="torch threads, >= 1 (default: torch's choice)")
     _add_compile_argument(p)
     p.set_defaults(func=cmd_generate)
     p = subparsers.add_parser(
@@ -274,3 +299,26 @@ def add_inference_commands(subparsers: Any) -> None:
     p.add_argument("--threads", type=positive_int, default=None, help="torch threads, >= 1 (default: torch's choice)")
     p.add_argument("--out", default=None, help="also write bench_tree.json and bench_tree.md to this directory")
     p.set_defaults(func=cmd_bench_tree)
+    p = subparsers.add_parser(
+        "tune",
+        help="fit an EAGLE-2 drafter's tree (depth, top_k, total_tokens) to this device and write it into the export",
+        description="Measure this device's verification cost per tree size and the drafter's cost per depth and "
+        "top_k, record the drafter's acceptance at every position of greedy decodes of calibration prompts, choose "
+        "the tree with the highest predicted tokens/s (plain decoding included), write it into the export's "
+        "tuned_trees.json for this device, dtype and thread count (generate and bench then use it), and measure it.",
+    )
+    p.add_argument("export", help="a directory written by `draftsmith export` (eagle, fspad, eagle3, fspad3)")
+    p.add_argument(
+        "--questions", default=None, help="Spec-Bench-format .jsonl (first turns); default: held-out default prompts"
+    )
+    p.add_argument("--limit", type=positive_int, default=4, help="calibration prompts, spread over categories")
+    p.add_argument("--max-new-tokens", type=positive_int, default=64, help="tokens decoded per calibration prompt")
+    p.add_argument("--max-depth", type=positive_int, default=6, help="deepest tree tried (every depth up to it)")
+    p.add_argument("--top-k", default="1,2,4,8", help="comma-separated top_k values tried")
+    p.add_argument(
+        "--total-tokens", default="1,2,3,4,6,8,12,16,24,32,48,64", help="comma-separated total_tokens values tried"
+    )
+    p.add_argument("--repeats", type=positive_int, default=5, help="timed verification forwards per tree size")
+    _add_target_arguments(p)
+    p.add_argument("--threads", type=positive_int, default=None, help="torch threads, >= 1 (default: torch's choice)")
+    p.set_defaults(func=cmd_tune)

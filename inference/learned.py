@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from draftsmith.core.drafting import Drafter
@@ -14,13 +15,16 @@ from draftsmith.drafters.io import (
     read_drafter_config,
 )
 from draftsmith.drafters.registry import FAMILIES
+from draftsmith.inference.tuned_trees import DeviceKey, fitted_tree
 
 
 def load_drafter(
     directory: str | Path, target: Target, expect: str | None = None, tree: TreeOptions | None = None
 ) -> Drafter:
     """The runtime drafter for an exported directory; ``expect`` names the method the user asked for,
-    ``tree`` holds serve-time overrides of the drafter's own tree options."""
+    ``tree`` holds serve-time overrides of the drafter's own tree options. With none given, the tree
+    ``draftsmith tune`` fitted for this device, dtype and thread count is used when the export has one
+    (said in one line on stderr); any serve-time tree option replaces the fitted tree."""
     directory = Path(directory)
     config = read_drafter_config(directory)
     name = config["drafter_family"]
@@ -35,4 +39,9 @@ def load_drafter(
     model = family.model_class.from_pretrained(directory)
     check_vocabulary_indices(model, int(target.model.config.vocab_size), directory)
     model = model.to(target.model.device, target.model.dtype)
+    if tree is None or tree == TreeOptions():
+        fitted = fitted_tree(directory, DeviceKey.current(target.model))
+        if fitted.note:
+            print(fitted.note, file=sys.stderr)
+        tree = fitted.tree
     return model.runtime_drafter(target.model, tree or TreeOptions())

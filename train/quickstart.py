@@ -16,24 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from draftsmith.core.io import atomic_write_bytes
-
-
-def held_out_questions(per_category: int, seed: int = 1) -> list[dict[str, Any]]:
-    """Spec-Bench-format questions from the default prompt generator with another seed, minus every
-    prompt the bundled training set already holds, ``per_category`` from each category."""
-    from draftsmith.data.default_prompts import build_prompts
-
-    seen = {r["conversations"][0]["value"] for r in build_prompts(0)}
-    taken: dict[str, int] = {}
-    questions = []
-    for record in build_prompts(seed):
-        prompt, category = record["conversations"][0]["value"], record["category"]
-        if prompt in seen or taken.get(category, 0) >= per_category:
-            continue
-        taken[category] = taken.get(category, 0) + 1
-        # "default/" keeps these apart from Spec-Bench's categories (bench adds MT-bench's up as mt_bench)
-        questions.append({"question_id": record["id"], "category": f"default/{category}", "turns": [prompt]})
-    return questions
+from draftsmith.data.default_prompts import held_out_questions
 
 
 def _run(build_parser: Callable[[], argparse.ArgumentParser], argv: list[str]) -> None:

@@ -1,0 +1,423 @@
+"""``draftsmith tune``: the EAGLE-2 tree (depth, top_k, total_tokens) that decodes fastest on this device.
+
+Predicted tokens/s of a tree = mean tokens committed per round / (drafting cost + verification cost),
+with both costs measured here: the target's verification forward per tree size by ``bench-tree``'s
+machinery (:func:`~draftsmith.inference.bench_tree.run_tree_bench`), the drafter's round per depth and
+top_k by timing its ``propose``. Plain decoding (one token per 1-token forward) is a candidate too.
+
+How acceptance is measured, and what is exact. Greedy verification accepts the longest path of the
+tree that spells the target's own greedy continuation, so a round's accepted length needs no target
+forward over the tree: only that continuation and the drafter's candidates. Tune therefore decodes
+each calibration prompt once without drafting (its greedy continuation ``g`` and the target's features
+at every token) and, for each top_k, grows the drafter's LARGEST tree (max depth) at EVERY position
+``t`` of ``g``, recording where the path spelling ``g[t:]`` ranks among the candidates. For a given
+top_k the first ``d`` levels of growth do not depend on the depth asked for, and the tree for
+``total_tokens = N`` is the first ``N`` candidates of EAGLE-2's best-first admission order
+(:func:`~draftsmith.core.tree.admission_order`; a parent always comes before its children). So the
+accepted length of every (depth <= max depth, top_k in the list, any total_tokens) at every position
+is read off the record, and simulating the rounds (each starts where the previous one's commit ended)
+gives each tree's exact sequence of accepted lengths, for greedy decoding:
+
+- exact: depth, top_k and total_tokens, and the round boundaries of a decode with that tree (no
+  approximation from another tree's rounds), EOS and the token budget included;
+- not modelled: floating-point differences between the features the drafter reads here (the target's
+  1-token forwards, the drafter fed one position at a time) and in a tree decode (tree forwards,
+  several positions at once) can reorder near-tied candidates; costs outside the two forwards (masks,
+  commits, Python) are not in the prediction, which is why the chosen tree is also measured;
+- sampling (``--temperature``) acceptance is not predicted: the fitted tree is chosen for greedy.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from draftsmith.core.drafting import DraftContext, Drafter
+from draftsmith.core.errors import DraftsmithError
+from draftsmith.core.target import Target
+from draftsmith.core.tree import DraftTree, TreeGrowth, admission_order, candidate_depths
+from draftsmith.data.default_prompts import held_out_questions
+from draftsmith.drafters.base import TreeOptions
+from draftsmith.drafters.eagle import EagleTreeDrafter
+from draftsmith.inference.bench import read_questions
+from draftsmith.inference.bench_tree import run_tree_bench
+from draftsmith.inference.context import check_fits_context
+from draftsmith.inference.learned import load_drafter
+from draftsmith.inference.runtime import generate
+from draftsmith.inference.tuned_trees import DeviceKey, weights_sha256, write_tuned_tree
+
+DEFAULT_TOP_K = (1, 2, 4, 8)
+DEFAULT_TOTAL_TOKENS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+TIMED_POSITIONS = 12  # drafter rounds timed per (depth, top_k), after one untimed warm-up round
+
+
+class TuneError(DraftsmithError, ValueError):
+    """A drafter or option ``draftsmith tune`` cannot work with."""
+
+
+@dataclass(frozen=True)
+class Shape:
+    depth: int
+    top_k: int
+    total_tokens: int
+
+    def options(self) -> TreeOptions:
+        return TreeOptions(depth=self.depth, top_k=self.top_k, total_tokens=self.total_tokens)
+
+    def text(self) -> str:
+        return f"depth={self.depth} top_k={self.top_k} total_tokens={self.total_tokens}"
+
+
+def candidate_count(depth: int, top_k: int) -> int:
+    """Candidates an EAGLE-2 growth makes: the root's top_k children, then top_k children for each of
+    the top_k frontier nodes at every further level."""
+    return top_k + (depth - 1) * top_k * top_k
+
+
+@dataclass
+class PromptRecord:
+    """One calibration prompt: its greedy continuation and, per top_k, per round start ``t`` (new
+    tokens committed before the round) and per depth d, the admission ranks of the candidates that
+    spell ``continuation[t:]`` among the candidates of depth <= d."""
+
+    prompt: list[int]
+    continuation: list[int]
+    features: torch.Tensor  # the target's features at the prompt and the continuation (drafter input)
+    ranks: dict[int, list[list[tuple[int, ...]]]] = field(default_factory=dict)  # [top_k][t][depth - 1]
+
+    def accepted(self, shape: Shape, t: int) -> int:
+        """Draft tokens a round starting at ``t`` accepts with ``shape`` (greedy)."""
+        return sum(1 for rank in self.ranks[shape.top_k][t][shape.depth - 1] if rank < shape.total_tokens)
+
+
+def simulate_rounds(record: PromptRecord, shape: Shape | None, max_new_tokens: int, eos: set[int]) -> list[int]:
+    """Tokens committed per verification forward (the runtime's ``accept_lengths``) when decoding the
+    prompt with ``shape`` (None: no drafting), as the runtime's loop would."""
+    g = record.continuation
+    lengths: list[int] = []
+    t = 1  # the prefill commits the first token
+    done = g[0] in eos or max_new_tokens <= 1
+    while not done:
+        step = 1 + (record.accepted(shape, t) if shape is not None else 0)
+        lengths.append(step)
+        end = t + step
+        done = any(token in eos for token in g[t : min(end, max_new_tokens)]) or end >= max_new_tokens
+        t = end
+    return lengths
+
+
+class _FeatureRecorder(Drafter):
+    """Drafts nothing; keeps the target's features the runtime hands over (plain decoding's)."""
+
+    wants_features = True
+
+    def __init__(self, feature_layers: tuple[int, ...]) -> None:
+        self.feature_layers = feature_layers
+        self.features: torch.Tensor | None = None
+
+    def propose(self, context: DraftContext) -> DraftTree:
+        self.features = context.features
+        return DraftTree.empty()
+
+
+def greedy_continuation(
+    target: Target, prompt: list[int], tokens: int, feature_layers: tuple[int, ...]
+) -> tuple[list[int], torch.Tensor]:
+    """Plain greedy decoding of ``tokens`` tokens past any EOS (a round can accept draft tokens past
+    it before the runtime cuts), and the target's features at the prompt and every new token but the
+    last two."""
+    recorder = _FeatureRecorder(feature_layers)
+    result = generate(target.model, prompt, recorder, max_new_tokens=tokens, eos_token_ids=())
+    return result.tokens, recorder.features
+
+
+def chain_ranks(growth: TreeGrowth, spelled: Sequence[int], max_depth: int) -> list[tuple[int, ...]]:
+    """Per depth d = 1..max_depth: the admission ranks, among the candidates of depth <= d, of the
+    candidates spelling ``spelled`` from the root (shallowest first; it stops where none does)."""
+    child = {(parent, token): i for i, (parent, token) in enumerate(zip(growth.parents, growth.tokens))}
+    chain, node = [], -1
+    for token in spelled[:max_depth]:
+        node = child.get((node, int(token)), None)
+        if node is None:
+            break
+        chain.append(node)
+    depths = candidate_depths(growth.parents)
+    per_depth = []
+    for depth in range(1, max_depth + 1):
+        shallow = sum(1 for d in depths if d <= depth)  # growth numbers candidates level by level
+        order = admission_order(growth.parents[:shallow], growth.scores[:shallow])
+        rank = {candidate: position for position, candidate in enumerate(order)}
+        ranks = []
+        for node in chain[:depth]:
+            if node not in rank:
+                break
+            ranks.append(rank[node])
+        per_depth.append(tuple(ranks))
+    return per_depth
+
+
+def record_prompt(
+    target: Target, drafters: dict[int, EagleTreeDrafter], prompt: list[int], max_new_tokens: int, max_depth: int
+) -> PromptRecord:
+    """The greedy continuation and every top_k's candidate ranks at every round start."""
+    any_drafter = next(iter(drafters.values()))
+    g, features = greedy_continuation(target, prompt, max_new_tokens + max_depth, any_drafter.feature_layers)
+    record = PromptRecord(prompt, g, features)
+    for top_k, drafter in drafters.items():
+        per_t: list[list[tuple[int, ...]]] = [[]]  # t = 0 never starts a round
+        for t in range(1, max_new_tokens):
+            tokens = prompt + g[:t]
+            _, growth = drafter.grow(DraftContext(tokens, len(prompt), features=features[: len(tokens) - 1]))
+            per_t.append(chain_ranks(growth, g[t:], max_depth))
+        record.ranks[top_k] = per_t
+    return record
+
+
+def drafting_ms(
+    base: EagleTreeDrafter, target: Target, record: PromptRecord, depths: Sequence[int], top_ks: Sequence[int]
+) -> dict[tuple[int, int], float]:
+    """Median milliseconds of one drafting round (the drafter's catch-up and its tree growth) per
+    (depth, top_k), over consecutive positions of a calibration prompt."""
+    g, prompt, features = record.continuation, record.prompt, record.features
+    costs = {}
+    for top_k in top_ks:
+        for depth in depths:
+            drafter = base.model.runtime_drafter(target.model, TreeOptions(depth=depth, top_k=top_k, total_tokens=1))
+            times = []
+            for t in range(1, min(TIMED_POSITIONS + 2, len(g))):
+                tokens = prompt + g[:t]
+                context = DraftContext(tokens, len(prompt), features=features[: len(tokens) - 1])
+                start = time.perf_counter()
+                drafter.propose(context)
+                if t > 1:  # the first round feeds the whole prompt
+                    times.append(time.perf_counter() - start)
+            costs[depth, top_k] = statistics.median(times) * 1e3
+    return costs
+
+
+@dataclass
+class Prediction:
+    shape: Shape | None  # None: plain decoding
+    tokens_per_round: float
+    round_ms: float
+    draft_ms: float = 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return 1e3 * self.tokens_per_round / self.round_ms
+
+
+def predictions(
+    records: list[PromptRecord],
+    verify_ms: dict[int, float],
+    draft_ms: dict[tuple[int, int], float],
+    shapes: list[Shape],
+    max_new_tokens: int,
+    eos: set[int],
+) -> list[Prediction]:
+    """Every shape's predicted speed, plain decoding first."""
+    out = [Prediction(None, 1.0, verify_ms[1])]
+    for shape in shapes:
+        lengths = [n for record in records for n in simulate_rounds(record, shape, max_new_tokens, eos)]
+        if not lengths:
+            continue
+        drafting = draft_ms[shape.depth, shape.top_k]
+        out.append(Prediction(shape, statistics.fmean(lengths), drafting + verify_ms[1 + shape.total_tokens], drafting))
+    return out
+
+
+def search_space(max_depth: int, top_ks: Sequence[int], totals: Sequence[int]) -> list[Shape]:
+    """Every (depth, top_k, total_tokens) whose budget the growth can fill (a larger budget would
+    verify the same tree)."""
+    return [
+        Shape(depth, top_k, total)
+        for top_k in top_ks
+        for depth in range(1, max_depth + 1)
+        for total in totals
+        if total <= candidate_count(depth, top_k)
+    ]
+
+
+def parse_numbers(text: str, option: str) -> list[int]:
+    """``1,2,4`` -> [1, 2, 4], each >= 1."""
+    try:
+        numbers = sorted({int(part) for part in text.split(",") if part.strip()})
+    except ValueError:
+        numbers = []
+    if not numbers or numbers[0] < 1:
+        raise TuneError(f"{option} takes comma-separated whole numbers >= 1, e.g. 1,2,4; got {text!r}")
+    return numbers
+
+
+def calibration_prompts(target: Target, questions: Path | None, limit: int) -> list[list[int]]:
+    """First turns of a Spec-Bench-format file, or of the quickstart's held-out default prompts."""
+    if questions is not None:
+        turns = [q.turns[0] for q in read_questions(questions, None, limit)]
+    else:
+        turns = [q["turns"][0] for q in held_out_questions(per_category=1)][:limit]
+    return [target.encode_chat([{"role": "user", "content": turn}]) for turn in turns]
+
+
+def runtime_drafter_for_tune(directory: Path, target: Target, max_depth: int, top_k: int) -> EagleTreeDrafter:
+    drafter = load_drafter(directory, target, tree=TreeOptions(depth=max_depth, top_k=top_k, total_tokens=1))
+    if not isinstance(drafter, EagleTreeDrafter):
+        raise TuneError(
+            f"draftsmith tune fits EAGLE-2 dynamic trees (eagle, fspad, eagle3, fspad3 drafters); {directory} "
+            f"holds a {drafter.name!r} drafter (for Medusa's static tree use `draftsmith medusa calibrate`)"
+        )
+    return drafter
+
+
+@dataclass
+class Measured:
+    """Real decodes of the calibration prompts, summed."""
+
+    tokens: int = 0
+    accepted: int = 0  # tokens committed per verification forward, summed (before the budget cuts)
+    rounds: int = 0
+    seconds: float = 0.0
+    as_predicted: int = 0  # prompts whose rounds committed exactly the predicted lengths
+
+    def add(self, result, predicted: list[int]) -> None:
+        self.tokens += len(result.tokens)
+        self.accepted += sum(result.accept_lengths)
+        self.rounds += len(result.accept_lengths)
+        self.seconds += result.seconds
+        self.as_predicted += result.accept_lengths == predicted
+
+    @property
+    def tokens_per_round(self) -> float:
+        return self.accepted / self.rounds if self.rounds else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+
+def table(ranked: list[Prediction], plain: Prediction, top: int) -> str:
+    lines = [
+        "| tree | τ (tokens/round) | draft ms | round ms | predicted tokens/s | vs plain |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    shown = ranked[:top] + ([] if plain in ranked[:top] else [plain])
+    for p in shown:
+        name = p.shape.text() if p.shape else "plain decoding (no drafter)"
+        lines.append(
+            f"| {name} | {p.tokens_per_round:.2f} | {p.draft_ms:.1f} | {p.round_ms:.1f} | {p.tokens_per_s:.1f} | "
+            f"{p.tokens_per_s / plain.tokens_per_s:.2f}x |"
+        )
+    return "\n".join(lines)
+
+
+def run_tune(
+    directory: Path,
+    target: Target,
+    questions: Path | None,
+    limit: int,
+    max_new_tokens: int,
+    max_depth: int = 6,
+    top_ks: Sequence[int] = DEFAULT_TOP_K,
+    totals: Sequence[int] = DEFAULT_TOTAL_TOKENS,
+    repeats: int = 5,
+    measure_choice: bool = True,
+    say=print,
+) -> dict[str, Any]:
+    """Fit the tree, write it into the export's ``tuned_trees.json`` and return the entry written."""
+    directory = Path(directory)
+    top_ks, totals = sorted(set(top_ks)), sorted(set(totals))
+    if max_depth < 1 or not top_ks or min(top_ks) < 1 or not totals or min(totals) < 1:
+        raise TuneError("--max-depth, --top-k and --total-tokens take whole numbers >= 1")
+    if max_new_tokens < 2:
+        raise TuneError(f"--max-new-tokens must be at least 2 for a drafting round to happen; got {max_new_tokens}")
+    drafters = {k: runtime_drafter_for_tune(directory, target, max_depth, k) for k in top_ks}
+    prompts = calibration_prompts(target, questions, limit)
+    for i, prompt in enumerate(prompts):
+        check_fits_context(
+            target.model, len(prompt), max_new_tokens + max_depth + max(totals), f"calibration prompt {i}"
+        )
+    say(f"recording the drafter's candidates at every position of {len(prompts)} prompts ({max_new_tokens} tokens)")
+    records = [record_prompt(target, drafters, prompt, max_new_tokens, max_depth) for prompt in prompts]
+    shapes = search_space(max_depth, top_ks, totals)
+    say("timing drafting rounds per depth and top_k, and verification forwards per tree size (bench-tree)")
+    draft_ms = drafting_ms(drafters[top_ks[0]], target, records[0], range(1, max_depth + 1), top_ks)
+    sizes = sorted({1} | {1 + shape.total_tokens for shape in shapes})
+    prefix = int(statistics.fmean(len(p) for p in prompts)) + max_new_tokens // 2
+    bench = run_tree_bench(target, sizes, prefix, repeats)
+    verify_ms = {row["size"]: row["median_ms"] for row in bench["rows"]}
+    eos = set(target.eos_token_ids)
+    ranked = predictions(records, verify_ms, draft_ms, shapes, max_new_tokens, eos)
+    plain = ranked[0]
+    ranked.sort(key=lambda p: -p.tokens_per_s)
+    say(table(ranked, plain, 5))
+    best = next(p for p in ranked if p.shape is not None)
+    pays = best.tokens_per_s > plain.tokens_per_s
+    if not pays:
+        say(f"no tree beats plain decoding on this device; the best, {best.shape.text()}, is recorded anyway")
+    entry: dict[str, Any] = {
+        "tree": {"depth": best.shape.depth, "top_k": best.shape.top_k, "total_tokens": best.shape.total_tokens},
+        "drafting_pays": pays,
+        "predicted": {
+            "tokens_per_round": best.tokens_per_round,
+            "tokens_per_s": best.tokens_per_s,
+            "speedup_vs_plain": best.tokens_per_s / plain.tokens_per_s,
+            "plain_tokens_per_s": plain.tokens_per_s,
+        },
+        "weights_sha256": weights_sha256(directory),
+        "calibration": {
+            "prompts": len(prompts),
+            "questions": str(questions) if questions else "default held-out prompts",
+            "max_new_tokens": max_new_tokens,
+            "search": {"max_depth": max_depth, "top_k": top_ks, "total_tokens": totals},
+            "verify_prefix": prefix,
+        },
+        "tuned_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
+    if measure_choice:
+        entry["measured"] = measure_chosen(target, drafters[top_ks[0]], records, best, plain, max_new_tokens, say)
+    key = DeviceKey.current(target.model)
+    path = write_tuned_tree(directory, key, entry)
+    say(f"wrote the tree for {key.text()} to {path}")
+    return entry
+
+
+def measure_chosen(
+    target: Target,
+    base: EagleTreeDrafter,
+    records: list[PromptRecord],
+    best: Prediction,
+    plain: Prediction,
+    max_new_tokens: int,
+    say,
+) -> dict[str, Any]:
+    """Decode the calibration prompts with the chosen tree and without drafting, interleaved prompt by
+    prompt (machine noise hits both alike), and compare with the prediction."""
+    drafter = base.model.runtime_drafter(target.model, best.shape.options())
+    eos = target.eos_token_ids
+    tree, without = Measured(), Measured()
+    for record in records:
+        for runs, one, shape in ((without, None, None), (tree, drafter, best.shape)):
+            result = generate(target.model, record.prompt, one, max_new_tokens=max_new_tokens, eos_token_ids=eos)
+            runs.add(result, simulate_rounds(record, shape, max_new_tokens, set(eos)))
+    speedup = tree.tokens_per_s / without.tokens_per_s if without.tokens_per_s else 0.0
+    say(
+        f"chosen {best.shape.text()}: predicted {best.tokens_per_round:.2f} tokens/round, "
+        f"{best.tokens_per_s:.1f} tokens/s ({best.tokens_per_s / plain.tokens_per_s:.2f}x plain); measured "
+        f"{tree.tokens_per_round:.2f} tokens/round, {tree.tokens_per_s:.1f} tokens/s ({speedup:.2f}x the runtime "
+        f"without a drafter, {without.tokens_per_s:.1f} tokens/s); rounds as predicted on "
+        f"{tree.as_predicted}/{len(records)} prompts"
+    )
+    return {
+        "tokens_per_round": tree.tokens_per_round,
+        "tokens_per_s": tree.tokens_per_s,
+        "plain_tokens_per_s": without.tokens_per_s,
+        "speedup_vs_plain": speedup,
+        "prompts_with_predicted_rounds": tree.as_predicted,
+        "prompts": len(records),
+    }

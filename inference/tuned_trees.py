@@ -1,0 +1,136 @@
+"""``tuned_trees.json``: the draft trees ``draftsmith tune`` fitted to devices, kept inside an export.
+
+One entry per (device, dtype, CPU threads), because the cost of a verification forward, and so the
+tree that pays, depends on all three. Each entry records the sha256 of the drafter's weights it was
+fitted with: an entry from before the drafter was exported again is stale and ignored. The file is
+JSON (loading it runs no code), written atomically and recorded in the export's ``files.json``, so
+the export still verifies after a tune.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from draftsmith.core.errors import DraftsmithError
+from draftsmith.core.io import FILES_MANIFEST, atomic_write_json, record_rewritten_file, sha256_file
+from draftsmith.drafters.base import TreeOptions
+from draftsmith.drafters.io import WEIGHTS_NAME
+
+TUNED_TREES = "tuned_trees.json"
+TUNED_FORMAT = "draftsmith.tuned_trees/1"
+
+
+class TunedTreesError(DraftsmithError, ValueError):
+    """A ``tuned_trees.json`` that cannot be read or updated."""
+
+
+def device_name(device: torch.device) -> str:
+    """The device as its cost curve depends on it: the GPU's model, or the CPU's."""
+    if device.type == "cuda":
+        return f"cuda:{torch.cuda.get_device_name(device)}"
+    model = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{device.type}:{model or platform.processor() or platform.machine()}"
+
+
+@dataclass(frozen=True)
+class DeviceKey:
+    device: str  # device_name()
+    dtype: str  # "float32", "bfloat16", ...
+    threads: int  # torch's CPU threads
+
+    @classmethod
+    def current(cls, model: torch.nn.Module) -> DeviceKey:
+        parameter = next(model.parameters())
+        return cls(device_name(parameter.device), str(parameter.dtype).removeprefix("torch."), torch.get_num_threads())
+
+    def text(self) -> str:
+        return f"{self.device} | {self.dtype} | {self.threads} threads"
+
+
+def weights_sha256(directory: Path) -> str:
+    """The drafter weights' sha256, from the export's manifest when it has one (already verified by
+    the loader) or from the file."""
+    manifest = directory / FILES_MANIFEST
+    if manifest.is_file():
+        try:
+            return str(json.loads(manifest.read_text())["files"][WEIGHTS_NAME]["sha256"])
+        except (ValueError, KeyError, TypeError):
+            pass
+    return sha256_file(directory / WEIGHTS_NAME)
+
+
+def read_tuned_trees(directory: Path) -> dict[str, Any]:
+    """The file's entries by key text; {} when there is none."""
+    path = Path(directory) / TUNED_TREES
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+        entries = data["entries"] if data.get("format") == TUNED_FORMAT else None
+    except (ValueError, AttributeError, KeyError, TypeError):
+        entries = None
+    if not isinstance(entries, dict):
+        raise TunedTreesError(f"{path} is damaged; delete it and run `draftsmith tune {directory}` again")
+    return entries
+
+
+def write_tuned_tree(directory: Path, key: DeviceKey, entry: dict[str, Any]) -> Path:
+    """Add (or replace) the entry for ``key``, keeping every other device's; atomic, and recorded in
+    the export's ``files.json``."""
+    directory = Path(directory)
+    entries = read_tuned_trees(directory)
+    entries[key.text()] = {"device": key.device, "dtype": key.dtype, "threads": key.threads, **entry}
+    atomic_write_json(directory / TUNED_TREES, {"format": TUNED_FORMAT, "entries": entries})
+    record_rewritten_file(directory, TUNED_TREES)
+    return directory / TUNED_TREES
+
+
+@dataclass(frozen=True)
+class FittedTree:
+    tree: TreeOptions | None  # None: no usable entry
+    note: str  # one line saying what was found and used
+
+
+def fitted_tree(directory: Path, key: DeviceKey) -> FittedTree:
+    """The tree ``draftsmith tune`` fitted for ``key`` in this export, if it is there and not stale."""
+    directory = Path(directory)
+    try:
+        entries = read_tuned_trees(directory)
+    except TunedTreesError as error:
+        return FittedTree(None, f"[tune] ignoring a fitted tree: {error}")
+    if not entries:
+        return FittedTree(None, "")
+    entry = entries.get(key.text())
+    if entry is None:
+        return FittedTree(
+            None,
+            f"[tune] {directory} has no tree fitted for {key.text()} (only for: {'; '.join(entries)}); "
+            "using its default tree",
+        )
+    if entry.get("weights_sha256") != weights_sha256(directory):
+        return FittedTree(
+            None,
+            f"[tune] ignoring the tree fitted for {key.text()}: the drafter was exported again since; "
+            f"run `draftsmith tune {directory}` again",
+        )
+    shape = entry["tree"]
+    tree = TreeOptions(depth=int(shape["depth"]), top_k=int(shape["top_k"]), total_tokens=int(shape["total_tokens"]))
+    pays = "" if entry.get("drafting_pays", True) else " (tune predicted plain decoding faster here: --method none)"
+    return FittedTree(
+        tree,
+        f"[tune] using the tree fitted for {key.text()}: depth={tree.depth} top_k={tree.top_k} "
+        f"total_tokens={tree.total_tokens}{pays}",
+    )

@@ -1,0 +1,151 @@
+"""``draftsmith tune``: acceptance read from one record equals real decoding with each smaller tree; the
+fitted tree lives in the export (manifest still valid), and generate/bench use it unless told otherwise."""
+
+import json
+
+import pytest
+import torch
+
+from decoding_helpers import fit, hf_greedy, random_prompts, self_distilled_batch
+from draftsmith.core.io import FILES_MANIFEST, file_problems
+from draftsmith.core.target import load_target
+from draftsmith.drafters.base import FrozenTarget
+from draftsmith.drafters.io import export_drafter
+from draftsmith.drafters.registry import get_family
+from draftsmith.inference.methods import build_drafter
+from draftsmith.inference.runtime import generate
+from draftsmith.inference.tune import Shape, record_prompt, run_tune, runtime_drafter_for_tune, simulate_rounds
+from draftsmith.inference.tuned_trees import TUNED_TREES, DeviceKey, fitted_tree, read_tuned_trees, write_tuned_tree
+from draftsmith.train.cli import main
+from draftsmith.train.losses import family_loss
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_target_dir):
+    return load_target(str(tiny_target_dir))
+
+
+@pytest.fixture(scope="module")
+def trained_export(tiny, tmp_path_factory):
+    """An FSPAD drafter trained briefly on the tiny target's own greedy continuations, exported."""
+    vocab = int(tiny.model.config.vocab_size)
+    batch = self_distilled_batch(tiny.model, vocab, n=16, new_tokens=40, seed=0)
+    torch.manual_seed(0)
+    family = get_family("fspad")
+    model = family.build(tiny.model.config, {})
+    frozen = FrozenTarget.from_model(tiny.model)
+    fit(model, lambda m: family_loss(family)(m, batch, frozen, feature_noise=0.0), 150)
+    return export_drafter(model.eval(), tiny.identity.to_dict(), tmp_path_factory.mktemp("tune") / "fspad")
+
+
+def copied_export(source, tmp_path):
+    """A private copy of the export (tune writes into it)."""
+    import shutil
+
+    return shutil.copytree(source, tmp_path / "fspad")
+
+
+def test_acceptance_read_from_the_record_equals_decoding_with_each_smaller_tree(tiny, trained_export):
+    """The key claim: from one record (max depth 4, per top_k) the accepted length of every round of a
+    decode with a smaller tree (depth, top_k, total_tokens) is exactly what decoding with it gives."""
+    max_depth, max_new = 4, 24
+    drafters = {k: runtime_drafter_for_tune(trained_export, tiny, max_depth, k) for k in (1, 2, 3)}
+    eos = tiny.eos_token_ids
+    shapes = [Shape(4, 3, 12), Shape(2, 3, 4), Shape(3, 2, 3), Shape(4, 1, 4), Shape(1, 3, 2), Shape(3, 3, 1)]
+    drafted = 0
+    for prompt in random_prompts(4, seed=0, vocab=int(tiny.model.config.vocab_size)):
+        record = record_prompt(tiny, drafters, prompt, max_new, max_depth)
+        for shape in shapes:
+            drafter = drafters[1].model.runtime_drafter(tiny.model, shape.options())
+            real = generate(tiny.model, prompt, drafter, max_new_tokens=max_new, eos_token_ids=eos)
+            assert simulate_rounds(record, shape, max_new, set(eos)) == real.accept_lengths, shape
+            drafted += sum(n - 1 for n in real.accept_lengths)
+        assert simulate_rounds(record, None, max_new, set(eos)) == [1] * (max_new - 1)
+    assert drafted > 20  # draft tokens were accepted, so the comparison says something
+
+
+def test_tune_writes_a_tree_the_export_still_verifies_and_generate_uses(
+    tiny, tiny_target_dir, trained_export, tmp_path, capsys
+):
+    export = copied_export(trained_export, tmp_path)
+    questions = tmp_path / "q.jsonl"
+    questions.write_text(
+        "".join(
+            json.dumps({"question_id": i, "category": c, "turns": [t]}) + "\n"
+            for i, (c, t) in enumerate([("a", "What is the capital of France?"), ("b", "Two plus two?")])
+        )
+    )
+    argv = ["tune", str(export), "--target", str(tiny_target_dir), "--questions", str(questions), "--limit", "2"]
+    main(argv + ["--max-new-tokens", "12", "--max-depth", "3", "--top-k", "1,2", "--total-tokens", "1,2,4,8"])
+    out = capsys.readouterr().out
+    assert "| tree | τ (tokens/round) |" in out and "plain decoding (no drafter)" in out
+    assert "chosen depth=" in out and "rounds as predicted on" in out
+    assert file_problems(export) == {}  # the manifest records tuned_trees.json, and everything verifies
+    assert TUNED_TREES in json.loads((export / FILES_MANIFEST).read_text())["files"]
+    key = DeviceKey.current(tiny.model)
+    entry = read_tuned_trees(export)[key.text()]
+    chosen = entry["tree"]
+    assert chosen["depth"] <= 3 and chosen["top_k"] in (1, 2) and chosen["total_tokens"] in (1, 2, 4, 8)
+    assert entry["measured"]["prompts"] == 2 and entry["threads"] == torch.get_num_threads()
+
+    # generate and bench build drafters through build_drafter: the fitted tree, said in one line
+    drafter = build_drafter(f"fspad={export}", tiny)
+    assert (drafter.depth, drafter.top_k, drafter.total_tokens) == (
+        chosen["depth"],
+        chosen["top_k"],
+        chosen["total_tokens"],
+    )
+    assert "[tune] using the tree fitted for" in capsys.readouterr().err
+    prompt = random_prompts(1, seed=1, vocab=int(tiny.model.config.vocab_size))[0]
+    assert generate(tiny.model, prompt, drafter, max_new_tokens=24, eos_token_ids=[2]).tokens == hf_greedy(
+        tiny.model, prompt, 24
+    )
+    # an explicit serve-time option replaces the fitted tree
+    explicit = build_drafter(f"fspad={export}:depth=2", tiny)
+    assert (explicit.depth, explicit.top_k, explicit.total_tokens) == (2, 4, 12)  # the export's own defaults else
+    assert "[tune]" not in capsys.readouterr().err
+
+    # a tune for another device adds to the file; this device's entry is kept and still used
+    other = DeviceKey("cuda:Some GPU", "bfloat16", 8)
+    write_tuned_tree(export, other, {**entry, "tree": {"depth": 5, "top_k": 5, "total_tokens": 20}})
+    assert set(read_tuned_trees(export)) == {key.text(), other.text()} and file_problems(export) == {}
+    assert fitted_tree(export, key).tree.depth == chosen["depth"]
+    alone = DeviceKey(key.device, key.dtype, key.threads + 1)  # another thread count: not this entry
+    missing = fitted_tree(export, alone)
+    assert missing.tree is None and "no tree fitted for" in missing.note
+
+
+def test_a_stale_entry_is_ignored(tiny, trained_export, tmp_path, capsys):
+    """Re-exporting the drafter (other weights) makes the fitted tree stale: ignored, said in one line."""
+    export = copied_export(trained_export, tmp_path)
+    key = DeviceKey.current(tiny.model)
+    write_tuned_tree(export, key, {"tree": {"depth": 1, "top_k": 1, "total_tokens": 1}, "weights_sha256": "0" * 64})
+    assert file_problems(export) == {}
+    drafter = build_drafter(f"fspad={export}", tiny)
+    assert (drafter.depth, drafter.top_k, drafter.total_tokens) == (5, 4, 12)  # the export's defaults
+    assert "exported again since" in capsys.readouterr().err
+
+
+def test_tune_refuses_medusa_and_bad_options(tiny, tiny_target_dir, tmp_path, capsys):
+    medusa = get_family("medusa").build(tiny.model.config, {})
+    export_drafter(medusa, tiny.identity.to_dict(), tmp_path / "medusa")
+    with pytest.raises(SystemExit):
+        main(["tune", str(tmp_path / "medusa"), "--target", str(tiny_target_dir)])
+    err = capsys.readouterr().err
+    assert "tune fits EAGLE-2 dynamic trees" in err and "medusa" in err and "Traceback" not in err
+    with pytest.raises(SystemExit):
+        main(["tune", str(tmp_path / "medusa"), "--target", str(tiny_target_dir), "--top-k", "two"])
+    assert "--top-k takes comma-separated whole numbers" in capsys.readouterr().err
+
+
+def test_run_tune_says_when_plain_decoding_wins(tiny, tmp_path):
+    """An untrained drafter's guesses are (almost) never accepted, while a drafting round costs a drafter
+    forward on top of a verification forward: no tree beats plain decoding, said and recorded. Also
+    the default calibration prompts (no --questions)."""
+    model = get_family("fspad").build(tiny.model.config, {})
+    export = export_drafter(model, tiny.identity.to_dict(), tmp_path / "untrained")
+    lines = []
+    entry = run_tune(export, tiny, None, 1, 6, max_depth=2, top_ks=(2,), totals=(2, 4), repeats=1, say=lines.append)
+    assert entry["predicted"]["tokens_per_round"] < 1.5 and not entry["drafting_pays"]
+    assert any("no tree beats plain decoding" in line for line in lines)
+    assert file_problems(export) == {}

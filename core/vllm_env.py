@@ -14,6 +14,7 @@ import importlib.util
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -83,6 +84,8 @@ class VllmServer:
                 env=vllm_environment(),
                 pass_fds=(write_fd,),
                 text=True,
+                # its own process group, so that stopping it also stops the engine processes vLLM spawns
+                start_new_session=True,
             )
         os.close(write_fd)  # the worker holds the only write end, so its exit reads as EOF here
         self._replies = os.fdopen(read_fd, "r")
@@ -110,22 +113,28 @@ class VllmServer:
             raise VllmError(f"vLLM failed: {last_error_line(self._log_path.read_text(errors='replace'))}")
         return json.loads(line)
 
-    def close(self) -> None:
+    def close(self, wait_seconds: float = 120.0) -> None:
+        """Let the worker finish its request and exit; after ``wait_seconds`` (0: at once) stop it and
+        every engine process it spawned."""
         if self._process.stdin and not self._process.stdin.closed:
             try:
                 self._process.stdin.close()
             except BrokenPipeError:
                 pass
         try:
-            self._process.wait(timeout=120)
+            self._process.wait(timeout=wait_seconds)
         except subprocess.TimeoutExpired:
-            self._process.kill()
-            self._process.wait()
+            pass
+        try:
+            os.killpg(self._process.pid, signal.SIGKILL)  # vLLM's engine processes outlive their parent
+        except ProcessLookupError:
+            pass
+        self._process.wait()
         self._replies.close()
         self._work.cleanup()
 
     def __enter__(self) -> VllmServer:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        self.close(wait_seconds=0 if exc_type is not None else 120.0)  # interrupted: do not finish the batch

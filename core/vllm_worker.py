@@ -92,10 +92,27 @@ def bench(request_path: str, result_path: str) -> None:
         json.dump(result, handle)
 
 
+def stop_with_parent() -> None:
+    """Kill this process group (this worker and vLLM's engine processes, which would otherwise keep
+    running) when the draftsmith process that started it dies without closing it (kill, crash)."""
+    import signal
+    import threading
+
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os.killpg(os.getpgrp(), signal.SIGKILL)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
 def serve(engine_path: str, reply_fd: int) -> None:
     import vllm
     from vllm import SamplingParams
 
+    stop_with_parent()
     llm, startup = start_engine(json.loads(open(engine_path).read()))
     with os.fdopen(reply_fd, "w") as replies:
 

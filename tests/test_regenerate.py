@@ -318,3 +318,50 @@ def test_vllm_regenerates_what_transformers_regenerates(tmp_path, source, tokeni
     with VllmServer(vllm_python(), vllm_server_settings(target_dir, target, "float32")) as server:
         regenerate(str(source), tmp_path / "vllm.jsonl", target, settings, engine=VllmEngine(server, target, settings))
     assert read_out(tmp_path / "vllm.jsonl") == read_out(tmp_path / "hf.jsonl")
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie waiting for its reaper counts as dead)."""
+    from pathlib import Path
+
+    status = Path(f"/proc/{pid}/status")
+    try:
+        return "\nState:\tZ" not in status.read_text()
+    except FileNotFoundError:
+        return False
+
+
+def test_the_vllm_worker_stops_its_engine_processes_when_draftsmith_dies(tmp_path):
+    """vLLM's engine processes outlive a killed parent; the worker kills its whole process group when the
+    draftsmith process that started it disappears, so nothing keeps the cores busy."""
+    import subprocess
+    import sys
+    import time
+
+    import draftsmith.core.vllm_env as vllm_env
+
+    pids = tmp_path / "pids"
+    worker = (
+        f"import os, subprocess, sys, time; sys.path.insert(0, {str(vllm_env.WORKER.parent)!r}); import vllm_worker; "
+        f"vllm_worker.stop_with_parent(); engine = subprocess.Popen(['sleep', '120']); "
+        f"open({str(pids)!r}, 'w').write(f'{{os.getpid()}} {{engine.pid}}'); time.sleep(120)"
+    )
+    draftsmith = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {worker!r}], "
+            "start_new_session=True); time.sleep(120)",
+        ]
+    )
+    deadline = time.time() + 60
+    while not (pids.is_file() and len(pids.read_text().split()) == 2) and time.time() < deadline:
+        time.sleep(0.2)
+    worker_pid, engine_pid = map(int, pids.read_text().split())
+    assert _alive(worker_pid) and _alive(engine_pid)
+    draftsmith.kill()
+    draftsmith.wait()
+    deadline = time.time() + 15
+    while (_alive(worker_pid) or _alive(engine_pid)) and time.time() < deadline:
+        time.sleep(0.2)
+    assert not _alive(worker_pid) and not _alive(engine_pid)

@@ -47,6 +47,25 @@ def test_console_script_is_installed():
     assert result.returncode == 0 and "usage: draftsmith" in result.stdout and "data" in result.stdout
 
 
+def test_bundled_sharegpt_smollm2_is_complete_and_answers_match_its_target():
+    """The regenerated ShareGPT subset reads by name, every record is a user turn and SmolLM2's answer,
+    its meta names the embedded target's exact identity (GGUF hash) and the command that made it."""
+    from draftsmith.core.io import sha256_file
+    from draftsmith.core.target import smollm2_gguf_path
+    from draftsmith.data.cli import _source
+
+    path = Path(_source("sharegpt-smollm2"))
+    assert path.name == "sharegpt_smollm2.jsonl.gz" and path.is_file()
+    stats = ReadStats()
+    conversations = list(read_conversations(str(path), stats))
+    meta = json.loads(path.with_name("sharegpt_smollm2.jsonl.meta.json").read_text())
+    assert stats.read == len(conversations) == meta["conversations"] >= 1500 and not stats.skipped
+    assert all([t["role"] for t in c.turns][-2:] == ["user", "assistant"] for c in conversations)
+    assert len({c.id for c in conversations}) == len(conversations)
+    assert meta["target"]["revision"] == "gguf-sha256-" + sha256_file(smollm2_gguf_path())
+    assert meta["settings"]["max_turns"] == 1 and "draftsmith data regenerate sharegpt" in meta["command"]
+
+
 def test_bundled_default_dataset_is_complete_and_usable():
     path = default_dataset_path()
     assert path.is_file(), "the default dataset must ship inside the package"

@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -206,10 +206,10 @@ def build_prompts(seed: int = 0) -> list[dict]:
     return records
 
 
-def held_out_questions(per_category: int, seed: int = 1) -> list[dict[str, Any]]:
+def held_out_questions(per_category: int, seed: int = 1, exclude: Iterable[str] = ()) -> list[dict[str, Any]]:
     """Spec-Bench-format questions from the default prompt generator with another seed, minus every
-    prompt the bundled training set already holds, ``per_category`` from each category."""
-    seen = {r["conversations"][0]["value"] for r in build_prompts(0)}
+    prompt the bundled training set already holds (and ``exclude``), ``per_category`` from each category."""
+    seen = {r["conversations"][0]["value"] for r in build_prompts(0)} | set(exclude)
     taken: dict[str, int] = {}
     questions = []
     for record in build_prompts(seed):

@@ -23,3 +23,10 @@ def test_quickstart_help_explains_itself(capsys):
         main(["quickstart", "--help"])
     out = capsys.readouterr().out
     assert "--steps" in out and "resumes" in out
+
+
+def test_tune_calibrates_on_other_prompts_than_the_bench():
+    bench = held_out_questions(per_category=1)
+    calibration = held_out_questions(1, seed=2, exclude=(q["turns"][0] for q in bench))
+    assert calibration and not {q["turns"][0] for q in calibration} & {q["turns"][0] for q in bench}
+    assert held_out_questions(1, seed=1, exclude=[bench[0]["turns"][0]])[0] != bench[0]

@@ -5,7 +5,7 @@ environment, so draftsmith runs vLLM as a subprocess of that environment's inter
 (``--vllm-python PATH`` or ``$DRAFTSMITH_VLLM_PYTHON``; without either, the current interpreter when
 it has vLLM), executing ``vllm_worker.py`` by path. ``bench`` uses it to decode one prompt at a time
 (``inference/vllm_engine.py``); ``data regenerate --engine vllm`` keeps one engine running and sends
-it batches (``data/vllm_turns.py``).
+it batches (``data/regenerate.py``, ``VllmEngine``).
 """
 
 from __future__ import annotations

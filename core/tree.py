@@ -124,21 +124,34 @@ class TreeInputBuffers:
         self.mask = torch.full((1, 1, rows, columns), self._blocked, dtype=self.dtype, device=self.device)
         self._zeroed = 0  # columns [0, _zeroed) are zero in every row
 
-    def build(self, tree: DraftTree, past_length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def build(self, tree: DraftTree, past_length: int, padded_rows: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """What :func:`tree_attention_inputs` returns, the mask as a view of the buffer (valid until
-        the next call)."""
+        the next call). With ``padded_rows`` > the root and the tree's rows, the forward runs that many
+        rows: padding rows see the committed tokens and themselves, and no real row sees them."""
         allowed, depths = ancestry(tree.parents)
-        q = allowed.shape[0]
+        q = max(allowed.shape[0], padded_rows)
         rows, columns = self.mask.shape[-2:]
         if q > rows or past_length + q > columns or past_length < self._zeroed:
             self._allocate(max(q, rows), max(past_length + q, 2 * columns))
         if past_length > self._zeroed:
             self.mask[..., self._zeroed : past_length] = 0
             self._zeroed = past_length
-        block = torch.zeros(q, q, dtype=self.dtype).masked_fill_(~allowed, self._blocked)
+        block = tree_block(allowed, q, self.dtype)
         self.mask[0, 0, :q, past_length : past_length + q].copy_(block, non_blocking=True)
-        positions = (past_length + depths)[None].to(self.device, non_blocking=True)
-        return self.mask[:, :, :q, : past_length + q], positions
+        positions = torch.full((1, q), past_length, dtype=torch.long)
+        positions[0, : depths.numel()] += depths
+        return self.mask[:, :, :q, : past_length + q], positions.to(self.device, non_blocking=True)
+
+
+def tree_block(allowed: torch.Tensor, rows: int, dtype: torch.dtype) -> torch.Tensor:
+    """The additive ``(rows, rows)`` mask among the forward's own rows: ``[root, tree]`` by ancestry
+    (``allowed``), then padding rows up to ``rows`` that see only themselves (a row seeing nothing
+    would be NaN) and that no real row sees."""
+    q = allowed.shape[0]
+    block = torch.full((rows, rows), torch.finfo(dtype).min, dtype=dtype)
+    block[:q, :q].masked_fill_(allowed, 0)
+    block.diagonal()[q:] = 0
+    return block
 
 
 def tree_attention_inputs(

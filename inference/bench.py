@@ -28,6 +28,7 @@ from draftsmith.inference.context import check_fits_context
 from draftsmith.inference.hf_compiled import NAME as HF_STATIC_COMPILE
 from draftsmith.inference.hf_compiled import StaticCompiledGenerate, greedy_settings
 from draftsmith.inference.methods import build_drafter
+from draftsmith.inference.packed_gemm import packed_gemm_for
 from draftsmith.inference.runtime import generate
 from draftsmith.inference.vllm_engine import is_vllm_method, parse_vllm_method, run_vllm
 
@@ -205,12 +206,14 @@ def run_bench(
     max_new_tokens: int,
     *,
     compiled: CompiledTarget | None = None,
+    packed_gemm: bool = True,
     vllm_python: str | None = None,
     target_dir: Path | None = None,
 ) -> dict[str, Any]:
     """Per method, overall and per category: tau, speedup, tokens_per_s, identical, total. With
     ``compiled``, every runtime method verifies through it (compile time is kept out of the timings
-    and reported as ``compile_seconds``).
+    and reported as ``compile_seconds``). ``packed_gemm``: the runtime's eager verification forwards use
+    MKL's packed GEMM where it applies (packing time is kept out of the timings too).
 
     ``vllm`` / ``vllm=DIR`` methods run after the others, in vLLM (``vllm_python``'s environment, the
     target opened from ``target_dir``), on the same prompts, each prompt timed alone."""
@@ -229,6 +232,7 @@ def run_bench(
     names = [BASELINE, *methods, *(m.name for m in engine_methods)]
     tallies: dict[str, dict[str, Tally]] = {name: defaultdict(Tally) for name in names}
     turns: list[Turn] = []
+    pack_seconds = 0.0
     hf_greedy(target.model, target.encode_chat([{"role": "user", "content": "Hi"}]), 4, eos)  # warm-up
     progress = tqdm(total=sum(len(q.turns) for q in questions), desc="bench", unit="turn", dynamic_ncols=True)
     for question in questions:
@@ -250,8 +254,15 @@ def run_bench(
             for name, drafter in drafters.items():
                 own_reference, own_seconds = _served_reference(target, drafter, prompt, max_new_tokens, eos)
                 result = generate(
-                    target.model, prompt, drafter, max_new_tokens=max_new_tokens, eos_token_ids=eos, compiled=compiled
+                    target.model,
+                    prompt,
+                    drafter,
+                    max_new_tokens=max_new_tokens,
+                    eos_token_ids=eos,
+                    compiled=compiled,
+                    packed_gemm=packed_gemm,
                 )
+                pack_seconds += result.pack_seconds
                 for scope in scopes_of(question.category):
                     tally = tallies[name][scope]
                     if own_reference is None:
@@ -294,6 +305,7 @@ def run_bench(
         "compiled": compiled is not None,
         **({"compile_seconds": round(compiled.compile_seconds, 1)} if compiled is not None else {}),
         **{f"{name}_compile_seconds": round(decode.compile_seconds, 1) for name, decode in plain.items()},
+        "packed_gemm": _packed_gemm_summary(target.model, packed_gemm and compiled is None, pack_seconds),
         "baseline": BASELINE,
         "methods": {name: {scope: t.summary() for scope, t in scopes.items()} for name, scopes in tallies.items()},
         **({"vllm": engine_info} if engine_info else {}),
@@ -331,10 +343,25 @@ def markdown_table(results: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _packed_gemm_summary(model, enabled: bool, pack_seconds: float) -> dict[str, Any] | None:
+    """The row buckets packed for the runtime's verification forwards, or None when none were."""
+    gemm = packed_gemm_for(model) if enabled else None
+    if gemm is None or not gemm.buckets:
+        return None
+    return {"buckets": gemm.buckets, "pack_seconds": round(pack_seconds, 1)}
+
+
 def _compile_note(results: dict[str, Any]) -> str:
+    packed = results.get("packed_gemm")
+    note = (
+        f"; tree forwards through MKL packed GEMM (row buckets {packed['buckets']}, {packed['pack_seconds']} s "
+        "packing, not counted)"
+        if packed
+        else ""
+    )
     if not results.get("compiled"):
-        return ""
-    return f"; runtime forwards compiled ({results['compile_seconds']} s compiling, not counted)"
+        return note
+    return f"; runtime forwards compiled ({results['compile_seconds']} s compiling, not counted)" + note
 
 
 def write_chart(results: dict[str, Any], path: Path) -> None:

@@ -1,11 +1,12 @@
 """``draftsmith bench-tree``: what one verification forward costs as the draft tree grows.
 
-A tree method trades target forwards for wider forwards; this measures the price. For each size S the
-target runs the runtime's own verification forward (``tree_attention_inputs``: 4D tree mask and depth
-positions) over S query tokens — the root plus S - 1 draft nodes — on top of a KV cache that holds a
-``prefix``-token context, and the median over repeats is reported relative to S = 1 (a plain decoding
-step). Sizes are timed interleaved, repeat by repeat, so machine noise hits all of them alike; the
-cache is cut back to the prefix after each forward, outside the timed region.
+A tree method trades target forwards for wider forwards; this measures the price. For each size S
+the target runs the runtime's own verification forward (4D tree mask, depth positions, a
+preallocated cache and, on a float32 CPU, packed GEMM padded to a row bucket) over S query tokens,
+the root plus S - 1 draft nodes, on top of a KV cache that holds a ``prefix``-token context, and the
+median over repeats is reported relative to S = 1 (a plain decoding step). Sizes are timed
+interleaved, repeat by repeat, so machine noise hits all of them alike; the cache is cut back to the
+prefix after each forward, outside the timed region.
 
 Tree shapes: ``random`` (each node's parent drawn uniformly among the root and the earlier nodes, a
 fixed seed; a bushy tree like EAGLE-2's) or ``chain`` (a draft-model or prompt-lookup chain). For the
@@ -22,13 +23,14 @@ from typing import Any
 
 import torch
 from tqdm.auto import tqdm
-from transformers import DynamicCache
 
-from draftsmith.core.cache import keep_positions
+from draftsmith.core.cache import keep_positions, preallocated_cache_for
 from draftsmith.core.io import atomic_write_bytes, atomic_write_json
 from draftsmith.core.target import Target
-from draftsmith.core.tree import DraftTree, tree_attention_inputs
+from draftsmith.core.tree import DraftTree, TreeInputBuffers
 from draftsmith.inference.bench import BenchError
+from draftsmith.inference.packed_gemm import packed_gemm_for
+from draftsmith.inference.runtime import DEFAULT_TREE_ROOM, verification_forward
 
 SHAPES = ("random", "chain")
 WARMUP = 2  # untimed forwards per size before the timed repeats
@@ -58,27 +60,34 @@ def parse_sizes(text: str) -> list[int]:
 
 
 class _VerificationForward:
-    """One target forward over a given tree on top of a fixed cached prefix, timed."""
+    """The runtime's verification forward (:func:`~draftsmith.inference.runtime.verification_forward`,
+    packed GEMM included unless ``packed_gemm`` is off) over a given tree on top of a fixed cached
+    prefix, timed."""
 
-    def __init__(self, target: Target, prefix: int, seed: int) -> None:
+    def __init__(self, target: Target, prefix: int, seed: int, packed_gemm: bool = True) -> None:
         self.model = target.model
         self.device = next(self.model.parameters()).device
         self.dtype = next(self.model.parameters()).dtype
         generator = torch.Generator().manual_seed(seed)
         self.vocab = len(target.tokenizer)
         self.prefix = prefix
-        self.cache = DynamicCache(config=self.model.config)
+        room = prefix + 2 * DEFAULT_TREE_ROOM
+        self.cache = preallocated_cache_for(self.model.config, room)
+        self.inputs = TreeInputBuffers(DEFAULT_TREE_ROOM, room, self.dtype, self.device)
+        self.gemm = packed_gemm_for(self.model) if packed_gemm else None
         ids = torch.randint(0, self.vocab, (1, prefix), generator=generator)
         with torch.no_grad():
-            self.model(ids.to(self.device), past_key_values=self.cache, use_cache=True)
+            self.model(ids.to(self.device), past_key_values=self.cache, use_cache=True, logits_to_keep=1)
         self.generator = generator
 
     @torch.no_grad()
     def seconds(self, tree: DraftTree) -> float:
-        mask, positions = tree_attention_inputs(tree, self.prefix, self.dtype, self.device)
-        input_ids = torch.randint(0, self.vocab, (1, len(tree) + 1), generator=self.generator).to(self.device)
+        if self.gemm is not None:
+            self.gemm.padded_rows(1 + len(tree))  # packing a new bucket is not part of a forward's cost
+        tokens = torch.randint(0, self.vocab, (len(tree) + 1,), generator=self.generator).tolist()
+        tree = DraftTree(torch.tensor(tokens[1:]), tree.parents)
         start = time.perf_counter()
-        self.model(input_ids, attention_mask=mask, position_ids=positions, past_key_values=self.cache, use_cache=True)
+        verification_forward(self.model, self.cache, self.inputs, tokens[0], tree, self.prefix, False, self.gemm)
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - start
@@ -87,7 +96,13 @@ class _VerificationForward:
 
 
 def run_tree_bench(
-    target: Target, sizes: list[int], prefix: int, repeats: int, shape: str = "random", seed: int = 0
+    target: Target,
+    sizes: list[int],
+    prefix: int,
+    repeats: int,
+    shape: str = "random",
+    seed: int = 0,
+    packed_gemm: bool = True,
 ) -> dict[str, Any]:
     """Median seconds of one verification forward per size, and its ratio to the 1-token forward."""
     if repeats < 1:
@@ -98,7 +113,7 @@ def run_tree_bench(
     if limit is not None and prefix + max(sizes) > limit:
         raise BenchError(f"--prefix {prefix} + size {max(sizes)} exceeds the target's {limit} positions")
     trees = {size: build_tree(size - 1, shape, seed) for size in sizes}
-    forward = _VerificationForward(target, prefix, seed)
+    forward = _VerificationForward(target, prefix, seed, packed_gemm)
     timings: dict[int, list[float]] = {size: [] for size in sizes}
     for _ in range(WARMUP):
         for size in sizes:
@@ -126,6 +141,7 @@ def run_tree_bench(
         "threads": torch.get_num_threads(),
         "device": str(forward.device),
         "dtype": str(forward.dtype).removeprefix("torch."),
+        "packed_gemm": forward.gemm is not None,
         "rows": rows,
     }
 
@@ -133,7 +149,8 @@ def run_tree_bench(
 def tree_markdown(results: dict[str, Any]) -> str:
     lines = [
         f"One verification forward on a {results['prefix']}-token cached prefix, {results['shape']} tree, "
-        f"{results['threads']} threads, {results['dtype']} on {results['device']}; median of "
+        f"{results['threads']} threads, {results['dtype']} on {results['device']}"
+        f"{', MKL packed GEMM (padded to row buckets)' if results.get('packed_gemm') else ''}; median of "
         f"{results['repeats']}; size = query tokens (root + draft nodes).",
         "",
         "| size | draft nodes | depth | median ms | relative to 1 token |",

@@ -56,6 +56,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
         generator=torch.Generator().manual_seed(args.seed),
         on_tokens=_stream_printer(target.tokenizer),
         compiled=compiled,
+        packed_gemm=not args.no_packed_gemm,
     )
     print()
     if result.compile_seconds:
@@ -121,6 +122,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
         methods,
         args.max_new_tokens,
         compiled=_compiled_target(args, target),
+        packed_gemm=not args.no_packed_gemm,
         vllm_python=args.vllm_python,
         target_dir=target_dir,
     )
@@ -138,7 +140,7 @@ def cmd_bench_tree(args: argparse.Namespace) -> None:
         torch.set_num_threads(args.threads)
     sizes = parse_sizes(args.sizes)
     target = _load_target(args)
-    results = run_tree_bench(target, sizes, args.prefix, args.repeats, args.shape)
+    results = run_tree_bench(target, sizes, args.prefix, args.repeats, args.shape, packed_gemm=not args.no_packed_gemm)
     print(tree_markdown(results))
     if args.out:
         write_tree_results(results, Path(args.out))
@@ -201,6 +203,16 @@ def _add_compile_argument(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_packed_gemm_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--no-packed-gemm",
+        action="store_true",
+        help="verify trees with PyTorch's default matrix multiply instead of MKL's packed GEMM (float32 on CPU "
+        "only; the packed one makes a few-row forward cost little more than one row, at one extra copy of the "
+        "weights per row bucket used)",
+    )
+
+
 def _load_target(args: argparse.Namespace):
     from draftsmith.core.target import load_target
 
@@ -234,6 +246,7 @@ def add_inference_commands(subparsers: Any) -> None:
     p.add_argument("--seed", type=int, default=0, help="with sampling: random seed")
     p.add_argument("--threads", type=positive_int, default=None, help="torch threads, >= 1 (default: torch's choice)")
     _add_compile_argument(p)
+    _add_packed_gemm_argument(p)
     p.set_defaults(func=cmd_generate)
     p = subparsers.add_parser(
         "bench",
@@ -268,6 +281,7 @@ def add_inference_commands(subparsers: Any) -> None:
         "--overwrite", action="store_true", help="replace earlier bench results (never a directory bench did not write)"
     )
     _add_compile_argument(p)
+    _add_packed_gemm_argument(p)
     p.set_defaults(func=cmd_bench)
     p = subparsers.add_parser(
         "spectra-index",
@@ -298,6 +312,7 @@ def add_inference_commands(subparsers: Any) -> None:
     p.add_argument("--shape", choices=["random", "chain"], default="random", help="tree shape (seeded random tree)")
     p.add_argument("--threads", type=positive_int, default=None, help="torch threads, >= 1 (default: torch's choice)")
     p.add_argument("--out", default=None, help="also write bench_tree.json and bench_tree.md to this directory")
+    _add_packed_gemm_argument(p)
     p.set_defaults(func=cmd_bench_tree)
     p = subparsers.add_parser(
         "tune",

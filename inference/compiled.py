@@ -26,7 +26,7 @@ from transformers import StaticCache
 from draftsmith.core.cache import supports_preallocation
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.target import cache_root
-from draftsmith.core.tree import DraftTree, ancestry
+from draftsmith.core.tree import DraftTree, ancestry, tree_block
 
 TREE_BUCKETS = (1, 4, 8, 16, 32, 64)
 MIN_CONTEXT_BUCKET = 256
@@ -77,10 +77,7 @@ class StaticTreeInputs:
         if past > visible:
             mask[..., visible:past] = 0
             self._visible[bucket] = past
-        block = torch.full((bucket, bucket), self._blocked, dtype=self.dtype)
-        block[:q, :q].masked_fill_(allowed, 0)
-        block.diagonal()[q:] = 0  # a padding row sees itself only (a row seeing nothing would be NaN)
-        mask[0, 0, :, past : past + bucket].copy_(block)
+        mask[0, 0, :, past : past + bucket].copy_(tree_block(allowed, bucket, self.dtype))
         positions = torch.full((1, bucket), past, dtype=torch.long)
         positions[0, :q] += depths
         tokens = torch.zeros((1, bucket), dtype=torch.long)

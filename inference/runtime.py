@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -19,6 +20,7 @@ from draftsmith.core.drafting import DraftContext, Drafter
 from draftsmith.core.tree import DraftTree, TreeInputBuffers
 from draftsmith.core.verify import SamplingConfig, sample, verify_greedy, verify_sampling
 from draftsmith.inference.compiled import CompiledTarget, StaticTreeInputs, commit_static, static_rows, tree_bucket
+from draftsmith.inference.packed_gemm import PackedGemm, packed_gemm_for
 
 
 @dataclass
@@ -28,6 +30,7 @@ class GenerationResult:
     accept_lengths: list[int] = field(default_factory=list)  # tokens committed per verification forward
     seconds: float = 0.0  # compilation excluded
     compile_seconds: float = 0.0  # first calls of a compiled forward's new shapes during this generation
+    pack_seconds: float = 0.0  # packing the target's weights for a new row bucket during this generation
 
     @property
     def tau(self) -> float:
@@ -77,22 +80,36 @@ def _finish(tokens: list[int], max_new_tokens: int, eos: set[int]) -> tuple[list
     return tokens[:max_new_tokens], len(tokens) >= max_new_tokens
 
 
-def _eager_forward(model, cache, tree_inputs: TreeInputBuffers, root: int, tree: DraftTree, past: int, hidden: bool):
-    """The verification forward over ``[root, tree]`` on top of ``past`` cached rows, uncompiled."""
+def verification_forward(
+    model,
+    cache,
+    tree_inputs: TreeInputBuffers,
+    root: int,
+    tree: DraftTree,
+    past: int,
+    hidden: bool,
+    gemm: PackedGemm | None = None,
+):
+    """The verification forward over ``[root, tree]`` on top of ``past`` cached rows, uncompiled. With
+    ``gemm``, a multi-row forward is padded to its packed row bucket (rows past ``1 + len(tree)`` of
+    the output are padding)."""
     device = tree_inputs.device
     if len(tree):
-        mask, positions = tree_inputs.build(tree, past)
+        rows = gemm.padded_rows(1 + len(tree)) if gemm is not None else 0
+        mask, positions = tree_inputs.build(tree, past, rows)
     else:  # the root alone sees every cached key: no mask, as in plain decoding
         mask, positions = None, torch.tensor([[past]], device=device)
-    input_ids = torch.cat([torch.tensor([root]), tree.tokens]).to(device)[None]
-    return model(
-        input_ids,
-        attention_mask=mask,
-        position_ids=positions,
-        past_key_values=cache,
-        use_cache=True,
-        output_hidden_states=hidden,
-    )
+    input_ids = torch.full((1, positions.shape[1]), root, dtype=torch.long)
+    input_ids[0, 1 : 1 + len(tree)] = tree.tokens
+    with gemm.rows() if gemm is not None else nullcontext():
+        return model(
+            input_ids.to(device),
+            attention_mask=mask,
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
+            output_hidden_states=hidden,
+        )
 
 
 @torch.no_grad()
@@ -107,16 +124,20 @@ def generate(
     generator: torch.Generator | None = None,
     on_tokens: Callable[[list[int]], None] | None = None,
     compiled: CompiledTarget | None = None,
+    packed_gemm: bool = True,
 ) -> GenerationResult:
     """Speculative decoding of one prompt, greedy (``sampling=None``) or sampled; ``drafter=None`` is
     plain decoding through the runtime. ``on_tokens`` receives all new tokens so far after every commit.
     ``compiled`` (built for ``model``) runs every verification forward through its compiled graphs;
-    drafters that verify with their own model (an adapted target) run eagerly."""
+    drafters that verify with their own model (an adapted target) run eagerly. ``packed_gemm``: eager
+    multi-row forwards of a float32 CPU target go through MKL's packed GEMM (``packed_gemm.py``)."""
     start = time.perf_counter()
     compiled_before = compiled.compile_seconds if compiled is not None else 0.0
     verifier = drafter.verifier_model() if drafter is not None else None
     model = model if verifier is None else verifier
     compiled = compiled if verifier is None else None
+    gemm = packed_gemm_for(model) if packed_gemm and compiled is None and verifier is None else None
+    packed_before = gemm.pack_seconds if gemm is not None else 0.0
     device = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
     eos = set(eos_token_ids)
@@ -159,14 +180,14 @@ def generate(
         if compiled is not None and past + tree_bucket(1 + len(tree)) > static_inputs.columns:
             tree = DraftTree.empty()  # a tree too big for the static cache's spare rows
         if compiled is None:
-            out = _eager_forward(model, cache, tree_inputs, committed[-1], tree, past, wants_features)
+            out = verification_forward(model, cache, tree_inputs, committed[-1], tree, past, wants_features, gemm)
         else:
             out = compiled.verify(*static_inputs.build(committed[-1], tree, past), cache, past, wants_features)
         queries = 1 + len(tree)
         kept = drafter.verified_rows(out) if drafter is not None else None
         if kept is not None:  # the verifier pruned the tree inside its forward: verify what is left
             tree = tree.subtree(kept[1:] - 1)
-        logits = out.logits[0, :queries]  # rows past the queries are a compiled bucket's padding
+        logits = out.logits[0, :queries]  # rows past the queries are a bucket's padding
         verdict = (
             verify_greedy(tree, logits) if sampling is None else verify_sampling(tree, logits, sampling, generator)
         )
@@ -188,5 +209,7 @@ def generate(
     result.tokens = new
     if compiled is not None:
         result.compile_seconds = compiled.compile_seconds - compiled_before
-    result.seconds = time.perf_counter() - start - result.compile_seconds
+    if gemm is not None:
+        result.pack_seconds = gemm.pack_seconds - packed_before
+    result.seconds = time.perf_counter() - start - result.compile_seconds - result.pack_seconds
     return result

@@ -1,0 +1,107 @@
+"""MKL packed GEMM for the runtime's verification forwards: padded row buckets that change no real
+row, linears that behave as before outside the runtime, and the memory guard."""
+
+import random
+
+import pytest
+import torch
+
+from conftest import tiny_llama
+from decoding_helpers import TINY_EOS, hf_greedy
+from draftsmith.core.cache import preallocated_cache_for
+from draftsmith.core.tree import DraftTree, TreeInputBuffers
+from draftsmith.inference import packed_gemm
+from draftsmith.inference.packed_gemm import PackedGemm, PackedLinear, packed_gemm_for, row_bucket
+from draftsmith.inference.pld import PromptLookupDrafter
+from draftsmith.inference.runtime import generate, verification_forward
+
+VOCAB = 97
+pytestmark = pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="PyTorch built without MKL")
+
+
+def fresh_model(seed=0):
+    return tiny_llama(VOCAB, seed=seed)
+
+
+def random_tree(nodes, seed):
+    rng = random.Random(seed)
+    parents = [rng.randrange(-1, i) for i in range(nodes)]
+    return DraftTree(torch.tensor([rng.randrange(VOCAB) for _ in range(nodes)]), torch.tensor(parents))
+
+
+def verify_once(model, prompt, tree, gemm):
+    cache = preallocated_cache_for(model.config, 64)
+    with torch.no_grad():
+        model(torch.tensor([prompt[:-1]]), past_key_values=cache, use_cache=True)
+        inputs = TreeInputBuffers(8, 64, torch.float32)
+        out = verification_forward(model, cache, inputs, prompt[-1], tree, len(prompt) - 1, True, gemm)
+    return out, cache
+
+
+def test_row_buckets():
+    assert [row_bucket(r) for r in (1, 2, 3, 4, 5, 9, 32, 33)] == [None, 2, 4, 4, 8, 16, 32, None]
+
+
+@pytest.mark.parametrize("nodes", [1, 2, 4, 6, 13])
+def test_padded_packed_forward_keeps_every_real_row(nodes):
+    """Real rows of the padded, packed forward equal the plain forward's (up to float32 rounding); a
+    padding row that a real row could see would change them by far more."""
+    model = fresh_model()
+    prompt = [5, 17, 33, 2, 61, 8, 40]
+    tree = random_tree(nodes, seed=nodes)
+    plain, plain_cache = verify_once(model, prompt, tree, None)
+    gemm = packed_gemm_for(model)
+    packed, packed_cache = verify_once(model, prompt, tree, gemm)
+    rows = 1 + nodes
+    assert packed.logits.shape[1] == row_bucket(rows)
+    assert gemm.buckets == [row_bucket(rows)]
+    torch.testing.assert_close(packed.logits[:, :rows], plain.logits, rtol=1e-4, atol=1e-4)
+    for plain_states, packed_states in zip(plain.hidden_states, packed.hidden_states):
+        torch.testing.assert_close(packed_states[:, :rows], plain_states, rtol=1e-4, atol=1e-4)
+    # the prefix and the real rows' keys are the same; the padding's keys lie past them
+    past = len(prompt) - 1
+    for plain_layer, packed_layer in zip(plain_cache.layers, packed_cache.layers):
+        torch.testing.assert_close(packed_layer.keys[:, :, : past + rows], plain_layer.keys, rtol=1e-4, atol=1e-4)
+
+
+def test_greedy_identity_with_packed_gemm():
+    model = fresh_model(seed=1)
+    rng = random.Random(3)
+    for _ in range(4):
+        base = [rng.randrange(4, VOCAB) for _ in range(rng.randint(3, 8))]
+        prompt = base * 3
+        expected = hf_greedy(model, prompt, 24)
+        result = generate(model, prompt, PromptLookupDrafter(num_draft=6), max_new_tokens=24, eos_token_ids=[TINY_EOS])
+        assert result.tokens == expected
+    assert packed_gemm_for(model).buckets, "the prompt-lookup trees should have used packed buckets"
+
+
+def test_linears_are_unchanged_outside_the_runtime():
+    model = fresh_model(seed=2)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    x = torch.randn(4, model.config.hidden_size)
+    linear = model.model.layers[0].self_attn.q_proj
+    expected = torch.nn.functional.linear(x, linear.weight)
+    gemm = packed_gemm_for(model)
+    assert isinstance(linear, PackedLinear) and gemm.padded_rows(4) == 4
+    assert torch.equal(linear(x), expected)  # not inside gemm.rows(): the default kernel, bit for bit
+    with gemm.rows(), torch.no_grad():
+        torch.testing.assert_close(linear(x), expected, rtol=1e-5, atol=1e-5)
+    with gemm.rows():  # gradients on (training): the default kernel, so autograd works
+        assert torch.equal(linear(x), expected)
+    assert model.state_dict().keys() == before.keys()
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
+    assert packed_gemm_for(model) is gemm
+
+
+def test_memory_guard_refuses_a_bucket(monkeypatch):
+    model = fresh_model(seed=3)
+    monkeypatch.setattr(packed_gemm, "_available_bytes", lambda: 1024)
+    gemm = PackedGemm(model)
+    assert gemm.padded_rows(5) == 5  # runs unpadded, unpacked
+    assert gemm.buckets == []
+
+
+def test_half_precision_targets_are_not_packed():
+    model = fresh_model(seed=4).to(torch.bfloat16)
+    assert packed_gemm_for(model) is None

@@ -1,6 +1,7 @@
 """MKL packed GEMM for the runtime's verification forwards: padded row buckets that change no real
 row, linears that behave as before outside the runtime, and the memory guard."""
 
+import os
 import random
 
 import pytest
@@ -105,3 +106,25 @@ def test_memory_guard_refuses_a_bucket(monkeypatch):
 def test_half_precision_targets_are_not_packed():
     model = fresh_model(seed=4).to(torch.bfloat16)
     assert packed_gemm_for(model) is None
+
+
+def test_tree_forwards_read_grouped_kv_heads_without_copies(monkeypatch):
+    """On CPU the verification forward lets SDPA read grouped K/V heads under the tree mask (no
+    ``repeat_kv`` copy of the whole cache per layer), with bit-identical outputs."""
+    from transformers.integrations import sdpa_attention
+
+    model = fresh_model(seed=5)
+    assert model.config.num_key_value_heads < model.config.num_attention_heads
+    prompt = [7, 3, 19, 44, 12, 90, 31, 8]
+    tree = random_tree(6, seed=1)
+    monkeypatch.setenv("TRANSFORMERS_SDPA_FORCE_GQA", "0")  # set by the caller: left alone
+    copied, _ = verify_once(model, prompt, tree, None)
+    monkeypatch.delenv("TRANSFORMERS_SDPA_FORCE_GQA")
+
+    def no_copies(*args, **kwargs):
+        raise AssertionError("repeat_kv was called")
+
+    monkeypatch.setattr(sdpa_attention, "repeat_kv", no_copies)
+    grouped, _ = verify_once(model, prompt, tree, None)
+    assert torch.equal(grouped.logits, copied.logits)
+    assert "TRANSFORMERS_SDPA_FORCE_GQA" not in os.environ

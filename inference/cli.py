@@ -189,8 +189,8 @@ def _add_target_arguments(p: argparse.ArgumentParser) -> None:
         default="float32",
         choices=["float32", "bfloat16", "float16"],
         help="model dtype; greedy token identity with plain decoding is promised in float32, where a tree "
-        "forward and a one-token forward round alike (half precision may differ by rounding, and the "
-        "bench's identical column shows how often)",
+        "forward and a one-token forward differ only by float32 rounding (half precision rounds far more "
+        "coarsely and may change a token; the bench's identical column shows how often)",
     )
 
 

@@ -316,7 +316,7 @@ def markdown_table(results: dict[str, Any]) -> str:
     scopes = ["overall"] + sorted(s for s in results["methods"][BASELINE] if s != "overall")
     lines = [
         f"Greedy, max {results['max_new_tokens']} new tokens, {results.get('dtype', 'float32')} on "
-        f"{results.get('device', 'cpu')}, {results['threads']} threads{_compile_note(results)}; "
+        f"{results.get('device', 'cpu')}, {results['threads']} threads{_forward_note(results)}; "
         f"speedup = {BASELINE} time / method time on the same prompts.",
         "",
         "| method | scope | tau | speedup | tokens/s | identical |",
@@ -351,7 +351,7 @@ def _packed_gemm_summary(model, enabled: bool, pack_seconds: float) -> dict[str,
     return {"buckets": gemm.buckets, "pack_seconds": round(pack_seconds, 1)}
 
 
-def _compile_note(results: dict[str, Any]) -> str:
+def _forward_note(results: dict[str, Any]) -> str:
     packed = results.get("packed_gemm")
     note = (
         f"; tree forwards through MKL packed GEMM (row buckets {packed['buckets']}, {packed['pack_seconds']} s "

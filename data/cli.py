@@ -175,7 +175,7 @@ def cmd_regenerate(args: argparse.Namespace) -> None:
         max_turns=args.max_turns,
     )
     with ExitStack() as stack:
-        engine = _start_vllm(stack, vllm, target, settings, args.dtype) if vllm else None
+        engine = _start_vllm(stack, vllm, target, settings, args.dtype, args.threads) if vllm else None
         report = regenerate(
             _source(args.input), Path(args.out), target, settings, limit=args.limit, shard=args.shard, engine=engine
         )
@@ -202,13 +202,13 @@ def _vllm_for_regeneration(args: argparse.Namespace) -> tuple[str, Path]:
     return python, model_dir
 
 
-def _start_vllm(stack: Any, vllm: tuple[str, Path], target: Any, settings: Any, dtype: str) -> Any:
+def _start_vllm(stack: Any, vllm: tuple[str, Path], target: Any, settings: Any, dtype: str, threads: int | None) -> Any:
     from draftsmith.core.vllm_env import VllmServer
     from draftsmith.data.regenerate import VllmEngine, vllm_server_settings
 
     python, model_dir = vllm
     print(f"starting vLLM ({python}) on {model_dir} ...", file=sys.stderr)
-    server = stack.enter_context(VllmServer(python, vllm_server_settings(model_dir, target, dtype)))
+    server = stack.enter_context(VllmServer(python, vllm_server_settings(model_dir, target, dtype), threads))
     print(f"vLLM {server.version} ready in {server.startup_seconds:.0f} s", file=sys.stderr)
     return VllmEngine(server, target, settings)
 
@@ -399,7 +399,8 @@ def add_data_commands(subparsers: Any, recipe_layers: Callable[[str, Any], tuple
         type=positive_int,
         default=None,
         help="CPU threads torch uses (default: torch's choice, one per core); when other jobs keep the cores "
-        "busy, 1 avoids threads waiting on each other and can be many times faster",
+        "busy, 1 avoids threads waiting on each other and can be many times faster. With --engine vllm, "
+        "vLLM computes on the first N cores (default: vLLM's own binding, which keeps one core free)",
     )
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", help="model dtype (float32, bfloat16, float16)")

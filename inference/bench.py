@@ -280,9 +280,11 @@ def run_bench(
     progress.close()
     engine_info = {}
     for method in engine_methods:
-        print(f"bench: {method.name} in vLLM ({len(turns)} prompts; the engine starts in about a minute)", flush=True)
+        print(f"bench: {method.name} in vLLM ({len(turns)} prompts; it compiles for a minute or two first)", flush=True)
         try:
-            run = run_vllm(vllm_python, method, target_dir, [t.prompt for t in turns], max_new_tokens, eos)
+            run = run_vllm(
+                vllm_python, method, target_dir, [t.prompt for t in turns], max_new_tokens, eos, torch.get_num_threads()
+            )
         except VllmError as error:  # the other methods' measurements are kept; the error is reported
             print(f"bench: {error}", flush=True)
             engine_info[method.name] = {"error": str(error)}

@@ -241,6 +241,20 @@ def test_a_failed_vllm_run_is_reported_by_its_error_line():
     )
 
 
+def test_vllm_computes_on_as_many_cores_as_the_runtime_it_is_compared_with(monkeypatch):
+    from draftsmith.core.vllm_env import THREADS_BIND, VllmError, vllm_environment
+
+    monkeypatch.delenv(THREADS_BIND, raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {7, 3, 5})
+    assert vllm_environment(2)[THREADS_BIND] == "3,5"
+    assert vllm_environment(8)[THREADS_BIND] == "3,5,7"
+    assert THREADS_BIND not in vllm_environment(None)  # vLLM's own binding
+    with pytest.raises(VllmError, match="at least one thread"):
+        vllm_environment(0)
+    monkeypatch.setenv(THREADS_BIND, "0-15")
+    assert vllm_environment(2)[THREADS_BIND] == "0-15"  # the user's choice wins
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(vllm_python() is None, reason="vLLM is not installed (set DRAFTSMITH_VLLM_PYTHON)")
 def test_vllm_serves_an_eagle3_export_losslessly(tmp_path, tokenizer, monkeypatch):
@@ -260,7 +274,8 @@ def test_vllm_serves_an_eagle3_export_losslessly(tmp_path, tokenizer, monkeypatc
     prompts = [tiny.encode_chat([{"role": "user", "content": text}]) for text in ("Hello there", "What is 3 plus 4?")]
     references = [hf_greedy(tiny.model, p, 12, [])[0] for p in prompts]
     for spec in ("vllm", f"vllm={tmp_path / 'e3'}"):
-        run = run_vllm(vllm_python(), parse_vllm_method(spec, tiny), target_dir, prompts, 12, [])
+        method = parse_vllm_method(spec, tiny)
+        run = run_vllm(vllm_python(), method, target_dir, prompts, 12, [], torch.get_num_threads(), eager=True)
         assert [r["tokens"] for r in run["results"]] == references, spec
     assert sum(r["drafts"] for r in run["results"]) > 0  # the drafter did draft
 

@@ -29,6 +29,7 @@ from draftsmith.core.io import atomic_write_bytes, atomic_write_json
 from draftsmith.core.target import Target
 from draftsmith.core.tree import DraftTree, TreeInputBuffers
 from draftsmith.inference.bench import BenchError
+from draftsmith.inference.direct_forward import direct_forward_for
 from draftsmith.inference.packed_gemm import packed_gemm_for
 from draftsmith.inference.runtime import DEFAULT_TREE_ROOM, verification_forward
 
@@ -61,8 +62,8 @@ def parse_sizes(text: str) -> list[int]:
 
 class _VerificationForward:
     """The runtime's verification forward (:func:`~draftsmith.inference.runtime.verification_forward`,
-    packed GEMM included unless ``packed_gemm`` is off) over a given tree on top of a fixed cached
-    prefix, timed."""
+    direct where the target allows it, packed GEMM included unless ``packed_gemm`` is off) over a given
+    tree on top of a fixed cached prefix, timed."""
 
     def __init__(self, target: Target, prefix: int, seed: int, packed_gemm: bool = True) -> None:
         self.model = target.model
@@ -75,6 +76,7 @@ class _VerificationForward:
         self.cache = preallocated_cache_for(self.model.config, room)
         self.inputs = TreeInputBuffers(DEFAULT_TREE_ROOM, room, self.dtype, self.device)
         self.gemm = packed_gemm_for(self.model) if packed_gemm else None
+        self.direct = direct_forward_for(self.model)
         ids = torch.randint(0, self.vocab, (1, prefix), generator=generator)
         with torch.no_grad():
             self.model(ids.to(self.device), past_key_values=self.cache, use_cache=True, logits_to_keep=1)
@@ -87,7 +89,9 @@ class _VerificationForward:
         tokens = torch.randint(0, self.vocab, (len(tree) + 1,), generator=self.generator).tolist()
         tree = DraftTree(torch.tensor(tokens[1:]), tree.parents)
         start = time.perf_counter()
-        verification_forward(self.model, self.cache, self.inputs, tokens[0], tree, self.prefix, False, self.gemm)
+        verification_forward(
+            self.model, self.cache, self.inputs, tokens[0], tree, self.prefix, False, self.gemm, self.direct
+        )
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - start

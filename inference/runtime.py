@@ -21,6 +21,7 @@ from draftsmith.core.drafting import DraftContext, Drafter
 from draftsmith.core.tree import DraftTree, TreeInputBuffers
 from draftsmith.core.verify import SamplingConfig, sample, verify_greedy, verify_sampling
 from draftsmith.inference.compiled import CompiledTarget, StaticTreeInputs, commit_static, static_rows, tree_bucket
+from draftsmith.inference.direct_forward import DirectForward, direct_forward_for
 from draftsmith.inference.packed_gemm import PackedGemm, packed_gemm_for
 
 
@@ -90,10 +91,12 @@ def verification_forward(
     past: int,
     hidden: bool,
     gemm: PackedGemm | None = None,
+    direct: DirectForward | None = None,
 ):
     """The verification forward over ``[root, tree]`` on top of ``past`` cached rows, uncompiled. With
     ``gemm``, a multi-row forward is padded to its packed row bucket (rows past ``1 + len(tree)`` of
-    the output are padding)."""
+    the output are padding). With ``direct`` (built for ``model``), the forward skips transformers'
+    per-call machinery, bitwise the same (``direct_forward.py``)."""
     device = tree_inputs.device
     if len(tree):
         rows = gemm.padded_rows(1 + len(tree)) if gemm is not None else 0
@@ -103,6 +106,8 @@ def verification_forward(
     input_ids = torch.full((1, positions.shape[1]), root, dtype=torch.long)
     input_ids[0, 1 : 1 + len(tree)] = tree.tokens
     with gemm.rows() if gemm is not None else nullcontext(), _grouped_kv_heads(device):
+        if direct is not None:
+            return direct(input_ids.to(device), positions, mask, cache, hidden)
         return model(
             input_ids.to(device),
             attention_mask=mask,
@@ -146,12 +151,15 @@ def generate(
     on_tokens: Callable[[list[int]], None] | None = None,
     compiled: CompiledTarget | None = None,
     packed_gemm: bool = True,
+    direct_forward: bool = True,
 ) -> GenerationResult:
     """Speculative decoding of one prompt, greedy (``sampling=None``) or sampled; ``drafter=None`` is
     plain decoding through the runtime. ``on_tokens`` receives all new tokens so far after every commit.
     ``compiled`` (built for ``model``) runs every verification forward through its compiled graphs;
     drafters that verify with their own model (an adapted target) run eagerly. ``packed_gemm``: eager
-    multi-row forwards of a float32 CPU target go through MKL's packed GEMM (``packed_gemm.py``)."""
+    multi-row forwards of a float32 CPU target go through MKL's packed GEMM (``packed_gemm.py``).
+    ``direct_forward``: eager verification forwards of a supported target (a Llama with SDPA) skip
+    transformers' per-call machinery, with bitwise the same results (``direct_forward.py``)."""
     start = time.perf_counter()
     compiled_before = compiled.compile_seconds if compiled is not None else 0.0
     verifier = drafter.verifier_model() if drafter is not None else None
@@ -159,6 +167,7 @@ def generate(
     compiled = compiled if verifier is None else None
     gemm = packed_gemm_for(model) if packed_gemm and compiled is None and verifier is None else None
     packed_before = gemm.pack_seconds if gemm is not None else 0.0
+    direct = direct_forward_for(model) if direct_forward and compiled is None and verifier is None else None
     device = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
     eos = set(eos_token_ids)
@@ -201,7 +210,9 @@ def generate(
         if compiled is not None and past + tree_bucket(1 + len(tree)) > static_inputs.columns:
             tree = DraftTree.empty()  # a tree too big for the static cache's spare rows
         if compiled is None:
-            out = verification_forward(model, cache, tree_inputs, committed[-1], tree, past, wants_features, gemm)
+            out = verification_forward(
+                model, cache, tree_inputs, committed[-1], tree, past, wants_features, gemm, direct
+            )
         else:
             out = compiled.verify(*static_inputs.build(committed[-1], tree, past), cache, past, wants_features)
         queries = 1 + len(tree)

@@ -1,0 +1,101 @@
+"""The direct verification forward: bitwise the model's own forward (logits, hidden states, cache) on
+one-token steps and tree forwards, packed or not, and used only where that holds."""
+
+import random
+
+import pytest
+import torch
+
+from conftest import tiny_llama
+from decoding_helpers import hf_greedy
+from draftsmith.core.cache import preallocated_cache_for
+from draftsmith.core.tree import DraftTree, TreeInputBuffers
+from draftsmith.inference.direct_forward import direct_forward_for
+from draftsmith.inference.packed_gemm import packed_gemm_for
+from draftsmith.inference.pld import PromptLookupDrafter
+from draftsmith.inference.runtime import generate, verification_forward
+
+VOCAB = 97
+PROMPT = [5, 17, 33, 2, 61, 8, 40, 17, 33]
+
+
+def random_tree(nodes: int, seed: int) -> DraftTree:
+    rng = random.Random(seed)
+    parents = [rng.randrange(-1, i) for i in range(nodes)]
+    return DraftTree(torch.tensor([rng.randrange(VOCAB) for _ in range(nodes)]), torch.tensor(parents))
+
+
+def verify_once(model, tree, gemm, direct):
+    cache = preallocated_cache_for(model.config, 64)
+    with torch.no_grad():
+        model(torch.tensor([PROMPT[:-1]]), past_key_values=cache, use_cache=True, output_hidden_states=True)
+        inputs = TreeInputBuffers(8, 64, torch.float32)
+        out = verification_forward(model, cache, inputs, PROMPT[-1], tree, len(PROMPT) - 1, True, gemm, direct)
+    return out, cache
+
+
+@pytest.mark.parametrize("nodes", [0, 1, 3, 6])
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("config", [{}, {"attention_bias": True, "mlp_bias": True, "num_key_value_heads": 4}])
+def test_the_direct_forward_is_bitwise_the_models_forward(nodes, packed, config):
+    model = tiny_llama(VOCAB, seed=nodes, **config)
+    direct = direct_forward_for(model)
+    assert direct is not None
+    if packed and not torch.backends.mkl.is_available():
+        pytest.skip("PyTorch built without MKL")
+    gemm = packed_gemm_for(model) if packed else None
+    tree = random_tree(nodes, seed=nodes) if nodes else DraftTree.empty()
+    reference, reference_cache = verify_once(model, tree, gemm, None)
+    out, cache = verify_once(model, tree, gemm, direct)
+    assert torch.equal(out.logits, reference.logits)
+    assert len(out.hidden_states) == len(reference.hidden_states) == model.config.num_hidden_layers + 1
+    for ours, theirs in zip(out.hidden_states, reference.hidden_states):
+        assert torch.equal(ours, theirs)
+    for ours, theirs in zip(cache.layers, reference_cache.layers):
+        assert torch.equal(ours.keys, theirs.keys) and torch.equal(ours.values, theirs.values)
+
+
+def test_generate_through_the_direct_forward_equals_plain_decoding():
+    model = tiny_llama(VOCAB)
+    reference = hf_greedy(model, PROMPT, 24)
+    for drafter in (None, PromptLookupDrafter(num_draft=4)):
+        for direct in (False, True):
+            result = generate(model, PROMPT, drafter, max_new_tokens=24, eos_token_ids=[2], direct_forward=direct)
+            assert result.tokens == reference
+
+
+def test_the_direct_forward_is_used_only_where_it_is_the_same():
+    model = tiny_llama(VOCAB)
+    with torch.no_grad():  # transformers' own output-capturing hooks, inactive outside its forward
+        model(torch.tensor([PROMPT]), output_hidden_states=True)
+    assert direct_forward_for(model) is not None
+    model.train()
+    assert direct_forward_for(model) is None
+    model.eval()
+    handle = model.model.layers[1].mlp.register_forward_hook(lambda module, args, output: output * 2)
+    assert direct_forward_for(model) is None  # a user's hook would be skipped
+    handle.remove()
+    assert direct_forward_for(model) is not None
+    model.config._attn_implementation = "eager"  # other attention kernels round differently
+    assert direct_forward_for(model) is None
+
+
+def test_other_architectures_keep_their_own_forward():
+    from transformers import MistralConfig, MistralForCausalLM
+
+    mistral = MistralForCausalLM(
+        MistralConfig(
+            vocab_size=VOCAB,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+        )
+    ).eval()
+    assert direct_forward_for(mistral) is None
+    reference = hf_greedy(mistral, PROMPT, 12)
+    assert (
+        generate(mistral, PROMPT, PromptLookupDrafter(num_draft=4), max_new_tokens=12, eos_token_ids=[2]).tokens
+        == reference
+    )

@@ -231,7 +231,8 @@ def add_inference_commands(subparsers: Any) -> None:
     p.add_argument(
         "--method",
         default="pld",
-        help="drafting method: none (plain decoding), pld (prompt lookup, default), spectra / spectra=INDEX "
+        help="drafting method: none (plain decoding), pld (prompt lookup, default; pld:num_draft=N:max_ngram=M, "
+        "num_draft defaults to 3 on a CPU and 10 on a GPU), spectra / spectra=INDEX "
         "(SPECTRA, training-free), eagle=DIR / fspad=DIR / "
         "medusa=DIR (a drafter exported by `draftsmith export`), draft=MODEL (a small LM with the target's "
         "tokenizer: model dir, .gguf or hub id) or draft=layers:N (the target's first N layers, an untrained "

@@ -12,7 +12,7 @@ from draftsmith.drafters.registry import FAMILIES, families_served_by
 from draftsmith.inference.draft_model import build_draft_model_drafter
 from draftsmith.inference.errors import MethodError
 from draftsmith.inference.learned import load_drafter
-from draftsmith.inference.pld import PromptLookupDrafter
+from draftsmith.inference.pld import PromptLookupDrafter, default_num_draft
 from draftsmith.inference.spectra import build_spectra_drafter
 
 _TREE_OPTION = re.compile(r"^(?P<rest>.+):(?P<key>[a-z_]+)=(?P<value>[\w.-]+)$")
@@ -46,10 +46,29 @@ def _trained(method: str) -> Callable[..., Drafter]:
     return build
 
 
+_PLD_OPTIONS = ("num_draft", "max_ngram")
+
+
+def _prompt_lookup(target, arg: str | None) -> PromptLookupDrafter:
+    """``pld`` or ``pld:num_draft=N:max_ngram=M``; the draft length defaults to what pays where the
+    target verifies (``pld.default_num_draft``)."""
+    rest, values = split_tree_options("pld" + (arg or ""))
+    unknown = sorted(set(values) - set(_PLD_OPTIONS))
+    if rest != "pld" or unknown:
+        raise MethodError(f"pld takes the options {', '.join(_PLD_OPTIONS)}, e.g. pld:num_draft=5; got pld{arg}")
+    numbers = {}
+    for key, text in values.items():
+        if not text.isdigit() or int(text) < 1:
+            raise MethodError(f"pld option {key}={text}: {key} takes a whole number >= 1")
+        numbers[key] = int(text)
+    numbers.setdefault("num_draft", default_num_draft(target.model.device))
+    return PromptLookupDrafter(**numbers)
+
+
 # name -> builder(target, argument after '=' or None)
 METHODS: dict[str, Callable[..., Drafter | None]] = {
     "none": lambda target, arg: None,
-    "pld": lambda target, arg: PromptLookupDrafter(),
+    "pld": _prompt_lookup,  # pld:num_draft=N:max_ngram=M
     "spectra": lambda target, arg: build_spectra_drafter(target, arg),  # spectra=INDEX adds SPECTRA-RETRIEVAL
     "spectra-paper": lambda target, arg: build_spectra_drafter(target, arg, paper=True),  # no tree cap (GPU)
     "draft": build_draft_model_drafter,  # draft=PATH_OR_NAME or draft=layers:N, optionally :k=K
@@ -64,6 +83,9 @@ def build_drafter(spec: str, target) -> Drafter | None:
     if "=" not in spec and Path(spec).is_dir():
         return load_drafter(spec, target)
     name, _, arg = spec.partition("=")
+    if ":" in name:  # options straight after a method that takes no argument: pld:num_draft=5
+        name, _, options = spec.partition(":")
+        arg = ":" + options
     if name not in METHODS:
         raise MethodError(f"unknown method {name!r}; available: {', '.join(METHODS)}")
     return METHODS[name](target, arg or None)

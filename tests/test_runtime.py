@@ -227,6 +227,26 @@ def test_unknown_method_is_a_clear_error(tiny_target_dir):
     assert result.returncode == 2 and "unknown method 'magic'; available: none, pld" in result.stderr
 
 
+def test_pld_takes_its_options_in_the_method_spec_and_drafts_short_chains_on_a_cpu():
+    from types import SimpleNamespace
+
+    from draftsmith.inference.errors import MethodError
+    from draftsmith.inference.methods import build_drafter
+    from draftsmith.inference.pld import CPU_NUM_DRAFT, GPU_NUM_DRAFT
+
+    target = SimpleNamespace(model=tiny_llama(97))
+    assert build_drafter("pld", target) == PromptLookupDrafter(num_draft=CPU_NUM_DRAFT)
+    assert build_drafter("pld:num_draft=7:max_ngram=4", target) == PromptLookupDrafter(num_draft=7, max_ngram=4)
+    on_a_gpu = SimpleNamespace(model=SimpleNamespace(device=torch.device("cuda")))  # nothing runs there
+    assert build_drafter("pld", on_a_gpu).num_draft == GPU_NUM_DRAFT
+    with pytest.raises(MethodError, match="pld takes the options num_draft, max_ngram"):
+        build_drafter("pld:depth=3", target)
+    with pytest.raises(MethodError, match="num_draft takes a whole number >= 1"):
+        build_drafter("pld:num_draft=0", target)
+    context = DraftContext(list(range(20)) + [3, 4], 0)  # "3 4" occurred before, followed by 5, 6, ...
+    assert build_drafter("pld", target).propose(context).tokens.tolist() == [5, 6, 7]
+
+
 def test_bench_writes_the_contract(tmp_path, tiny_target_dir):
     import json
 

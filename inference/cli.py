@@ -317,19 +317,25 @@ def add_inference_commands(subparsers: Any) -> None:
     p.set_defaults(func=cmd_bench_tree)
     p = subparsers.add_parser(
         "tune",
-        help="fit an EAGLE-2 drafter's tree (depth, top_k, total_tokens) to this device and write it into the export",
-        description="Measure this device's verification cost per tree size and the drafter's cost per depth and "
-        "top_k, record the drafter's acceptance at every position of greedy decodes of calibration prompts, choose "
+        help="fit a drafter's tree to this device and write it into the export (EAGLE-2 trees: depth, top_k, "
+        "total_tokens; Medusa-1: a dynamic tree's top_k per head and total_tokens)",
+        description="Measure this device's verification cost per tree size and the drafter's cost per round, "
+        "record the drafter's acceptance at every position of greedy decodes of calibration prompts, choose "
         "the tree with the highest predicted tokens/s (plain decoding included), write it into the export's "
         "tuned_trees.json for this device, dtype and thread count (generate and bench then use it), and measure it.",
     )
-    p.add_argument("export", help="a directory written by `draftsmith export` (eagle, fspad, eagle3, fspad3)")
+    p.add_argument("export", help="a directory written by `draftsmith export` (eagle, fspad, eagle3, fspad3, medusa)")
     p.add_argument(
         "--questions", default=None, help="Spec-Bench-format .jsonl (first turns); default: held-out default prompts"
     )
     p.add_argument("--limit", type=positive_int, default=4, help="calibration prompts, spread over categories")
     p.add_argument("--max-new-tokens", type=positive_int, default=64, help="tokens decoded per calibration prompt")
-    p.add_argument("--max-depth", type=positive_int, default=6, help="deepest tree tried (every depth up to it)")
+    p.add_argument(
+        "--max-depth",
+        type=positive_int,
+        default=6,
+        help="deepest EAGLE-2 tree tried (every depth up to it); a Medusa tree is as deep as its heads",
+    )
     p.add_argument("--top-k", default="1,2,4,8", help="comma-separated top_k values tried")
     p.add_argument(
         "--total-tokens", default="1,2,3,4,6,8,12,16,24,32,48,64", help="comma-separated total_tokens values tried"

@@ -1,4 +1,6 @@
-"""``draftsmith tune``: the EAGLE-2 tree (depth, top_k, total_tokens) that decodes fastest on this device.
+"""``draftsmith tune``: the draft tree that decodes fastest on this device, for EAGLE-2 dynamic trees
+(depth, top_k, total_tokens of an eagle, fspad, eagle3 or fspad3 drafter) and Medusa-1's dynamic
+trees (top_k per head, total_tokens).
 
 Predicted tokens/s of a tree = mean tokens committed per round / (drafting cost + verification cost),
 with both costs measured here: the target's verification forward per tree size by ``bench-tree``'s
@@ -25,6 +27,10 @@ gives each tree's exact sequence of accepted lengths, for greedy decoding:
   several positions at once) can reorder near-tied candidates; costs outside the two forwards (masks,
   commits, Python) are not in the prediction, which is why the chosen tree is also measured;
 - sampling (``--temperature``) acceptance is not predicted: the fitted tree is chosen for greedy.
+
+Medusa's heads read only the last committed feature, so there nothing needs the largest-tree trick:
+at every position each candidate tree is drafted as the runtime would and its accepted length along
+``g[t:]`` recorded (:class:`CountedRecord`); the rounds are then simulated the same way, equally exact.
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ from draftsmith.core.tree import DraftTree, TreeGrowth, admission_order, candida
 from draftsmith.data.default_prompts import held_out_questions
 from draftsmith.drafters.base import TreeOptions
 from draftsmith.drafters.eagle import EagleTreeDrafter
+from draftsmith.drafters.medusa import DYNAMIC, MedusaTreeDrafter
 from draftsmith.inference.bench import read_questions
 from draftsmith.inference.bench_tree import run_tree_bench
 from draftsmith.inference.context import check_fits_context
@@ -67,12 +74,21 @@ class Shape:
     depth: int
     top_k: int
     total_tokens: int
+    medusa: bool = False  # Medusa's dynamic tree: its depth is the number of heads, not an option
 
     def options(self) -> TreeOptions:
+        if self.medusa:
+            return TreeOptions(tree=DYNAMIC, top_k=self.top_k, total_tokens=self.total_tokens)
         return TreeOptions(depth=self.depth, top_k=self.top_k, total_tokens=self.total_tokens)
 
+    def entry(self) -> dict[str, Any]:
+        """The tree options as ``tuned_trees.json`` and serve-time options name them."""
+        options = self.options()
+        names = sorted(TreeOptions.names(), key=lambda name: name != "tree")  # Medusa's mode reads first
+        return {name: getattr(options, name) for name in names if getattr(options, name) is not None}
+
     def text(self) -> str:
-        return f"depth={self.depth} top_k={self.top_k} total_tokens={self.total_tokens}"
+        return " ".join(f"{name}={value}" for name, value in self.entry().items())
 
 
 def candidate_count(depth: int, top_k: int) -> int:
@@ -97,7 +113,23 @@ class PromptRecord:
         return sum(1 for rank in self.ranks[shape.top_k][t][shape.depth - 1] if rank < shape.total_tokens)
 
 
-def simulate_rounds(record: PromptRecord, shape: Shape | None, max_new_tokens: int, eos: set[int]) -> list[int]:
+@dataclass
+class CountedRecord:
+    """One calibration prompt for drafters whose every tree is drafted at every position (Medusa):
+    the accepted draft tokens per shape and round start ``t``."""
+
+    prompt: list[int]
+    continuation: list[int]
+    features: torch.Tensor
+    counts: dict[Shape, list[int]] = field(default_factory=dict)  # [shape][t]
+
+    def accepted(self, shape: Shape, t: int) -> int:
+        return self.counts[shape][t]
+
+
+def simulate_rounds(
+    record: PromptRecord | CountedRecord, shape: Shape | None, max_new_tokens: int, eos: set[int]
+) -> list[int]:
     """Tokens committed per verification forward (the runtime's ``accept_lengths``) when decoding the
     prompt with ``shape`` (None: no drafting), as the runtime's loop would."""
     g = record.continuation
@@ -181,25 +213,66 @@ def record_prompt(
 
 
 def drafting_ms(
-    base: EagleTreeDrafter, target: Target, record: PromptRecord, depths: Sequence[int], top_ks: Sequence[int]
+    drafters: dict[tuple[int, int], Drafter], target: Target, record: PromptRecord | CountedRecord
 ) -> dict[tuple[int, int], float]:
-    """Median milliseconds of one drafting round (the drafter's catch-up and its tree growth) per
+    """Median milliseconds of one drafting round (the drafter's catch-up and its tree growth) per key
     (depth, top_k), over consecutive positions of a calibration prompt."""
     g, prompt, features = record.continuation, record.prompt, record.features
     costs = {}
-    for top_k in top_ks:
-        for depth in depths:
-            drafter = base.model.runtime_drafter(target.model, TreeOptions(depth=depth, top_k=top_k, total_tokens=1))
-            times = []
-            for t in range(1, min(TIMED_POSITIONS + 2, len(g))):
-                tokens = prompt + g[:t]
-                context = DraftContext(tokens, len(prompt), features=features[: len(tokens) - 1])
-                start = time.perf_counter()
-                drafter.propose(context)
-                if t > 1:  # the first round feeds the whole prompt
-                    times.append(time.perf_counter() - start)
-            costs[depth, top_k] = statistics.median(times) * 1e3
+    for key, drafter in drafters.items():
+        times = []
+        for t in range(1, min(TIMED_POSITIONS + 2, len(g))):
+            tokens = prompt + g[:t]
+            context = DraftContext(tokens, len(prompt), features=features[: len(tokens) - 1])
+            start = time.perf_counter()
+            drafter.propose(context)
+            if t > 1:  # the first round feeds the whole prompt
+                times.append(time.perf_counter() - start)
+        costs[key] = statistics.median(times) * 1e3
     return costs
+
+
+def eagle_drafters_per_round_shape(
+    base: EagleTreeDrafter, target: Target, depths: Sequence[int], top_ks: Sequence[int]
+) -> dict[tuple[int, int], Drafter]:
+    """One runtime drafter per (depth, top_k): what an EAGLE-2 round costs depends on both."""
+    return {
+        (depth, top_k): base.model.runtime_drafter(target.model, TreeOptions(depth=depth, top_k=top_k, total_tokens=1))
+        for top_k in top_ks
+        for depth in depths
+    }
+
+
+def spelled_length(tree: DraftTree, spelled: Sequence[int]) -> int:
+    """Draft tokens greedy verification accepts: the longest tree path spelling ``spelled``."""
+    children: dict[tuple[int, int], int] = {}
+    for node, (parent, token) in enumerate(zip(tree.parents.tolist(), tree.tokens.tolist())):
+        children.setdefault((parent, token), node)
+    node, length = -1, 0
+    for token in spelled:
+        node = children.get((node, int(token)), None)
+        if node is None:
+            break
+        length += 1
+    return length
+
+
+def record_counted_prompt(
+    target: Target, base: MedusaTreeDrafter, prompt: list[int], max_new_tokens: int, shapes: Sequence[Shape]
+) -> CountedRecord:
+    """The greedy continuation, and every shape's accepted length at every round start."""
+    depth = max(shape.depth for shape in shapes)
+    g, features = greedy_continuation(target, prompt, max_new_tokens + depth, base.feature_layers)
+    record = CountedRecord(prompt, g, features)
+    for shape in shapes:
+        drafter = base.model.runtime_drafter(target.model, shape.options())
+        counts = [0]  # t = 0 never starts a round
+        for t in range(1, max_new_tokens):
+            tokens = prompt + g[:t]
+            tree = drafter.propose(DraftContext(tokens, len(prompt), features=features[: len(tokens) - 1]))
+            counts.append(spelled_length(tree, g[t:]))
+        record.counts[shape] = counts
+    return record
 
 
 @dataclass
@@ -215,7 +288,7 @@ class Prediction:
 
 
 def predictions(
-    records: list[PromptRecord],
+    records: list[PromptRecord] | list[CountedRecord],
     verify_ms: dict[int, float],
     draft_ms: dict[tuple[int, int], float],
     shapes: list[Shape],
@@ -266,13 +339,88 @@ def calibration_prompts(target: Target, questions: Path | None, limit: int) -> l
 
 
 def runtime_drafter_for_tune(directory: Path, target: Target, max_depth: int, top_k: int) -> EagleTreeDrafter:
-    drafter = load_drafter(directory, target, tree=TreeOptions(depth=max_depth, top_k=top_k, total_tokens=1))
+    """The export's EAGLE-2 drafter growing trees of ``max_depth`` levels with ``top_k``."""
+    drafter = tune_base(directory, target)
     if not isinstance(drafter, EagleTreeDrafter):
+        raise TuneError(f"{directory} holds a {drafter.name!r} drafter, not an EAGLE-2 one")
+    return drafter.model.runtime_drafter(target.model, TreeOptions(depth=max_depth, top_k=top_k, total_tokens=1))
+
+
+def tune_base(directory: Path, target: Target) -> EagleTreeDrafter | MedusaTreeDrafter:
+    """The export's runtime drafter, if ``tune`` can fit its tree: EAGLE-2 trees and Medusa-1's."""
+    drafter = load_drafter(directory, target, tree=TreeOptions(total_tokens=1))
+    fits = isinstance(drafter, EagleTreeDrafter) or (
+        isinstance(drafter, MedusaTreeDrafter) and drafter.verifier_model() is None
+    )
+    if not fits:
         raise TuneError(
-            f"draftsmith tune fits EAGLE-2 dynamic trees (eagle, fspad, eagle3, fspad3 drafters); {directory} "
-            f"holds a {drafter.name!r} drafter (for Medusa's static tree use `draftsmith medusa calibrate`)"
+            f"draftsmith tune fits EAGLE-2 dynamic trees (eagle, fspad, eagle3, fspad3 drafters) and Medusa-1's "
+            f"dynamic trees; {directory} holds a {drafter.name!r} drafter, whose drafts come from the target it "
+            "adapts (for Medusa-2's static tree use `draftsmith medusa calibrate`)"
         )
     return drafter
+
+
+def medusa_search_space(heads: int, top_ks: Sequence[int], totals: Sequence[int]) -> list[Shape]:
+    """Every dynamic Medusa tree (top_k per head, total_tokens) whose budget the heads can fill."""
+    return [
+        Shape(heads, top_k, total, medusa=True)
+        for top_k in top_ks
+        for total in totals
+        if total <= sum(top_k**depth for depth in range(1, heads + 1))
+    ]
+
+
+@dataclass
+class TunePlan:
+    """What a family's tune measures: the trees tried, each calibration prompt's record of what they
+    accept, one drafter per round cost to time (keyed like ``Prediction``'s drafting costs), and the
+    search as recorded in the entry."""
+
+    shapes: list[Shape]
+    records: list[PromptRecord] | list[CountedRecord]
+    round_drafters: dict[tuple[int, int], Drafter]
+    search: dict[str, Any]
+
+
+def eagle_plan(
+    target: Target,
+    base: EagleTreeDrafter,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    max_depth: int,
+    top_ks: Sequence[int],
+    totals: Sequence[int],
+) -> TunePlan:
+    drafters = {
+        k: base.model.runtime_drafter(target.model, TreeOptions(depth=max_depth, top_k=k, total_tokens=1))
+        for k in top_ks
+    }
+    return TunePlan(
+        search_space(max_depth, top_ks, totals),
+        [record_prompt(target, drafters, prompt, max_new_tokens, max_depth) for prompt in prompts],
+        eagle_drafters_per_round_shape(base, target, range(1, max_depth + 1), top_ks),
+        {"max_depth": max_depth, "top_k": list(top_ks), "total_tokens": list(totals)},
+    )
+
+
+def medusa_plan(
+    target: Target,
+    base: MedusaTreeDrafter,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    top_ks: Sequence[int],
+    totals: Sequence[int],
+) -> TunePlan:
+    heads = base.model.config.num_heads
+    shapes = medusa_search_space(heads, top_ks, totals)
+    widest = {shape.top_k: shape for shape in shapes}  # the largest budget per top_k: its costliest round
+    return TunePlan(
+        shapes,
+        [record_counted_prompt(target, base, prompt, max_new_tokens, shapes) for prompt in prompts],
+        {(heads, k): base.model.runtime_drafter(target.model, shape.options()) for k, shape in widest.items()},
+        {"heads": heads, "top_k": list(top_ks), "total_tokens": list(totals)},
+    )
 
 
 @dataclass
@@ -336,17 +484,20 @@ def run_tune(
         raise TuneError("--max-depth, --top-k and --total-tokens take whole numbers >= 1")
     if max_new_tokens < 2:
         raise TuneError(f"--max-new-tokens must be at least 2 for a drafting round to happen; got {max_new_tokens}")
-    drafters = {k: runtime_drafter_for_tune(directory, target, max_depth, k) for k in top_ks}
+    base = tune_base(directory, target)
+    medusa = isinstance(base, MedusaTreeDrafter)
+    depth = base.model.config.num_heads if medusa else max_depth
     prompts = calibration_prompts(target, questions, limit)
     for i, prompt in enumerate(prompts):
-        check_fits_context(
-            target.model, len(prompt), max_new_tokens + max_depth + max(totals), f"calibration prompt {i}"
-        )
+        check_fits_context(target.model, len(prompt), max_new_tokens + depth + max(totals), f"calibration prompt {i}")
     say(f"recording the drafter's candidates at every position of {len(prompts)} prompts ({max_new_tokens} tokens)")
-    records = [record_prompt(target, drafters, prompt, max_new_tokens, max_depth) for prompt in prompts]
-    shapes = search_space(max_depth, top_ks, totals)
-    say("timing drafting rounds per depth and top_k, and verification forwards per tree size (bench-tree)")
-    draft_ms = drafting_ms(drafters[top_ks[0]], target, records[0], range(1, max_depth + 1), top_ks)
+    if medusa:
+        plan = medusa_plan(target, base, prompts, max_new_tokens, top_ks, totals)
+    else:
+        plan = eagle_plan(target, base, prompts, max_new_tokens, max_depth, top_ks, totals)
+    shapes, records = plan.shapes, plan.records
+    say("timing drafting rounds, and verification forwards per tree size (bench-tree)")
+    draft_ms = drafting_ms(plan.round_drafters, target, records[0])
     sizes = sorted({1} | {1 + shape.total_tokens for shape in shapes})
     prefix = int(statistics.fmean(len(p) for p in prompts)) + max_new_tokens // 2
     bench = run_tree_bench(target, sizes, prefix, repeats)
@@ -361,7 +512,7 @@ def run_tune(
     if not pays:
         say(f"no tree beats plain decoding on this device; the best, {best.shape.text()}, is recorded anyway")
     entry: dict[str, Any] = {
-        "tree": {"depth": best.shape.depth, "top_k": best.shape.top_k, "total_tokens": best.shape.total_tokens},
+        "tree": best.shape.entry(),
         "drafting_pays": pays,
         "predicted": {
             "tokens_per_round": best.tokens_per_round,
@@ -374,13 +525,13 @@ def run_tune(
             "prompts": len(prompts),
             "questions": str(questions) if questions else "default held-out prompts",
             "max_new_tokens": max_new_tokens,
-            "search": {"max_depth": max_depth, "top_k": top_ks, "total_tokens": totals},
+            "search": plan.search,
             "verify_prefix": prefix,
         },
         "tuned_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
     if measure_choice:
-        entry["measured"] = measure_chosen(target, drafters[top_ks[0]], records, best, plain, max_new_tokens, say)
+        entry["measured"] = measure_chosen(target, base, records, best, plain, max_new_tokens, say)
     key = DeviceKey.current(target.model)
     path = write_tuned_tree(directory, key, entry)
     say(f"wrote the tree for {key.text()} to {path}")
@@ -389,8 +540,8 @@ def run_tune(
 
 def measure_chosen(
     target: Target,
-    base: EagleTreeDrafter,
-    records: list[PromptRecord],
+    base: EagleTreeDrafter | MedusaTreeDrafter,
+    records: list[PromptRecord] | list[CountedRecord],
     best: Prediction,
     plain: Prediction,
     max_new_tokens: int,

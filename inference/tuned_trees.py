@@ -126,11 +126,8 @@ def fitted_tree(directory: Path, key: DeviceKey) -> FittedTree:
             f"[tune] ignoring the tree fitted for {key.text()}: the drafter was exported again since; "
             f"run `draftsmith tune {directory}` again",
         )
-    shape = entry["tree"]
-    tree = TreeOptions(depth=int(shape["depth"]), top_k=int(shape["top_k"]), total_tokens=int(shape["total_tokens"]))
+    shape = {name: value for name, value in entry["tree"].items() if name in TreeOptions.names()}
+    tree = TreeOptions(**{name: value if name == "tree" else int(value) for name, value in shape.items()})
     pays = "" if entry.get("drafting_pays", True) else " (tune predicted plain decoding faster here: --method none)"
-    return FittedTree(
-        tree,
-        f"[tune] using the tree fitted for {key.text()}: depth={tree.depth} top_k={tree.top_k} "
-        f"total_tokens={tree.total_tokens}{pays}",
-    )
+    options = " ".join(f"{name}={value}" for name, value in shape.items())
+    return FittedTree(tree, f"[tune] using the tree fitted for {key.text()}: {options}{pays}")

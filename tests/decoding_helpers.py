@@ -8,11 +8,19 @@ from collections.abc import Sequence
 
 import torch
 
+from draftsmith.core.tree import DraftTree
 from draftsmith.drafters.base import TreeOptions
 from draftsmith.inference.bench import hf_greedy as bench_hf_greedy
 from draftsmith.train.batch import TrainBatch
 
 TINY_EOS = 2
+
+
+def seeded_random_tree(nodes: int, seed: int, vocab: int) -> DraftTree:
+    """A tree of ``nodes`` random tokens, each node's parent any earlier node or the root."""
+    rng = random.Random(seed)
+    parents = [rng.randrange(-1, i) for i in range(nodes)]
+    return DraftTree(torch.tensor([rng.randrange(vocab) for _ in range(nodes)]), torch.tensor(parents))
 
 
 def hf_greedy(model, prompt: list[int], max_new_tokens: int, eos: int | Sequence[int] = TINY_EOS) -> list[int]:

@@ -1,13 +1,11 @@
 """The direct verification forward: bitwise the model's own forward (logits, hidden states, cache) on
 one-token steps and tree forwards, packed or not, and used only where that holds."""
 
-import random
-
 import pytest
 import torch
 
 from conftest import tiny_llama
-from decoding_helpers import hf_greedy
+from decoding_helpers import hf_greedy, seeded_random_tree
 from draftsmith.core.cache import preallocated_cache_for
 from draftsmith.core.tree import DraftTree, TreeInputBuffers
 from draftsmith.inference.direct_forward import direct_forward_for
@@ -17,12 +15,6 @@ from draftsmith.inference.runtime import generate, verification_forward
 
 VOCAB = 97
 PROMPT = [5, 17, 33, 2, 61, 8, 40, 17, 33]
-
-
-def random_tree(nodes: int, seed: int) -> DraftTree:
-    rng = random.Random(seed)
-    parents = [rng.randrange(-1, i) for i in range(nodes)]
-    return DraftTree(torch.tensor([rng.randrange(VOCAB) for _ in range(nodes)]), torch.tensor(parents))
 
 
 def verify_once(model, tree, gemm, direct):
@@ -44,7 +36,7 @@ def test_the_direct_forward_is_bitwise_the_models_forward(nodes, packed, config)
     if packed and not torch.backends.mkl.is_available():
         pytest.skip("PyTorch built without MKL")
     gemm = packed_gemm_for(model) if packed else None
-    tree = random_tree(nodes, seed=nodes) if nodes else DraftTree.empty()
+    tree = seeded_random_tree(nodes, nodes, VOCAB) if nodes else DraftTree.empty()
     reference, reference_cache = verify_once(model, tree, gemm, None)
     out, cache = verify_once(model, tree, gemm, direct)
     assert torch.equal(out.logits, reference.logits)

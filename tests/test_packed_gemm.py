@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from conftest import tiny_llama
-from decoding_helpers import TINY_EOS, hf_greedy
+from decoding_helpers import TINY_EOS, hf_greedy, seeded_random_tree
 from draftsmith.core.cache import preallocated_cache_for
-from draftsmith.core.tree import DraftTree, TreeInputBuffers
+from draftsmith.core.tree import TreeInputBuffers
 from draftsmith.inference import packed_gemm
 from draftsmith.inference.packed_gemm import PackedGemm, PackedLinear, packed_gemm_for, row_bucket
 from draftsmith.inference.pld import PromptLookupDrafter
@@ -22,12 +22,6 @@ pytestmark = pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="P
 
 def fresh_model(seed=0):
     return tiny_llama(VOCAB, seed=seed)
-
-
-def random_tree(nodes, seed):
-    rng = random.Random(seed)
-    parents = [rng.randrange(-1, i) for i in range(nodes)]
-    return DraftTree(torch.tensor([rng.randrange(VOCAB) for _ in range(nodes)]), torch.tensor(parents))
 
 
 def verify_once(model, prompt, tree, gemm):
@@ -49,7 +43,7 @@ def test_padded_packed_forward_keeps_every_real_row(nodes):
     padding row that a real row could see would change them by far more."""
     model = fresh_model()
     prompt = [5, 17, 33, 2, 61, 8, 40]
-    tree = random_tree(nodes, seed=nodes)
+    tree = seeded_random_tree(nodes, nodes, VOCAB)
     plain, plain_cache = verify_once(model, prompt, tree, None)
     gemm = packed_gemm_for(model)
     packed, packed_cache = verify_once(model, prompt, tree, gemm)
@@ -116,7 +110,7 @@ def test_tree_forwards_read_grouped_kv_heads_without_copies(monkeypatch):
     model = fresh_model(seed=5)
     assert model.config.num_key_value_heads < model.config.num_attention_heads
     prompt = [7, 3, 19, 44, 12, 90, 31, 8]
-    tree = random_tree(6, seed=1)
+    tree = seeded_random_tree(6, 1, VOCAB)
     monkeypatch.setenv("TRANSFORMERS_SDPA_FORCE_GQA", "0")  # set by the caller: left alone
     copied, _ = verify_once(model, prompt, tree, None)
     monkeypatch.delenv("TRANSFORMERS_SDPA_FORCE_GQA")

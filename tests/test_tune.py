@@ -14,10 +14,18 @@ from draftsmith.drafters.io import export_drafter
 from draftsmith.drafters.registry import get_family
 from draftsmith.inference.methods import build_drafter
 from draftsmith.inference.runtime import generate
-from draftsmith.inference.tune import Shape, record_prompt, run_tune, runtime_drafter_for_tune, simulate_rounds
+from draftsmith.inference.tune import (
+    Shape,
+    record_counted_prompt,
+    record_prompt,
+    run_tune,
+    runtime_drafter_for_tune,
+    simulate_rounds,
+    tune_base,
+)
 from draftsmith.inference.tuned_trees import TUNED_TREES, DeviceKey, fitted_tree, read_tuned_trees, write_tuned_tree
 from draftsmith.train.cli import main
-from draftsmith.train.losses import family_loss
+from draftsmith.train.losses import family_loss, medusa_loss
 
 
 @pytest.fixture(scope="module")
@@ -126,15 +134,65 @@ def test_a_stale_entry_is_ignored(tiny, trained_export, tmp_path, capsys):
     assert "exported again since" in capsys.readouterr().err
 
 
-def test_tune_refuses_medusa_and_bad_options(tiny, tiny_target_dir, tmp_path, capsys):
-    medusa = get_family("medusa").build(tiny.model.config, {})
-    export_drafter(medusa, tiny.identity.to_dict(), tmp_path / "medusa")
+@pytest.fixture(scope="module")
+def medusa_export(tiny, tmp_path_factory):
+    """Medusa-1 heads trained briefly on the tiny target's own greedy continuations, exported."""
+    vocab = int(tiny.model.config.vocab_size)
+    batch = self_distilled_batch(tiny.model, vocab, n=16, new_tokens=40, seed=0)
+    torch.manual_seed(0)
+    model = get_family("medusa").build(tiny.model.config, {"num_heads": 3})
+    frozen = FrozenTarget.from_model(tiny.model)
+    model.init_from_target(frozen)
+    fit(model, lambda m: medusa_loss(m, batch, frozen), 150, 3e-3)
+    return export_drafter(model.eval(), tiny.identity.to_dict(), tmp_path_factory.mktemp("tune") / "medusa")
+
+
+def test_medusa_acceptance_recorded_per_tree_equals_decoding_with_it(tiny, medusa_export):
+    base = tune_base(medusa_export, tiny)
+    shapes = [Shape(3, 1, 3, medusa=True), Shape(3, 2, 2, medusa=True), Shape(3, 3, 6, medusa=True)]
+    eos, max_new, drafted = tiny.eos_token_ids, 24, 0
+    for prompt in random_prompts(4, seed=0, vocab=int(tiny.model.config.vocab_size)):
+        record = record_counted_prompt(tiny, base, prompt, max_new, shapes)
+        for shape in shapes:
+            drafter = base.model.runtime_drafter(tiny.model, shape.options())
+            real = generate(tiny.model, prompt, drafter, max_new_tokens=max_new, eos_token_ids=eos)
+            assert simulate_rounds(record, shape, max_new, set(eos)) == real.accept_lengths, shape
+            drafted += sum(n - 1 for n in real.accept_lengths)
+    assert drafted > 10  # draft tokens were accepted, so the comparison says something
+
+
+def test_tune_fits_a_dynamic_medusa_tree_that_generate_uses(tiny, tiny_target_dir, medusa_export, tmp_path, capsys):
+    import shutil
+
+    export = shutil.copytree(medusa_export, tmp_path / "medusa")
+    argv = ["tune", str(export), "--target", str(tiny_target_dir), "--limit", "2", "--max-new-tokens", "12"]
+    main(argv + ["--top-k", "1,2", "--total-tokens", "1,2,4"])
+    assert "chosen tree=dynamic top_k=" in capsys.readouterr().out
+    assert file_problems(export) == {}
+    entry = read_tuned_trees(export)[DeviceKey.current(tiny.model).text()]
+    chosen = entry["tree"]
+    assert chosen["tree"] == "dynamic" and chosen["top_k"] in (1, 2) and chosen["total_tokens"] in (1, 2, 4)
+    assert entry["calibration"]["search"]["heads"] == 3
+    drafter = build_drafter(f"medusa={export}", tiny)
+    assert drafter.static is None and (drafter.top_k, drafter.total_tokens) == (chosen["top_k"], chosen["total_tokens"])
+    assert "[tune] using the tree fitted for" in capsys.readouterr().err
+    prompt = random_prompts(1, seed=1, vocab=int(tiny.model.config.vocab_size))[0]
+    assert generate(tiny.model, prompt, drafter, max_new_tokens=24, eos_token_ids=[2]).tokens == hf_greedy(
+        tiny.model, prompt, 24
+    )
+    static = build_drafter(f"medusa={export}:tree=medusa-8", tiny)  # a serve-time option replaces it
+    assert static.static is not None
+
+
+def test_tune_refuses_drafters_that_adapt_the_target_and_bad_options(tiny, tiny_target_dir, tmp_path, capsys):
+    medusa2 = get_family("medusa2").build(tiny.model.config, {})
+    export_drafter(medusa2, tiny.identity.to_dict(), tmp_path / "medusa2")
     with pytest.raises(SystemExit):
-        main(["tune", str(tmp_path / "medusa"), "--target", str(tiny_target_dir)])
+        main(["tune", str(tmp_path / "medusa2"), "--target", str(tiny_target_dir)])
     err = capsys.readouterr().err
-    assert "tune fits EAGLE-2 dynamic trees" in err and "medusa" in err and "Traceback" not in err
+    assert "tune fits EAGLE-2 dynamic trees" in err and "medusa2" in err and "Traceback" not in err
     with pytest.raises(SystemExit):
-        main(["tune", str(tmp_path / "medusa"), "--target", str(tiny_target_dir), "--top-k", "two"])
+        main(["tune", str(tmp_path / "medusa2"), "--target", str(tiny_target_dir), "--top-k", "two"])
     assert "--top-k takes comma-separated whole numbers" in capsys.readouterr().err
 
 

@@ -255,9 +255,11 @@ class MedusaHeads(DraftVocabMixin, DrafterModel):
             raise ValueError(f"expected inputs for {len(self.medusa_head)} heads, got {len(per_head_features)}")
         return [head(x) for head, x in zip(self.medusa_head, per_head_features)]
 
-    def all_heads(self, feature: torch.Tensor) -> torch.Tensor:
-        """Every head's logits for one feature (h,) or a batch (..., h): (..., K, V')."""
-        return torch.stack(self([feature] * len(self.medusa_head)), dim=-2)
+    def all_heads(self, feature: torch.Tensor, heads: int | None = None) -> torch.Tensor:
+        """Every head's logits for one feature (h,) or a batch (..., h): (..., K, V'); with ``heads``,
+        only the first ones'."""
+        chosen = self.medusa_head[:heads]
+        return torch.stack([head(feature) for head in chosen], dim=-2)
 
     def fit_data(self, token_counts: torch.Tensor) -> None:
         """Choose the draft vocabulary from the training data's token counts (a (V,) tensor); call it
@@ -349,7 +351,10 @@ class MedusaTreeDrafter(Drafter):
         feature = features[-1]  # produced the root token; head k proposes the depth-k nodes
         if self.static is not None:
             return self._static_tree(feature)
-        return cartesian_tree(self.model.all_heads(feature), self.top_k, self.total_tokens, self.model.token_ids)
+        # A node needs its parent in the tree, so a budget of N nodes never reaches past depth N: the
+        # heads below it would be computed for nothing (a head costs about a lm_head on a CPU).
+        levels = self.model.all_heads(feature, heads=self.total_tokens)
+        return cartesian_tree(levels, self.top_k, self.total_tokens, self.model.token_ids)
 
     def _static_tree(self, feature: torch.Tensor) -> DraftTree:
         heads = self.model.medusa_head[: self.static.max_depth]  # heads below the tree's depth are not run

@@ -74,7 +74,7 @@ class Shape:
     depth: int
     top_k: int
     total_tokens: int
-    medusa: bool = False  # Medusa's dynamic tree: its depth is the number of heads, not an option
+    medusa: bool = False  # Medusa's dynamic tree: depth (heads that run) follows from the budget, not an option
 
     def options(self) -> TreeOptions:
         if self.medusa:
@@ -364,7 +364,7 @@ def tune_base(directory: Path, target: Target) -> EagleTreeDrafter | MedusaTreeD
 def medusa_search_space(heads: int, top_ks: Sequence[int], totals: Sequence[int]) -> list[Shape]:
     """Every dynamic Medusa tree (top_k per head, total_tokens) whose budget the heads can fill."""
     return [
-        Shape(heads, top_k, total, medusa=True)
+        Shape(min(heads, total), top_k, total, medusa=True)  # a budget of N nodes reaches depth N at most
         for top_k in top_ks
         for total in totals
         if total <= sum(top_k**depth for depth in range(1, heads + 1))
@@ -414,11 +414,11 @@ def medusa_plan(
 ) -> TunePlan:
     heads = base.model.config.num_heads
     shapes = medusa_search_space(heads, top_ks, totals)
-    widest = {shape.top_k: shape for shape in shapes}  # the largest budget per top_k: its costliest round
+    costliest = {(shape.depth, shape.top_k): shape for shape in shapes}  # budgets ascend: the largest wins
     return TunePlan(
         shapes,
         [record_counted_prompt(target, base, prompt, max_new_tokens, shapes) for prompt in prompts],
-        {(heads, k): base.model.runtime_drafter(target.model, shape.options()) for k, shape in widest.items()},
+        {key: base.model.runtime_drafter(target.model, shape.options()) for key, shape in costliest.items()},
         {"heads": heads, "top_k": list(top_ks), "total_tokens": list(totals)},
     )
 

@@ -246,6 +246,25 @@ def test_drafter_tree_holds_each_heads_ranked_tokens(target, trained):
     assert tree.tokens.tolist() == [int(t) for t in expected] and tree.parents.tolist() == [-1, -1, 0, 0, 2]
 
 
+@pytest.mark.parametrize("budget", [1, 2, 3])
+def test_a_small_dynamic_tree_runs_only_the_heads_it_can_reach(target, trained, budget):
+    from draftsmith.core.tree import cartesian_tree
+
+    features = torch.randn(5, 64)
+    with torch.no_grad():
+        every_head = cartesian_tree(trained.all_heads(features[-1]), 3, budget, trained.token_ids)
+    drafter = serve(trained, target, tree="dynamic", top_k=3, total_tokens=budget)
+    ran = []
+    hooks = [head.register_forward_hook(lambda *_, k=k: ran.append(k)) for k, head in enumerate(trained.medusa_head)]
+    try:
+        tree = drafter.propose(DraftContext(list(range(10, 16)), 3, features=features))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert tree.tokens.tolist() == every_head.tokens.tolist() and tree.parents.tolist() == every_head.parents.tolist()
+    assert sorted(ran) == list(range(min(budget, trained.config.num_heads)))
+
+
 def test_dynamic_tree_is_the_best_paths_by_cumulative_log_probability(target, trained):
     features = torch.randn(5, 64)
     drafter = serve(trained, target, tree="dynamic", top_k=3, total_tokens=7)

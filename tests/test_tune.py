@@ -196,14 +196,22 @@ def test_tune_refuses_drafters_that_adapt_the_target_and_bad_options(tiny, tiny_
     assert "--top-k takes comma-separated whole numbers" in capsys.readouterr().err
 
 
-def test_run_tune_says_when_plain_decoding_wins(tiny, tmp_path):
+def test_run_tune_says_when_plain_decoding_wins(tiny, tmp_path, monkeypatch):
     """An untrained drafter's guesses are (almost) never accepted, while a drafting round costs a drafter
     forward on top of a verification forward: no tree beats plain decoding, said and recorded. Also
-    the default calibration prompts (no --questions)."""
+    the default calibration prompts (no --questions). The verification costs are a fixed curve (a
+    wider forward costs more, as everywhere): the tiny model's real ones are fractions of a
+    millisecond, which a busy machine reorders at random."""
+    from draftsmith.inference import tune
+
+    def cost_curve(target, sizes, prefix, repeats):
+        return {"rows": [{"size": size, "median_ms": 10.0 + size} for size in sizes]}
+
+    monkeypatch.setattr(tune, "run_tree_bench", cost_curve)
     model = get_family("fspad").build(tiny.model.config, {})
     export = export_drafter(model, tiny.identity.to_dict(), tmp_path / "untrained")
     lines = []
-    entry = run_tune(export, tiny, None, 1, 6, max_depth=2, top_ks=(2,), totals=(2, 4), repeats=1, say=lines.append)
+    entry = run_tune(export, tiny, None, 1, 6, max_depth=2, top_ks=(2,), totals=(2, 4), repeats=5, say=lines.append)
     assert entry["predicted"]["tokens_per_round"] < 1.5 and not entry["drafting_pays"]
     assert any("no tree beats plain decoding" in line for line in lines)
     assert file_problems(export) == {}

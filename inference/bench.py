@@ -25,6 +25,7 @@ from draftsmith.core.target import Target
 from draftsmith.core.vllm_env import VllmError, find_vllm_python
 from draftsmith.inference.compiled import CompiledTarget
 from draftsmith.inference.context import check_fits_context
+from draftsmith.inference.direct_forward import direct_forward_supported
 from draftsmith.inference.hf_compiled import NAME as HF_STATIC_COMPILE
 from draftsmith.inference.hf_compiled import StaticCompiledGenerate, greedy_settings
 from draftsmith.inference.methods import build_drafter
@@ -308,6 +309,7 @@ def run_bench(
         **({"compile_seconds": round(compiled.compile_seconds, 1)} if compiled is not None else {}),
         **{f"{name}_compile_seconds": round(decode.compile_seconds, 1) for name, decode in plain.items()},
         "packed_gemm": _packed_gemm_summary(target.model, packed_gemm and compiled is None, pack_seconds),
+        "direct_forward": compiled is None and direct_forward_supported(target.model),
         "baseline": BASELINE,
         "methods": {name: {scope: t.summary() for scope, t in scopes.items()} for name, scopes in tallies.items()},
         **({"vllm": engine_info} if engine_info else {}),
@@ -354,16 +356,19 @@ def _packed_gemm_summary(model, enabled: bool, pack_seconds: float) -> dict[str,
 
 
 def _forward_note(results: dict[str, Any]) -> str:
+    """How the runtime's forwards ran, for the table's header."""
+    notes = []
+    if results.get("compiled"):
+        notes.append(f"runtime forwards compiled ({results['compile_seconds']} s compiling, not counted)")
+    if results.get("direct_forward"):
+        notes.append("verification forwards direct (bitwise the model's, without its per-call machinery)")
     packed = results.get("packed_gemm")
-    note = (
-        f"; tree forwards through MKL packed GEMM (row buckets {packed['buckets']}, {packed['pack_seconds']} s "
-        "packing, not counted)"
-        if packed
-        else ""
-    )
-    if not results.get("compiled"):
-        return note
-    return f"; runtime forwards compiled ({results['compile_seconds']} s compiling, not counted)" + note
+    if packed:
+        notes.append(
+            f"tree forwards through MKL packed GEMM (row buckets {packed['buckets']}, {packed['pack_seconds']} s "
+            "packing, not counted)"
+        )
+    return "".join(f"; {note}" for note in notes)
 
 
 def write_chart(results: dict[str, Any], path: Path) -> None:

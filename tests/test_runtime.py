@@ -292,6 +292,8 @@ def test_bench_writes_the_contract(tmp_path, tiny_target_dir):
         assert results["methods"][method]["mt_bench"]["total"] == 3
     assert results["methods"]["none"]["overall"]["tau"] == 1.0
     assert (out / "results.md").read_text().count("| pld |") == 4
+    assert results["direct_forward"] is True  # the tiny Llama target: said in the table's header too
+    assert "verification forwards direct" in (out / "results.md").read_text()
     assert (out / "chart.png").read_bytes()[:4] == b"\x89PNG"
 
 

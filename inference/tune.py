@@ -173,13 +173,7 @@ def greedy_continuation(
 def chain_ranks(growth: TreeGrowth, spelled: Sequence[int], max_depth: int) -> list[tuple[int, ...]]:
     """Per depth d = 1..max_depth: the admission ranks, among the candidates of depth <= d, of the
     candidates spelling ``spelled`` from the root (shallowest first; it stops where none does)."""
-    child = {(parent, token): i for i, (parent, token) in enumerate(zip(growth.parents, growth.tokens))}
-    chain, node = [], -1
-    for token in spelled[:max_depth]:
-        node = child.get((node, int(token)), None)
-        if node is None:
-            break
-        chain.append(node)
+    chain = spelled_path(growth.parents, growth.tokens, spelled[:max_depth])
     depths = candidate_depths(growth.parents)
     per_depth = []
     for depth in range(1, max_depth + 1):
@@ -213,7 +207,7 @@ def record_prompt(
 
 
 def drafting_ms(
-    drafters: dict[tuple[int, int], Drafter], target: Target, record: PromptRecord | CountedRecord
+    drafters: dict[tuple[int, int], Drafter], record: PromptRecord | CountedRecord
 ) -> dict[tuple[int, int], float]:
     """Median milliseconds of one drafting round (the drafter's catch-up and its tree growth) per key
     (depth, top_k), over consecutive positions of a calibration prompt."""
@@ -236,25 +230,20 @@ def eagle_drafters_per_round_shape(
     base: EagleTreeDrafter, target: Target, depths: Sequence[int], top_ks: Sequence[int]
 ) -> dict[tuple[int, int], Drafter]:
     """One runtime drafter per (depth, top_k): what an EAGLE-2 round costs depends on both."""
-    return {
-        (depth, top_k): base.model.runtime_drafter(target.model, TreeOptions(depth=depth, top_k=top_k, total_tokens=1))
-        for top_k in top_ks
-        for depth in depths
-    }
+    return {(depth, top_k): eagle_growth(base, target, depth, top_k) for top_k in top_ks for depth in depths}
 
 
-def spelled_length(tree: DraftTree, spelled: Sequence[int]) -> int:
-    """Draft tokens greedy verification accepts: the longest tree path spelling ``spelled``."""
-    children: dict[tuple[int, int], int] = {}
-    for node, (parent, token) in enumerate(zip(tree.parents.tolist(), tree.tokens.tolist())):
-        children.setdefault((parent, token), node)
-    node, length = -1, 0
+def spelled_path(parents: Sequence[int], tokens: Sequence[int], spelled: Sequence[int]) -> list[int]:
+    """The nodes (root's child first) of the tree path spelling a prefix of ``spelled``, as long as one
+    does: what greedy verification accepts when ``spelled`` is the target's own continuation."""
+    child = {(int(parent), int(token)): node for node, (parent, token) in enumerate(zip(parents, tokens))}
+    path, node = [], -1
     for token in spelled:
-        node = children.get((node, int(token)), None)
+        node = child.get((node, int(token)), None)
         if node is None:
             break
-        length += 1
-    return length
+        path.append(node)
+    return path
 
 
 def record_counted_prompt(
@@ -270,7 +259,7 @@ def record_counted_prompt(
         for t in range(1, max_new_tokens):
             tokens = prompt + g[:t]
             tree = drafter.propose(DraftContext(tokens, len(prompt), features=features[: len(tokens) - 1]))
-            counts.append(spelled_length(tree, g[t:]))
+            counts.append(len(spelled_path(tree.parents.tolist(), tree.tokens.tolist(), g[t:])))
         record.counts[shape] = counts
     return record
 
@@ -343,7 +332,12 @@ def runtime_drafter_for_tune(directory: Path, target: Target, max_depth: int, to
     drafter = tune_base(directory, target)
     if not isinstance(drafter, EagleTreeDrafter):
         raise TuneError(f"{directory} holds a {drafter.name!r} drafter, not an EAGLE-2 one")
-    return drafter.model.runtime_drafter(target.model, TreeOptions(depth=max_depth, top_k=top_k, total_tokens=1))
+    return eagle_growth(drafter, target, max_depth, top_k)
+
+
+def eagle_growth(base: EagleTreeDrafter, target: Target, depth: int, top_k: int) -> EagleTreeDrafter:
+    """``base``'s model drafting trees of ``depth`` levels with ``top_k`` (tune reads its candidates)."""
+    return base.model.runtime_drafter(target.model, TreeOptions(depth=depth, top_k=top_k, total_tokens=1))
 
 
 def tune_base(directory: Path, target: Target) -> EagleTreeDrafter | MedusaTreeDrafter:
@@ -392,10 +386,7 @@ def eagle_plan(
     top_ks: Sequence[int],
     totals: Sequence[int],
 ) -> TunePlan:
-    drafters = {
-        k: base.model.runtime_drafter(target.model, TreeOptions(depth=max_depth, top_k=k, total_tokens=1))
-        for k in top_ks
-    }
+    drafters = {k: eagle_growth(base, target, max_depth, k) for k in top_ks}
     return TunePlan(
         search_space(max_depth, top_ks, totals),
         [record_prompt(target, drafters, prompt, max_new_tokens, max_depth) for prompt in prompts],
@@ -497,7 +488,7 @@ def run_tune(
         plan = eagle_plan(target, base, prompts, max_new_tokens, max_depth, top_ks, totals)
     shapes, records = plan.shapes, plan.records
     say("timing drafting rounds, and verification forwards per tree size (bench-tree)")
-    draft_ms = drafting_ms(plan.round_drafters, target, records[0])
+    draft_ms = drafting_ms(plan.round_drafters, records[0])
     sizes = sorted({1} | {1 + shape.total_tokens for shape in shapes})
     prefix = int(statistics.fmean(len(p) for p in prompts)) + max_new_tokens // 2
     bench = run_tree_bench(target, sizes, prefix, repeats)

@@ -25,7 +25,7 @@ def default_num_draft(device: torch.device) -> int:
 class PromptLookupDrafter(Drafter):
     """Match the last ``n`` tokens (``max_ngram`` down to ``min_ngram``) against the earlier context and
     propose the ``num_draft`` tokens that followed the most recent match; no match gives an empty tree
-    (a plain decoding step). ``method_spec`` builds one from ``pld:num_draft=N:max_ngram=M``."""
+    (a plain decoding step). ``methods.build_drafter`` makes one from ``pld:num_draft=N:max_ngram=M``."""
 
     max_ngram: int = 3
     min_ngram: int = 1

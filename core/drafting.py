@@ -44,14 +44,18 @@ class Drafter:
     # Which of the target's ``hidden_states`` (indices; -1 = the input of its lm_head) make up
     # ``DraftContext.features``, concatenated in this order: taken from the verification forward.
     feature_layers: tuple[int, ...] = (-1,)
+    # True: :meth:`observe` reads the target's logits. Otherwise greedy decoding may hand it None: the
+    # runtime then computes only the target's argmax (``inference/greedy_head.py``).
+    reads_logits: ClassVar[bool] = False
 
     def propose(self, context: DraftContext) -> DraftTree:
         raise NotImplementedError(f"{type(self).__name__} must define propose()")
 
-    def observe(self, tree: DraftTree, logits: torch.Tensor, verdict: Verdict) -> None:
+    def observe(self, tree: DraftTree, logits: torch.Tensor | None, verdict: Verdict) -> None:
         """Called after every verification forward with the tree it verified (``DraftTree.empty()`` when
-        speculation was off), the target's logits over ``[root, nodes]`` and the verdict: drafters that
-        learn from the target's own predictions (SPECTRA's pool) read them here at no extra forward."""
+        speculation was off), the target's logits over ``[root, nodes]`` (None unless
+        :attr:`reads_logits` or sampling) and the verdict: drafters that learn from the target's own
+        predictions (SPECTRA's pool) read them here at no extra forward."""
 
     def verifier_model(self) -> torch.nn.Module | None:
         """The model the runtime calls for every forward instead of the target (same call signature;

@@ -20,7 +20,12 @@ def verify_greedy(tree: DraftTree, logits: torch.Tensor) -> Verdict:
 
     ``logits`` is ``(n + 1, V)`` over ``[root, nodes]``. The result is exactly what greedy decoding
     would produce: each accepted token is the argmax given everything before it."""
-    predictions = logits.argmax(dim=-1).tolist()
+    return verify_greedy_tokens(tree, logits.argmax(dim=-1))
+
+
+def verify_greedy_tokens(tree: DraftTree, predictions: torch.Tensor) -> Verdict:
+    """:func:`verify_greedy` from the target's argmax at ``[root, nodes]`` (``(n + 1,)`` token ids)."""
+    predictions = predictions.tolist()
     tokens = tree.tokens.tolist()
     accepted, current = [], -1
     while True:

@@ -26,6 +26,7 @@ from draftsmith.core.vllm_env import VllmError, find_vllm_python
 from draftsmith.inference.compiled import CompiledTarget
 from draftsmith.inference.context import check_fits_context
 from draftsmith.inference.direct_forward import direct_forward_supported
+from draftsmith.inference.greedy_head import GreedyHead, greedy_head_for
 from draftsmith.inference.hf_compiled import NAME as HF_STATIC_COMPILE
 from draftsmith.inference.hf_compiled import StaticCompiledGenerate, greedy_settings
 from draftsmith.inference.methods import build_drafter
@@ -208,13 +209,15 @@ def run_bench(
     *,
     compiled: CompiledTarget | None = None,
     packed_gemm: bool = True,
+    greedy_head: bool = True,
     vllm_python: str | None = None,
     target_dir: Path | None = None,
 ) -> dict[str, Any]:
     """Per method, overall and per category: tau, speedup, tokens_per_s, identical, total. With
     ``compiled``, every runtime method verifies through it (compile time is kept out of the timings
     and reported as ``compile_seconds``). ``packed_gemm``: the runtime's eager verification forwards use
-    MKL's packed GEMM where it applies (packing time is kept out of the timings too).
+    MKL's packed GEMM where it applies (packing time is kept out of the timings too). ``greedy_head``:
+    greedy verification computes the target's argmax through the screened head where it applies.
 
     ``vllm`` / ``vllm=DIR`` methods run after the others, in vLLM (``vllm_python``'s environment, the
     target opened from ``target_dir``), on the same prompts, each prompt timed alone."""
@@ -234,6 +237,9 @@ def run_bench(
     tallies: dict[str, dict[str, Tally]] = {name: defaultdict(Tally) for name in names}
     turns: list[Turn] = []
     pack_seconds = 0.0
+    screened = greedy_head and compiled is None and direct_forward_supported(target.model)
+    head = greedy_head_for(target.model) if screened else None  # built here, outside every timing
+    head_rows = (head.rows, head.fallback_rows) if head is not None else (0, 0)
     hf_greedy(target.model, target.encode_chat([{"role": "user", "content": "Hi"}]), 4, eos)  # warm-up
     progress = tqdm(total=sum(len(q.turns) for q in questions), desc="bench", unit="turn", dynamic_ncols=True)
     for question in questions:
@@ -262,6 +268,7 @@ def run_bench(
                     eos_token_ids=eos,
                     compiled=compiled,
                     packed_gemm=packed_gemm,
+                    greedy_head=greedy_head,
                 )
                 pack_seconds += result.pack_seconds
                 for scope in scopes_of(question.category):
@@ -310,6 +317,7 @@ def run_bench(
         **{f"{name}_compile_seconds": round(decode.compile_seconds, 1) for name, decode in plain.items()},
         "packed_gemm": _packed_gemm_summary(target.model, packed_gemm and compiled is None, pack_seconds),
         "direct_forward": compiled is None and direct_forward_supported(target.model),
+        "greedy_head": _greedy_head_summary(head, head_rows),
         "baseline": BASELINE,
         "methods": {name: {scope: t.summary() for scope, t in scopes.items()} for name, scopes in tallies.items()},
         **({"vllm": engine_info} if engine_info else {}),
@@ -355,6 +363,14 @@ def _packed_gemm_summary(model, enabled: bool, pack_seconds: float) -> dict[str,
     return {"buckets": gemm.buckets, "pack_seconds": round(pack_seconds, 1)}
 
 
+def _greedy_head_summary(head: GreedyHead | None, before: tuple[int, int]) -> dict[str, int] | None:
+    """How many verification rows the screened head served in this run, and how many of them the
+    proof left to the float32 head."""
+    if head is None or head.rows == before[0]:
+        return None
+    return {"rows": head.rows - before[0], "fallback_rows": head.fallback_rows - before[1]}
+
+
 def _forward_note(results: dict[str, Any]) -> str:
     """How the runtime's forwards ran, for the table's header."""
     notes = []
@@ -362,6 +378,12 @@ def _forward_note(results: dict[str, Any]) -> str:
         notes.append(f"runtime forwards compiled ({results['compile_seconds']} s compiling, not counted)")
     if results.get("direct_forward"):
         notes.append("verification forwards direct (bitwise the model's, without its per-call machinery)")
+    head = results.get("greedy_head")
+    if head:
+        notes.append(
+            f"greedy tokens through the screened int8 head, exact ({head['fallback_rows']} of {head['rows']} rows "
+            "left to the float32 head by the proof)"
+        )
     packed = results.get("packed_gemm")
     if packed:
         notes.append(

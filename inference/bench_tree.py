@@ -30,6 +30,7 @@ from draftsmith.core.target import Target
 from draftsmith.core.tree import DraftTree, TreeInputBuffers
 from draftsmith.inference.bench import BenchError
 from draftsmith.inference.direct_forward import direct_forward_for
+from draftsmith.inference.greedy_head import greedy_head_for
 from draftsmith.inference.packed_gemm import packed_gemm_for
 from draftsmith.inference.runtime import DEFAULT_TREE_ROOM, verification_forward
 
@@ -65,7 +66,9 @@ class _VerificationForward:
     direct where the target allows it, packed GEMM included unless ``packed_gemm`` is off) over a given
     tree on top of a fixed cached prefix, timed."""
 
-    def __init__(self, target: Target, prefix: int, seed: int, packed_gemm: bool = True) -> None:
+    def __init__(
+        self, target: Target, prefix: int, seed: int, packed_gemm: bool = True, greedy_head: bool = True
+    ) -> None:
         self.model = target.model
         self.device = next(self.model.parameters()).device
         self.dtype = next(self.model.parameters()).dtype
@@ -77,6 +80,7 @@ class _VerificationForward:
         self.inputs = TreeInputBuffers(DEFAULT_TREE_ROOM, room, self.dtype, self.device)
         self.gemm = packed_gemm_for(self.model) if packed_gemm else None
         self.direct = direct_forward_for(self.model)
+        self.greedy = greedy_head_for(self.model) if greedy_head and self.direct is not None else None
         ids = torch.randint(0, self.vocab, (1, prefix), generator=generator)
         with torch.no_grad():
             self.model(ids.to(self.device), past_key_values=self.cache, use_cache=True, logits_to_keep=1)
@@ -89,9 +93,8 @@ class _VerificationForward:
         tokens = torch.randint(0, self.vocab, (len(tree) + 1,), generator=self.generator).tolist()
         tree = DraftTree(torch.tensor(tokens[1:]), tree.parents)
         start = time.perf_counter()
-        verification_forward(
-            self.model, self.cache, self.inputs, tokens[0], tree, self.prefix, False, self.gemm, self.direct
-        )
+        model, cache, inputs, prefix = self.model, self.cache, self.inputs, self.prefix
+        verification_forward(model, cache, inputs, tokens[0], tree, prefix, False, self.gemm, self.direct, self.greedy)
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - start
@@ -107,6 +110,7 @@ def run_tree_bench(
     shape: str = "random",
     seed: int = 0,
     packed_gemm: bool = True,
+    greedy_head: bool = True,
 ) -> dict[str, Any]:
     """Median seconds of one verification forward per size, and its ratio to the 1-token forward."""
     if repeats < 1:
@@ -117,7 +121,7 @@ def run_tree_bench(
     if limit is not None and prefix + max(sizes) > limit:
         raise BenchError(f"--prefix {prefix} + size {max(sizes)} exceeds the target's {limit} positions")
     trees = {size: build_tree(size - 1, shape, seed) for size in sizes}
-    forward = _VerificationForward(target, prefix, seed, packed_gemm)
+    forward = _VerificationForward(target, prefix, seed, packed_gemm, greedy_head)
     timings: dict[int, list[float]] = {size: [] for size in sizes}
     for _ in range(WARMUP):
         for size in sizes:
@@ -146,6 +150,7 @@ def run_tree_bench(
         "device": str(forward.device),
         "dtype": str(forward.dtype).removeprefix("torch."),
         "packed_gemm": forward.gemm is not None,
+        "greedy_head": forward.greedy is not None,
         "rows": rows,
     }
 
@@ -154,7 +159,8 @@ def tree_markdown(results: dict[str, Any]) -> str:
     lines = [
         f"One verification forward on a {results['prefix']}-token cached prefix, {results['shape']} tree, "
         f"{results['threads']} threads, {results['dtype']} on {results['device']}"
-        f"{', MKL packed GEMM (padded to row buckets)' if results.get('packed_gemm') else ''}; median of "
+        f"{', MKL packed GEMM (padded to row buckets)' if results.get('packed_gemm') else ''}"
+        f"{', greedy tokens through the screened head' if results.get('greedy_head') else ''}; median of "
         f"{results['repeats']}; size = query tokens (root + draft nodes).",
         "",
         "| size | draft nodes | depth | median ms | relative to 1 token |",

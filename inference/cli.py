@@ -57,6 +57,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
         on_tokens=_stream_printer(target.tokenizer),
         compiled=compiled,
         packed_gemm=not args.no_packed_gemm,
+        greedy_head=not args.no_greedy_head,
     )
     print()
     if result.compile_seconds:
@@ -123,6 +124,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
         args.max_new_tokens,
         compiled=_compiled_target(args, target),
         packed_gemm=not args.no_packed_gemm,
+        greedy_head=not args.no_greedy_head,
         vllm_python=args.vllm_python,
         target_dir=target_dir,
     )
@@ -140,7 +142,15 @@ def cmd_bench_tree(args: argparse.Namespace) -> None:
         torch.set_num_threads(args.threads)
     sizes = parse_sizes(args.sizes)
     target = _load_target(args)
-    results = run_tree_bench(target, sizes, args.prefix, args.repeats, args.shape, packed_gemm=not args.no_packed_gemm)
+    results = run_tree_bench(
+        target,
+        sizes,
+        args.prefix,
+        args.repeats,
+        args.shape,
+        packed_gemm=not args.no_packed_gemm,
+        greedy_head=not args.no_greedy_head,
+    )
     print(tree_markdown(results))
     if args.out:
         write_tree_results(results, Path(args.out))
@@ -213,6 +223,16 @@ def _add_packed_gemm_argument(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_greedy_head_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--no-greedy-head",
+        action="store_true",
+        help="in greedy verification, compute the target's full float32 logits instead of its argmax through a "
+        "screened int8 copy of the head with a proof (same tokens either way; the screen reads a quarter of the "
+        "head's bytes; float32 on CPU only)",
+    )
+
+
 def _load_target(args: argparse.Namespace):
     from draftsmith.core.target import load_target
 
@@ -248,6 +268,7 @@ def add_inference_commands(subparsers: Any) -> None:
     p.add_argument("--threads", type=positive_int, default=None, help="torch threads, >= 1 (default: torch's choice)")
     _add_compile_argument(p)
     _add_packed_gemm_argument(p)
+    _add_greedy_head_argument(p)
     p.set_defaults(func=cmd_generate)
     p = subparsers.add_parser(
         "bench",
@@ -283,6 +304,7 @@ def add_inference_commands(subparsers: Any) -> None:
     )
     _add_compile_argument(p)
     _add_packed_gemm_argument(p)
+    _add_greedy_head_argument(p)
     p.set_defaults(func=cmd_bench)
     p = subparsers.add_parser(
         "spectra-index",
@@ -314,6 +336,7 @@ def add_inference_commands(subparsers: Any) -> None:
     p.add_argument("--threads", type=positive_int, default=None, help="torch threads, >= 1 (default: torch's choice)")
     p.add_argument("--out", default=None, help="also write bench_tree.json and bench_tree.md to this directory")
     _add_packed_gemm_argument(p)
+    _add_greedy_head_argument(p)
     p.set_defaults(func=cmd_bench_tree)
     p = subparsers.add_parser(
         "tune",

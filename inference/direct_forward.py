@@ -47,6 +47,19 @@ class DirectForward:
         cache,
         output_hidden_states: bool = False,
     ) -> CausalLMOutputWithPast:
+        last, hidden = self.states(input_ids, position_ids, attention_mask, cache, output_hidden_states)
+        return CausalLMOutputWithPast(logits=self.model.lm_head(last), past_key_values=cache, hidden_states=hidden)
+
+    def states(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        cache,
+        output_hidden_states: bool = False,
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
+        """The forward up to the ``lm_head``: the normed last states (the head's input) and, if asked,
+        every hidden state as the model reports them."""
         base = self.model.model
         x = base.embed_tokens(input_ids)
         position_embeddings = base.rotary_emb(x, position_ids=position_ids)
@@ -56,12 +69,7 @@ class DirectForward:
             hidden.append(x)
         x = base.norm(x)
         hidden[-1] = x  # transformers reports the normed last state as the last hidden state
-        logits = self.model.lm_head(x)
-        return CausalLMOutputWithPast(
-            logits=logits,
-            past_key_values=cache,
-            hidden_states=tuple(hidden) if output_hidden_states else None,
-        )
+        return x, tuple(hidden) if output_hidden_states else None
 
 
 def _decoder_layer(

@@ -19,10 +19,19 @@ import torch
 from draftsmith.core.cache import commit_tree_path, preallocated_cache_for
 from draftsmith.core.drafting import DraftContext, Drafter
 from draftsmith.core.tree import DraftTree, TreeInputBuffers
-from draftsmith.core.verify import SamplingConfig, sample, verify_greedy, verify_sampling
+from draftsmith.core.verify import SamplingConfig, sample, verify_greedy, verify_greedy_tokens, verify_sampling
 from draftsmith.inference.compiled import CompiledTarget, StaticTreeInputs, commit_static, static_rows, tree_bucket
 from draftsmith.inference.direct_forward import DirectForward, direct_forward_for
+from draftsmith.inference.greedy_head import GreedyHead, greedy_head_for
 from draftsmith.inference.packed_gemm import PackedGemm, packed_gemm_for
+
+
+@dataclass
+class GreedyForward:
+    """A verification forward that computed only the target's argmax at its rows (no logits)."""
+
+    predictions: torch.Tensor  # (1 + tree nodes,) token ids over [root, nodes]
+    hidden_states: tuple[torch.Tensor, ...] | None
 
 
 @dataclass
@@ -32,7 +41,7 @@ class GenerationResult:
     accept_lengths: list[int] = field(default_factory=list)  # tokens committed per verification forward
     seconds: float = 0.0  # compilation excluded
     compile_seconds: float = 0.0  # first calls of a compiled forward's new shapes during this generation
-    pack_seconds: float = 0.0  # packing the target's weights for a new row bucket during this generation
+    pack_seconds: float = 0.0  # packing the target's weights (a new row bucket, the screened head) in this generation
 
     @property
     def tau(self) -> float:
@@ -92,11 +101,13 @@ def verification_forward(
     hidden: bool,
     gemm: PackedGemm | None = None,
     direct: DirectForward | None = None,
+    greedy: GreedyHead | None = None,
 ):
     """The verification forward over ``[root, tree]`` on top of ``past`` cached rows, uncompiled. With
     ``gemm``, a multi-row forward is padded to its packed row bucket (rows past ``1 + len(tree)`` of
     the output are padding). With ``direct`` (built for ``model``), the forward skips transformers'
-    per-call machinery, bitwise the same (``direct_forward.py``)."""
+    per-call machinery, bitwise the same (``direct_forward.py``); adding ``greedy`` (the model's head),
+    it returns a :class:`GreedyForward`: the float32 head's argmax per row, without its logits."""
     device = tree_inputs.device
     if len(tree):
         rows = gemm.padded_rows(1 + len(tree)) if gemm is not None else 0
@@ -106,6 +117,9 @@ def verification_forward(
     input_ids = torch.full((1, positions.shape[1]), root, dtype=torch.long)
     input_ids[0, 1 : 1 + len(tree)] = tree.tokens
     with gemm.rows() if gemm is not None else nullcontext(), _grouped_kv_heads(device):
+        if direct is not None and greedy is not None:
+            last, hidden_states = direct.states(input_ids.to(device), positions, mask, cache, hidden)
+            return GreedyForward(greedy(last[0, : 1 + len(tree)]), hidden_states)
         if direct is not None:
             return direct(input_ids.to(device), positions, mask, cache, hidden)
         return model(
@@ -152,6 +166,7 @@ def generate(
     compiled: CompiledTarget | None = None,
     packed_gemm: bool = True,
     direct_forward: bool = True,
+    greedy_head: bool = True,
 ) -> GenerationResult:
     """Speculative decoding of one prompt, greedy (``sampling=None``) or sampled; ``drafter=None`` is
     plain decoding through the runtime. ``on_tokens`` receives all new tokens so far after every commit.
@@ -159,7 +174,9 @@ def generate(
     drafters that verify with their own model (an adapted target) run eagerly. ``packed_gemm``: eager
     multi-row forwards of a float32 CPU target go through MKL's packed GEMM (``packed_gemm.py``).
     ``direct_forward``: eager verification forwards of a supported target (a Llama with SDPA) skip
-    transformers' per-call machinery, with bitwise the same results (``direct_forward.py``)."""
+    transformers' per-call machinery, with bitwise the same results (``direct_forward.py``).
+    ``greedy_head``: greedy direct forwards compute only the float32 head's argmax, through a screened
+    int8 copy of the head and a proof (``greedy_head.py``), unless the drafter reads the logits."""
     start = time.perf_counter()
     compiled_before = compiled.compile_seconds if compiled is not None else 0.0
     verifier = drafter.verifier_model() if drafter is not None else None
@@ -168,6 +185,10 @@ def generate(
     gemm = packed_gemm_for(model) if packed_gemm and compiled is None and verifier is None else None
     packed_before = gemm.pack_seconds if gemm is not None else 0.0
     direct = direct_forward_for(model) if direct_forward and compiled is None and verifier is None else None
+    reads_logits = sampling is not None or (drafter is not None and drafter.reads_logits)
+    head_start = time.perf_counter()  # a first call builds the screened head: setup, like packing
+    greedy = greedy_head_for(model) if greedy_head and direct is not None and not reads_logits else None
+    head_seconds = time.perf_counter() - head_start if greedy is not None and greedy.rows == 0 else 0.0
     device = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
     eos = set(eos_token_ids)
@@ -211,7 +232,7 @@ def generate(
             tree = DraftTree.empty()  # a tree too big for the static cache's spare rows
         if compiled is None:
             out = verification_forward(
-                model, cache, tree_inputs, committed[-1], tree, past, wants_features, gemm, direct
+                model, cache, tree_inputs, committed[-1], tree, past, wants_features, gemm, direct, greedy
             )
         else:
             out = compiled.verify(*static_inputs.build(committed[-1], tree, past), cache, past, wants_features)
@@ -219,10 +240,13 @@ def generate(
         kept = drafter.verified_rows(out) if drafter is not None else None
         if kept is not None:  # the verifier pruned the tree inside its forward: verify what is left
             tree = tree.subtree(kept[1:] - 1)
-        logits = out.logits[0, :queries]  # rows past the queries are a bucket's padding
-        verdict = (
-            verify_greedy(tree, logits) if sampling is None else verify_sampling(tree, logits, sampling, generator)
-        )
+        if isinstance(out, GreedyForward):
+            logits, verdict = None, verify_greedy_tokens(tree, out.predictions)
+        else:
+            logits = out.logits[0, :queries]  # rows past the queries are a bucket's padding
+            verdict = (
+                verify_greedy(tree, logits) if sampling is None else verify_sampling(tree, logits, sampling, generator)
+            )
         if drafter is not None:
             drafter.observe(tree, logits, verdict)
         if compiled is None:
@@ -241,7 +265,8 @@ def generate(
     result.tokens = new
     if compiled is not None:
         result.compile_seconds = compiled.compile_seconds - compiled_before
+    result.pack_seconds = head_seconds
     if gemm is not None:
-        result.pack_seconds = gemm.pack_seconds - packed_before
+        result.pack_seconds += gemm.pack_seconds - packed_before
     result.seconds = time.perf_counter() - start - result.compile_seconds - result.pack_seconds
     return result

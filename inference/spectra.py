@@ -166,6 +166,8 @@ class SpectraDrafter(Drafter):
     """SPECTRA-CORE, optionally with SPECTRA-RETRIEVAL (an object with
     ``guesses(tokens, count, length) -> list[list[int]]``, see ``spectra_retrieval``)."""
 
+    reads_logits = True  # the pool's next tokens come from the verification forward's top-k
+
     def __init__(self, config: SpectraConfig | None = None, retrieval=None, name: str | None = None) -> None:
         self.config = config or SpectraConfig()
         self.retrieval = retrieval

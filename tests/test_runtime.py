@@ -294,6 +294,9 @@ def test_bench_writes_the_contract(tmp_path, tiny_target_dir):
     assert (out / "results.md").read_text().count("| pld |") == 4
     assert results["direct_forward"] is True  # the tiny Llama target: said in the table's header too
     assert "verification forwards direct" in (out / "results.md").read_text()
+    head = results["greedy_head"]  # none and pld verify greedily through the screened head
+    assert head["rows"] >= 2 * 3 * 11 and 0 <= head["fallback_rows"] <= head["rows"]
+    assert "screened int8 head" in (out / "results.md").read_text()
     assert (out / "chart.png").read_bytes()[:4] == b"\x89PNG"
 
 

@@ -1,0 +1,156 @@
+"""The screened greedy head: exactly the float32 head's argmax (random rows, forced near ties, non-finite
+rows), a bound that holds for every token of this machine's int8 kernel, a screen that is wrong
+without the proof, and the runtime using it only where the logits are not needed."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from conftest import tiny_llama
+from decoding_helpers import hf_greedy
+from draftsmith.core.drafting import DraftContext, Drafter
+from draftsmith.core.tree import DraftTree
+from draftsmith.inference.greedy_head import GreedyHead, greedy_head_for, greedy_head_supported
+from draftsmith.inference.pld import PromptLookupDrafter
+from draftsmith.inference.runtime import generate
+
+VOCAB, HIDDEN = 3000, 64
+
+
+def head(seed: int, vocab: int = VOCAB, hidden: int = HIDDEN) -> nn.Linear:
+    """A head with SmolLM2's scale: rows of norm ~3, inputs of norm ~45."""
+    layer = nn.Linear(hidden, vocab, bias=False)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(vocab, hidden, generator=torch.Generator().manual_seed(seed)) * 0.4)
+    return layer
+
+
+def rows(n: int, seed: int, hidden: int = HIDDEN) -> torch.Tensor:
+    return torch.randn(n, hidden, generator=torch.Generator().manual_seed(seed)) * 5.6
+
+
+def float32_argmax(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """What plain decoding computes: the float32 head one row at a time."""
+    return torch.stack([F.linear(row[None], layer.weight).argmax(-1)[0] for row in x])
+
+
+@pytest.mark.parametrize("batch", [1, 3, 8])
+def test_the_screened_head_returns_the_float32_argmax(batch):
+    layer = head(0)
+    greedy = GreedyHead(layer)
+    x = rows(240, 1)
+    got = torch.cat([greedy(x[i : i + batch]) for i in range(0, len(x), batch)])
+    assert torch.equal(got, float32_argmax(layer, x))
+    assert greedy.rows == len(x)
+    assert greedy.fallback_rows < len(x) // 10  # the proof settles nearly every row by itself
+
+
+def test_a_leading_dimension_is_kept():
+    layer = head(2)
+    x = rows(6, 3).reshape(2, 3, HIDDEN)
+    assert GreedyHead(layer)(x).shape == (2, 3)
+
+
+def test_every_token_is_within_its_bound_on_this_machines_kernel():
+    """The proof assumes the int8 kernel sums in float32; this checks the bound against the kernel that
+    actually runs here, for every token of every row."""
+    layer = head(4)
+    greedy = GreedyHead(layer)
+    x = rows(64, 5)
+    screen_input = x.to(torch.bfloat16)
+    screen = torch._weight_int8pack_mm(screen_input, greedy.quantized, greedy.scales).float()
+    bounds = greedy.screen_bounds(x, screen_input, screen.clone())
+    exact = (x.double() @ layer.weight.double().T).float()
+    assert bool(((exact - screen).abs() <= bounds).all())
+
+
+def near_tie(margin: float) -> tuple[nn.Linear, torch.Tensor, int, int]:
+    """A head whose two best tokens (``low`` first, ``high`` second) are the same int8 row, the second
+    ahead in float32 by ``margin`` times the input's norm squared."""
+    layer = head(6, vocab=50)
+    x = torch.full((HIDDEN,), 1.0)
+    low, high = 10, 30
+    with torch.no_grad():
+        layer.weight[low] = 0.5
+        layer.weight[low, 0] = 1.0  # keeps the row's int8 scale where it is
+        layer.weight[high] = layer.weight[low]
+        layer.weight[high, 1:] += margin  # far below the int8 step: the screen cannot tell them apart
+    return layer, x[None], low, high
+
+
+def test_the_screen_alone_picks_the_wrong_token_and_the_proof_does_not():
+    layer, x, low, high = near_tie(1e-4)
+    greedy = GreedyHead(layer)
+    screen = torch._weight_int8pack_mm(x.to(torch.bfloat16), greedy.quantized, greedy.scales).float()
+    assert int(screen.argmax()) == low  # a lossy rule: trusting the screen commits the wrong token
+    assert int(float32_argmax(layer, x)[0]) == high
+    assert int(greedy(x)[0]) == high
+
+
+def test_a_tie_closer_than_float32_rounding_takes_the_float32_head():
+    layer, x, _, _ = near_tie(1e-9)
+    greedy = GreedyHead(layer)
+    assert int(greedy(x)[0]) == int(float32_argmax(layer, x)[0])
+    assert greedy.fallback_rows == 1
+
+
+def test_a_non_finite_row_takes_the_float32_head():
+    layer = head(7)
+    greedy = GreedyHead(layer)
+    x = rows(2, 8)
+    x[1, 3] = float("inf")
+    got = greedy(x)
+    assert int(got[0]) == int(float32_argmax(layer, x[:1])[0])
+    assert int(got[1]) == int(F.linear(x[1:], layer.weight).argmax())
+    assert greedy.fallback_rows == 1
+
+
+@pytest.mark.parametrize(
+    "layer",
+    [
+        nn.Linear(64, 10, bias=True),
+        nn.Linear(48, 10, bias=False),  # the int8 kernel reads 16-value blocks past a 48-wide row
+        nn.Linear(64, 10, bias=False).double(),
+    ],
+    ids=["bias", "hidden-48", "float64"],
+)
+def test_heads_the_screen_cannot_serve_are_refused(layer):
+    model = nn.Module()
+    model.lm_head = layer
+    assert not greedy_head_supported(model)
+    assert greedy_head_for(model) is None
+
+
+class _LogitReader(Drafter):
+    """A drafter that needs the logits (as SPECTRA does) and records what it got."""
+
+    reads_logits = True
+
+    def __init__(self) -> None:
+        self.seen: list[torch.Tensor | None] = []
+
+    def propose(self, context: DraftContext) -> DraftTree:
+        return DraftTree.empty()
+
+    def observe(self, tree, logits, verdict) -> None:
+        self.seen.append(logits)
+
+
+def test_the_runtime_verifies_through_the_screened_head_and_equals_plain_decoding():
+    model = tiny_llama(97, seed=3)
+    prompt = [5, 17, 33, 2, 61, 8, 40, 17, 33, 61, 8]
+    greedy = greedy_head_for(model)
+    assert greedy is not None
+    reference = hf_greedy(model, prompt, 24)
+    for drafter in (None, PromptLookupDrafter()):
+        before = greedy.rows
+        out = generate(model, prompt, drafter, max_new_tokens=24, eos_token_ids=[2])
+        assert out.tokens == reference
+        assert greedy.rows > before
+    reader = _LogitReader()
+    before = greedy.rows
+    assert generate(model, prompt, reader, max_new_tokens=24, eos_token_ids=[2]).tokens == reference
+    assert greedy.rows == before and all(logits is not None for logits in reader.seen)
+    plain = generate(model, prompt, None, max_new_tokens=24, eos_token_ids=[2], greedy_head=False)
+    assert plain.tokens == reference and greedy.rows == before

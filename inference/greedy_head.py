@@ -58,6 +58,7 @@ class GreedyHead:
         start = time.perf_counter()
         weight = head.weight.detach()
         self.weight = weight
+        self.weight_version = weight._version  # in-place changes (an optimizer step, load_state_dict) bump it
         self.scales, self.quantized = _int8_rows(weight)
         columns = weight.shape[1]
         self._gamma32 = _gamma(columns, _FP32_UNIT)
@@ -157,10 +158,23 @@ _HEADS: weakref.WeakKeyDictionary[nn.Module, GreedyHead] = weakref.WeakKeyDictio
 
 
 def greedy_head_for(model: nn.Module) -> GreedyHead | None:
-    """The model's :class:`GreedyHead` (built on first call, ~0.3 s for SmolLM2), or None where it does
-    not apply."""
+    """The model's :class:`GreedyHead` (built on first call, ~0.3 s for SmolLM2, and again whenever the
+    head's weight was replaced or changed in place since), or None where it does not apply."""
     if not greedy_head_supported(model):
         return None
-    if model not in _HEADS:
-        _HEADS[model] = GreedyHead(model.lm_head)
-    return _HEADS[model]
+    head = _HEADS.get(model)
+    weight = model.lm_head.weight
+    # a stale screen could miss the argmax: a replaced or changed weight gets a new one
+    if head is None or not _same_tensor(head.weight, weight) or head.weight_version != weight._version:
+        head = _HEADS[model] = GreedyHead(model.lm_head)
+    return head
+
+
+def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """The same storage, offset, shape and strides (a detached view is a new object over the same data)."""
+    return (
+        a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+        and a.storage_offset() == b.storage_offset()
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+    )

@@ -60,6 +60,7 @@ class PackedLinear(nn.Linear):
 
     _packs: dict[int, torch.Tensor]
     _owner: PackedGemm
+    _packed_from: tuple[int, int]  # the weight's data pointer and version when its packs were made
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
@@ -96,9 +97,17 @@ class PackedGemm:
         """How many rows a ``rows``-row verification forward should run with: its bucket when that
         bucket is (or can be) packed, else ``rows`` itself."""
         bucket = row_bucket(rows)
-        if bucket is None or not self._linears or not self._ensure(bucket):
+        if bucket is None or not self._linears:
             return rows
-        return bucket
+        self._drop_stale_packs()
+        return bucket if self._ensure(bucket) else rows
+
+    def _drop_stale_packs(self) -> None:
+        """A pack is a copy: after a weight is replaced or changed in place (an optimizer step,
+        ``load_state_dict``) its packs would multiply by the old values, so they go."""
+        for module in self._linears:
+            if module._packs and module._packed_from != _weight_key(module):
+                module._packs.clear()
 
     @contextmanager
     def rows(self) -> Iterator[None]:
@@ -110,17 +119,23 @@ class PackedGemm:
             self.active = False
 
     def _ensure(self, bucket: int) -> bool:
-        if bucket in self._linears[0]._packs:
+        missing = [module for module in self._linears if bucket not in module._packs]
+        if not missing:
             return True
         if bucket in self._refused or self._bytes_per_bucket > MEMORY_SHARE * _available_bytes():
             self._refused.add(bucket)
             return False
         start = time.perf_counter()
         with torch.no_grad():
-            for module in self._linears:
+            for module in missing:
                 module._packs[bucket] = torch.ops.mkl._mkl_reorder_linear_weight(module.weight.detach(), bucket)
+                module._packed_from = _weight_key(module)
         self.pack_seconds += time.perf_counter() - start
         return True
+
+
+def _weight_key(module: nn.Linear) -> tuple[int, int]:
+    return module.weight.data_ptr(), module.weight._version
 
 
 _PACKED: weakref.WeakKeyDictionary[nn.Module, PackedGemm] = weakref.WeakKeyDictionary()

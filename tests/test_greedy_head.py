@@ -154,3 +154,20 @@ def test_the_runtime_verifies_through_the_screened_head_and_equals_plain_decodin
     assert greedy.rows == before and all(logits is not None for logits in reader.seen)
     plain = generate(model, prompt, None, max_new_tokens=24, eos_token_ids=[2], greedy_head=False)
     assert plain.tokens == reference and greedy.rows == before
+
+
+def test_a_head_changed_after_the_screen_was_built_gets_a_new_screen():
+    """A screen built from old weights could miss the new argmax: in-place changes and a replaced
+    weight both rebuild it."""
+    model = tiny_llama(97, seed=4)
+    prompt = [5, 17, 33, 2, 61, 8, 40]
+    first = greedy_head_for(model)
+    assert generate(model, prompt, None, max_new_tokens=12, eos_token_ids=[2]).tokens == hf_greedy(model, prompt, 12)
+    with torch.no_grad():
+        model.lm_head.weight.copy_(model.lm_head.weight.flip(0))  # every token's row moves
+    second = greedy_head_for(model)
+    assert second is not first and greedy_head_for(model) is second
+    assert generate(model, prompt, None, max_new_tokens=12, eos_token_ids=[2]).tokens == hf_greedy(model, prompt, 12)
+    model.lm_head.weight = nn.Parameter(torch.randn_like(model.lm_head.weight))
+    assert greedy_head_for(model) is not second
+    assert generate(model, prompt, None, max_new_tokens=12, eos_token_ids=[2]).tokens == hf_greedy(model, prompt, 12)

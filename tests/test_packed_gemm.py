@@ -89,6 +89,26 @@ def test_linears_are_unchanged_outside_the_runtime():
     assert packed_gemm_for(model) is gemm
 
 
+def test_packs_of_a_changed_weight_are_remade():
+    """A pack copies the weight: after an in-place change or a replaced weight, the packed forward must
+    multiply by the new values, not the packed old ones."""
+    model = fresh_model(seed=5)
+    gemm = packed_gemm_for(model)
+    linear = model.model.layers[0].mlp.down_proj
+    x = torch.randn(4, linear.in_features)
+    assert gemm.padded_rows(4) == 4
+    with torch.no_grad():
+        linear.weight.mul_(-2.0)
+        gemm.padded_rows(4)
+        with gemm.rows():
+            torch.testing.assert_close(linear(x), torch.nn.functional.linear(x, linear.weight), rtol=1e-5, atol=1e-5)
+    linear.weight = torch.nn.Parameter(torch.randn_like(linear.weight))
+    with torch.no_grad():
+        gemm.padded_rows(4)
+        with gemm.rows():
+            torch.testing.assert_close(linear(x), torch.nn.functional.linear(x, linear.weight), rtol=1e-5, atol=1e-5)
+
+
 def test_memory_guard_refuses_a_bucket(monkeypatch):
     model = fresh_model(seed=3)
     monkeypatch.setattr(packed_gemm, "_available_bytes", lambda: 1024)

@@ -10,6 +10,13 @@ logits and hidden states are bitwise those of ``model(...)`` (``tests/test_direc
 checks it on one-token and tree forwards). Calling the modules keeps :mod:`packed_gemm`'s linear
 swap and any weights the model holds.
 
+Plain decoding steps (one row, no mask, the runtime's preallocated cache) of a bias-free Llama take a
+shorter path still, :func:`_one_token_layers`: the same operations on the same values in the same
+order with fewer calls (``torch.mm`` on transposed weight views, which is what ``F.linear`` runs for a
+one-row input; the rotary embedding's sign moved from ``q`` onto ``sin``, exact; SDPA called as the
+wrapper calls it; the layer's cache written directly). ``tests/test_smollm2.py`` checks it bitwise on
+SmolLM2.
+
 The runtime uses it for every verification forward of a model it supports (``direct_forward_for``);
 prefill keeps the model's own forward, where the arithmetic dwarfs the overhead. Other architectures,
 attention implementations, training mode or modules with hooks (accelerate's offloading, a user's
@@ -18,7 +25,11 @@ forward hooks) take the model's forward.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.modeling_outputs import CausalLMOutputWithPast
@@ -27,6 +38,8 @@ from transformers.models.llama.modeling_llama import (
     LlamaForCausalLM,
     apply_rotary_pos_emb,
 )
+
+from draftsmith.core.cache import PreallocatedCache
 
 
 class DirectForward:
@@ -38,6 +51,8 @@ class DirectForward:
     def __init__(self, model: LlamaForCausalLM) -> None:
         self.model = model
         self.layers: list[LlamaDecoderLayer] = list(model.model.layers[: model.config.num_hidden_layers])
+        self._steps: list[_OneTokenLayer] | None = None
+        self._steps_from: list[nn.Parameter] = []
 
     def __call__(
         self,
@@ -64,12 +79,30 @@ class DirectForward:
         x = base.embed_tokens(input_ids)
         position_embeddings = base.rotary_emb(x, position_ids=position_ids)
         hidden: list[torch.Tensor] = [x]
-        for layer in self.layers:
-            x = _decoder_layer(layer, x, position_embeddings, attention_mask, cache)
-            hidden.append(x)
+        steps = self._one_token_steps(x, attention_mask, cache)
+        if steps is not None:
+            x = _one_token_layers(steps, x, position_embeddings, cache, hidden)
+        else:
+            for layer in self.layers:
+                x = _decoder_layer(layer, x, position_embeddings, attention_mask, cache)
+                hidden.append(x)
         x = base.norm(x)
         hidden[-1] = x  # transformers reports the normed last state as the last hidden state
         return x, tuple(hidden) if output_hidden_states else None
+
+    def _one_token_steps(self, x: torch.Tensor, attention_mask: torch.Tensor | None, cache) -> list | None:
+        """The one-token plan when this forward is a plain decoding step (one row, no mask, the runtime's
+        preallocated cache) of a model the plan serves; rebuilt when a parameter was replaced."""
+        if x.shape[:2] != (1, 1) or attention_mask is not None or not isinstance(cache, PreallocatedCache):
+            return None
+        parameters = list(self.model.parameters())
+        if (
+            self._steps is None
+            or len(parameters) != len(self._steps_from)
+            or any(a is not b for a, b in zip(parameters, self._steps_from))
+        ):
+            self._steps, self._steps_from = _one_token_plan(self.layers), parameters
+        return self._steps or None
 
 
 def _decoder_layer(
@@ -117,6 +150,101 @@ def _attention(
     key, value = cache.update(key, value, attention.layer_idx)
     out, _ = sdpa_attention_forward(attention, query, key, value, attention_mask, scaling=attention.scaling)
     return attention.o_proj.forward(out.reshape(*input_shape, -1).contiguous())
+
+
+@dataclass(frozen=True)
+class _OneTokenLayer:
+    """One decoder layer's weights as a one-token step reads them: the projections transposed (views, so
+    in-place weight updates show through) for ``torch.mm``, which is the call ``F.linear`` makes for a
+    one-row input without bias."""
+
+    input_norm: nn.Module
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    o: torch.Tensor
+    post_norm: nn.Module
+    gate: torch.Tensor
+    up: torch.Tensor
+    down: torch.Tensor
+    act: Callable[[torch.Tensor], torch.Tensor]
+    heads: int
+    kv_heads: int
+    head_dim: int
+    scaling: float
+    grouped: bool
+    cache_index: int
+
+
+def _one_token_plan(layers: list[LlamaDecoderLayer]) -> list[_OneTokenLayer]:
+    """The plan, or [] where a layer has something the one-token step does not do (biases, dropout,
+    head dims SDPA's grouped-query path does not take)."""
+    plan = []
+    for layer in layers:
+        attention, mlp = layer.self_attn, layer.mlp
+        linears = [attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj]
+        linears += [mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+        if any(linear.bias is not None for linear in linears) or attention.head_dim > 256:
+            return []
+        q, k, v, o, gate, up, down = (linear.weight.t() for linear in linears)
+        plan.append(
+            _OneTokenLayer(
+                layer.input_layernorm,
+                q,
+                k,
+                v,
+                o,
+                layer.post_attention_layernorm,
+                gate,
+                up,
+                down,
+                mlp.act_fn.forward,
+                q.shape[1] // attention.head_dim,
+                k.shape[1] // attention.head_dim,
+                attention.head_dim,
+                attention.scaling,
+                attention.num_key_value_groups > 1,
+                attention.layer_idx,
+            )
+        )
+    return plan
+
+
+def _one_token_layers(
+    steps: list[_OneTokenLayer],
+    x: torch.Tensor,
+    position_embeddings: tuple[torch.Tensor, torch.Tensor],
+    cache,
+    hidden: list[torch.Tensor],
+) -> torch.Tensor:
+    """Every decoder layer for one token: the operations of :func:`_decoder_layer` on the same values
+    in the same order, with fewer calls. ``torch.mm`` on the row is what ``F.linear`` runs; the rotary
+    embedding's ``rotate_half(q) * sin`` is ``roll(q) * sin'`` with ``sin'``'s first half negated (a
+    sign moved between exact factors); SDPA is called as transformers' wrapper calls it without a mask
+    (grouped K/V heads read as they are). ``hidden`` gets each layer's output."""
+    cos, sin = position_embeddings
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # as apply_rotary_pos_emb broadcasts them
+    half = sin.shape[-1] // 2
+    signed_sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+    width = x.shape[-1]
+    for step in steps:
+        row = _rms_norm(step.input_norm, x).view(1, width)
+        query = torch.mm(row, step.q).view(1, 1, step.heads, step.head_dim).transpose(1, 2)
+        key = torch.mm(row, step.k).view(1, 1, step.kv_heads, step.head_dim).transpose(1, 2)
+        value = torch.mm(row, step.v).view(1, 1, step.kv_heads, step.head_dim).transpose(1, 2)
+        query = (query * cos) + (torch.roll(query, half, -1) * signed_sin)
+        key = (key * cos) + (torch.roll(key, half, -1) * signed_sin)
+        keys, values = cache.layers[step.cache_index].update(key, value)
+        grouped = {"enable_gqa": True} if step.grouped else {}
+        out = F.scaled_dot_product_attention(
+            query, keys, values, attn_mask=None, dropout_p=0.0, scale=step.scaling, is_causal=False, **grouped
+        )
+        out = out.transpose(1, 2).contiguous().view(1, -1)
+        x = x + torch.mm(out, step.o)
+        row = _rms_norm(step.post_norm, x).view(1, width)
+        x = x + torch.mm(step.act(torch.mm(row, step.gate)) * torch.mm(row, step.up), step.down)
+        hidden.append(x)
+    return x
 
 
 def direct_forward_supported(model: nn.Module) -> bool:

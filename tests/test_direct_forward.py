@@ -47,6 +47,31 @@ def test_the_direct_forward_is_bitwise_the_models_forward(nodes, packed, config)
         assert torch.equal(ours.keys, theirs.keys) and torch.equal(ours.values, theirs.values)
 
 
+@pytest.mark.parametrize("config", [{}, {"num_key_value_heads": 4}, {"attention_bias": True}])
+def test_one_token_steps_take_the_short_path_where_it_applies(config):
+    """Plain decoding steps of a bias-free Llama go through the one-token plan (bitwise the model's: the
+    test above covers them); a layer with biases keeps the general path."""
+    model = tiny_llama(VOCAB, **config)
+    direct = direct_forward_for(model)
+    reference, _ = verify_once(model, DraftTree.empty(), None, None)
+    out, _ = verify_once(model, DraftTree.empty(), None, direct)
+    assert torch.equal(out.logits, reference.logits)
+    assert bool(direct._steps) == ("attention_bias" not in config)
+
+
+def test_the_one_token_plan_follows_replaced_weights():
+    model = tiny_llama(VOCAB, seed=7)
+    direct = direct_forward_for(model)
+    verify_once(model, DraftTree.empty(), None, direct)
+    first = direct._steps
+    layer = model.model.layers[0].mlp.up_proj
+    layer.weight = torch.nn.Parameter(torch.randn_like(layer.weight))
+    reference, _ = verify_once(model, DraftTree.empty(), None, None)
+    out, _ = verify_once(model, DraftTree.empty(), None, direct)
+    assert direct._steps is not first
+    assert torch.equal(out.logits, reference.logits)
+
+
 def test_generate_through_the_direct_forward_equals_plain_decoding():
     model = tiny_llama(VOCAB)
     reference = hf_greedy(model, PROMPT, 24)

@@ -101,3 +101,28 @@ def test_feature_drafters_are_lossless_on_smollm2(cached, tmp_path):
         reference, _ = hf_greedy(cached.model, prompt, 20, eos)
         for drafter in drafters:
             assert generate(cached.model, prompt, drafter, max_new_tokens=20, eos_token_ids=eos).tokens == reference
+
+
+def test_one_token_direct_steps_are_bitwise_the_models_on_smollm2(cached):
+    """The one-token plan (``direct_forward._one_token_layers``) on the real target's shapes: logits and
+    cache bitwise equal to the model's own forward over eight decoding steps."""
+    from draftsmith.core.cache import preallocated_cache_for
+    from draftsmith.inference.direct_forward import direct_forward_for
+
+    model = cached.model
+    direct = direct_forward_for(model)
+    prompt = cached.tokenizer("Rainbows form when sunlight", return_tensors="pt").input_ids
+    caches = [preallocated_cache_for(model.config, 64) for _ in range(2)]
+    with torch.no_grad():
+        for cache in caches:
+            model(prompt, past_key_values=cache, use_cache=True)
+        token = torch.tensor([[int(prompt[0, -1])]])
+        for step in range(8):
+            position = torch.tensor([[prompt.shape[1] + step]])
+            theirs = model(token, position_ids=position, past_key_values=caches[0], use_cache=True).logits
+            ours = direct(token, position, None, caches[1]).logits
+            assert torch.equal(ours, theirs)
+            token = theirs[:, -1:].argmax(-1)
+    assert direct._steps
+    for a, b in zip(caches[0].layers, caches[1].layers):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)

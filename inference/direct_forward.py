@@ -10,12 +10,12 @@ logits and hidden states are bitwise those of ``model(...)`` (``tests/test_direc
 checks it on one-token and tree forwards). Calling the modules keeps :mod:`packed_gemm`'s linear
 swap and any weights the model holds.
 
-Plain decoding steps (one row, no mask, the runtime's preallocated cache) of a bias-free Llama take a
-shorter path still, :func:`_one_token_layers`: the same operations on the same values in the same
-order with fewer calls (``torch.mm`` on transposed weight views, which is what ``F.linear`` runs for a
-one-row input; the rotary embedding's sign moved from ``q`` onto ``sin``, exact; SDPA called as the
-wrapper calls it; the layer's cache written directly). ``tests/test_smollm2.py`` checks it bitwise on
-SmolLM2.
+The runtime's own forwards (one sequence: a decoding step, or a tree under its mask; the runtime's
+preallocated cache) of a bias-free Llama take a shorter path still, :func:`_lean_layers`: the same
+operations on the same values in the same order with fewer calls (one row: ``torch.mm`` on transposed
+weight views, which is what ``F.linear`` runs for a one-row input; the rotary embedding's sign moved
+from ``q`` onto ``sin``, exact; SDPA called as the wrapper calls it; the layer's cache written
+directly). ``tests/test_smollm2.py`` checks it bitwise on SmolLM2.
 
 The runtime uses it for every verification forward of a model it supports (``direct_forward_for``);
 prefill keeps the model's own forward, where the arithmetic dwarfs the overhead. Other architectures,
@@ -27,11 +27,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.integrations.sdpa_attention import sdpa_attention_forward, use_gqa_in_sdpa
 from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.models.llama.modeling_llama import (
     LlamaDecoderLayer,
@@ -51,7 +52,7 @@ class DirectForward:
     def __init__(self, model: LlamaForCausalLM) -> None:
         self.model = model
         self.layers: list[LlamaDecoderLayer] = list(model.model.layers[: model.config.num_hidden_layers])
-        self._steps: list[_OneTokenLayer] | None = None
+        self._steps: list[_LeanLayer] | None = None
         self._steps_from: list[nn.Parameter] = []
 
     def __call__(
@@ -79,9 +80,9 @@ class DirectForward:
         x = base.embed_tokens(input_ids)
         position_embeddings = base.rotary_emb(x, position_ids=position_ids)
         hidden: list[torch.Tensor] = [x]
-        steps = self._one_token_steps(x, attention_mask, cache)
+        steps = self._lean_steps(x, attention_mask, cache)
         if steps is not None:
-            x = _one_token_layers(steps, x, position_embeddings, cache, hidden)
+            x = _lean_layers(steps, x, position_embeddings, attention_mask, cache, hidden)
         else:
             for layer in self.layers:
                 x = _decoder_layer(layer, x, position_embeddings, attention_mask, cache)
@@ -90,10 +91,14 @@ class DirectForward:
         hidden[-1] = x  # transformers reports the normed last state as the last hidden state
         return x, tuple(hidden) if output_hidden_states else None
 
-    def _one_token_steps(self, x: torch.Tensor, attention_mask: torch.Tensor | None, cache) -> list | None:
-        """The one-token plan when this forward is a plain decoding step (one row, no mask, the runtime's
-        preallocated cache) of a model the plan serves; rebuilt when a parameter was replaced."""
-        if x.shape[:2] != (1, 1) or attention_mask is not None or not isinstance(cache, PreallocatedCache):
+    def _lean_steps(self, x: torch.Tensor, attention_mask: torch.Tensor | None, cache) -> list | None:
+        """The lean plan when this forward is one the runtime makes (one sequence; one row without a mask
+        or rows under a tree mask; its preallocated cache) of a model the plan serves; rebuilt when a
+        parameter was replaced."""
+        one_token = x.shape[1] == 1 and attention_mask is None
+        if x.shape[0] != 1 or not (one_token or attention_mask is not None):
+            return None
+        if not isinstance(cache, PreallocatedCache):
             return None
         parameters = list(self.model.parameters())
         if (
@@ -101,7 +106,7 @@ class DirectForward:
             or len(parameters) != len(self._steps_from)
             or any(a is not b for a, b in zip(parameters, self._steps_from))
         ):
-            self._steps, self._steps_from = _one_token_plan(self.layers), parameters
+            self._steps, self._steps_from = _lean_plan(self.layers), parameters
         return self._steps or None
 
 
@@ -153,98 +158,106 @@ def _attention(
 
 
 @dataclass(frozen=True)
-class _OneTokenLayer:
-    """One decoder layer's weights as a one-token step reads them: the projections transposed (views, so
-    in-place weight updates show through) for ``torch.mm``, which is the call ``F.linear`` makes for a
-    one-row input without bias."""
+class _LeanLayer:
+    """One decoder layer as the lean path reads it: the projections (their modules, for multi-row
+    forwards through :mod:`packed_gemm`, and their weights transposed, views that in-place updates show
+    through, for ``torch.mm`` on one row: the call ``F.linear`` makes for a one-row input without bias)."""
 
     input_norm: nn.Module
-    q: torch.Tensor
-    k: torch.Tensor
-    v: torch.Tensor
-    o: torch.Tensor
+    projections: tuple[nn.Module, ...]  # q, k, v, o, gate, up, down
+    transposed: tuple[torch.Tensor, ...]  # their weights, transposed, in the same order
     post_norm: nn.Module
-    gate: torch.Tensor
-    up: torch.Tensor
-    down: torch.Tensor
     act: Callable[[torch.Tensor], torch.Tensor]
+    attention: nn.Module
     heads: int
     kv_heads: int
-    head_dim: int
-    scaling: float
-    grouped: bool
-    cache_index: int
 
 
-def _one_token_plan(layers: list[LlamaDecoderLayer]) -> list[_OneTokenLayer]:
-    """The plan, or [] where a layer has something the one-token step does not do (biases, dropout,
-    head dims SDPA's grouped-query path does not take)."""
+def _lean_plan(layers: list[LlamaDecoderLayer]) -> list[_LeanLayer]:
+    """The plan, or [] where a layer has something the lean path does not do (biases)."""
     plan = []
     for layer in layers:
         attention, mlp = layer.self_attn, layer.mlp
-        linears = [attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj]
-        linears += [mlp.gate_proj, mlp.up_proj, mlp.down_proj]
-        if any(linear.bias is not None for linear in linears) or attention.head_dim > 256:
+        projections = (attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj)
+        projections += (mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+        if any(linear.bias is not None for linear in projections):
             return []
-        q, k, v, o, gate, up, down = (linear.weight.t() for linear in linears)
+        transposed = tuple(linear.weight.t() for linear in projections)
         plan.append(
-            _OneTokenLayer(
+            _LeanLayer(
                 layer.input_layernorm,
-                q,
-                k,
-                v,
-                o,
+                projections,
+                transposed,
                 layer.post_attention_layernorm,
-                gate,
-                up,
-                down,
                 mlp.act_fn.forward,
-                q.shape[1] // attention.head_dim,
-                k.shape[1] // attention.head_dim,
-                attention.head_dim,
-                attention.scaling,
-                attention.num_key_value_groups > 1,
-                attention.layer_idx,
+                attention,
+                transposed[0].shape[1] // attention.head_dim,
+                transposed[1].shape[1] // attention.head_dim,
             )
         )
     return plan
 
 
-def _one_token_layers(
-    steps: list[_OneTokenLayer],
+def _lean_layers(
+    steps: list[_LeanLayer],
     x: torch.Tensor,
     position_embeddings: tuple[torch.Tensor, torch.Tensor],
+    attention_mask: torch.Tensor | None,
     cache,
     hidden: list[torch.Tensor],
 ) -> torch.Tensor:
-    """Every decoder layer for one token: the operations of :func:`_decoder_layer` on the same values
-    in the same order, with fewer calls. ``torch.mm`` on the row is what ``F.linear`` runs; the rotary
-    embedding's ``rotate_half(q) * sin`` is ``roll(q) * sin'`` with ``sin'``'s first half negated (a
-    sign moved between exact factors); SDPA is called as transformers' wrapper calls it without a mask
-    (grouped K/V heads read as they are). ``hidden`` gets each layer's output."""
+    """Every decoder layer: the operations of :func:`_decoder_layer` on the same values in the same
+    order, with fewer calls. Projections run on the rows as a matrix (one row: ``torch.mm``, what
+    ``F.linear`` runs; more: the module, packed or not, as before); the rotary embedding's
+    ``rotate_half(q) * sin`` is ``roll(q) * sin'`` with ``sin'``'s first half negated (a sign moved
+    between exact factors); SDPA is called exactly as transformers' wrapper calls it for these inputs.
+    ``hidden`` gets each layer's output."""
     cos, sin = position_embeddings
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # as apply_rotary_pos_emb broadcasts them
     half = sin.shape[-1] // 2
     signed_sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
-    width = x.shape[-1]
+    rows, width = x.shape[1], x.shape[2]
     for step in steps:
-        row = _rms_norm(step.input_norm, x).view(1, width)
-        query = torch.mm(row, step.q).view(1, 1, step.heads, step.head_dim).transpose(1, 2)
-        key = torch.mm(row, step.k).view(1, 1, step.kv_heads, step.head_dim).transpose(1, 2)
-        value = torch.mm(row, step.v).view(1, 1, step.kv_heads, step.head_dim).transpose(1, 2)
+        attention = step.attention
+        q, k, v, o, gate, up, down = _projectors(step, rows)
+        row = _rms_norm(step.input_norm, x).view(rows, width)
+        query = q(row).view(1, rows, step.heads, attention.head_dim).transpose(1, 2)
+        key = k(row).view(1, rows, step.kv_heads, attention.head_dim).transpose(1, 2)
+        value = v(row).view(1, rows, step.kv_heads, attention.head_dim).transpose(1, 2)
         query = (query * cos) + (torch.roll(query, half, -1) * signed_sin)
         key = (key * cos) + (torch.roll(key, half, -1) * signed_sin)
-        keys, values = cache.layers[step.cache_index].update(key, value)
-        grouped = {"enable_gqa": True} if step.grouped else {}
-        out = F.scaled_dot_product_attention(
-            query, keys, values, attn_mask=None, dropout_p=0.0, scale=step.scaling, is_causal=False, **grouped
-        )
-        out = out.transpose(1, 2).contiguous().view(1, -1)
-        x = x + torch.mm(out, step.o)
-        row = _rms_norm(step.post_norm, x).view(1, width)
-        x = x + torch.mm(step.act(torch.mm(row, step.gate)) * torch.mm(row, step.up), step.down)
+        keys, values = cache.layers[attention.layer_idx].update(key, value)
+        out = _sdpa(attention, query, keys, values, attention_mask)
+        x = x + o(out.view(rows, -1))
+        row = _rms_norm(step.post_norm, x).view(rows, width)
+        x = x + down(step.act(gate(row)) * up(row))
         hidden.append(x)
     return x
+
+
+def _projectors(step: _LeanLayer, rows: int) -> list[Callable[[torch.Tensor], torch.Tensor]]:
+    if rows == 1:
+        return [partial(torch.mm, mat2=weight) for weight in step.transposed]
+    return [linear.forward for linear in step.projections]
+
+
+def _sdpa(
+    attention: nn.Module,
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+) -> torch.Tensor:
+    """``sdpa_attention_forward`` for one sequence whose queries see the cache through ``attention_mask``
+    (or, one query, see all of it): ``(1, rows, heads, head_dim)``, contiguous."""
+    if attention.num_key_value_groups > 1 and not use_gqa_in_sdpa(attention_mask, keys, values):
+        # the wrapper's other branches (one query packs its heads, more repeat the K/V heads)
+        return sdpa_attention_forward(attention, query, keys, values, attention_mask, scaling=attention.scaling)[0]
+    grouped = {"enable_gqa": True} if attention.num_key_value_groups > 1 else {}
+    out = F.scaled_dot_product_attention(
+        query, keys, values, attn_mask=attention_mask, scale=attention.scaling, is_causal=False, **grouped
+    )
+    return out.transpose(1, 2).contiguous()
 
 
 def direct_forward_supported(model: nn.Module) -> bool:

@@ -59,6 +59,33 @@ def test_one_token_steps_take_the_short_path_where_it_applies(config):
     assert bool(direct._steps) == ("attention_bias" not in config)
 
 
+@pytest.mark.parametrize("force_gqa", ["0", "1"])
+def test_tree_forwards_outside_the_runtime_take_the_wrappers_attention_branch(force_gqa, monkeypatch):
+    """Without the runtime's grouped-K/V switch transformers repeats the K/V heads under a mask; with it
+    SDPA reads them grouped. The lean path takes the same branch as the model either way."""
+    monkeypatch.setenv("TRANSFORMERS_SDPA_FORCE_GQA", force_gqa)
+    model = tiny_llama(VOCAB, seed=8)
+    assert model.config.num_key_value_heads < model.config.num_attention_heads
+    direct = direct_forward_for(model)
+    tree = seeded_random_tree(5, 8, VOCAB)
+    outputs = []
+    for forward in (None, direct):
+        cache = preallocated_cache_for(model.config, 64)
+        with torch.no_grad():
+            model(torch.tensor([PROMPT[:-1]]), past_key_values=cache, use_cache=True)
+            mask, positions = TreeInputBuffers(8, 64, torch.float32).build(tree, len(PROMPT) - 1, 0)
+            ids = torch.tensor([[PROMPT[-1], *tree.tokens.tolist()]])
+            if forward is None:
+                out = model(ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True)
+            else:
+                out = forward(ids, positions, mask, cache)
+        outputs.append((out.logits, cache))
+    assert direct._steps
+    assert torch.equal(outputs[0][0], outputs[1][0])
+    for ours, theirs in zip(outputs[1][1].layers, outputs[0][1].layers):
+        assert torch.equal(ours.keys, theirs.keys) and torch.equal(ours.values, theirs.values)
+
+
 def test_the_one_token_plan_follows_replaced_weights():
     model = tiny_llama(VOCAB, seed=7)
     direct = direct_forward_for(model)

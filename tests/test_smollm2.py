@@ -103,10 +103,11 @@ def test_feature_drafters_are_lossless_on_smollm2(cached, tmp_path):
             assert generate(cached.model, prompt, drafter, max_new_tokens=20, eos_token_ids=eos).tokens == reference
 
 
-def test_one_token_direct_steps_are_bitwise_the_models_on_smollm2(cached):
-    """The one-token plan (``direct_forward._one_token_layers``) on the real target's shapes: logits and
-    cache bitwise equal to the model's own forward over eight decoding steps."""
+def test_lean_direct_forwards_are_bitwise_the_models_on_smollm2(cached):
+    """The lean path (``direct_forward._lean_layers``) on the real target's shapes: logits and cache
+    bitwise equal to the model's own forward over eight decoding steps and a tree forward."""
     from draftsmith.core.cache import preallocated_cache_for
+    from draftsmith.core.tree import DraftTree, TreeInputBuffers
     from draftsmith.inference.direct_forward import direct_forward_for
 
     model = cached.model
@@ -123,6 +124,12 @@ def test_one_token_direct_steps_are_bitwise_the_models_on_smollm2(cached):
             ours = direct(token, position, None, caches[1]).logits
             assert torch.equal(ours, theirs)
             token = theirs[:, -1:].argmax(-1)
+        tree = DraftTree(torch.tensor([11, 12, 13, 14]), torch.tensor([-1, 0, 0, 2]))
+        past = caches[0].get_seq_length()
+        mask, positions = TreeInputBuffers(8, 64, torch.float32).build(tree, past, 0)
+        ids = torch.tensor([[int(token), 11, 12, 13, 14]])
+        theirs = model(ids, attention_mask=mask, position_ids=positions, past_key_values=caches[0], use_cache=True)
+        assert torch.equal(direct(ids, positions, mask, caches[1]).logits, theirs.logits)
     assert direct._steps
     for a, b in zip(caches[0].layers, caches[1].layers):
         assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)

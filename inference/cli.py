@@ -213,24 +213,17 @@ def _add_compile_argument(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _add_packed_gemm_argument(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--no-packed-gemm",
-        action="store_true",
-        help="verify trees with PyTorch's default matrix multiply instead of MKL's packed GEMM (float32 on CPU "
-        "only; the packed one makes a few-row forward cost little more than one row, at one extra copy of the "
-        "weights per row bucket used)",
-    )
-
-
-def _add_greedy_head_argument(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--no-greedy-head",
-        action="store_true",
-        help="in greedy verification, compute the target's full float32 logits instead of its argmax through a "
-        "screened int8 copy of the head with a proof (same tokens either way; the screen reads a quarter of the "
-        "head's bytes; float32 on CPU only)",
-    )
+def _add_kernel_arguments(p: argparse.ArgumentParser) -> None:
+    """Switches for the runtime's float32 CPU kernels (outputs are the same tokens either way)."""
+    switches = {
+        "--no-packed-gemm": "verify trees with PyTorch's default matrix multiply instead of MKL's packed GEMM "
+        "(the packed one makes a few-row forward cost little more than one row, at one extra copy of the weights "
+        "per row bucket used)",
+        "--no-greedy-head": "in greedy verification, compute the target's full logits instead of its argmax through "
+        "a screened int8 copy of the head with a proof (the screen reads a quarter of the head's bytes)",
+    }
+    for flag, text in switches.items():
+        p.add_argument(flag, action="store_true", help=text + "; float32 on CPU only")
 
 
 def _load_target(args: argparse.Namespace):
@@ -267,8 +260,7 @@ def add_inference_commands(subparsers: Any) -> None:
     p.add_argument("--seed", type=int, default=0, help="with sampling: random seed")
     p.add_argument("--threads", type=positive_int, default=None, help="torch threads, >= 1 (default: torch's choice)")
     _add_compile_argument(p)
-    _add_packed_gemm_argument(p)
-    _add_greedy_head_argument(p)
+    _add_kernel_arguments(p)
     p.set_defaults(func=cmd_generate)
     p = subparsers.add_parser(
         "bench",
@@ -303,8 +295,7 @@ def add_inference_commands(subparsers: Any) -> None:
         "--overwrite", action="store_true", help="replace earlier bench results (never a directory bench did not write)"
     )
     _add_compile_argument(p)
-    _add_packed_gemm_argument(p)
-    _add_greedy_head_argument(p)
+    _add_kernel_arguments(p)
     p.set_defaults(func=cmd_bench)
     p = subparsers.add_parser(
         "spectra-index",
@@ -335,8 +326,7 @@ def add_inference_commands(subparsers: Any) -> None:
     p.add_argument("--shape", choices=["random", "chain"], default="random", help="tree shape (seeded random tree)")
     p.add_argument("--threads", type=positive_int, default=None, help="torch threads, >= 1 (default: torch's choice)")
     p.add_argument("--out", default=None, help="also write bench_tree.json and bench_tree.md to this directory")
-    _add_packed_gemm_argument(p)
-    _add_greedy_head_argument(p)
+    _add_kernel_arguments(p)
     p.set_defaults(func=cmd_bench_tree)
     p = subparsers.add_parser(
         "tune",

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers.integrations.sdpa_attention import sdpa_attention_forward, use_gqa_in_sdpa
-from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.models.llama.modeling_llama import (
     LlamaDecoderLayer,
     LlamaForCausalLM,
@@ -62,20 +62,10 @@ class DirectForward:
         attention_mask: torch.Tensor | None,
         cache,
         output_hidden_states: bool = False,
-    ) -> CausalLMOutputWithPast:
-        last, hidden = self.states(input_ids, position_ids, attention_mask, cache, output_hidden_states)
-        return CausalLMOutputWithPast(logits=self.model.lm_head(last), past_key_values=cache, hidden_states=hidden)
-
-    def states(
-        self,
-        input_ids: torch.Tensor,
-        position_ids: torch.Tensor,
-        attention_mask: torch.Tensor | None,
-        cache,
-        output_hidden_states: bool = False,
-    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
-        """The forward up to the ``lm_head``: the normed last states (the head's input) and, if asked,
-        every hidden state as the model reports them."""
+        head: bool = True,
+    ) -> CausalLMOutputWithPast | BaseModelOutputWithPast:
+        """The model's output; with ``head=False``, the forward up to the ``lm_head``, as the base model
+        returns it (``last_hidden_state``: the normed last states, the head's input)."""
         base = self.model.model
         x = base.embed_tokens(input_ids)
         position_embeddings = base.rotary_emb(x, position_ids=position_ids)
@@ -89,7 +79,10 @@ class DirectForward:
                 hidden.append(x)
         x = base.norm(x)
         hidden[-1] = x  # transformers reports the normed last state as the last hidden state
-        return x, tuple(hidden) if output_hidden_states else None
+        states = tuple(hidden) if output_hidden_states else None
+        if not head:
+            return BaseModelOutputWithPast(last_hidden_state=x, past_key_values=cache, hidden_states=states)
+        return CausalLMOutputWithPast(logits=self.model.lm_head(x), past_key_values=cache, hidden_states=states)
 
     def _lean_steps(self, x: torch.Tensor, attention_mask: torch.Tensor | None, cache) -> list | None:
         """The lean plan when this forward is one the runtime makes (one sequence; one row without a mask

@@ -118,8 +118,8 @@ def verification_forward(
     input_ids[0, 1 : 1 + len(tree)] = tree.tokens
     with gemm.rows() if gemm is not None else nullcontext(), _grouped_kv_heads(device):
         if direct is not None and greedy is not None:
-            last, hidden_states = direct.states(input_ids.to(device), positions, mask, cache, hidden)
-            return GreedyForward(greedy(last[0, : 1 + len(tree)]), hidden_states)
+            out = direct(input_ids.to(device), positions, mask, cache, hidden, head=False)
+            return GreedyForward(greedy(out.last_hidden_state[0, : 1 + len(tree)]), out.hidden_states)
         if direct is not None:
             return direct(input_ids.to(device), positions, mask, cache, hidden)
         return model(

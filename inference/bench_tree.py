@@ -93,8 +93,18 @@ class _VerificationForward:
         tokens = torch.randint(0, self.vocab, (len(tree) + 1,), generator=self.generator).tolist()
         tree = DraftTree(torch.tensor(tokens[1:]), tree.parents)
         start = time.perf_counter()
-        model, cache, inputs, prefix = self.model, self.cache, self.inputs, self.prefix
-        verification_forward(model, cache, inputs, tokens[0], tree, prefix, False, self.gemm, self.direct, self.greedy)
+        verification_forward(
+            self.model,
+            self.cache,
+            self.inputs,
+            tokens[0],
+            tree,
+            self.prefix,
+            False,
+            self.gemm,
+            self.direct,
+            self.greedy,
+        )
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - start

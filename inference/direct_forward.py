@@ -153,12 +153,12 @@ def _attention(
 @dataclass(frozen=True)
 class _LeanLayer:
     """One decoder layer as the lean path reads it: the projections (their modules, for multi-row
-    forwards through :mod:`packed_gemm`, and their weights transposed, views that in-place updates show
-    through, for ``torch.mm`` on one row: the call ``F.linear`` makes for a one-row input without bias)."""
+    forwards through :mod:`packed_gemm`, and for one row ``torch.mm`` on their weights transposed, the
+    call ``F.linear`` makes for a one-row input without bias; views, so in-place updates show through)."""
 
     input_norm: nn.Module
     projections: tuple[nn.Module, ...]  # q, k, v, o, gate, up, down
-    transposed: tuple[torch.Tensor, ...]  # their weights, transposed, in the same order
+    one_row: tuple[Callable[[torch.Tensor], torch.Tensor], ...]  # their one-row products, in the same order
     post_norm: nn.Module
     act: Callable[[torch.Tensor], torch.Tensor]
     attention: nn.Module
@@ -175,12 +175,12 @@ def _lean_plan(layers: list[LlamaDecoderLayer]) -> list[_LeanLayer]:
         projections += (mlp.gate_proj, mlp.up_proj, mlp.down_proj)
         if any(linear.bias is not None for linear in projections):
             return []
-        transposed = tuple(linear.weight.t() for linear in projections)
+        transposed = [linear.weight.t() for linear in projections]
         plan.append(
             _LeanLayer(
                 layer.input_layernorm,
                 projections,
-                transposed,
+                tuple(partial(torch.mm, mat2=weight) for weight in transposed),
                 layer.post_attention_layernorm,
                 mlp.act_fn.forward,
                 attention,
@@ -228,10 +228,12 @@ def _lean_layers(
     return x
 
 
-def _projectors(step: _LeanLayer, rows: int) -> list[Callable[[torch.Tensor], torch.Tensor]]:
+def _projectors(step: _LeanLayer, rows: int) -> tuple[Callable[[torch.Tensor], torch.Tensor], ...]:
+    """One row: the prepared products. More: each module's ``forward``, looked up now, since
+    :mod:`packed_gemm` may have turned the module into a packed linear after the plan was made."""
     if rows == 1:
-        return [partial(torch.mm, mat2=weight) for weight in step.transposed]
-    return [linear.forward for linear in step.projections]
+        return step.one_row
+    return tuple(linear.forward for linear in step.projections)
 
 
 def _sdpa(

@@ -39,6 +39,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from draftsmith.inference.weight_copies import CopySource
+
 _FP32_UNIT = 2.0**-24  # float32 unit roundoff
 _FP64_UNIT = 2.0**-53
 _BF16_UNIT = 2.0**-8  # bfloat16 keeps 8 significant bits
@@ -56,9 +58,9 @@ class GreedyHead:
 
     def __init__(self, head: nn.Linear) -> None:
         start = time.perf_counter()
+        self.source = CopySource(head.weight)
         weight = head.weight.detach()
         self.weight = weight
-        self.weight_version = weight._version  # in-place changes (an optimizer step, load_state_dict) bump it
         self.scales, self.quantized = _int8_rows(weight)
         columns = weight.shape[1]
         self._gamma32 = _gamma(columns, _FP32_UNIT)
@@ -163,18 +165,7 @@ def greedy_head_for(model: nn.Module) -> GreedyHead | None:
     if not greedy_head_supported(model):
         return None
     head = _HEADS.get(model)
-    weight = model.lm_head.weight
     # a stale screen could miss the argmax: a replaced or changed weight gets a new one
-    if head is None or not _same_tensor(head.weight, weight) or head.weight_version != weight._version:
+    if head is None or not head.source.still(model.lm_head.weight):
         head = _HEADS[model] = GreedyHead(model.lm_head)
     return head
-
-
-def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """The same storage, offset, shape and strides (a detached view is a new object over the same data)."""
-    return (
-        a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
-        and a.storage_offset() == b.storage_offset()
-        and a.shape == b.shape
-        and a.stride() == b.stride()
-    )

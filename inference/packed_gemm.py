@@ -31,6 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from draftsmith.inference.weight_copies import CopySource
+
 ROW_BUCKETS = (2, 4, 8, 16, 32)
 MEMORY_SHARE = 0.5  # a bucket is packed only if its packs fit in this share of the available memory
 
@@ -60,7 +62,7 @@ class PackedLinear(nn.Linear):
 
     _packs: dict[int, torch.Tensor]
     _owner: PackedGemm
-    _packed_from: tuple[int, int]  # the weight's data pointer and version when its packs were made
+    _packed_from: CopySource  # the weight its packs were made from
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
@@ -106,7 +108,7 @@ class PackedGemm:
         """A pack is a copy: after a weight is replaced or changed in place (an optimizer step,
         ``load_state_dict``) its packs would multiply by the old values, so they go."""
         for module in self._linears:
-            if module._packs and module._packed_from != _weight_key(module):
+            if module._packs and not module._packed_from.still(module.weight):
                 module._packs.clear()
 
     @contextmanager
@@ -129,13 +131,9 @@ class PackedGemm:
         with torch.no_grad():
             for module in missing:
                 module._packs[bucket] = torch.ops.mkl._mkl_reorder_linear_weight(module.weight.detach(), bucket)
-                module._packed_from = _weight_key(module)
+                module._packed_from = CopySource(module.weight)
         self.pack_seconds += time.perf_counter() - start
         return True
-
-
-def _weight_key(module: nn.Linear) -> tuple[int, int]:
-    return module.weight.data_ptr(), module.weight._version
 
 
 _PACKED: weakref.WeakKeyDictionary[nn.Module, PackedGemm] = weakref.WeakKeyDictionary()

@@ -79,6 +79,14 @@ class PreallocatedLayer(DynamicLayer):
         self.length = end
         return self.keys, self.values
 
+    def append_rows(self, rows: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Room for ``rows`` more rows, for a writer that fills them itself (the native decoder layers):
+        the key and value buffers and the first new row. The rows are valid from now on."""
+        start = self.length
+        self._ensure_capacity(start + rows)
+        self.length = start + rows
+        return self._key_buffer, self._value_buffer, start
+
     def get_seq_length(self) -> int:
         return self.length
 

@@ -58,6 +58,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
         compiled=compiled,
         packed_gemm=not args.no_packed_gemm,
         greedy_head=not args.no_greedy_head,
+        native_layers=not args.no_native_layers,
     )
     print()
     if result.compile_seconds:
@@ -125,6 +126,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
         compiled=_compiled_target(args, target),
         packed_gemm=not args.no_packed_gemm,
         greedy_head=not args.no_greedy_head,
+        native_layers=not args.no_native_layers,
         vllm_python=args.vllm_python,
         target_dir=target_dir,
     )
@@ -150,6 +152,7 @@ def cmd_bench_tree(args: argparse.Namespace) -> None:
         args.shape,
         packed_gemm=not args.no_packed_gemm,
         greedy_head=not args.no_greedy_head,
+        native_layers=not args.no_native_layers,
     )
     print(tree_markdown(results))
     if args.out:
@@ -221,6 +224,9 @@ def _add_kernel_arguments(p: argparse.ArgumentParser) -> None:
         "per row bucket used)",
         "--no-greedy-head": "in greedy verification, compute the target's full logits instead of its argmax through "
         "a screened int8 copy of the head with a proof (the screen reads a quarter of the head's bytes)",
+        "--no-native-layers": "run one-token forwards through the Python loop instead of the C++ decoder layers "
+        "(the same operations, bitwise; the C++ ones are built once per machine with g++, ~30 s, and save the "
+        "interpreter's time between ~1,000 small calls per token)",
     }
     for flag, text in switches.items():
         p.add_argument(flag, action="store_true", help=text + "; float32 on CPU only")

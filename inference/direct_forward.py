@@ -41,6 +41,7 @@ from transformers.models.llama.modeling_llama import (
 )
 
 from draftsmith.core.cache import PreallocatedCache
+from draftsmith.inference.native_layers import flat_weights, native_extension, native_layers_supported, one_row_layers
 
 
 class DirectForward:
@@ -49,11 +50,17 @@ class DirectForward:
     position_ids=..., past_key_values=cache, use_cache=True, output_hidden_states=...)`` when the mask
     is None (every cached key is seen: a one-token step) or a 4D additive mask over ``past + T`` keys."""
 
-    def __init__(self, model: LlamaForCausalLM) -> None:
+    def __init__(self, model: LlamaForCausalLM, native: bool = True) -> None:
+        """``native``: one-token forwards run the layers as one C++ call where :mod:`native_layers`
+        serves the model (built on first use; bitwise the same)."""
         self.model = model
         self.layers: list[LlamaDecoderLayer] = list(model.model.layers[: model.config.num_hidden_layers])
         self._steps: list[_LeanLayer] | None = None
         self._steps_from: list[nn.Parameter] = []
+        weight = model.lm_head.weight
+        served = native and native_layers_supported(self.layers, weight.dtype, weight.device)
+        self._native = native_extension() if served else None
+        self._flat: tuple[list[torch.Tensor], list[float]] = ([], [])
 
     def __call__(
         self,
@@ -71,7 +78,12 @@ class DirectForward:
         position_embeddings = base.rotary_emb(x, position_ids=position_ids)
         hidden: list[torch.Tensor] = [x]
         steps = self._lean_steps(x, attention_mask, cache)
-        if steps is not None:
+        if steps is not None and self._native_serves(x, attention_mask, cache):
+            cos, signed_sin = _rotary_factors(position_embeddings)
+            layers = one_row_layers(self._native, self.layers, *self._flat, x, cos, signed_sin, cache.layers)
+            hidden.extend(layers)
+            x = layers[-1]
+        elif steps is not None:
             x = _lean_layers(steps, x, position_embeddings, attention_mask, cache, hidden)
         else:
             for layer in self.layers:
@@ -83,6 +95,11 @@ class DirectForward:
         if not head:
             return BaseModelOutputWithPast(last_hidden_state=x, past_key_values=cache, hidden_states=states)
         return CausalLMOutputWithPast(logits=self.model.lm_head(x), past_key_values=cache, hidden_states=states)
+
+    @property
+    def native(self) -> bool:
+        """Whether one-token forwards run the C++ layers (:mod:`native_layers`)."""
+        return self._native is not None
 
     def _lean_steps(self, x: torch.Tensor, attention_mask: torch.Tensor | None, cache) -> list | None:
         """The lean plan when this forward is one the runtime makes (one sequence; one row without a mask
@@ -100,7 +117,20 @@ class DirectForward:
             or any(a is not b for a, b in zip(parameters, self._steps_from))
         ):
             self._steps, self._steps_from = _lean_plan(self.layers), parameters
+            self._flat = flat_weights(self.layers) if self._native is not None else ([], [])
         return self._steps or None
+
+    def _native_serves(self, x: torch.Tensor, attention_mask: torch.Tensor | None, cache) -> bool:
+        """A one-token forward (after :meth:`_lean_steps` accepted it) that the C++ layers can run: the
+        model's dtype and device, and a cache that already holds the prompt."""
+        return (
+            self._native is not None
+            and x.shape[1] == 1
+            and attention_mask is None
+            and x.dtype == torch.float32
+            and x.device.type == "cpu"
+            and cache.layers[0].is_initialized
+        )
 
 
 def _decoder_layer(
@@ -205,10 +235,8 @@ def _lean_layers(
     ``rotate_half(q) * sin`` is ``roll(q) * sin'`` with ``sin'``'s first half negated (a sign moved
     between exact factors); SDPA is called exactly as transformers' wrapper calls it for these inputs.
     ``hidden`` gets each layer's output."""
-    cos, sin = position_embeddings
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # as apply_rotary_pos_emb broadcasts them
-    half = sin.shape[-1] // 2
-    signed_sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+    cos, signed_sin = _rotary_factors(position_embeddings)
+    half = signed_sin.shape[-1] // 2
     rows, width = x.shape[1], x.shape[2]
     for step in steps:
         attention = step.attention
@@ -226,6 +254,15 @@ def _lean_layers(
         x = x + down(step.act(gate(row)) * up(row))
         hidden.append(x)
     return x
+
+
+def _rotary_factors(position_embeddings: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cos`` and ``sin`` shaped as ``apply_rotary_pos_emb`` broadcasts them, with the first half of
+    ``sin`` negated: ``rotate_half(q) * sin == roll(q, half) * signed_sin``."""
+    cos, sin = position_embeddings
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    half = sin.shape[-1] // 2
+    return cos, torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
 
 
 def _projectors(step: _LeanLayer, rows: int) -> tuple[Callable[[torch.Tensor], torch.Tensor], ...]:
@@ -273,6 +310,7 @@ def _has_hooks(module: nn.Module) -> bool:
     return hasattr(module, "_hf_hook") or bool(foreign)
 
 
-def direct_forward_for(model: nn.Module) -> DirectForward | None:
-    """The model's :class:`DirectForward`, or None where the model's own forward must run."""
-    return DirectForward(model) if direct_forward_supported(model) else None
+def direct_forward_for(model: nn.Module, native: bool = True) -> DirectForward | None:
+    """The model's :class:`DirectForward` (``native``: see its constructor), or None where the model's own
+    forward must run."""
+    return DirectForward(model, native) if direct_forward_supported(model) else None

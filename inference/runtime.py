@@ -41,7 +41,9 @@ class GenerationResult:
     accept_lengths: list[int] = field(default_factory=list)  # tokens committed per verification forward
     seconds: float = 0.0  # compilation excluded
     compile_seconds: float = 0.0  # first calls of a compiled forward's new shapes during this generation
-    pack_seconds: float = 0.0  # packing the target's weights (a new row bucket, the screened head) in this generation
+    # setup in this generation: packing the target's weights (a new row bucket, the screened head),
+    # loading the native layers
+    pack_seconds: float = 0.0
 
     @property
     def tau(self) -> float:
@@ -167,6 +169,7 @@ def generate(
     packed_gemm: bool = True,
     direct_forward: bool = True,
     greedy_head: bool = True,
+    native_layers: bool = True,
 ) -> GenerationResult:
     """Speculative decoding of one prompt, greedy (``sampling=None``) or sampled; ``drafter=None`` is
     plain decoding through the runtime. ``on_tokens`` receives all new tokens so far after every commit.
@@ -176,7 +179,9 @@ def generate(
     ``direct_forward``: eager verification forwards of a supported target (a Llama with SDPA) skip
     transformers' per-call machinery, with bitwise the same results (``direct_forward.py``).
     ``greedy_head``: greedy direct forwards compute only the float32 head's argmax, through a screened
-    int8 copy of the head and a proof (``greedy_head.py``), unless the drafter reads the logits."""
+    int8 copy of the head and a proof (``greedy_head.py``), unless the drafter reads the logits.
+    ``native_layers``: one-token direct forwards of a float32 CPU target run their layers as one C++ call,
+    bitwise the same (``native_layers.py``; built once per machine, outside the timing)."""
     start = time.perf_counter()
     compiled_before = compiled.compile_seconds if compiled is not None else 0.0
     verifier = drafter.verifier_model() if drafter is not None else None
@@ -184,7 +189,10 @@ def generate(
     compiled = compiled if verifier is None else None
     gemm = packed_gemm_for(model) if packed_gemm and compiled is None and verifier is None else None
     packed_before = gemm.pack_seconds if gemm is not None else 0.0
-    direct = direct_forward_for(model) if direct_forward and compiled is None and verifier is None else None
+    setup_start = time.perf_counter()  # a first call loads (or builds) the native layers: setup
+    eager_target = compiled is None and verifier is None
+    direct = direct_forward_for(model, native_layers) if direct_forward and eager_target else None
+    setup_seconds = time.perf_counter() - setup_start
     reads_logits = sampling is not None or (drafter is not None and drafter.reads_logits)
     head_start = time.perf_counter()  # a first call builds the screened head: setup, like packing
     greedy = greedy_head_for(model) if greedy_head and direct is not None and not reads_logits else None
@@ -265,7 +273,7 @@ def generate(
     result.tokens = new
     if compiled is not None:
         result.compile_seconds = compiled.compile_seconds - compiled_before
-    result.pack_seconds = head_seconds
+    result.pack_seconds = head_seconds + setup_seconds
     if gemm is not None:
         result.pack_seconds += gemm.pack_seconds - packed_before
     result.seconds = time.perf_counter() - start - result.compile_seconds - result.pack_seconds

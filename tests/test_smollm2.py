@@ -104,8 +104,9 @@ def test_feature_drafters_are_lossless_on_smollm2(cached, tmp_path):
 
 
 def test_lean_direct_forwards_are_bitwise_the_models_on_smollm2(cached):
-    """The lean path (``direct_forward._lean_layers``) on the real target's shapes: logits and cache
-    bitwise equal to the model's own forward over eight decoding steps and a tree forward."""
+    """The lean path (``direct_forward._lean_layers``; its one-token steps through the C++ layers) on the
+    real target's shapes: logits and cache bitwise equal to the model's own forward over eight decoding
+    steps and a tree forward."""
     from draftsmith.core.cache import preallocated_cache_for
     from draftsmith.core.tree import DraftTree, TreeInputBuffers
     from draftsmith.inference.direct_forward import direct_forward_for
@@ -130,6 +131,6 @@ def test_lean_direct_forwards_are_bitwise_the_models_on_smollm2(cached):
         ids = torch.tensor([[int(token), 11, 12, 13, 14]])
         theirs = model(ids, attention_mask=mask, position_ids=positions, past_key_values=caches[0], use_cache=True)
         assert torch.equal(direct(ids, positions, mask, caches[1]).logits, theirs.logits)
-    assert direct._steps
+    assert direct._steps and direct.native
     for a, b in zip(caches[0].layers, caches[1].layers):
         assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)

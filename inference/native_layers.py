@@ -1,0 +1,144 @@
+"""The direct forward's one-token decoder layers as one C++ call, bitwise the same.
+
+A one-token step of SmolLM2 through the lean Python loop (:func:`direct_forward._lean_layers`) spends
+~5 ms of ~32 ms on a 2-core CPU in the interpreter between ~1,000 small ATen calls. ``native_layers.cpp``
+makes the same ATen calls on the same values in the same order from C++, so the results are bitwise
+those of the Python loop (``tests/test_native_layers.py`` checks logits and every hidden state).
+
+The extension is built by :func:`torch.utils.cpp_extension.load` the first time a process needs it
+(~30 s on 2 cores; a C++ compiler, Python's headers and ninja) and cached in torch's extensions
+directory (``TORCH_EXTENSIONS_DIR``), so later processes load it in well under a second. Where it cannot
+be built, the runtime says so once and keeps the Python loop: the same tokens, a slower step.
+
+It serves float32 CPU Llama layers without biases whose MLP is SiLU-gated, one token per forward, on
+the runtime's preallocated cache (the case of plain decoding and of every empty draft tree); anything
+else takes the Python loop.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+from types import ModuleType
+
+import torch
+from torch import nn
+from transformers.activations import SiLUActivation
+
+from draftsmith.core.cache import PreallocatedLayer
+
+_SOURCE = Path(__file__).with_name("native_layers.cpp")
+_NAME = "draftsmith_native_layers"
+_WEIGHTS_PER_LAYER = 9  # the order of native_layers.cpp's Weight enum
+
+
+class _Build:
+    """This process's one attempt at loading the extension."""
+
+    tried = False
+    module: ModuleType | None = None
+    seconds = 0.0
+
+
+def native_extension() -> ModuleType | None:
+    """The compiled extension, built on this process's first call where no cached build exists; None
+    (said once on stderr) where it cannot be built."""
+    if _Build.tried:
+        return _Build.module
+    _Build.tried = True
+    start = time.perf_counter()
+    try:
+        from torch.utils.cpp_extension import _get_build_directory, load
+
+        _put_ninja_on_path()
+        if not any(Path(_get_build_directory(_NAME, verbose=False)).glob(f"{_NAME}*.so")):
+            print("[native] building the one-token decoder layers once (~30 s; cached for later runs)", file=sys.stderr)
+        _Build.module = load(name=_NAME, sources=[str(_SOURCE)], extra_cflags=["-O2"], verbose=False)
+    except Exception as error:  # no compiler, headers or ninja: the Python loop computes the same
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        print(
+            f"[native] could not build the C++ decoder layers ({reason[:200]}); decoding keeps the Python loop "
+            "(the same tokens, a slower step). Install g++ and ninja to enable it, or pass --no-native-layers.",
+            file=sys.stderr,
+        )
+    _Build.seconds = time.perf_counter() - start
+    return _Build.module
+
+
+def _put_ninja_on_path() -> None:
+    """torch runs ``ninja`` from PATH; the pip package's copy sits in the environment's own bin folder,
+    which is not on PATH when the environment's programs are run without activating it."""
+    if shutil.which("ninja"):
+        return
+    try:
+        import ninja
+    except ImportError:
+        return  # load() then says that ninja is missing
+    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+
+
+def native_layers_supported(layers: list[nn.Module], dtype: torch.dtype, device: torch.device) -> bool:
+    """Layers :func:`one_row_layers` computes bitwise as the Python loop does."""
+    if dtype != torch.float32 or device.type != "cpu" or not layers:
+        return False
+    for layer in layers:
+        attention, mlp = layer.self_attn, layer.mlp
+        act = mlp.act_fn
+        if type(act) not in (SiLUActivation, nn.SiLU) or "forward" in vars(act):
+            return False  # another activation, or a hub kernel swapped into this instance
+        if type(act).forward is not SiLUActivation.forward and type(act).forward is not nn.SiLU.forward:
+            return False
+        if attention.num_key_value_groups > 1 and attention.head_dim > 256:
+            return False  # use_gqa_in_sdpa says no there: transformers' wrapper packs the heads instead
+    return True
+
+
+def flat_weights(layers: list[nn.Module]) -> tuple[list[torch.Tensor], list[float]]:
+    """Per layer, in the extension's order: the input norm's weight, the seven projections' weights
+    transposed (views, so in-place updates show through) and the post-attention norm's weight; and
+    each layer's two norm epsilons."""
+    weights: list[torch.Tensor] = []
+    eps: list[float] = []
+    for layer in layers:
+        attention, mlp = layer.self_attn, layer.mlp
+        projections = (attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj)
+        projections += (mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+        weights += [layer.input_layernorm.weight, *(linear.weight.t() for linear in projections)]
+        weights.append(layer.post_attention_layernorm.weight)
+        eps += [layer.input_layernorm.variance_epsilon, layer.post_attention_layernorm.variance_epsilon]
+    assert len(weights) == _WEIGHTS_PER_LAYER * len(layers)
+    return weights, eps
+
+
+def one_row_layers(
+    extension: ModuleType,
+    layers: list[nn.Module],
+    weights: list[torch.Tensor],
+    eps: list[float],
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    signed_sin: torch.Tensor,
+    cache_layers: list[PreallocatedLayer],
+) -> list[torch.Tensor]:
+    """Every layer on the one-token input ``x`` (1, 1, width), appending its key and value rows to the
+    cache; returns each layer's output. ``cos`` and ``signed_sin`` as :func:`direct_forward._lean_layers`
+    makes them."""
+    attention = layers[0].self_attn
+    rooms = [layer.append_rows(1) for layer in cache_layers]
+    return extension.one_row_layers(
+        x,
+        weights,
+        eps,
+        cos,
+        signed_sin,
+        [room[0] for room in rooms],
+        [room[1] for room in rooms],
+        rooms[0][2],
+        weights[1].shape[1] // attention.head_dim,
+        weights[2].shape[1] // attention.head_dim,
+        attention.head_dim,
+        attention.scaling,
+    )

@@ -1,0 +1,132 @@
+"""The C++ one-token decoder layers: bitwise the Python loop and the model's own forward (logits, every
+hidden state, the cache), used only where that holds, and a failed build leaves decoding to the Python
+loop with one line saying so."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import tiny_llama
+from decoding_helpers import hf_greedy
+from draftsmith.core.cache import preallocated_cache_for
+from draftsmith.inference.direct_forward import direct_forward_for
+from draftsmith.inference.pld import PromptLookupDrafter
+from draftsmith.inference.runtime import generate
+
+VOCAB = 97
+PROMPT = [5, 17, 33, 2, 61, 8, 40, 17, 33]
+STEPS = [12, 40, 7, 88, 3, 19]
+
+
+def decode_steps(model, forward):
+    """The prompt through the model's forward, then one-token steps through ``forward`` (None: the
+    model's own): every step's logits and hidden states, and the cache at the end."""
+    cache = preallocated_cache_for(model.config, 32)
+    outputs = []
+    with torch.no_grad():
+        model(torch.tensor([PROMPT]), past_key_values=cache, use_cache=True)
+        for offset, token in enumerate(STEPS):
+            ids, positions = torch.tensor([[token]]), torch.tensor([[len(PROMPT) + offset]])
+            if forward is None:
+                out = model(
+                    ids, position_ids=positions, past_key_values=cache, use_cache=True, output_hidden_states=True
+                )
+            else:
+                out = forward(ids, positions, None, cache, True)
+            outputs.append(out)
+    return outputs, cache
+
+
+def assert_same_steps(ours, theirs):
+    (our_steps, our_cache), (their_steps, their_cache) = ours, theirs
+    for mine, reference in zip(our_steps, their_steps, strict=True):
+        assert torch.equal(mine.logits, reference.logits)
+        assert len(mine.hidden_states) == len(reference.hidden_states)
+        for a, b in zip(mine.hidden_states, reference.hidden_states):
+            assert torch.equal(a, b)
+    for a, b in zip(our_cache.layers, their_cache.layers, strict=True):
+        assert a.length == b.length
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+
+
+@pytest.mark.parametrize("config", [{}, {"num_key_value_heads": 4}, {"num_hidden_layers": 3, "seed": 5}])
+def test_the_native_layers_are_bitwise_the_python_loop_and_the_model(config):
+    """Grouped and ungrouped K/V heads; the Python loop and the model's forward are the references."""
+    seed = config.pop("seed", 0)
+    model = tiny_llama(VOCAB, seed=seed, **config)
+    native = direct_forward_for(model)
+    assert native.native, "the C++ layers should build here (g++ and ninja are set-up requirements of the tests)"
+    python = direct_forward_for(model, native=False)
+    assert not python.native
+    ours = decode_steps(model, native)
+    assert_same_steps(ours, decode_steps(model, python))
+    assert_same_steps(ours, decode_steps(model, None))
+
+
+def test_the_native_layers_follow_replaced_and_updated_weights():
+    model = tiny_llama(VOCAB, seed=3)
+    native = direct_forward_for(model)
+    decode_steps(model, native)
+    layer = model.model.layers[1].mlp.gate_proj
+    layer.weight = torch.nn.Parameter(torch.randn_like(layer.weight))  # a new parameter: a new plan
+    assert_same_steps(decode_steps(model, native), decode_steps(model, None))
+    with torch.no_grad():
+        model.model.layers[0].self_attn.q_proj.weight.mul_(1.5)  # in place: the plan's views see it
+    assert_same_steps(decode_steps(model, native), decode_steps(model, None))
+
+
+def test_generation_with_the_native_layers_equals_plain_decoding():
+    model = tiny_llama(VOCAB, seed=2)
+    reference = hf_greedy(model, PROMPT, 24)
+    for drafter in (None, PromptLookupDrafter(num_draft=4)):
+        for native in (True, False):
+            result = generate(model, PROMPT, drafter, max_new_tokens=24, eos_token_ids=[2], native_layers=native)
+            assert result.tokens == reference
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda model: model.to(torch.bfloat16),  # its norms cast to float32 and back: the C++ ones do not
+        lambda model: setattr(model.model.layers[1].mlp, "act_fn", torch.nn.GELU()),
+    ],
+    ids=["bfloat16", "another-activation"],
+)
+def test_targets_the_native_layers_do_not_compute_keep_the_python_loop(change):
+    model = tiny_llama(VOCAB, seed=4)
+    change(model)
+    direct = direct_forward_for(model)
+    assert direct is not None and not direct.native
+    assert_same_steps(decode_steps(model, direct), decode_steps(model, None))
+
+
+def test_a_failed_build_says_so_once_and_decodes_the_same(tmp_path):
+    """No working compiler (CXX=/bin/false, an empty extensions folder): one line on stderr, and plain
+    and prompt-lookup decoding give the same tokens through the Python loop."""
+    script = """
+import torch
+from conftest import tiny_llama
+from decoding_helpers import hf_greedy
+from draftsmith.inference.direct_forward import direct_forward_for
+from draftsmith.inference.pld import PromptLookupDrafter
+from draftsmith.inference.runtime import generate
+model = tiny_llama(97, seed=2)
+prompt = [5, 17, 33, 2, 61, 8, 40, 17, 33]
+reference = hf_greedy(model, prompt, 16)
+for drafter in (None, PromptLookupDrafter(num_draft=4)):
+    assert generate(model, prompt, drafter, max_new_tokens=16, eos_token_ids=[2]).tokens == reference
+assert not direct_forward_for(model).native
+print("decoded the same")
+"""
+    tests = Path(__file__).resolve().parent
+    env = {**os.environ, "CXX": "/bin/false", "TORCH_EXTENSIONS_DIR": str(tmp_path / "extensions")}
+    env["PYTHONPATH"] = os.pathsep.join([str(tests), env.get("PYTHONPATH", "")])
+    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "decoded the same" in run.stdout
+    assert run.stderr.count("could not build the C++ decoder layers") == 1
+    assert "--no-native-layers" in run.stderr

@@ -219,7 +219,8 @@ def run_bench(
     and reported as ``compile_seconds``). ``packed_gemm``: the runtime's eager verification forwards use
     MKL's packed GEMM where it applies (packing time is kept out of the timings too). ``greedy_head``:
     greedy verification computes the target's argmax through the screened head where it applies.
-    ``native_layers``: one-token forwards run the C++ layers where they apply (built before any timing).
+    ``native_layers``: verification forwards run the C++ decoder layers where they apply (built before any
+    timing).
 
     ``vllm`` / ``vllm=DIR`` methods run after the others, in vLLM (``vllm_python``'s environment, the
     target opened from ``target_dir``), on the same prompts, each prompt timed alone."""
@@ -385,7 +386,7 @@ def _forward_note(results: dict[str, Any]) -> str:
     if results.get("direct_forward"):
         notes.append("verification forwards direct (bitwise the model's, without its per-call machinery)")
     if results.get("native_layers"):
-        notes.append("one-token forwards through the C++ layers (bitwise the same)")
+        notes.append("decoder layers in C++ (bitwise the same)")
     head = results.get("greedy_head")
     if head:
         notes.append(

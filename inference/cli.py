@@ -224,9 +224,9 @@ def _add_kernel_arguments(p: argparse.ArgumentParser) -> None:
         "per row bucket used)",
         "--no-greedy-head": "in greedy verification, compute the target's full logits instead of its argmax through "
         "a screened int8 copy of the head with a proof (the screen reads a quarter of the head's bytes)",
-        "--no-native-layers": "run one-token forwards through the Python loop instead of the C++ decoder layers "
+        "--no-native-layers": "run verification forwards through the Python loop instead of the C++ decoder layers "
         "(the same operations, bitwise; the C++ ones are built once per machine with g++, ~30 s, and save the "
-        "interpreter's time between ~1,000 small calls per token)",
+        "interpreter's time between ~1,000 small calls per forward)",
     }
     for flag, text in switches.items():
         p.add_argument(flag, action="store_true", help=text + "; float32 on CPU only")

@@ -15,7 +15,8 @@ preallocated cache) of a bias-free Llama take a shorter path still, :func:`_lean
 operations on the same values in the same order with fewer calls (one row: ``torch.mm`` on transposed
 weight views, which is what ``F.linear`` runs for a one-row input; the rotary embedding's sign moved
 from ``q`` onto ``sin``, exact; SDPA called as the wrapper calls it; the layer's cache written
-directly). ``tests/test_smollm2.py`` checks it bitwise on SmolLM2.
+directly). ``tests/test_smollm2.py`` checks it bitwise on SmolLM2. Where :mod:`native_layers` can be
+built and serves the model, those same operations run as one C++ call (float32 on the CPU).
 
 The runtime uses it for every verification forward of a model it supports (``direct_forward_for``);
 prefill keeps the model's own forward, where the arithmetic dwarfs the overhead. Other architectures,
@@ -41,7 +42,12 @@ from transformers.models.llama.modeling_llama import (
 )
 
 from draftsmith.core.cache import PreallocatedCache
-from draftsmith.inference.native_layers import flat_weights, native_extension, native_layers_supported, one_row_layers
+from draftsmith.inference.native_layers import (
+    flat_weights,
+    native_decoder_layers,
+    native_extension,
+    native_layers_supported,
+)
 
 
 class DirectForward:
@@ -51,8 +57,8 @@ class DirectForward:
     is None (every cached key is seen: a one-token step) or a 4D additive mask over ``past + T`` keys."""
 
     def __init__(self, model: LlamaForCausalLM, native: bool = True) -> None:
-        """``native``: one-token forwards run the layers as one C++ call where :mod:`native_layers`
-        serves the model (built on first use; bitwise the same)."""
+        """``native``: lean forwards run the layers as one C++ call where :mod:`native_layers` serves the
+        model (built on first use; bitwise the same)."""
         self.model = model
         self.layers: list[LlamaDecoderLayer] = list(model.model.layers[: model.config.num_hidden_layers])
         self._steps: list[_LeanLayer] | None = None
@@ -78,9 +84,8 @@ class DirectForward:
         position_embeddings = base.rotary_emb(x, position_ids=position_ids)
         hidden: list[torch.Tensor] = [x]
         steps = self._lean_steps(x, attention_mask, cache)
-        if steps is not None and self._native_serves(x, attention_mask, cache):
-            cos, signed_sin = _rotary_factors(position_embeddings)
-            layers = one_row_layers(self._native, self.layers, *self._flat, x, cos, signed_sin, cache.layers)
+        layers = self._native_layers(x, position_embeddings, attention_mask, cache) if steps is not None else None
+        if layers is not None:
             hidden.extend(layers)
             x = layers[-1]
         elif steps is not None:
@@ -98,7 +103,7 @@ class DirectForward:
 
     @property
     def native(self) -> bool:
-        """Whether one-token forwards run the C++ layers (:mod:`native_layers`)."""
+        """Whether lean forwards run the C++ layers (:mod:`native_layers`)."""
         return self._native is not None
 
     def _lean_steps(self, x: torch.Tensor, attention_mask: torch.Tensor | None, cache) -> list | None:
@@ -120,16 +125,23 @@ class DirectForward:
             self._flat = flat_weights(self.layers) if self._native is not None else ([], [])
         return self._steps or None
 
-    def _native_serves(self, x: torch.Tensor, attention_mask: torch.Tensor | None, cache) -> bool:
-        """A one-token forward (after :meth:`_lean_steps` accepted it) that the C++ layers can run: the
-        model's dtype and device, and a cache that already holds the prompt."""
-        return (
-            self._native is not None
-            and x.shape[1] == 1
-            and attention_mask is None
-            and x.dtype == torch.float32
-            and x.device.type == "cpu"
-            and cache.layers[0].is_initialized
+    def _native_layers(
+        self,
+        x: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: torch.Tensor | None,
+        cache,
+    ) -> list[torch.Tensor] | None:
+        """Each layer's output from the C++ layers, for a lean forward (after :meth:`_lean_steps` accepted
+        it) they can run: float32 on the CPU, a cache that already holds the prompt, and SDPA reading
+        grouped K/V heads as they are; else None, with nothing done."""
+        if self._native is None or x.dtype != torch.float32 or x.device.type != "cpu":
+            return None
+        if not cache.layers[0].is_initialized:
+            return None
+        cos, signed_sin = _rotary_factors(position_embeddings)
+        return native_decoder_layers(
+            self._native, self.layers, *self._flat, x, cos, signed_sin, attention_mask, cache.layers
         )
 
 

@@ -1,18 +1,20 @@
-"""The direct forward's one-token decoder layers as one C++ call, bitwise the same.
+"""The direct forward's lean decoder layers as one C++ call, bitwise the same.
 
 A one-token step of SmolLM2 through the lean Python loop (:func:`direct_forward._lean_layers`) spends
-~5 ms of ~32 ms on a 2-core CPU in the interpreter between ~1,000 small ATen calls. ``native_layers.cpp``
-makes the same ATen calls on the same values in the same order from C++, so the results are bitwise
-those of the Python loop (``tests/test_native_layers.py`` checks logits and every hidden state).
+~4 ms of ~32 ms on a 2-core CPU in the interpreter between ~1,000 small ATen calls, and a tree forward
+as much. ``native_layers.cpp`` makes the same ATen calls (MKL's packed GEMM where
+:mod:`packed_gemm`'s pack for the rows is active) on the same values in the same order from C++, so the
+results are bitwise those of the Python loop (``tests/test_native_layers.py`` checks logits, every
+hidden state and the cache).
 
 The extension is built by :func:`torch.utils.cpp_extension.load` the first time a process needs it
 (~30 s on 2 cores; a C++ compiler, Python's headers and ninja) and cached in torch's extensions
 directory (``TORCH_EXTENSIONS_DIR``), so later processes load it in well under a second. Where it cannot
 be built, the runtime says so once and keeps the Python loop: the same tokens, a slower step.
 
-It serves float32 CPU Llama layers without biases whose MLP is SiLU-gated, one token per forward, on
-the runtime's preallocated cache (the case of plain decoding and of every empty draft tree); anything
-else takes the Python loop.
+It serves the lean path's forwards (one sequence on the runtime's preallocated cache: decoding steps
+and tree verifications) of float32 CPU Llama layers without biases whose MLP is SiLU-gated, where SDPA
+reads grouped K/V heads as they are; anything else takes the Python loop.
 """
 
 from __future__ import annotations
@@ -27,8 +29,10 @@ from types import ModuleType
 import torch
 from torch import nn
 from transformers.activations import SiLUActivation
+from transformers.integrations.sdpa_attention import use_gqa_in_sdpa
 
 from draftsmith.core.cache import PreallocatedLayer
+from draftsmith.inference.packed_gemm import PackedLinear
 
 _SOURCE = Path(__file__).with_name("native_layers.cpp")
 _NAME = "draftsmith_native_layers"
@@ -55,7 +59,7 @@ def native_extension() -> ModuleType | None:
 
         _put_ninja_on_path()
         if not any(Path(_get_build_directory(_NAME, verbose=False)).glob(f"{_NAME}*.so")):
-            print("[native] building the one-token decoder layers once (~30 s; cached for later runs)", file=sys.stderr)
+            print("[native] building the C++ decoder layers once (~30 s; cached for later runs)", file=sys.stderr)
         _Build.module = load(name=_NAME, sources=[str(_SOURCE)], extra_cflags=["-O2"], verbose=False)
     except Exception as error:  # no compiler, headers or ninja: the Python loop computes the same
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
@@ -81,7 +85,7 @@ def _put_ninja_on_path() -> None:
 
 
 def native_layers_supported(layers: list[nn.Module], dtype: torch.dtype, device: torch.device) -> bool:
-    """Layers :func:`one_row_layers` computes bitwise as the Python loop does."""
+    """Layers :func:`native_decoder_layers` computes bitwise as the Python loop does."""
     if dtype != torch.float32 or device.type != "cpu" or not layers:
         return False
     for layer in layers:
@@ -103,17 +107,14 @@ def flat_weights(layers: list[nn.Module]) -> tuple[list[torch.Tensor], list[floa
     weights: list[torch.Tensor] = []
     eps: list[float] = []
     for layer in layers:
-        attention, mlp = layer.self_attn, layer.mlp
-        projections = (attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj)
-        projections += (mlp.gate_proj, mlp.up_proj, mlp.down_proj)
-        weights += [layer.input_layernorm.weight, *(linear.weight.t() for linear in projections)]
+        weights += [layer.input_layernorm.weight, *(linear.weight.t() for linear in _projections(layer))]
         weights.append(layer.post_attention_layernorm.weight)
         eps += [layer.input_layernorm.variance_epsilon, layer.post_attention_layernorm.variance_epsilon]
     assert len(weights) == _WEIGHTS_PER_LAYER * len(layers)
     return weights, eps
 
 
-def one_row_layers(
+def native_decoder_layers(
     extension: ModuleType,
     layers: list[nn.Module],
     weights: list[torch.Tensor],
@@ -121,19 +122,29 @@ def one_row_layers(
     x: torch.Tensor,
     cos: torch.Tensor,
     signed_sin: torch.Tensor,
+    attention_mask: torch.Tensor | None,
     cache_layers: list[PreallocatedLayer],
-) -> list[torch.Tensor]:
-    """Every layer on the one-token input ``x`` (1, 1, width), appending its key and value rows to the
-    cache; returns each layer's output. ``cos`` and ``signed_sin`` as :func:`direct_forward._lean_layers`
-    makes them."""
+) -> list[torch.Tensor] | None:
+    """Every layer on ``x`` (1, rows, width), appending its key and value rows to the cache; each layer's
+    output, or None (nothing done) where transformers would repeat grouped K/V heads instead of letting
+    SDPA read them grouped (a mask without the runtime's switch, see ``runtime._grouped_kv_heads``).
+    ``cos`` and ``signed_sin`` as :func:`direct_forward._lean_layers` makes them; projections whose
+    :class:`~draftsmith.inference.packed_gemm.PackedLinear` has an active pack for these rows use it."""
     attention = layers[0].self_attn
-    rooms = [layer.append_rows(1) for layer in cache_layers]
-    return extension.one_row_layers(
+    grouped = attention.num_key_value_groups > 1
+    if grouped and not use_gqa_in_sdpa(attention_mask, cache_layers[0].keys, cache_layers[0].values):
+        return None
+    rows = x.shape[1]
+    packs = [_active_pack(linear, rows) for layer in layers for linear in _projections(layer)]
+    rooms = [layer.append_rows(rows) for layer in cache_layers]
+    return extension.decoder_layers(
         x,
         weights,
+        packs,
         eps,
         cos,
         signed_sin,
+        attention_mask,
         [room[0] for room in rooms],
         [room[1] for room in rooms],
         rooms[0][2],
@@ -141,4 +152,23 @@ def one_row_layers(
         weights[2].shape[1] // attention.head_dim,
         attention.head_dim,
         attention.scaling,
+        grouped,
+    )
+
+
+_NO_PACK = torch.empty(0)  # the extension's "not packed"
+
+
+def _active_pack(linear: nn.Module, rows: int) -> torch.Tensor:
+    pack = linear.active_pack(rows) if isinstance(linear, PackedLinear) else None
+    return _NO_PACK if pack is None else pack
+
+
+def _projections(layer: nn.Module) -> tuple[nn.Module, ...]:
+    """q, k, v, o, gate, up, down: the extension's order."""
+    attention, mlp = layer.self_attn, layer.mlp
+    return (attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj) + (
+        mlp.gate_proj,
+        mlp.up_proj,
+        mlp.down_proj,
     )

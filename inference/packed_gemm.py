@@ -64,9 +64,13 @@ class PackedLinear(nn.Linear):
     _owner: PackedGemm
     _packed_from: CopySource  # the weight its packs were made from
 
+    def active_pack(self, rows: int) -> torch.Tensor | None:
+        """The pack a ``rows``-row input multiplies through now, if any."""
+        return self._packs.get(rows) if self._owner.active and not torch.is_grad_enabled() else None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
-        pack = self._packs.get(rows) if self._owner.active and not torch.is_grad_enabled() else None
+        pack = self.active_pack(rows)
         if pack is None:
             return F.linear(x, self.weight, self.bias)
         out = torch.ops.mkl._mkl_linear(x.reshape(rows, x.shape[-1]), pack, self.weight, self.bias, rows)

@@ -1,6 +1,6 @@
-"""The C++ one-token decoder layers: bitwise the Python loop and the model's own forward (logits, every
-hidden state, the cache), used only where that holds, and a failed build leaves decoding to the Python
-loop with one line saying so."""
+"""The C++ decoder layers: bitwise the Python loop and the model's own forward (logits, every hidden
+state, the cache) on one-token steps and tree forwards, packed or not; used only where that holds; a
+failed build leaves decoding to the Python loop with one line saying so."""
 
 import os
 import subprocess
@@ -11,11 +11,14 @@ import pytest
 import torch
 
 from conftest import tiny_llama
-from decoding_helpers import hf_greedy
+from decoding_helpers import hf_greedy, seeded_random_tree
 from draftsmith.core.cache import preallocated_cache_for
+from draftsmith.core.tree import TreeInputBuffers
+from draftsmith.inference import native_layers
 from draftsmith.inference.direct_forward import direct_forward_for
+from draftsmith.inference.packed_gemm import packed_gemm_for
 from draftsmith.inference.pld import PromptLookupDrafter
-from draftsmith.inference.runtime import generate
+from draftsmith.inference.runtime import generate, verification_forward
 
 VOCAB = 97
 PROMPT = [5, 17, 33, 2, 61, 8, 40, 17, 33]
@@ -65,6 +68,40 @@ def test_the_native_layers_are_bitwise_the_python_loop_and_the_model(config):
     ours = decode_steps(model, native)
     assert_same_steps(ours, decode_steps(model, python))
     assert_same_steps(ours, decode_steps(model, None))
+
+
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("nodes", [1, 3, 6])
+def test_tree_forwards_through_the_native_layers_are_bitwise_the_models(nodes, packed, monkeypatch):
+    """The runtime's tree verification (its grouped-K/V switch on, padded to a packed row bucket or
+    not): logits, hidden states and cache as the model's own forward computes them, and the C++ layers
+    did run."""
+    if packed and not torch.backends.mkl.is_available():
+        pytest.skip("PyTorch built without MKL")
+    calls = []
+    real = native_layers.native_decoder_layers
+    monkeypatch.setattr(native_layers, "native_decoder_layers", lambda *a: calls.append(a[4].shape[1]) or real(*a))
+    monkeypatch.setattr(
+        "draftsmith.inference.direct_forward.native_decoder_layers", native_layers.native_decoder_layers
+    )
+    model = tiny_llama(VOCAB, seed=nodes)
+    gemm = packed_gemm_for(model) if packed else None
+    tree = seeded_random_tree(nodes, nodes, VOCAB)
+    results = []
+    for direct in (None, direct_forward_for(model)):
+        cache = preallocated_cache_for(model.config, 64)
+        with torch.no_grad():
+            model(torch.tensor([PROMPT[:-1]]), past_key_values=cache, use_cache=True)
+            inputs = TreeInputBuffers(8, 64, torch.float32)
+            out = verification_forward(model, cache, inputs, PROMPT[-1], tree, len(PROMPT) - 1, True, gemm, direct)
+        results.append((out, cache))
+    (theirs, their_cache), (ours, our_cache) = results
+    assert calls and calls[0] >= 1 + nodes
+    assert torch.equal(ours.logits, theirs.logits)
+    for a, b in zip(ours.hidden_states, theirs.hidden_states, strict=True):
+        assert torch.equal(a, b)
+    for a, b in zip(our_cache.layers, their_cache.layers, strict=True):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
 
 
 def test_the_native_layers_follow_replaced_and_updated_weights():

@@ -104,7 +104,7 @@ def test_feature_drafters_are_lossless_on_smollm2(cached, tmp_path):
 
 
 def test_lean_direct_forwards_are_bitwise_the_models_on_smollm2(cached):
-    """The lean path (``direct_forward._lean_layers``; its one-token steps through the C++ layers) on the
+    """The lean path (``direct_forward._lean_layers``, run by the C++ layers) on the
     real target's shapes: logits and cache bitwise equal to the model's own forward over eight decoding
     steps and a tree forward."""
     from draftsmith.core.cache import preallocated_cache_for

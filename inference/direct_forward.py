@@ -43,10 +43,11 @@ from transformers.models.llama.modeling_llama import (
 
 from draftsmith.core.cache import PreallocatedCache
 from draftsmith.inference.native_layers import (
-    flat_weights,
+    NativePlan,
     native_decoder_layers,
     native_extension,
     native_layers_supported,
+    native_plan,
 )
 
 
@@ -62,11 +63,11 @@ class DirectForward:
         self.model = model
         self.layers: list[LlamaDecoderLayer] = list(model.model.layers[: model.config.num_hidden_layers])
         self._steps: list[_LeanLayer] | None = None
-        self._steps_from: list[nn.Parameter] = []
+        self._steps_from: list[tuple[dict, str, object]] = []
         weight = model.lm_head.weight
         served = native and native_layers_supported(self.layers, weight.dtype, weight.device)
         self._native = native_extension() if served else None
-        self._flat: tuple[list[torch.Tensor], list[float]] = ([], [])
+        self._native_plan: NativePlan | None = None
 
     def __call__(
         self,
@@ -109,20 +110,15 @@ class DirectForward:
     def _lean_steps(self, x: torch.Tensor, attention_mask: torch.Tensor | None, cache) -> list | None:
         """The lean plan when this forward is one the runtime makes (one sequence; one row without a mask
         or rows under a tree mask; its preallocated cache) of a model the plan serves; rebuilt when a
-        parameter was replaced."""
+        parameter or submodule of a layer was replaced."""
         one_token = x.shape[1] == 1 and attention_mask is None
         if x.shape[0] != 1 or not (one_token or attention_mask is not None):
             return None
         if not isinstance(cache, PreallocatedCache):
             return None
-        parameters = list(self.model.parameters())
-        if (
-            self._steps is None
-            or len(parameters) != len(self._steps_from)
-            or any(a is not b for a, b in zip(parameters, self._steps_from))
-        ):
-            self._steps, self._steps_from = _lean_plan(self.layers), parameters
-            self._flat = flat_weights(self.layers) if self._native is not None else ([], [])
+        if self._steps is None or any(slot.get(name) is not held for slot, name, held in self._steps_from):
+            self._steps, self._steps_from = _lean_plan(self.layers), _plan_sources(self.layers)
+            self._native_plan = native_plan(self.layers) if self._native is not None and self._steps else None
         return self._steps or None
 
     def _native_layers(
@@ -135,14 +131,12 @@ class DirectForward:
         """Each layer's output from the C++ layers, for a lean forward (after :meth:`_lean_steps` accepted
         it) they can run: float32 on the CPU, a cache that already holds the prompt, and SDPA reading
         grouped K/V heads as they are; else None, with nothing done."""
-        if self._native is None or x.dtype != torch.float32 or x.device.type != "cpu":
+        if self._native is None or self._native_plan is None or x.dtype != torch.float32 or x.device.type != "cpu":
             return None
         if not cache.layers[0].is_initialized:
             return None
         cos, signed_sin = _rotary_factors(position_embeddings)
-        return native_decoder_layers(
-            self._native, self.layers, *self._flat, x, cos, signed_sin, attention_mask, cache.layers
-        )
+        return native_decoder_layers(self._native, self._native_plan, x, cos, signed_sin, attention_mask, cache.layers)
 
 
 def _decoder_layer(
@@ -266,6 +260,18 @@ def _lean_layers(
         x = x + down(step.act(gate(row)) * up(row))
         hidden.append(x)
     return x
+
+
+def _plan_sources(layers: list[LlamaDecoderLayer]) -> list[tuple[dict, str, object]]:
+    """Every submodule and parameter slot of the layers with what it holds now: a plan made from them is
+    current while each slot still holds the same object (far cheaper per forward than walking
+    ``model.parameters()``)."""
+    sources = []
+    for layer in layers:
+        for module in layer.modules():
+            sources += [(module._modules, name, held) for name, held in module._modules.items()]
+            sources += [(module._parameters, name, held) for name, held in module._parameters.items()]
+    return sources
 
 
 def _rotary_factors(position_embeddings: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

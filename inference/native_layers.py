@@ -22,7 +22,7 @@ from __future__ import annotations
 import os
 import shutil
 import sys
-import time
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
@@ -44,7 +44,6 @@ class _Build:
 
     tried = False
     module: ModuleType | None = None
-    seconds = 0.0
 
 
 def native_extension() -> ModuleType | None:
@@ -53,7 +52,6 @@ def native_extension() -> ModuleType | None:
     if _Build.tried:
         return _Build.module
     _Build.tried = True
-    start = time.perf_counter()
     try:
         from torch.utils.cpp_extension import _get_build_directory, load
 
@@ -68,7 +66,6 @@ def native_extension() -> ModuleType | None:
             "(the same tokens, a slower step). Install g++ and ninja to enable it, or pass --no-native-layers.",
             file=sys.stderr,
         )
-    _Build.seconds = time.perf_counter() - start
     return _Build.module
 
 
@@ -100,25 +97,42 @@ def native_layers_supported(layers: list[nn.Module], dtype: torch.dtype, device:
     return True
 
 
-def flat_weights(layers: list[nn.Module]) -> tuple[list[torch.Tensor], list[float]]:
-    """Per layer, in the extension's order: the input norm's weight, the seven projections' weights
-    transposed (views, so in-place updates show through) and the post-attention norm's weight; and
-    each layer's two norm epsilons."""
+@dataclass(frozen=True)
+class NativePlan:
+    """What the extension reads on every forward, gathered once per lean plan: per layer, in the
+    extension's order, the input norm's weight, the seven projections' weights transposed (views, so
+    in-place updates show through) and the post-attention norm's weight; the norms' epsilons; the
+    projection modules (for their active packs); the attention's shape."""
+
+    weights: list[torch.Tensor]
+    eps: list[float]
+    linears: list[nn.Module]
+    heads: int
+    kv_heads: int
+    head_dim: int
+    scaling: float
+
+
+def native_plan(layers: list[nn.Module]) -> NativePlan:
     weights: list[torch.Tensor] = []
     eps: list[float] = []
+    linears: list[nn.Module] = []
     for layer in layers:
-        weights += [layer.input_layernorm.weight, *(linear.weight.t() for linear in _projections(layer))]
+        projections = _projections(layer)
+        linears += projections
+        weights += [layer.input_layernorm.weight, *(linear.weight.t() for linear in projections)]
         weights.append(layer.post_attention_layernorm.weight)
         eps += [layer.input_layernorm.variance_epsilon, layer.post_attention_layernorm.variance_epsilon]
     assert len(weights) == _WEIGHTS_PER_LAYER * len(layers)
-    return weights, eps
+    attention = layers[0].self_attn
+    head_dim = attention.head_dim
+    heads, kv_heads = weights[1].shape[1] // head_dim, weights[2].shape[1] // head_dim
+    return NativePlan(weights, eps, linears, heads, kv_heads, head_dim, attention.scaling)
 
 
 def native_decoder_layers(
     extension: ModuleType,
-    layers: list[nn.Module],
-    weights: list[torch.Tensor],
-    eps: list[float],
+    plan: NativePlan,
     x: torch.Tensor,
     cos: torch.Tensor,
     signed_sin: torch.Tensor,
@@ -130,28 +144,27 @@ def native_decoder_layers(
     SDPA read them grouped (a mask without the runtime's switch, see ``runtime._grouped_kv_heads``).
     ``cos`` and ``signed_sin`` as :func:`direct_forward._lean_layers` makes them; projections whose
     :class:`~draftsmith.inference.packed_gemm.PackedLinear` has an active pack for these rows use it."""
-    attention = layers[0].self_attn
-    grouped = attention.num_key_value_groups > 1
+    grouped = plan.heads != plan.kv_heads
     if grouped and not use_gqa_in_sdpa(attention_mask, cache_layers[0].keys, cache_layers[0].values):
         return None
     rows = x.shape[1]
-    packs = [_active_pack(linear, rows) for layer in layers for linear in _projections(layer)]
+    packs = [_active_pack(linear, rows) for linear in plan.linears]
     rooms = [layer.append_rows(rows) for layer in cache_layers]
     return extension.decoder_layers(
         x,
-        weights,
+        plan.weights,
         packs,
-        eps,
+        plan.eps,
         cos,
         signed_sin,
         attention_mask,
         [room[0] for room in rooms],
         [room[1] for room in rooms],
         rooms[0][2],
-        weights[1].shape[1] // attention.head_dim,
-        weights[2].shape[1] // attention.head_dim,
-        attention.head_dim,
-        attention.scaling,
+        plan.heads,
+        plan.kv_heads,
+        plan.head_dim,
+        plan.scaling,
         grouped,
     )
 

@@ -80,7 +80,7 @@ def test_tree_forwards_through_the_native_layers_are_bitwise_the_models(nodes, p
         pytest.skip("PyTorch built without MKL")
     calls = []
     real = native_layers.native_decoder_layers
-    monkeypatch.setattr(native_layers, "native_decoder_layers", lambda *a: calls.append(a[4].shape[1]) or real(*a))
+    monkeypatch.setattr(native_layers, "native_decoder_layers", lambda *a: calls.append(a[2].shape[1]) or real(*a))
     monkeypatch.setattr(
         "draftsmith.inference.direct_forward.native_decoder_layers", native_layers.native_decoder_layers
     )
@@ -111,6 +111,9 @@ def test_the_native_layers_follow_replaced_and_updated_weights():
     layer = model.model.layers[1].mlp.gate_proj
     layer.weight = torch.nn.Parameter(torch.randn_like(layer.weight))  # a new parameter: a new plan
     assert_same_steps(decode_steps(model, native), decode_steps(model, None))
+    attention = model.model.layers[0].self_attn
+    attention.o_proj = torch.nn.Linear(attention.o_proj.in_features, attention.o_proj.out_features, bias=False)
+    assert_same_steps(decode_steps(model, native), decode_steps(model, None))  # a new submodule too
     with torch.no_grad():
         model.model.layers[0].self_attn.q_proj.weight.mul_(1.5)  # in place: the plan's views see it
     assert_same_steps(decode_steps(model, native), decode_steps(model, None))

@@ -35,7 +35,8 @@ from draftsmith.core.cache import PreallocatedLayer
 from draftsmith.inference.packed_gemm import PackedLinear
 
 _SOURCE = Path(__file__).with_name("native_layers.cpp")
-_NAME = "draftsmith_native_layers"
+# torch's build cache tracks the sources and flags, not torch itself: a build per torch release
+_NAME = "draftsmith_native_layers_torch" + "".join(c if c.isalnum() else "_" for c in torch.__version__)
 _WEIGHTS_PER_LAYER = 9  # the order of native_layers.cpp's Weight enum
 
 

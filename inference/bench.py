@@ -210,7 +210,7 @@ def run_bench(
     compiled: CompiledTarget | None = None,
     packed_gemm: bool = True,
     greedy_head: bool = True,
-    native_layers: bool = True,
+    native: bool = True,
     vllm_python: str | None = None,
     target_dir: Path | None = None,
 ) -> dict[str, Any]:
@@ -219,8 +219,8 @@ def run_bench(
     and reported as ``compile_seconds``). ``packed_gemm``: the runtime's eager verification forwards use
     MKL's packed GEMM where it applies (packing time is kept out of the timings too). ``greedy_head``:
     greedy verification computes the target's argmax through the screened head where it applies.
-    ``native_layers``: verification forwards run the C++ decoder layers where they apply (built before any
-    timing).
+    ``native``: verification forwards run the C++ decoder layers and contender search where they apply
+    (built before any timing).
 
     ``vllm`` / ``vllm=DIR`` methods run after the others, in vLLM (``vllm_python``'s environment, the
     target opened from ``target_dir``), on the same prompts, each prompt timed alone."""
@@ -243,8 +243,8 @@ def run_bench(
     screened = greedy_head and compiled is None and direct_forward_supported(target.model)
     head = greedy_head_for(target.model) if screened else None  # built here, outside every timing
     head_rows = (head.rows, head.fallback_rows) if head is not None else (0, 0)
-    direct = direct_forward_for(target.model) if native_layers and compiled is None else None
-    native = direct is not None and direct.native  # built here, outside every timing
+    direct = direct_forward_for(target.model) if native and compiled is None else None
+    native_used = direct is not None and direct.native  # built here, outside every timing
     hf_greedy(target.model, target.encode_chat([{"role": "user", "content": "Hi"}]), 4, eos)  # warm-up
     progress = tqdm(total=sum(len(q.turns) for q in questions), desc="bench", unit="turn", dynamic_ncols=True)
     for question in questions:
@@ -274,7 +274,7 @@ def run_bench(
                     compiled=compiled,
                     packed_gemm=packed_gemm,
                     greedy_head=greedy_head,
-                    native_layers=native_layers,
+                    native=native,
                 )
                 pack_seconds += result.pack_seconds
                 for scope in scopes_of(question.category):
@@ -323,7 +323,7 @@ def run_bench(
         **{f"{name}_compile_seconds": round(decode.compile_seconds, 1) for name, decode in plain.items()},
         "packed_gemm": _packed_gemm_summary(target.model, packed_gemm and compiled is None, pack_seconds),
         "direct_forward": compiled is None and direct_forward_supported(target.model),
-        "native_layers": native,
+        "native": native_used,
         "greedy_head": _greedy_head_summary(head, head_rows),
         "baseline": BASELINE,
         "methods": {name: {scope: t.summary() for scope, t in scopes.items()} for name, scopes in tallies.items()},
@@ -385,8 +385,8 @@ def _forward_note(results: dict[str, Any]) -> str:
         notes.append(f"runtime forwards compiled ({results['compile_seconds']} s compiling, not counted)")
     if results.get("direct_forward"):
         notes.append("verification forwards direct (bitwise the model's, without its per-call machinery)")
-    if results.get("native_layers"):
-        notes.append("decoder layers in C++ (bitwise the same)")
+    if results.get("native"):
+        notes.append("decoder layers and contender search in C++ (bitwise the same)")
     head = results.get("greedy_head")
     if head:
         notes.append(

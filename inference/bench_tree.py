@@ -73,7 +73,7 @@ class _VerificationForward:
         seed: int,
         packed_gemm: bool = True,
         greedy_head: bool = True,
-        native_layers: bool = True,
+        native: bool = True,
     ) -> None:
         self.model = target.model
         self.device = next(self.model.parameters()).device
@@ -85,7 +85,7 @@ class _VerificationForward:
         self.cache = preallocated_cache_for(self.model.config, room)
         self.inputs = TreeInputBuffers(DEFAULT_TREE_ROOM, room, self.dtype, self.device)
         self.gemm = packed_gemm_for(self.model) if packed_gemm else None
-        self.direct = direct_forward_for(self.model, native_layers)
+        self.direct = direct_forward_for(self.model, native)
         self.greedy = greedy_head_for(self.model) if greedy_head and self.direct is not None else None
         ids = torch.randint(0, self.vocab, (1, prefix), generator=generator)
         with torch.no_grad():
@@ -127,7 +127,7 @@ def run_tree_bench(
     seed: int = 0,
     packed_gemm: bool = True,
     greedy_head: bool = True,
-    native_layers: bool = True,
+    native: bool = True,
 ) -> dict[str, Any]:
     """Median seconds of one verification forward per size, and its ratio to the 1-token forward."""
     if repeats < 1:
@@ -138,7 +138,7 @@ def run_tree_bench(
     if limit is not None and prefix + max(sizes) > limit:
         raise BenchError(f"--prefix {prefix} + size {max(sizes)} exceeds the target's {limit} positions")
     trees = {size: build_tree(size - 1, shape, seed) for size in sizes}
-    forward = _VerificationForward(target, prefix, seed, packed_gemm, greedy_head, native_layers)
+    forward = _VerificationForward(target, prefix, seed, packed_gemm, greedy_head, native)
     timings: dict[int, list[float]] = {size: [] for size in sizes}
     for _ in range(WARMUP):
         for size in sizes:
@@ -168,7 +168,7 @@ def run_tree_bench(
         "dtype": str(forward.dtype).removeprefix("torch."),
         "packed_gemm": forward.gemm is not None,
         "greedy_head": forward.greedy is not None,
-        "native_layers": forward.direct is not None and forward.direct.native,
+        "native": forward.direct is not None and forward.direct.native,
         "rows": rows,
     }
 
@@ -179,7 +179,7 @@ def tree_markdown(results: dict[str, Any]) -> str:
         f"{results['threads']} threads, {results['dtype']} on {results['device']}"
         f"{', MKL packed GEMM (padded to row buckets)' if results.get('packed_gemm') else ''}"
         f"{', greedy tokens through the screened head' if results.get('greedy_head') else ''}"
-        f"{', decoder layers in C++' if results.get('native_layers') else ''}; median of "
+        f"{', decoder layers in C++' if results.get('native') else ''}; median of "
         f"{results['repeats']}; size = query tokens (root + draft nodes).",
         "",
         "| size | draft nodes | depth | median ms | relative to 1 token |",

@@ -58,7 +58,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
         compiled=compiled,
         packed_gemm=not args.no_packed_gemm,
         greedy_head=not args.no_greedy_head,
-        native_layers=not args.no_native_layers,
+        native=not args.no_native,
     )
     print()
     if result.compile_seconds:
@@ -126,7 +126,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
         compiled=_compiled_target(args, target),
         packed_gemm=not args.no_packed_gemm,
         greedy_head=not args.no_greedy_head,
-        native_layers=not args.no_native_layers,
+        native=not args.no_native,
         vllm_python=args.vllm_python,
         target_dir=target_dir,
     )
@@ -152,7 +152,7 @@ def cmd_bench_tree(args: argparse.Namespace) -> None:
         args.shape,
         packed_gemm=not args.no_packed_gemm,
         greedy_head=not args.no_greedy_head,
-        native_layers=not args.no_native_layers,
+        native=not args.no_native,
     )
     print(tree_markdown(results))
     if args.out:
@@ -224,9 +224,9 @@ def _add_kernel_arguments(p: argparse.ArgumentParser) -> None:
         "per row bucket used)",
         "--no-greedy-head": "in greedy verification, compute the target's full logits instead of its argmax through "
         "a screened int8 copy of the head with a proof (the screen reads a quarter of the head's bytes)",
-        "--no-native-layers": "run verification forwards through the Python loop instead of the C++ decoder layers "
-        "(the same operations, bitwise; the C++ ones are built once per machine with g++, ~30 s, and save the "
-        "interpreter's time between ~1,000 small calls per forward)",
+        "--no-native": "run verification forwards through the Python loop instead of the runtime's C++ decoder "
+        "layers and contender search (the same operations and tokens; the C++ kernels are built once per machine "
+        "with g++, ~30 s, and save the interpreter's time between ~1,000 small calls per forward)",
     }
     for flag, text in switches.items():
         p.add_argument(flag, action="store_true", help=text + "; float32 on CPU only")

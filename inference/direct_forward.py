@@ -29,6 +29,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -42,10 +43,10 @@ from transformers.models.llama.modeling_llama import (
 )
 
 from draftsmith.core.cache import PreallocatedCache
+from draftsmith.inference.native import native_extension
 from draftsmith.inference.native_layers import (
     NativePlan,
     native_decoder_layers,
-    native_extension,
     native_layers_supported,
     native_plan,
 )
@@ -106,6 +107,11 @@ class DirectForward:
     def native(self) -> bool:
         """Whether lean forwards run the C++ layers (:mod:`native_layers`)."""
         return self._native is not None
+
+    @property
+    def extension(self) -> ModuleType | None:
+        """The runtime's C++ extension where this forward uses it (:mod:`native`)."""
+        return self._native
 
     def _lean_steps(self, x: torch.Tensor, attention_mask: torch.Tensor | None, cache) -> list | None:
         """The lean plan when this forward is one the runtime makes (one sequence; one row without a mask

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import time
 import weakref
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -45,6 +46,8 @@ _FP32_UNIT = 2.0**-24  # float32 unit roundoff
 _FP64_UNIT = 2.0**-53
 _BF16_UNIT = 2.0**-8  # bfloat16 keeps 8 significant bits
 _SAFETY = 1.0 + 1e-6  # covers the rounding of the bound's own arithmetic
+# per unit of |screen|: its bfloat16 output rounding, and float32 rounding of the bound and the comparisons
+_OUTPUT_ROUNDING = _BF16_UNIT / (1.0 - _BF16_UNIT) + 8.0 * _FP32_UNIT
 _CHUNK_ROWS = 4096  # weight rows per chunk when measuring the bf16 copy's error
 
 
@@ -81,7 +84,12 @@ class GreedyHead:
 
     def screen_bounds(self, rows: torch.Tensor, screen_input: torch.Tensor, screen: torch.Tensor) -> torch.Tensor:
         """``D`` (``(R, V)``): ``|f_ri - a_ri| <= D_ri`` for every row r of ``rows`` (float32, ``(R, K)``)
-        and token i, given the rows' bfloat16 copies and their screen ``a``."""
+        and token i, given the rows' bfloat16 copies and their screen ``a`` (float32)."""
+        bounds = self._coefficients(rows, screen_input) @ self._row_bounds
+        return bounds.add_(screen.abs(), alpha=_OUTPUT_ROUNDING).mul_(_SAFETY)
+
+    def _coefficients(self, rows: torch.Tensor, screen_input: torch.Tensor) -> torch.Tensor:
+        """Per row, the factors of the two per-token norms in ``D`` (``(R, 2)``, float32, rounded up)."""
         exact = rows.double()
         rounded = screen_input.double()
         norm, rounded_norm = exact.norm(dim=1), rounded.norm(dim=1)
@@ -90,29 +98,37 @@ class GreedyHead:
         # float32 accumulation of exact products (and a scale applied after the sum), in the screen
         # and in the float32 head itself
         accumulation = (self._gamma32 + _FP32_UNIT) * rounded_norm + self._gamma32 * norm
-        coefficients = (torch.stack([weight_rounding, input_rounding + accumulation], dim=1) * _SAFETY).float()
-        bounds = coefficients @ self._row_bounds
-        # the screen's bfloat16 output, and float32 rounding of this bound and of the comparisons
-        output = _BF16_UNIT / (1.0 - _BF16_UNIT) + 8.0 * _FP32_UNIT
-        return bounds.add_(screen.abs(), alpha=output).mul_(_SAFETY)
+        return (torch.stack([weight_rounding, input_rounding + accumulation], dim=1) * _SAFETY).float()
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, native: ModuleType | None = None) -> torch.Tensor:
         """The float32 head's argmax for each row of ``x`` (``(..., hidden)``), as a long tensor of
-        ``x.shape[:-1]``."""
+        ``x.shape[:-1]``. ``native``: the runtime's C++ extension (:mod:`native`), which finds the
+        contenders in two passes over the vocabulary."""
         rows = x.reshape(-1, x.shape[-1]).contiguous()
         screen_input = rows.to(torch.bfloat16)
-        screen = torch._weight_int8pack_mm(screen_input, self.quantized, self.scales).float()
-        bounds = self.screen_bounds(rows, screen_input, screen)
-        # some token's float32 logit is at least this; tokens whose ceiling is below it cannot win
-        floors = (screen - bounds).amax(dim=1, keepdim=True)
-        contenders = screen.add_(bounds) >= floors
-        finite = torch.isfinite(floors[:, 0]) & torch.isfinite(rows).all(dim=1)
+        screen = torch._weight_int8pack_mm(screen_input, self.quantized, self.scales)
+        floors, contenders = self._contenders(rows, screen_input, screen, native)
+        finite = torch.isfinite(floors) & torch.isfinite(rows).all(dim=1)
         tokens = []
         for r, ok in enumerate(finite.tolist()):
-            proven = self._proven_argmax(rows[r], torch.nonzero(contenders[r]).flatten()) if ok else None
+            proven = self._proven_argmax(rows[r], contenders[r]) if ok else None
             tokens.append(proven if proven is not None else self._fallback(rows[r]))
         self.rows += len(tokens)
         return torch.tensor(tokens, dtype=torch.long).reshape(x.shape[:-1])
+
+    def _contenders(
+        self, rows: torch.Tensor, screen_input: torch.Tensor, screen: torch.Tensor, native: ModuleType | None
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Per row, the floor ``max_i (a_i - D_i)`` that some token's float32 logit reaches, and the
+        tokens whose ceiling ``a_i + D_i`` reaches it (the others cannot be the argmax)."""
+        if native is not None:
+            coefficients = self._coefficients(rows, screen_input)
+            return native.screen_contenders(screen, self._row_bounds, coefficients, _OUTPUT_ROUNDING, _SAFETY)
+        screen = screen.float()
+        bounds = self.screen_bounds(rows, screen_input, screen)
+        floors = (screen - bounds).amax(dim=1)
+        contenders = screen.add_(bounds) >= floors[:, None]
+        return floors, [torch.nonzero(row).flatten() for row in contenders]
 
     def _proven_argmax(self, x: torch.Tensor, candidates: torch.Tensor) -> int | None:
         """The candidate whose float32 logit is provably the strict maximum, or None."""

@@ -1,16 +1,11 @@
-"""The direct forward's lean decoder layers as one C++ call, bitwise the same.
+"""The direct forward's lean decoder layers as one C++ call (:mod:`native`), bitwise the same.
 
 A one-token step of SmolLM2 through the lean Python loop (:func:`direct_forward._lean_layers`) spends
 ~4 ms of ~32 ms on a 2-core CPU in the interpreter between ~1,000 small ATen calls, and a tree forward
-as much. ``native_layers.cpp`` makes the same ATen calls (MKL's packed GEMM where
+as much. ``native.cpp``'s ``decoder_layers`` makes the same ATen calls (MKL's packed GEMM where
 :mod:`packed_gemm`'s pack for the rows is active) on the same values in the same order from C++, so the
 results are bitwise those of the Python loop (``tests/test_native_layers.py`` checks logits, every
 hidden state and the cache).
-
-The extension is built by :func:`torch.utils.cpp_extension.load` the first time a process needs it
-(~30 s on 2 cores; a C++ compiler, Python's headers and ninja) and cached in torch's extensions
-directory (``TORCH_EXTENSIONS_DIR``), so later processes load it in well under a second. Where it cannot
-be built, the runtime says so once and keeps the Python loop: the same tokens, a slower step.
 
 It serves the lean path's forwards (one sequence on the runtime's preallocated cache: decoding steps
 and tree verifications) of float32 CPU Llama layers without biases whose MLP is SiLU-gated, where SDPA
@@ -19,11 +14,7 @@ reads grouped K/V heads as they are; anything else takes the Python loop.
 
 from __future__ import annotations
 
-import os
-import shutil
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 from types import ModuleType
 
 import torch
@@ -34,52 +25,7 @@ from transformers.integrations.sdpa_attention import use_gqa_in_sdpa
 from draftsmith.core.cache import PreallocatedLayer
 from draftsmith.inference.packed_gemm import PackedLinear
 
-_SOURCE = Path(__file__).with_name("native_layers.cpp")
-# torch's build cache tracks the sources and flags, not torch itself: a build per torch release
-_NAME = "draftsmith_native_layers_torch" + "".join(c if c.isalnum() else "_" for c in torch.__version__)
-_WEIGHTS_PER_LAYER = 9  # the order of native_layers.cpp's Weight enum
-
-
-class _Build:
-    """This process's one attempt at loading the extension."""
-
-    tried = False
-    module: ModuleType | None = None
-
-
-def native_extension() -> ModuleType | None:
-    """The compiled extension, built on this process's first call where no cached build exists; None
-    (said once on stderr) where it cannot be built."""
-    if _Build.tried:
-        return _Build.module
-    _Build.tried = True
-    try:
-        from torch.utils.cpp_extension import _get_build_directory, load
-
-        _put_ninja_on_path()
-        if not any(Path(_get_build_directory(_NAME, verbose=False)).glob(f"{_NAME}*.so")):
-            print("[native] building the C++ decoder layers once (~30 s; cached for later runs)", file=sys.stderr)
-        _Build.module = load(name=_NAME, sources=[str(_SOURCE)], extra_cflags=["-O2"], verbose=False)
-    except Exception as error:  # no compiler, headers or ninja: the Python loop computes the same
-        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        print(
-            f"[native] could not build the C++ decoder layers ({reason[:200]}); decoding keeps the Python loop "
-            "(the same tokens, a slower step). Install g++ and ninja to enable it, or pass --no-native-layers.",
-            file=sys.stderr,
-        )
-    return _Build.module
-
-
-def _put_ninja_on_path() -> None:
-    """torch runs ``ninja`` from PATH; the pip package's copy sits in the environment's own bin folder,
-    which is not on PATH when the environment's programs are run without activating it."""
-    if shutil.which("ninja"):
-        return
-    try:
-        import ninja
-    except ImportError:
-        return  # load() then says that ninja is missing
-    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+_WEIGHTS_PER_LAYER = 9  # the order of native.cpp's Weight enum
 
 
 def native_layers_supported(layers: list[nn.Module], dtype: torch.dtype, device: torch.device) -> bool:

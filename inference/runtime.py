@@ -121,7 +121,8 @@ def verification_forward(
     with gemm.rows() if gemm is not None else nullcontext(), _grouped_kv_heads(device):
         if direct is not None and greedy is not None:
             out = direct(input_ids.to(device), positions, mask, cache, hidden, head=False)
-            return GreedyForward(greedy(out.last_hidden_state[0, : 1 + len(tree)]), out.hidden_states)
+            tokens = greedy(out.last_hidden_state[0, : 1 + len(tree)], direct.extension)
+            return GreedyForward(tokens, out.hidden_states)
         if direct is not None:
             return direct(input_ids.to(device), positions, mask, cache, hidden)
         return model(
@@ -169,7 +170,7 @@ def generate(
     packed_gemm: bool = True,
     direct_forward: bool = True,
     greedy_head: bool = True,
-    native_layers: bool = True,
+    native: bool = True,
 ) -> GenerationResult:
     """Speculative decoding of one prompt, greedy (``sampling=None``) or sampled; ``drafter=None`` is
     plain decoding through the runtime. ``on_tokens`` receives all new tokens so far after every commit.
@@ -180,8 +181,9 @@ def generate(
     transformers' per-call machinery, with bitwise the same results (``direct_forward.py``).
     ``greedy_head``: greedy direct forwards compute only the float32 head's argmax, through a screened
     int8 copy of the head and a proof (``greedy_head.py``), unless the drafter reads the logits.
-    ``native_layers``: one-token direct forwards of a float32 CPU target run their layers as one C++ call,
-    bitwise the same (``native_layers.py``; built once per machine, outside the timing)."""
+    ``native``: direct forwards of a float32 CPU target run their layers as one C++ call, bitwise the same,
+    and the screened head searches its contenders in C++ (``native.py``; built once per machine, outside
+    the timing)."""
     start = time.perf_counter()
     compiled_before = compiled.compile_seconds if compiled is not None else 0.0
     verifier = drafter.verifier_model() if drafter is not None else None
@@ -191,7 +193,7 @@ def generate(
     packed_before = gemm.pack_seconds if gemm is not None else 0.0
     setup_start = time.perf_counter()  # a first call loads (or builds) the native layers: setup
     eager_target = compiled is None and verifier is None
-    direct = direct_forward_for(model, native_layers) if direct_forward and eager_target else None
+    direct = direct_forward_for(model, native) if direct_forward and eager_target else None
     setup_seconds = time.perf_counter() - setup_start
     reads_logits = sampling is not None or (drafter is not None and drafter.reads_logits)
     head_start = time.perf_counter()  # a first call builds the screened head: setup, like packing

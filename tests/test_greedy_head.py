@@ -12,10 +12,21 @@ from decoding_helpers import hf_greedy
 from draftsmith.core.drafting import DraftContext, Drafter
 from draftsmith.core.tree import DraftTree
 from draftsmith.inference.greedy_head import GreedyHead, greedy_head_for, greedy_head_supported
+from draftsmith.inference.native import native_extension
 from draftsmith.inference.pld import PromptLookupDrafter
 from draftsmith.inference.runtime import generate
 
 VOCAB, HIDDEN = 3000, 64
+# the contender search in Python and in the runtime's C++ extension (which the tests expect to build)
+SEARCHES = pytest.mark.parametrize("native", [False, True], ids=["python", "c++"])
+
+
+def extension(native: bool):
+    if not native:
+        return None
+    built = native_extension()
+    assert built is not None, "the C++ extension should build here"
+    return built
 
 
 def head(seed: int, vocab: int = VOCAB, hidden: int = HIDDEN) -> nn.Linear:
@@ -35,12 +46,13 @@ def float32_argmax(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return torch.stack([F.linear(row[None], layer.weight).argmax(-1)[0] for row in x])
 
 
+@SEARCHES
 @pytest.mark.parametrize("batch", [1, 3, 8])
-def test_the_screened_head_returns_the_float32_argmax(batch):
+def test_the_screened_head_returns_the_float32_argmax(batch, native):
     layer = head(0)
     greedy = GreedyHead(layer)
     x = rows(240, 1)
-    got = torch.cat([greedy(x[i : i + batch]) for i in range(0, len(x), batch)])
+    got = torch.cat([greedy(x[i : i + batch], extension(native)) for i in range(0, len(x), batch)])
     assert torch.equal(got, float32_argmax(layer, x))
     assert greedy.rows == len(x)
     assert greedy.fallback_rows < len(x) // 10  # the proof settles nearly every row by itself
@@ -79,28 +91,48 @@ def near_tie(margin: float) -> tuple[nn.Linear, torch.Tensor, int, int]:
     return layer, x[None], low, high
 
 
-def test_the_screen_alone_picks_the_wrong_token_and_the_proof_does_not():
+@SEARCHES
+def test_the_screen_alone_picks_the_wrong_token_and_the_proof_does_not(native):
     layer, x, low, high = near_tie(1e-4)
     greedy = GreedyHead(layer)
     screen = torch._weight_int8pack_mm(x.to(torch.bfloat16), greedy.quantized, greedy.scales).float()
     assert int(screen.argmax()) == low  # a lossy rule: trusting the screen commits the wrong token
     assert int(float32_argmax(layer, x)[0]) == high
-    assert int(greedy(x)[0]) == high
+    assert int(greedy(x, extension(native))[0]) == high
 
 
-def test_a_tie_closer_than_float32_rounding_takes_the_float32_head():
+@SEARCHES
+def test_a_tie_closer_than_float32_rounding_takes_the_float32_head(native):
     layer, x, _, _ = near_tie(1e-9)
     greedy = GreedyHead(layer)
-    assert int(greedy(x)[0]) == int(float32_argmax(layer, x)[0])
+    assert int(greedy(x, extension(native))[0]) == int(float32_argmax(layer, x)[0])
     assert greedy.fallback_rows == 1
 
 
-def test_a_non_finite_row_takes_the_float32_head():
+def test_the_c_plus_plus_search_finds_the_python_contenders():
+    """Same floors (to float32 rounding) and the same contender sets on random rows, and the float32
+    argmax always among them."""
+    layer = head(9)
+    greedy = GreedyHead(layer)
+    x = rows(64, 10)
+    screen_input = x.to(torch.bfloat16)
+    screen = torch._weight_int8pack_mm(screen_input, greedy.quantized, greedy.scales)
+    python = greedy._contenders(x, screen_input, screen, None)
+    native = greedy._contenders(x, screen_input, screen, extension(True))
+    assert torch.allclose(native[0], python[0], rtol=1e-6, atol=0)
+    best = float32_argmax(layer, x)
+    for row, (ours, theirs) in enumerate(zip(native[1], python[1], strict=True)):
+        assert torch.equal(ours, theirs)
+        assert int(best[row]) in ours.tolist()
+
+
+@SEARCHES
+def test_a_non_finite_row_takes_the_float32_head(native):
     layer = head(7)
     greedy = GreedyHead(layer)
     x = rows(2, 8)
     x[1, 3] = float("inf")
-    got = greedy(x)
+    got = greedy(x, extension(native))
     assert int(got[0]) == int(float32_argmax(layer, x[:1])[0])
     assert int(got[1]) == int(F.linear(x[1:], layer.weight).argmax())
     assert greedy.fallback_rows == 1

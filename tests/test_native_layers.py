@@ -124,7 +124,7 @@ def test_generation_with_the_native_layers_equals_plain_decoding():
     reference = hf_greedy(model, PROMPT, 24)
     for drafter in (None, PromptLookupDrafter(num_draft=4)):
         for native in (True, False):
-            result = generate(model, PROMPT, drafter, max_new_tokens=24, eos_token_ids=[2], native_layers=native)
+            result = generate(model, PROMPT, drafter, max_new_tokens=24, eos_token_ids=[2], native=native)
             assert result.tokens == reference
 
 
@@ -168,5 +168,5 @@ print("decoded the same")
     run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "decoded the same" in run.stdout
-    assert run.stderr.count("could not build the C++ decoder layers") == 1
-    assert "--no-native-layers" in run.stderr
+    assert run.stderr.count("could not build the runtime's C++ kernels") == 1
+    assert "--no-native" in run.stderr

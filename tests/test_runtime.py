@@ -297,8 +297,8 @@ def test_bench_writes_the_contract(tmp_path, tiny_target_dir):
     head = results["greedy_head"]  # none and pld verify greedily through the screened head
     assert head["rows"] >= 2 * 3 * 11 and 0 <= head["fallback_rows"] <= head["rows"]
     assert "screened int8 head" in (out / "results.md").read_text()
-    assert results["native_layers"] is True  # decoder layers in C++, said in the header
-    assert "decoder layers in C++" in (out / "results.md").read_text()
+    assert results["native"] is True  # the C++ kernels, said in the header
+    assert "contender search in C++" in (out / "results.md").read_text()
     assert (out / "chart.png").read_bytes()[:4] == b"\x89PNG"
 
 

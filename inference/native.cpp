@@ -1,11 +1,15 @@
-// The direct forward's lean decoder layers (direct_forward.py, _lean_layers) as one C++ call.
-//
-// The same ATen operations on the same values in the same order as the Python loop, so the results are
-// bitwise the same; what goes is the interpreter between them (~4 ms of a ~32 ms SmolLM2 step on a
-// 2-core CPU). Loaded by native_layers.py with torch.utils.cpp_extension; see that module for when it
-// is used.
+// The runtime's C++ kernels, loaded by native.py with torch.utils.cpp_extension:
+// - decoder_layers: the direct forward's lean decoder layers (direct_forward.py, _lean_layers) as one
+//   call. The same ATen operations on the same values in the same order as the Python loop, so the
+//   results are bitwise the same; what goes is the interpreter between them (~4 ms of a ~32 ms SmolLM2
+//   step on a 2-core CPU). See native_layers.py for when it is used.
+// - screen_contenders: the screened head's bound and contender search (greedy_head.py) in two passes
+//   over the vocabulary instead of ten tensor-wide operations.
 #include <torch/extension.h>
 
+#include <algorithm>
+#include <cmath>
+#include <limits>
 #include <optional>
 #include <vector>
 
@@ -90,6 +94,54 @@ std::vector<at::Tensor> decoder_layers(
   return outputs;
 }
 
+// For each row r of the screen (R, V; bfloat16): the bound D_ri = (c_r0 * b_0i + c_r1 * b_1i +
+// output * |a_ri|) * safety on how far token i's float32 logit can be from its screened one a_ri
+// (GreedyHead.screen_bounds, in float32 as there; the safety factor covers a few roundings more or
+// less), the floor max_i (a_ri - D_ri) that some token's logit reaches, and the contenders: tokens with
+// a_ri + D_ri >= floor. Returns the floors (R, float32; not finite where the screen was not) and each
+// row's contenders (int64, ascending).
+std::tuple<at::Tensor, std::vector<at::Tensor>> screen_contenders(
+    const at::Tensor& screen, const at::Tensor& row_bounds, const at::Tensor& coefficients, double output,
+    double safety) {
+  TORCH_CHECK(screen.dim() == 2 && screen.scalar_type() == at::kBFloat16 && screen.is_contiguous(),
+              "screen_contenders: screen");
+  TORCH_CHECK(row_bounds.scalar_type() == at::kFloat && row_bounds.is_contiguous(), "screen_contenders: row_bounds");
+  TORCH_CHECK(coefficients.scalar_type() == at::kFloat && coefficients.is_contiguous(),
+              "screen_contenders: coefficients");
+  const int64_t rows = screen.size(0);
+  const int64_t vocab = screen.size(1);
+  TORCH_CHECK(row_bounds.size(0) == 2 && row_bounds.size(1) == vocab, "screen_contenders: row_bounds shape");
+  const float out = static_cast<float>(output);
+  const float slack = static_cast<float>(safety);
+  const float* b0 = row_bounds.data_ptr<float>();
+  const float* b1 = b0 + vocab;
+  at::Tensor floors = at::empty({rows}, row_bounds.options());
+  std::vector<at::Tensor> contenders;
+  for (int64_t r = 0; r < rows; ++r) {
+    const at::BFloat16* a = screen.data_ptr<at::BFloat16>() + r * vocab;
+    const float c0 = coefficients.data_ptr<float>()[2 * r];
+    const float c1 = coefficients.data_ptr<float>()[2 * r + 1];
+    auto bound = [&](int64_t i, float value) { return (c0 * b0[i] + c1 * b1[i] + out * std::fabs(value)) * slack; };
+    float floor = -std::numeric_limits<float>::infinity();
+    bool finite = true;
+    for (int64_t i = 0; i < vocab; ++i) {
+      const float value = static_cast<float>(a[i]);
+      finite = finite && std::isfinite(value);
+      floor = std::max(floor, value - bound(i, value));
+    }
+    if (!finite) floor = std::numeric_limits<float>::quiet_NaN();
+    floors.data_ptr<float>()[r] = floor;
+    std::vector<int64_t> found;
+    for (int64_t i = 0; finite && i < vocab; ++i) {
+      const float value = static_cast<float>(a[i]);
+      if (value + bound(i, value) >= floor) found.push_back(i);
+    }
+    contenders.push_back(at::tensor(found, at::kLong));
+  }
+  return {floors, contenders};
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decoder_layers", &decoder_layers, "The lean path's decoder layers (bitwise the same)");
+  m.def("screen_contenders", &screen_contenders, "The screened head's floors and contenders per row");
 }

@@ -1,0 +1,65 @@
+"""The runtime's C++ extension (``native.cpp``): its decoder layers (:mod:`native_layers`) and the
+screened head's contender search (:mod:`greedy_head`), each computing what the Python code computes
+without the interpreter between many small calls.
+
+It is built by :func:`torch.utils.cpp_extension.load` the first time a process needs it (~30 s on 2
+cores; a C++ compiler, Python's headers and ninja) and cached in torch's extensions directory
+(``TORCH_EXTENSIONS_DIR``), so later processes load it in well under a second. Where it cannot be
+built, the runtime says so once and keeps the Python code: the same tokens, a slower step.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+_SOURCE = Path(__file__).with_name("native.cpp")
+# torch's build cache tracks the sources and flags, not torch itself: a build per torch release
+_NAME = "draftsmith_native_torch" + "".join(c if c.isalnum() else "_" for c in torch.__version__)
+
+
+class _Build:
+    """This process's one attempt at loading the extension."""
+
+    tried = False
+    module: ModuleType | None = None
+
+
+def native_extension() -> ModuleType | None:
+    """The compiled extension, built on this process's first call where no cached build exists; None
+    (said once on stderr) where it cannot be built."""
+    if _Build.tried:
+        return _Build.module
+    _Build.tried = True
+    try:
+        from torch.utils.cpp_extension import _get_build_directory, load
+
+        _put_ninja_on_path()
+        if not any(Path(_get_build_directory(_NAME, verbose=False)).glob(f"{_NAME}*.so")):
+            print("[native] building the runtime's C++ kernels once (~30 s; cached for later runs)", file=sys.stderr)
+        _Build.module = load(name=_NAME, sources=[str(_SOURCE)], extra_cflags=["-O2"], verbose=False)
+    except Exception as error:  # no compiler, headers or ninja: the Python code computes the same
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        print(
+            f"[native] could not build the runtime's C++ kernels ({reason[:200]}); decoding keeps the Python "
+            "code (the same tokens, a slower step). Install g++ and ninja to enable them, or pass --no-native.",
+            file=sys.stderr,
+        )
+    return _Build.module
+
+
+def _put_ninja_on_path() -> None:
+    """torch runs ``ninja`` from PATH; the pip package's copy sits in the environment's own bin folder,
+    which is not on PATH when the environment's programs are run without activating it."""
+    if shutil.which("ninja"):
+        return
+    try:
+        import ninja
+    except ImportError:
+        return  # load() then says that ninja is missing
+    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")

@@ -37,8 +37,6 @@ def native_layers_supported(layers: list[nn.Module], dtype: torch.dtype, device:
         act = mlp.act_fn
         if type(act) not in (SiLUActivation, nn.SiLU) or "forward" in vars(act):
             return False  # another activation, or a hub kernel swapped into this instance
-        if type(act).forward is not SiLUActivation.forward and type(act).forward is not nn.SiLU.forward:
-            return False
         if attention.num_key_value_groups > 1 and attention.head_dim > 256:
             return False  # use_gqa_in_sdpa says no there: transformers' wrapper packs the heads instead
     return True

@@ -179,7 +179,7 @@ def tree_markdown(results: dict[str, Any]) -> str:
         f"{results['threads']} threads, {results['dtype']} on {results['device']}"
         f"{', MKL packed GEMM (padded to row buckets)' if results.get('packed_gemm') else ''}"
         f"{', greedy tokens through the screened head' if results.get('greedy_head') else ''}"
-        f"{', decoder layers in C++' if results.get('native') else ''}; median of "
+        f"{', decoder layers and contender search in C++' if results.get('native') else ''}; median of "
         f"{results['repeats']}; size = query tokens (root + draft nodes).",
         "",
         "| size | draft nodes | depth | median ms | relative to 1 token |",

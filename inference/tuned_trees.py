@@ -2,7 +2,9 @@
 
 One entry per (device, dtype, CPU threads), because the cost of a verification forward, and so the
 tree that pays, depends on all three. Each entry records the sha256 of the drafter's weights it was
-fitted with: an entry from before the drafter was exported again is stale and ignored. The file is
+fitted with and the kernels whose forwards it timed (``kernels``: C++ decoder layers, packed GEMM): an
+entry from before the drafter was exported again, or from before the kernels were recorded (a runtime
+whose cost curve has changed since), is stale and ignored. The file is
 JSON (loading it runs no code), written atomically and recorded in the export's ``files.json``, so
 the export still verifies after a tune.
 """
@@ -126,8 +128,25 @@ def fitted_tree(directory: Path, key: DeviceKey) -> FittedTree:
             f"[tune] ignoring the tree fitted for {key.text()}: the drafter was exported again since; "
             f"run `draftsmith tune {directory}` again",
         )
+    if not isinstance(entry.get("kernels"), dict):
+        return FittedTree(
+            None,
+            f"[tune] ignoring the tree fitted for {key.text()}: it was timed before the runtime's kernels were "
+            f"recorded (they have changed since); run `draftsmith tune {directory}` again",
+        )
     shape = {name: value for name, value in entry["tree"].items() if name in TreeOptions.names()}
     tree = TreeOptions(**{name: value if name == "tree" else int(value) for name, value in shape.items()})
     pays = "" if entry.get("drafting_pays", True) else " (tune predicted plain decoding faster here: --method none)"
     options = " ".join(f"{name}={value}" for name, value in shape.items())
-    return FittedTree(tree, f"[tune] using the tree fitted for {key.text()}: {options}{pays}")
+    timed = kernels_text(entry["kernels"])
+    return FittedTree(tree, f"[tune] using the tree fitted for {key.text()} ({timed}): {options}{pays}")
+
+
+def kernels_text(kernels: dict[str, Any]) -> str:
+    """``{"native": true, "packed_gemm": true}`` -> "timed with C++ decoder layers, packed GEMM": a tree
+    fitted with other kernels than the serving run's (``--no-native``, ``--compile``) may not be the best."""
+    names = [name for flag, name in _KERNEL_NAMES.items() if kernels.get(flag)]
+    return "timed with " + (", ".join(names) if names else "the Python forward")
+
+
+_KERNEL_NAMES = {"native": "C++ decoder layers", "packed_gemm": "packed GEMM", "greedy_head": "screened head"}

@@ -23,7 +23,14 @@ from draftsmith.inference.tune import (
     simulate_rounds,
     tune_base,
 )
-from draftsmith.inference.tuned_trees import TUNED_TREES, DeviceKey, fitted_tree, read_tuned_trees, write_tuned_tree
+from draftsmith.inference.tuned_trees import (
+    TUNED_TREES,
+    DeviceKey,
+    fitted_tree,
+    read_tuned_trees,
+    weights_sha256,
+    write_tuned_tree,
+)
 from draftsmith.train.cli import main
 from draftsmith.train.losses import family_loss, medusa_loss
 
@@ -95,6 +102,7 @@ def test_tune_writes_a_tree_the_export_still_verifies_and_generate_uses(
     chosen = entry["tree"]
     assert chosen["depth"] <= 3 and chosen["top_k"] in (1, 2) and chosen["total_tokens"] in (1, 2, 4, 8)
     assert entry["measured"]["prompts"] == 2 and entry["threads"] == torch.get_num_threads()
+    assert set(entry["kernels"]) == {"native", "packed_gemm", "greedy_head"}  # what bench-tree timed with
 
     # generate and bench build drafters through build_drafter: the fitted tree, said in one line
     drafter = build_drafter(f"fspad={export}", tiny)
@@ -132,6 +140,20 @@ def test_a_stale_entry_is_ignored(tiny, trained_export, tmp_path, capsys):
     drafter = build_drafter(f"fspad={export}", tiny)
     assert (drafter.depth, drafter.top_k, drafter.total_tokens) == (5, 4, 12)  # the export's defaults
     assert "exported again since" in capsys.readouterr().err
+
+
+def test_an_entry_without_its_kernels_is_stale(tiny, trained_export, tmp_path, capsys):
+    """An entry timed before the runtime recorded its kernels (an older cost curve) is not used; with
+    the kernels recorded, the same entry is, and the note names them."""
+    export = copied_export(trained_export, tmp_path)
+    key = DeviceKey.current(tiny.model)
+    entry = {"tree": {"depth": 1, "top_k": 1, "total_tokens": 1}, "weights_sha256": weights_sha256(export)}
+    write_tuned_tree(export, key, entry)
+    stale = fitted_tree(export, key)
+    assert stale.tree is None and "before the runtime's kernels were recorded" in stale.note
+    write_tuned_tree(export, key, {**entry, "kernels": {"native": True, "packed_gemm": True}})
+    used = fitted_tree(export, key)
+    assert used.tree.depth == 1 and "timed with C++ decoder layers, packed GEMM" in used.note
 
 
 @pytest.fixture(scope="module")
@@ -205,7 +227,8 @@ def test_run_tune_says_when_plain_decoding_wins(tiny, tmp_path, monkeypatch):
     from draftsmith.inference import tune
 
     def cost_curve(target, sizes, prefix, repeats):
-        return {"rows": [{"size": size, "median_ms": 10.0 + size} for size in sizes]}
+        rows = [{"size": size, "median_ms": 10.0 + size} for size in sizes]
+        return {"rows": rows, "native": False, "packed_gemm": False, "greedy_head": False}
 
     monkeypatch.setattr(tune, "run_tree_bench", cost_curve)
     model = get_family("fspad").build(tiny.model.config, {})

@@ -16,6 +16,11 @@ import torch
 from draftsmith.core.tree import DraftTree
 from draftsmith.core.verify import SamplingConfig, Verdict
 
+# Set (to True) on a forward hook a drafter puts on a shared target that does nothing outside the
+# drafter's own forward of the model (Speculative Streaming's stream layers): the runtime's direct
+# forward, which bypasses module hooks, may then still serve every other user of that target.
+INERT_OUTSIDE_OWNER = "draftsmith_inert_outside_owner"
+
 
 @dataclass
 class DraftContext:

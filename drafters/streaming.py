@@ -31,7 +31,7 @@ from transformers import DynamicCache
 from transformers.models.llama.modeling_llama import rotate_half
 
 from draftsmith.core.cache import keep_positions
-from draftsmith.core.drafting import DraftContext, Drafter
+from draftsmith.core.drafting import INERT_OUTSIDE_OWNER, DraftContext, Drafter
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.tree import DraftTree, cartesian_tree
 from draftsmith.core.verify import Verdict
@@ -270,6 +270,7 @@ class StreamingModel(AdaptsTargetMixin, DrafterModel):
             run.states = stream_layer(module, run.states, layer.keys, layer.values, cos, sin, run.allowed)
             return None  # the main stream's output is left exactly as HF computed it
 
+        setattr(hook, INERT_OUTSIDE_OWNER, True)  # a no-op without a stream run: others may skip it
         return hook
 
     def _make_prune_hook(self, index: int):
@@ -287,6 +288,7 @@ class StreamingModel(AdaptsTargetMixin, DrafterModel):
                 return None
             return select_rows(args, kwargs, run.kept, run.pruning.past, hidden_too=first)
 
+        setattr(hook, INERT_OUTSIDE_OWNER, True)
         return hook
 
     def _surviving_rows(self, hidden: torch.Tensor, run: _StreamRun) -> torch.Tensor | None:

@@ -43,6 +43,7 @@ from transformers.models.llama.modeling_llama import (
 )
 
 from draftsmith.core.cache import PreallocatedCache
+from draftsmith.core.drafting import INERT_OUTSIDE_OWNER
 from draftsmith.inference.native import native_extension
 from draftsmith.inference.native_layers import (
     NativePlan,
@@ -328,10 +329,16 @@ def direct_forward_supported(model: nn.Module) -> bool:
 def _has_hooks(module: nn.Module) -> bool:
     """Hooks the direct forward would skip: accelerate's, or anyone's but transformers' own output
     capturing (installed on the decoder layers by the first ``output_hidden_states`` call, and only
-    active inside the model's forward)."""
+    active inside the model's forward) and hooks marked :data:`INERT_OUTSIDE_OWNER` (Speculative
+    Streaming's stream layers: they act only inside that drafter's own forward, which runs the model's
+    forward, so every other user of a shared target keeps the direct forward)."""
     hooks = [*module._forward_hooks.values(), *module._forward_pre_hooks.values()]
-    foreign = [hook for hook in hooks if getattr(hook, "__name__", "") != "output_capturing_hook"]
+    foreign = [hook for hook in hooks if not _inert(hook)]
     return hasattr(module, "_hf_hook") or bool(foreign)
+
+
+def _inert(hook: Callable) -> bool:
+    return getattr(hook, "__name__", "") == "output_capturing_hook" or getattr(hook, INERT_OUTSIDE_OWNER, False)
 
 
 def direct_forward_for(model: nn.Module, native: bool = True) -> DirectForward | None:

@@ -374,6 +374,29 @@ def test_greedy_decoding_is_lossless_for_the_adapted_model(trained):
     assert differs > 0  # the reference really is the adapted model, not the original
 
 
+def test_the_shared_target_keeps_its_direct_forward_for_other_methods():
+    """Serving a streaming drafter hooks the target's top layers; the hooks act only in the drafter's own
+    forward, so plain decoding of that same target still takes the runtime's direct forward (a user's
+    hook would turn it off) and still decodes the original model, while the drafter serves the adapted one."""
+    from draftsmith.inference.direct_forward import direct_forward_for
+
+    target = make_target(seed=6)
+    model = make_streaming(target, pruning_rank=4)
+    drafter = serve(model, target, top_k=3, total_tokens=10, prune=0.05)  # stream and pruning hooks both
+    hooked = target.model.layers[-1]
+    assert hooked._forward_hooks and hooked._forward_pre_hooks
+    assert direct_forward_for(target) is not None
+    prompt = random_prompts(1, seed=7)[0]
+    plain = generate(target, prompt, None, max_new_tokens=20, eos_token_ids=[EOS], direct_forward=True)
+    assert plain.tokens == hf_greedy(target, prompt, 20)
+    with model.adapted() as adapted:
+        reference = hf_greedy(adapted, prompt, 20)
+    assert generate(target, prompt, drafter, max_new_tokens=20, eos_token_ids=[EOS]).tokens == reference
+    handle = hooked.register_forward_hook(lambda module, args, output: None)
+    assert direct_forward_for(target) is None  # anyone else's hook still turns it off
+    handle.remove()
+
+
 def test_sampled_decoding_is_reproducible(trained):
     from draftsmith.core.verify import SamplingConfig
 

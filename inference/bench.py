@@ -5,11 +5,15 @@ and the baseline time; then each method runs on the same prompt. Multi-turn ques
 turn after the model's own first answer (the reference one, so every method sees the same prompt).
 Methods run interleaved prompt by prompt, so machine noise hits all of them alike; ``vllm`` and
 ``vllm=DIR`` (vLLM in its own environment, see ``vllm_engine.py``) run afterwards on the same prompts.
+Each finished question is appended to ``OUT/progress.jsonl`` (:class:`BenchProgress`), so a bench
+that stops (a whole dev file takes hours on a CPU) continues with ``--resume`` where it stopped.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -46,6 +50,101 @@ def scopes_of(category: str) -> tuple[str, ...]:
 
 class BenchError(DraftsmithError, ValueError):
     """A question file that cannot be benchmarked."""
+
+
+PROGRESS = "progress.jsonl"
+PROGRESS_FORMAT = "draftsmith.bench_progress/1"
+
+
+class BenchProgress:
+    """The questions a bench has finished, in order: ``OUT/progress.jsonl``, a header line with the
+    settings every measurement depends on, then one line per finished question (its tokens and
+    timings), flushed to disk as each finishes. ``bench --resume`` replays them and goes on from the
+    first unfinished question; a torn last line (the process killed mid-write) is dropped. The
+    finished results replace the directory, progress file included."""
+
+    def __init__(self, path: Path, records: list[dict[str, Any]], header: dict[str, Any] | None = None) -> None:
+        self.path = path
+        self.records = records
+        self._header = header  # written with the first finished question: a refused run leaves nothing
+
+    @classmethod
+    def start(cls, out: Path, settings: dict[str, Any]) -> BenchProgress:
+        return cls(out / PROGRESS, [], {"format": PROGRESS_FORMAT, "settings": settings})
+
+    @classmethod
+    def resume(cls, out: Path, settings: dict[str, Any]) -> BenchProgress:
+        path = out / PROGRESS
+        header, records, intact = read_progress(path)
+        if header is None:
+            raise BenchError(f"--resume: {out} holds no unfinished bench ({PROGRESS}); run without --resume")
+        differ = sorted(
+            key
+            for key in settings.keys() | header["settings"].keys()
+            if settings.get(key) != header["settings"].get(key)
+        )
+        if differ:
+            raise BenchError(
+                f"--resume: the unfinished bench in {out} ran with other {', '.join(differ)}; resume it with "
+                "the same options, or start over with --overwrite"
+            )
+        if len(intact) < len(path.read_bytes()):  # drop the torn line, so appends start on a line of their own
+            with open(path, "r+b") as handle:
+                handle.truncate(len(intact))
+        return cls(path, records)
+
+    def append(self, record: dict[str, Any]) -> None:
+        if self._header is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.path, "w") as handle:
+                handle.write(json.dumps(self._header) + "\n")
+            self._header = None
+        with open(self.path, "a") as handle:
+            handle.write(json.dumps(record) + "\n")
+            handle.flush()
+            os.fsync(handle.fileno())
+        self.records.append(record)
+
+
+def read_progress(path: Path) -> tuple[dict[str, Any] | None, list[dict[str, Any]], bytes]:
+    """(header or None, finished question records, the bytes of the intact lines) of a progress file."""
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return None, [], b""
+    lines, intact, header = [], 0, None
+    for line in data.splitlines(keepends=True):
+        try:
+            obj = json.loads(line) if line.endswith(b"\n") else None
+        except ValueError:
+            obj = None
+        if not isinstance(obj, dict):
+            break
+        if header is None:
+            if obj.get("format") != PROGRESS_FORMAT or not isinstance(obj.get("settings"), dict):
+                return None, [], b""
+            header = obj
+        else:
+            lines.append(obj)
+        intact += len(line)
+    return header, lines, data[:intact]
+
+
+def bench_settings(
+    target: Target, questions: list[Question], methods: list[str], max_new_tokens: int, **kernels: Any
+) -> dict[str, Any]:
+    """What a resumed bench must share with the run it continues (JSON values)."""
+    asked = json.dumps([[q.id, q.category, q.turns] for q in questions]).encode()
+    return {
+        "questions_sha256": hashlib.sha256(asked).hexdigest(),
+        "methods": methods,
+        "max_new_tokens": max_new_tokens,
+        "target": target.identity.to_dict() if target.identity else None,
+        "device": str(target.model.device),
+        "dtype": str(target.model.dtype).removeprefix("torch."),
+        "threads": torch.get_num_threads(),
+        **kernels,
+    }
 
 
 @dataclass
@@ -201,6 +300,79 @@ def _served_reference(target: Target, drafter, prompt: list[int], max_new_tokens
         return hf_greedy(model, prompt, max_new_tokens, eos)
 
 
+def _run_question(
+    target: Target,
+    question: Question,
+    plain: dict[str, StaticCompiledGenerate],
+    drafters: dict[str, Any],
+    max_new_tokens: int,
+    decode_options: dict[str, Any],
+    bar: tqdm,
+) -> dict[str, Any]:
+    """Every turn of one question, HF ``generate`` first and then each method: what was decoded and how
+    long it took (a :class:`BenchProgress` record)."""
+    eos = target.eos_token_ids
+    messages: list[dict[str, str]] = []
+    turns = []
+    for turn_index, turn in enumerate(question.turns):
+        messages.append({"role": "user", "content": turn})
+        prompt = target.encode_chat(messages)
+        check_fits_context(target.model, len(prompt), max_new_tokens, f"question {question.id} turn {turn_index + 1}")
+        reference, base_seconds = hf_greedy(target.model, prompt, max_new_tokens, eos)
+        record: dict[str, Any] = {
+            "where": f"{question.id}/{turn_index}",
+            "prompt": prompt,
+            "reference": reference,
+            "base_seconds": base_seconds,
+            "plain": {},
+            "methods": {},
+        }
+        for name, decode in plain.items():  # other plain decoders: same tokens, their own time
+            tokens, seconds = decode(prompt, max_new_tokens, eos)
+            record["plain"][name] = {"tokens": tokens, "seconds": seconds}
+        for name, drafter in drafters.items():
+            own_reference, own_seconds = _served_reference(target, drafter, prompt, max_new_tokens, eos)
+            result = generate(
+                target.model, prompt, drafter, max_new_tokens=max_new_tokens, eos_token_ids=eos, **decode_options
+            )
+            record["methods"][name] = {
+                "tokens": result.tokens,
+                "forwards": result.target_forwards,
+                "seconds": result.seconds,
+                "pack_seconds": result.pack_seconds,
+                "own_reference": own_reference,
+                "own_seconds": own_seconds,
+            }
+        turns.append(record)
+        messages.append({"role": "assistant", "content": target.tokenizer.decode(reference, skip_special_tokens=True)})
+        bar.update(1)
+    return {"question": question.id, "turns": turns}
+
+
+def _tally_question(tallies: dict[str, dict[str, Tally]], record: dict[str, Any], category: str) -> list[Turn]:
+    """Add one question's record to every method's tallies; its turns, for the methods run afterwards."""
+    turns = []
+    for turn in record["turns"]:
+        reference, base_seconds, where = turn["reference"], turn["base_seconds"], turn["where"]
+        for scope in scopes_of(category):
+            tallies[BASELINE][scope].add(reference, len(reference), base_seconds, base_seconds, reference, where)
+            for name, run in turn["plain"].items():
+                tallies[name][scope].add(
+                    run["tokens"], len(run["tokens"]), run["seconds"], base_seconds, reference, where
+                )
+            for name, run in turn["methods"].items():
+                tally = tallies[name][scope]
+                if run["own_reference"] is None:
+                    tally.add(run["tokens"], run["forwards"], run["seconds"], base_seconds, reference, where)
+                else:
+                    tally.add(
+                        run["tokens"], run["forwards"], run["seconds"], run["own_seconds"], run["own_reference"], where
+                    )
+                    tally.add_agreement(run["own_reference"], reference)
+        turns.append(Turn(turn["prompt"], reference, base_seconds, category, where))
+    return turns
+
+
 def run_bench(
     target: Target,
     questions: list[Question],
@@ -213,6 +385,7 @@ def run_bench(
     native: bool = True,
     vllm_python: str | None = None,
     target_dir: Path | None = None,
+    progress: BenchProgress | None = None,
 ) -> dict[str, Any]:
     """Per method, overall and per category: tau, speedup, tokens_per_s, identical, total. With
     ``compiled``, every runtime method verifies through it (compile time is kept out of the timings
@@ -223,7 +396,10 @@ def run_bench(
     (built before any timing).
 
     ``vllm`` / ``vllm=DIR`` methods run after the others, in vLLM (``vllm_python``'s environment, the
-    target opened from ``target_dir``), on the same prompts, each prompt timed alone."""
+    target opened from ``target_dir``), on the same prompts, each prompt timed alone.
+
+    ``progress``: each finished question is appended to it, and the questions it already holds (from a
+    run that stopped) are taken from it instead of decoded again."""
     eos = target.eos_token_ids
     for question in questions:  # later turns depend on earlier answers: they are checked when they are asked
         prompt = target.encode_chat([{"role": "user", "content": question.turns[0]}])
@@ -246,52 +422,23 @@ def run_bench(
     direct = direct_forward_for(target.model) if native and compiled is None else None
     native_used = direct is not None and direct.native  # built here, outside every timing
     hf_greedy(target.model, target.encode_chat([{"role": "user", "content": "Hi"}]), 4, eos)  # warm-up
-    progress = tqdm(total=sum(len(q.turns) for q in questions), desc="bench", unit="turn", dynamic_ncols=True)
-    for question in questions:
-        messages: list[dict[str, str]] = []
-        for turn_index, turn in enumerate(question.turns):
-            messages.append({"role": "user", "content": turn})
-            prompt = target.encode_chat(messages)
-            check_fits_context(
-                target.model, len(prompt), max_new_tokens, f"question {question.id} turn {turn_index + 1}"
-            )
-            reference, base_seconds = hf_greedy(target.model, prompt, max_new_tokens, eos)
-            where = f"{question.id}/{turn_index}"
-            for scope in scopes_of(question.category):
-                tallies[BASELINE][scope].add(reference, len(reference), base_seconds, base_seconds, reference, where)
-            for name, decode in plain.items():  # other plain decoders: same tokens, their own time
-                tokens, seconds = decode(prompt, max_new_tokens, eos)
-                for scope in scopes_of(question.category):
-                    tallies[name][scope].add(tokens, len(tokens), seconds, base_seconds, reference, where)
-            for name, drafter in drafters.items():
-                own_reference, own_seconds = _served_reference(target, drafter, prompt, max_new_tokens, eos)
-                result = generate(
-                    target.model,
-                    prompt,
-                    drafter,
-                    max_new_tokens=max_new_tokens,
-                    eos_token_ids=eos,
-                    compiled=compiled,
-                    packed_gemm=packed_gemm,
-                    greedy_head=greedy_head,
-                    native=native,
-                )
-                pack_seconds += result.pack_seconds
-                for scope in scopes_of(question.category):
-                    tally = tallies[name][scope]
-                    if own_reference is None:
-                        tally.add(result.tokens, result.target_forwards, result.seconds, base_seconds, reference, where)
-                    else:
-                        tally.add(
-                            result.tokens, result.target_forwards, result.seconds, own_seconds, own_reference, where
-                        )
-                        tally.add_agreement(own_reference, reference)
-            turns.append(Turn(prompt, reference, base_seconds, question.category, where))
-            messages.append(
-                {"role": "assistant", "content": target.tokenizer.decode(reference, skip_special_tokens=True)}
-            )
-            progress.update(1)
-    progress.close()
+    finished = list(progress.records) if progress is not None else []  # from the run this one resumes
+    for record, question in zip(finished, questions):
+        if record.get("question") != question.id:
+            raise BenchError(f"{progress.path} does not follow these questions (at {question.id}); use --overwrite")
+    bar = tqdm(total=sum(len(q.turns) for q in questions), desc="bench", unit="turn", dynamic_ncols=True)
+    bar.update(sum(len(q.turns) for q in questions[: len(finished)]))
+    decode_options = {"compiled": compiled, "packed_gemm": packed_gemm, "greedy_head": greedy_head, "native": native}
+    for index, question in enumerate(questions):
+        if index < len(finished):
+            record = finished[index]
+        else:
+            record = _run_question(target, question, plain, drafters, max_new_tokens, decode_options, bar)
+            if progress is not None:
+                progress.append(record)
+        turns += _tally_question(tallies, record, question.category)
+        pack_seconds += sum(m["pack_seconds"] for turn in record["turns"] for m in turn["methods"].values())
+    bar.close()
     engine_info = {}
     for method in engine_methods:
         print(f"bench: {method.name} in vLLM ({len(turns)} prompts; it compiles for a minute or two first)", flush=True)
@@ -318,6 +465,7 @@ def run_bench(
         "device": str(target.model.device),
         "dtype": str(target.model.dtype).removeprefix("torch."),
         "questions": len(questions),
+        **({"resumed_questions": len(finished)} if finished else {}),
         "compiled": compiled is not None,
         **({"compile_seconds": round(compiled.compile_seconds, 1)} if compiled is not None else {}),
         **{f"{name}_compile_seconds": round(decode.compile_seconds, 1) for name, decode in plain.items()},
@@ -427,7 +575,10 @@ def write_chart(results: dict[str, Any], path: Path) -> None:
 
 
 def is_bench_results(path: Path) -> bool:
-    """Whether ``path`` holds what :func:`write_results` writes (a results.json with its methods)."""
+    """Whether ``path`` holds what :func:`write_results` writes (a results.json with its methods), or an
+    unfinished bench's progress file."""
+    if read_progress(Path(path) / PROGRESS)[0] is not None:
+        return True
     try:
         results = json.loads((Path(path) / "results.json").read_text())
     except (OSError, ValueError):

@@ -98,8 +98,13 @@ def cmd_bench(args: argparse.Namespace) -> None:
     from draftsmith.core.io import check_creatable_directory, check_output_directory
     from draftsmith.core.target import safetensors_directory
     from draftsmith.inference.bench import (
+        PROGRESS,
+        BenchError,
+        BenchProgress,
         bench_output_rules,
+        bench_settings,
         markdown_table,
+        read_progress,
         read_questions,
         run_bench,
         write_results,
@@ -114,24 +119,41 @@ def cmd_bench(args: argparse.Namespace) -> None:
     out = Path(args.out)
     rules = bench_output_rules((("the questions file", Path(args.questions)), *_method_inputs(methods)))
     # before the model loads: a run's measurements must not be lost to an --out that cannot take them
-    check_output_directory(out, args.overwrite, rules)
+    if args.resume and args.overwrite:
+        raise BenchError("--resume continues the bench in --out and --overwrite starts it over: give one of them")
+    header, finished, _ = read_progress(out / PROGRESS)
+    if header is not None and not (args.resume or args.overwrite):
+        raise BenchError(
+            f"{out} holds an unfinished bench ({len(finished)} questions done); --resume continues it, "
+            "--overwrite starts over"
+        )
+    if not args.resume:
+        check_output_directory(out, args.overwrite, rules)
     check_creatable_directory(out)
     target = _load_target(args)
     target_dir = safetensors_directory(args.target) if any(is_vllm_method(m) for m in methods) else None
+    options = {
+        "packed_gemm": not args.no_packed_gemm,
+        "greedy_head": not args.no_greedy_head,
+        "native": not args.no_native,
+    }
+    settings = bench_settings(target, questions, methods, args.max_new_tokens, compiled=args.compile, **options)
+    progress = BenchProgress.resume(out, settings) if args.resume else BenchProgress.start(out, settings)
+    if progress.records:
+        print(f"bench: resuming after {len(progress.records)} finished questions of {len(questions)}", flush=True)
     results = run_bench(
         target,
         questions,
         methods,
         args.max_new_tokens,
         compiled=_compiled_target(args, target),
-        packed_gemm=not args.no_packed_gemm,
-        greedy_head=not args.no_greedy_head,
-        native=not args.no_native,
         vllm_python=args.vllm_python,
         target_dir=target_dir,
+        progress=progress,
+        **options,
     )
     print(markdown_table(results))  # shown before writing, so a failed write loses no figures
-    write_results(results, out, args.overwrite, rules)
+    write_results(results, out, True, rules)  # --out holds this run's own progress file by now
     print(f"results in {args.out}/results.json, results.md, chart.png")
 
 
@@ -299,6 +321,12 @@ def add_inference_commands(subparsers: Any) -> None:
     p.add_argument("--out", required=True, help="output directory for results.json, results.md, chart.png")
     p.add_argument(
         "--overwrite", action="store_true", help="replace earlier bench results (never a directory bench did not write)"
+    )
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the bench that stopped in --out (its progress.jsonl holds each finished question) with "
+        "the same options, instead of starting over",
     )
     _add_compile_argument(p)
     _add_kernel_arguments(p)

@@ -212,6 +212,44 @@ def test_bench_refuses_a_drafter_folder_named_in_methods(tmp_path, questions, no
     assert (drafter / "config.json").is_file()
 
 
+def test_an_interrupted_bench_resumes_where_it_stopped(tmp_path, tiny_target_dir, capsys, monkeypatch):
+    """A bench killed after two of three questions keeps them in progress.jsonl (a torn line after them
+    is dropped); a plain rerun is refused, a resume with other options is refused naming them, and
+    --resume decodes only the third question and writes results over all three."""
+    from draftsmith.inference import bench
+
+    records = [{"question_id": f"q{i}", "category": "writing", "turns": [f"Write {i} words."]} for i in range(3)]
+    questions = write_jsonl(tmp_path / "questions.jsonl", records)
+    out = tmp_path / "bench"
+    argv = [str(a) for a in bench_argv(questions, out, tiny_target_dir, "--methods", "pld")]
+    real, asked = bench._run_question, []
+
+    def crashing(target, question, *args):
+        asked.append(question.id)
+        if question.id == "q2" and len(asked) == 3:
+            raise KeyboardInterrupt  # the user's Ctrl-C, or a killed job
+        return real(target, question, *args)
+
+    monkeypatch.setattr(bench, "_run_question", crashing)
+    with pytest.raises(SystemExit) as stopped:
+        main(argv)
+    assert stopped.value.code == 130
+    assert sorted(p.name for p in out.iterdir()) == ["progress.jsonl"]
+    with open(out / "progress.jsonl", "a") as handle:
+        handle.write('{"question": "q2", "tu')  # torn by the kill
+    capsys.readouterr()
+    assert "holds an unfinished bench (2 questions done); --resume continues it" in refused(argv, capsys)
+    other = [*argv[: argv.index("--max-new-tokens")], "--max-new-tokens", "5", "--methods", "pld", "--resume"]
+    assert "ran with other max_new_tokens" in refused(other, capsys)
+    asked.clear()
+    main([*argv, "--resume"])
+    assert asked == ["q2"] and "resuming after 2 finished questions of 3" in capsys.readouterr().out
+    results = json.loads((out / "results.json").read_text())
+    assert results["resumed_questions"] == 2 and not (out / "progress.jsonl").exists()
+    for method in ("hf-generate", "none", "pld"):
+        assert results["methods"][method]["overall"]["identical"] == results["methods"][method]["overall"]["total"] == 3
+
+
 # ---- resume -----------------------------------------------------------------------------------------
 
 

@@ -360,10 +360,15 @@ class AdaptsTargetMixin:
             yield target
 
     @torch.no_grad()
-    def original_logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """(B, T, V) logits of the target with the adapters off: the self-distillation teacher, from
-        the same target object (no second copy), without gradient."""
-        return self.target(input_ids=input_ids, attention_mask=attention_mask).logits
+    def original_features(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """(B, T, h) last features (the input of ``lm_head``) of the target with the adapters off: the
+        self-distillation teacher, from the same target object (no second copy), without gradient.
+        Features, not (B, T, V) logits: the loss projects them a chunk of rows at a time."""
+        return self.target.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+
+    def next_token_logits(self, features: torch.Tensor) -> torch.Tensor:
+        """The target's ``lm_head`` (never adapted) over last features (..., h) -> (..., V)."""
+        return self.target.get_output_embeddings()(features)
 
 
 class VerifiesAdaptedTarget:

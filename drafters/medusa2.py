@@ -67,10 +67,10 @@ class Medusa2Config(AdaptsTargetConfig, MedusaConfig):
 
 @dataclass
 class Medusa2Output:
-    logits: torch.Tensor  # (B, T, V): the adapted model's next-token logits
+    logits: torch.Tensor | None  # (B, T, V): the adapted model's next-token logits (None with logits=False)
     head_logits: list[torch.Tensor]  # head k (0-based): (N_k, V') at the positions head_rows[k] selected
     features: torch.Tensor  # (B, T, h): the adapted model's last feature (what the heads read)
-    original_logits: torch.Tensor | None = None  # (B, T, V): the target with the adapters off, no gradient
+    original_features: torch.Tensor | None = None  # (B, T, h): the target with the adapters off, no gradient
 
 
 class Medusa2Model(AdaptsTargetMixin, DrafterModel):
@@ -102,17 +102,19 @@ class Medusa2Model(AdaptsTargetMixin, DrafterModel):
         attention_mask: torch.Tensor | None = None,
         head_rows: Sequence[torch.Tensor] = (),
         original: bool = True,
+        logits: bool = True,
     ) -> Medusa2Output:
         """The adapted target over ``input_ids`` (B, T) and head k's logits at the positions ``head_rows[k]``
-        (B, T_k) bool selects among the first T_k; with ``original`` also the unadapted target's logits
-        (the self-distillation teacher). One call, so DDP / DeepSpeed see every trained weight used."""
+        (B, T_k) bool selects among the first T_k; with ``original`` also the unadapted target's last
+        features (the self-distillation teacher). ``logits`` False skips the (B, T, V) logits: the loss
+        projects the features it needs in chunks. One call, so DDP / DeepSpeed see every trained weight used."""
         target = self.target
-        original_logits = self.original_logits(input_ids, attention_mask) if original else None
+        original_features = self.original_features(input_ids, attention_mask) if original else None
         with self.adapted():
-            out = target(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True)
-        features = out.hidden_states[-1]  # the input of lm_head, as the runtime hands it to the heads
+            features = target.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
         head_logits = self.heads([features[:, : rows.shape[1]][rows] for rows in head_rows]) if head_rows else []
-        return Medusa2Output(out.logits, head_logits, features, original_logits)
+        full = self.next_token_logits(features) if logits else None
+        return Medusa2Output(full, head_logits, features, original_features)
 
     # ---- parameters and saving --------------------------------------------------------------
     def parameter_groups(self) -> dict[str, list[nn.Parameter]]:

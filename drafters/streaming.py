@@ -118,13 +118,14 @@ class StreamingConfig(AdaptsTargetConfig):
 
 @dataclass
 class StreamingOutput:
-    logits: torch.Tensor  # (B, q, V): the main stream, exactly the adapted HF model's logits
+    logits: torch.Tensor | None  # (B, q, V): the main stream, exactly the adapted HF model's (None: logits=False)
     stream_hidden: torch.Tensor | None  # (B, R, γ, h): streams after the final norm (lm_head gives their logits)
     past_key_values: Any = None
     hidden_states: tuple[torch.Tensor, ...] | None = None
     pruning_hidden: torch.Tensor | None = None  # (B, q', h): o_θ(M^{L-Ns}); lm_head gives the pruning adapter's logits
     kept_rows: torch.Tensor | None = None  # (q',): rows of input_ids that tree pruning kept (None = all)
-    original_logits: torch.Tensor | None = None  # (B, q, V): the target with the adapters off, no gradient
+    original_features: torch.Tensor | None = None  # (B, q, h): the target with the adapters off, no gradient
+    features: torch.Tensor | None = None  # (B, q, h): the main stream's last features (the input of lm_head)
 
 
 @dataclass
@@ -194,6 +195,7 @@ class StreamingModel(AdaptsTargetMixin, DrafterModel):
         output_hidden_states: bool = False,
         prune_threshold: float = 0.0,
         original: bool = False,
+        logits: bool = True,
     ) -> StreamingOutput:
         """The adapted target over ``input_ids`` (B, q); with ``streams`` also every stream at the
         query rows ``stream_rows`` (None = all). ``attention_mask`` is a 2D padding mask (B, past + q),
@@ -202,10 +204,11 @@ class StreamingModel(AdaptsTargetMixin, DrafterModel):
         ``prune_threshold`` > 0 (a tree mask, batch 1) drops the tree's sub-trees whose estimated
         transition probability is under it after layer L - Ns: the output then covers ``kept_rows``
         only, and so does the KV cache of every layer. ``original`` (training, no cache) adds the
-        unadapted target's logits, the self-distillation teacher; the streams are off in that forward
-        (its hooks see no run)."""
+        unadapted target's last features, the self-distillation teacher; the streams are off in that
+        forward (its hooks see no run). ``logits`` False (training) skips the main stream's (B, q, V)
+        logits and returns its ``features``: the loss projects the rows it needs in chunks."""
         target = self.target
-        original_logits = self.original_logits(input_ids, attention_mask) if original else None
+        original_features = self.original_features(input_ids, attention_mask) if original else None
         if streams and past_key_values is None:
             past_key_values = DynamicCache(config=target.config)  # the hooks read main keys/values from it
         past = past_key_values.get_seq_length() if past_key_values is not None else 0
@@ -218,7 +221,7 @@ class StreamingModel(AdaptsTargetMixin, DrafterModel):
         self._run = run
         try:
             with self.adapted():
-                out = target(
+                out = (target if logits else target.model)(
                     input_ids=input_ids,
                     attention_mask=attention_mask,
                     position_ids=position_ids,
@@ -228,17 +231,17 @@ class StreamingModel(AdaptsTargetMixin, DrafterModel):
                 )
         finally:
             self._run = None
+        main = {"original_features": original_features, "features": None if logits else out.last_hidden_state}
+        main_logits = out.logits if logits else None
         if run is None:
-            return StreamingOutput(
-                out.logits, None, out.past_key_values, out.hidden_states, original_logits=original_logits
-            )
+            return StreamingOutput(main_logits, None, out.past_key_values, out.hidden_states, **main)
         if run.kept is not None:  # the pruned rows left keys/values in the layers below L - Ns
             layers = slice(0, self.config.first_stream_layer)
             keep_positions(out.past_key_values, kept_columns(run.kept, past), layers)
         stream_hidden = target.model.norm(run.states)
         pruning_hidden = None if self.pruning is None else self.pruning(run.fork.detach())  # trains o_θ alone
         return StreamingOutput(
-            out.logits, stream_hidden, out.past_key_values, out.hidden_states, pruning_hidden, run.kept, original_logits
+            main_logits, stream_hidden, out.past_key_values, out.hidden_states, pruning_hidden, run.kept, **main
         )
 
     def _tree_pruning(
@@ -249,10 +252,6 @@ class StreamingModel(AdaptsTargetMixin, DrafterModel):
         if attention_mask is None or attention_mask.dim() != 4 or input_ids.shape[0] != 1 or run.rows is not None:
             raise ValueError("tree pruning needs one draft tree: batch 1, its 4D tree mask, streams on every row")
         return TreePruning.from_mask(run.allowed[0], input_ids[0], past, threshold)
-
-    def stream_logits(self, stream_hidden: torch.Tensor) -> torch.Tensor:
-        """The target's lm_head over stream states (..., γ, h) -> (..., γ, V)."""
-        return self.target.get_output_embeddings()(stream_hidden)
 
     def _make_layer_hook(self, index: int):
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
@@ -466,4 +465,4 @@ class StreamingTreeDrafter(VerifiesAdaptedTarget, Drafter):
             raise RuntimeError("the streaming drafter drafts from its verifier's forward; run it through generate")
         calls, row = self._row_call
         hidden = verifier.stream_hidden[row if calls == verifier.calls else -1]  # (γ, h)
-        return cartesian_tree(self.adapting.stream_logits(hidden), self.top_k, self.total_tokens)
+        return cartesian_tree(self.adapting.next_token_logits(hidden), self.top_k, self.total_tokens)

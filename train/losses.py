@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -310,6 +311,7 @@ def medusa2_loss(
     head_weight: float = 0.2,
     decay: float = 0.8,
     soft_labels: bool = False,
+    logit_chunk_rows: int = 1024,
 ) -> LossOutput:
     """Medusa-2: ``kl_weight * KL(original || adapted) + head_weight * sum_k decay^k * CE_k``.
 
@@ -318,42 +320,45 @@ def medusa2_loss(
     adapters off, at the positions whose next token is an assistant token; with self-distilled data
     (the target's own answers) it is what keeps the served model's quality. The heads are supervised
     as in :func:`medusa_loss`; ``soft_labels`` takes the adapted model's distribution (the one
-    verification compares against) as their teacher.
+    verification compares against) as their teacher. The KL's full-vocabulary logits (adapted and
+    original) are made ``logit_chunk_rows`` rows at a time (see :func:`_chunked_terms`).
 
     Metrics: :func:`medusa_loss`'s, plus ``loss/kl``, ``loss/heads`` and ``agree/original`` (how often
     the adapted model's argmax is the original's at those positions)."""
     core = getattr(model, "module", model)  # DDP / DeepSpeed wrap the model; compute still goes through model()
     rows = _medusa_head_rows(batch, int(core.config.num_heads))
-    out = model(batch.input_ids, attention_mask=batch.attention_mask, head_rows=rows)
+    out = model(batch.input_ids, attention_mask=batch.attention_mask, head_rows=rows, logits=False)
     features = out.features.float()
     heads, metrics = _medusa_heads_ce(core.heads, batch, features, rows, out.head_logits, frozen, decay, soft_labels)
     predicting = (batch.loss_mask * batch.attention_mask).bool()[:, 1:]  # x_{t+1} is an assistant token
-    kl, kl_metrics = _self_distillation(out.logits, out.original_logits, predicting)
-    metrics.update({**kl_metrics, "loss/heads": float(heads.detach())})
-    return LossOutput(kl_weight * kl + head_weight * heads, metrics)
+    terms = _next_token_terms(core, out, batch.input_ids, predicting, logit_chunk_rows)
+    metrics.update({**_distillation_metrics(terms), "loss/heads": float(heads.detach())})
+    return LossOutput(kl_weight * terms.kl + head_weight * heads, metrics)
 
 
-def _self_distillation(
-    logits: torch.Tensor, original_logits: torch.Tensor, predicting: torch.Tensor
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """KL(original || adapted) of the next-token distributions at the positions t where ``predicting``
-    (B, T - 1) says ``x_{t+1}`` is supervised, with ``loss/kl`` and ``agree/original`` (how often the
-    adapted model's argmax is the original's there); the LoRA families' guard on the served model."""
-    adapted = logits[:, :-1][predicting].float()
-    original = original_logits[:, :-1][predicting].float()
-    kl = _distillation_kl(adapted, original)
-    metrics = {"loss/kl": float(kl.detach())}
-    if adapted.shape[0]:
-        metrics["agree/original"] = float((adapted.detach().argmax(-1) == original.argmax(-1)).float().mean())
-    return kl, metrics
+def _next_token_terms(
+    core, out: Any, input_ids: torch.Tensor, predicting: torch.Tensor, chunk_rows: int
+) -> ChunkedTerms:
+    """The LoRA families' next-token terms at the positions t where ``predicting`` (B, T - 1) says
+    ``x_{t+1}`` is supervised: the adapted model's CE against ``x_{t+1}`` and, when the forward ran
+    the original (``out.original_features``), KL(original || adapted), the guard on the served model.
+    Both from last features through the target's ``lm_head``, ``chunk_rows`` rows at a time."""
+    teacher = out.original_features
+    return _chunked_terms(
+        out.features[:, :-1][predicting],
+        input_ids[:, 1:][predicting],
+        core.next_token_logits,
+        chunk_rows,
+        None if teacher is None else teacher[:, :-1][predicting],
+    )
 
 
-def _distillation_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
-    """Mean over rows of KL(teacher || student); zero (with a graph) when there are no rows."""
-    if student_logits.shape[0] == 0:
-        return student_logits.sum() * 0.0
-    student, teacher = student_logits.log_softmax(-1), teacher_logits.log_softmax(-1)
-    return F.kl_div(student, teacher, log_target=True, reduction="batchmean")
+def _distillation_metrics(terms: ChunkedTerms) -> dict[str, float]:
+    """``loss/kl`` and ``agree/original``: how often the adapted model's argmax is the original's."""
+    metrics = {"loss/kl": float(terms.kl.detach())}
+    if terms.agrees.numel():
+        metrics["agree/original"] = float(terms.agrees.float().mean())
+    return metrics
 
 
 def streaming_loss(
@@ -375,24 +380,23 @@ def streaming_loss(
     adapter alone); a term counts where its label is an assistant token. The KL is self-distillation
     of the main stream against the same target with the adapters off (see :func:`medusa2_loss`): it
     keeps the served, adapted model close to the original; ``kl_weight`` 0 skips that extra forward.
-    The streams' and the adapter's full-vocabulary logits are computed ``logit_chunk_rows`` rows at a
-    time (0 = all at once; see :func:`_chunked_ce`): the same loss and gradients, without the
-    (rows x γ x V) logits in memory. ``frozen`` is unused: the model runs the target itself.
+    Every full-vocabulary logit (main, original, streams, adapter) is computed ``logit_chunk_rows`` rows
+    at a time (0 = all at once; see :func:`_chunked_terms`): the same loss and gradients, without the
+    (rows x (γ + 2) x V) logits in memory. ``frozen`` is unused: the model runs the target itself.
 
     Metrics: ``loss/main``, ``loss/stream{j}``, ``acc/stream{j}`` (top-1 against the label),
     ``loss/kl`` and ``agree/original`` (with the KL), ``loss/pruning``, ``acc/pruning`` and
     ``sim/accept_length`` = 1 + the mean number of leading streams that are all right at a position."""
     core = getattr(model, "module", model)  # DDP / DeepSpeed wrap the model; compute still goes through model()
-    out = model(batch.input_ids, attention_mask=batch.attention_mask, original=kl_weight > 0)
+    out = model(batch.input_ids, attention_mask=batch.attention_mask, original=kl_weight > 0, logits=False)
     supervised = (batch.loss_mask * batch.attention_mask).bool()
     streams = out.stream_hidden.shape[2]
     main_rows = supervised[:, 1:]
-    main_ce = _masked_ce(out.logits[:, :-1][main_rows], batch.input_ids[:, 1:][main_rows])
-    loss, metrics = main_weight * main_ce, {"loss/main": float(main_ce.detach())}
-    if out.original_logits is not None:
-        kl, kl_metrics = _self_distillation(out.logits, out.original_logits, main_rows)
-        loss = loss + kl_weight * kl
-        metrics.update(kl_metrics)
+    main = _next_token_terms(core, out, batch.input_ids, main_rows, logit_chunk_rows)
+    loss, metrics = main_weight * main.ce, {"loss/main": float(main.ce.detach())}
+    if out.original_features is not None:
+        loss = loss + kl_weight * main.kl
+        metrics.update(_distillation_metrics(main))
     if out.pruning_hidden is not None:
         pruning_ce, pruning_metrics = _pruning_ce(
             core, out.pruning_hidden, batch.input_ids, main_rows, logit_chunk_rows
@@ -402,7 +406,7 @@ def streaming_loss(
 
     def stream_ce(j: int, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         hidden = out.stream_hidden[:, : rows.shape[1], j - 1][rows]
-        return _chunked_ce(hidden, batch.input_ids[:, j + 1 :][rows], core.stream_logits, logit_chunk_rows)
+        return _chunked_ce(hidden, batch.input_ids[:, j + 1 :][rows], core.next_token_logits, logit_chunk_rows)
 
     ces, stream_metrics = _per_offset_ce(batch, streams, stream_ce, "stream")
     metrics.update(stream_metrics)
@@ -415,46 +419,79 @@ def _pruning_ce(
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The tree-pruning adapter's next-token CE: ``lm_head(o_θ(M_t))`` against ``x_{t+1}`` at ``rows``."""
     labels = input_ids[:, 1:][rows]
-    ce, hits = _chunked_ce(pruning_hidden[:, :-1][rows], labels, core.stream_logits, chunk_rows)  # the target's lm_head
+    ce, hits = _chunked_ce(pruning_hidden[:, :-1][rows], labels, core.next_token_logits, chunk_rows)
     metrics = {"loss/pruning": float(ce.detach())}
     if labels.numel():
         metrics["acc/pruning"] = float(hits.float().mean())
     return ce, metrics
 
 
+@dataclass
+class ChunkedTerms:
+    ce: torch.Tensor  # mean CE against the labels (with a graph)
+    kl: torch.Tensor  # mean KL(teacher || student) over the rows; 0 without a teacher
+    hits: torch.Tensor  # (N,) bool: the student's argmax is the label
+    agrees: torch.Tensor  # (N,) bool: the student's argmax is the teacher's; empty without a teacher
+
+
 def _chunked_ce(
     hidden: torch.Tensor, labels: torch.Tensor, project: Callable[[torch.Tensor], torch.Tensor], chunk_rows: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mean CE of ``project(hidden)`` (N, V) against ``labels`` (N,), and the top-1 hits (N,) bool.
+    """Mean CE of ``project(hidden)`` against ``labels`` and the top-1 hits (see :func:`_chunked_terms`)."""
+    terms = _chunked_terms(hidden, labels, project, chunk_rows)
+    return terms.ce, terms.hits
+
+
+def _chunked_terms(
+    hidden: torch.Tensor,
+    labels: torch.Tensor,
+    project: Callable[[torch.Tensor], torch.Tensor],
+    chunk_rows: int,
+    teacher_hidden: torch.Tensor | None = None,
+) -> ChunkedTerms:
+    """CE of ``project(hidden)`` (N, V) against ``labels`` (N,) and, with ``teacher_hidden`` (N, h, no
+    gradient), KL(project(teacher_hidden) || project(hidden)).
 
     With ``chunk_rows`` > 0 the logits are made ``chunk_rows`` rows at a time and each chunk is
-    checkpointed: only its (chunk_rows, h) input is kept for the backward, which makes the chunk's
+    checkpointed: only its (chunk_rows, h) inputs are kept for the backward, which makes the chunk's
     logits again, so at most one chunk's (chunk_rows, V) logits exist at any time (a (16 x 2048)-row
-    batch's logits over a 49k vocabulary, per stream, do not fit a GPU beside the model). The
+    batch's logits over a 49k vocabulary, per stream, do not fit a GPU beside the model; a (2 x 2048)
+    batch's main and original logits with their softmaxes took ~10 GB of a CPU's memory). The
     gradients are the unchunked ones, up to float summation order. 0 = all rows at once, kept."""
-    if not labels.numel():
-        return hidden.sum() * 0.0, labels.new_zeros(0, dtype=torch.bool)  # zero, with a graph
-    size = chunk_rows if chunk_rows > 0 else labels.numel()
+    rows = labels.numel()
+    if not rows:
+        zero, none = hidden.sum() * 0.0, labels.new_zeros(0, dtype=torch.bool)  # zero, with a graph
+        return ChunkedTerms(zero, zero, none, none)
+    size = chunk_rows if chunk_rows > 0 else rows
     recompute = chunk_rows > 0 and torch.is_grad_enabled() and hidden.requires_grad
-    sums, hits = [], []
-    for start in range(0, labels.numel(), size):
-        part = (project, hidden[start : start + size], labels[start : start + size])
-        ce_sum, hit = checkpoint(_ce_sum_and_hits, *part, use_reentrant=False) if recompute else _ce_sum_and_hits(*part)
-        sums.append(ce_sum)
-        hits.append(hit)
-    return torch.stack(sums).sum() / labels.numel(), torch.cat(hits)
+    parts = []
+    for start in range(0, rows, size):
+        chunk = slice(start, start + size)
+        teacher = None if teacher_hidden is None else teacher_hidden[chunk]
+        part = (project, hidden[chunk], labels[chunk], teacher)
+        parts.append(checkpoint(_chunk_sums, *part, use_reentrant=False) if recompute else _chunk_sums(*part))
+    ce_sums, kl_sums, hits, agrees = zip(*parts, strict=True)
+    return ChunkedTerms(
+        torch.stack(ce_sums).sum() / rows, torch.stack(kl_sums).sum() / rows, torch.cat(hits), torch.cat(agrees)
+    )
 
 
-def _ce_sum_and_hits(
-    project: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, labels: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    logits = project(hidden).float()
-    return F.cross_entropy(logits, labels, reduction="sum"), logits.detach().argmax(-1) == labels
-
-
-def _masked_ce(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean CE over the rows; zero (with a graph) when there are none."""
-    return F.cross_entropy(logits.float(), labels) if labels.numel() else logits.sum() * 0.0
+def _chunk_sums(
+    project: Callable[[torch.Tensor], torch.Tensor],
+    hidden: torch.Tensor,
+    labels: torch.Tensor,
+    teacher_hidden: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One chunk's CE sum, KL sum, hits and agreements (see :func:`_chunked_terms`)."""
+    student = project(hidden).float().log_softmax(-1)
+    ce_sum = F.nll_loss(student, labels, reduction="sum")
+    picked = student.detach().argmax(-1)
+    if teacher_hidden is None:
+        return ce_sum, ce_sum.new_zeros(()), picked == labels, labels.new_zeros(0, dtype=torch.bool)
+    with torch.no_grad():
+        teacher = project(teacher_hidden).float().log_softmax(-1)
+    kl_sum = F.kl_div(student, teacher, log_target=True, reduction="sum")
+    return ce_sum, kl_sum, picked == labels, picked == teacher.argmax(-1)
 
 
 LossFn = Callable[..., LossOutput]  # loss(model, batch: TrainBatch, frozen: FrozenTarget, **options)

@@ -343,7 +343,13 @@ def test_shipped_recipe_validates():
 
     recipe = load_train_recipe(REPO / "recipes/medusa2-smollm2.yaml")
     assert recipe.family_name == "medusa2" and recipe.data.features is None
-    assert recipe.loss == {"kl_weight": 1.0, "head_weight": 0.2, "decay": 0.8, "soft_labels": False}
+    assert recipe.loss == {
+        "kl_weight": 1.0,
+        "head_weight": 0.2,
+        "decay": 0.8,
+        "soft_labels": False,
+        "logit_chunk_rows": 1024,
+    }
     assert load_train_recipe(REPO / "recipes/medusa2-smollm2.yaml", ["drafter.lora_rank=8"]).drafter["lora_rank"] == 8
 
 

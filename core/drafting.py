@@ -62,6 +62,13 @@ class Drafter:
         :attr:`reads_logits` or sampling) and the verdict: drafters that learn from the target's own
         predictions (SPECTRA's pool) read them here at no extra forward."""
 
+    def served_model(self) -> torch.nn.Module | None:
+        """A plain model of the target's class that the runtime decodes with instead of the target, with
+        every fast path of the target (direct forward, C++ layers, packed GEMM, screened head), or None for
+        the target itself. Medusa-2 serves its target with the LoRA merged into a private copy of the
+        weights it adapts."""
+        return None
+
     def verifier_model(self) -> torch.nn.Module | None:
         """The model the runtime calls for every forward instead of the target (same call signature;
         its ``.logits`` are what is verified), or None for the target itself. Speculative Streaming

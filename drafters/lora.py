@@ -11,11 +11,13 @@ The adapter weights are the drafter's own parameters (a :class:`TargetLora`, sav
 
 from __future__ import annotations
 
+import copy
 import itertools
 import json
 import math
-from collections.abc import Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,6 +26,8 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
+from draftsmith.core.drafting import INERT_OUTSIDE_OWNER
+from draftsmith.core.weight_copies import CopySource
 from draftsmith.drafters.base import DrafterConfig
 
 DEFAULT_LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -275,6 +279,98 @@ class AdaptedTarget(nn.Module):
             return self.target(*args, **kwargs)
 
 
+# The hook dictionaries of an ``nn.Module`` a private copy gets its own of (torch's attribute names).
+_HOOK_DICTS = (
+    "_backward_pre_hooks",
+    "_backward_hooks",
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+    "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs",
+    "_state_dict_hooks",
+    "_state_dict_pre_hooks",
+    "_load_state_dict_pre_hooks",
+    "_load_state_dict_post_hooks",
+)
+
+
+def mergeable(target_model: nn.Module) -> bool:
+    """Whether a private copy can stand for ``target_model``: not dispatched by accelerate, whose hooks
+    patch each module's own ``forward`` (a copy would call the original's)."""
+    return not any(hasattr(module, "_hf_hook") or "forward" in vars(module) for module in target_model.modules())
+
+
+def shared_copy(module: nn.Module, substitute: Callable[[nn.Module], nn.Module | None]) -> nn.Module:
+    """A copy of ``module``'s tree that shares every parameter and buffer but has its own submodules
+    (``substitute`` returns a replacement for one, or None) and hooks, without those marked
+    :data:`INERT_OUTSIDE_OWNER` (another drafter's, which it removes from the original only)."""
+    replacement = substitute(module)
+    if replacement is not None:
+        return replacement
+    clone = copy.copy(module)
+    state = clone.__dict__
+    state["_parameters"] = dict(module._parameters)
+    state["_buffers"] = dict(module._buffers)
+    state["_non_persistent_buffers_set"] = set(module._non_persistent_buffers_set)
+    state["_modules"] = {
+        name: None if child is None else shared_copy(child, substitute) for name, child in module._modules.items()
+    }
+    for name in _HOOK_DICTS:
+        hooks = getattr(module, name, None)
+        if isinstance(hooks, dict):
+            state[name] = OrderedDict(
+                (key, hook) for key, hook in hooks.items() if not getattr(hook, INERT_OUTSIDE_OWNER, False)
+            )
+    return clone
+
+
+class MergedAdapter:
+    """The target with a LoRA merged into its weights, as peft's ``merge_and_unload`` makes it
+    (``W + B @ A * scaling``, peft's own delta), for serving: a plain model of the target's class, so
+    the runtime's fast paths (direct forward, C++ layers, packed GEMM, screened head) apply, which
+    peft's wrapped linears keep out. A private copy, not an in-place merge: the shared target stays
+    the original for every other user, and only the adapted projections take new memory (every other
+    weight is shared). The copy is remade when the LoRA or the target's weights change."""
+
+    def __init__(self, target_model: nn.Module, lora: TargetLora) -> None:
+        self.target, self.lora = target_model, lora
+        self._model: nn.Module | None = None
+        self._sources: list[tuple[nn.Module, str, CopySource]] = []
+
+    def model(self) -> nn.Module:
+        """The merged copy, remade if a weight it was made from has changed since."""
+        if self._model is None or not self._sources_unchanged():
+            self._model = self._merge()
+        return self._model
+
+    def _sources_unchanged(self) -> bool:
+        return all(source.still(owner._parameters[name]) for owner, name, source in self._sources)
+
+    @torch.no_grad()
+    def _merge(self) -> nn.Module:
+        from peft.tuners.lora import LoraLayer
+
+        sources: list[tuple[nn.Module, str, CopySource]] = []
+        adapter = self.lora.adapter_name
+
+        def substitute(module: nn.Module) -> nn.Module | None:
+            if not isinstance(module, LoraLayer):
+                return None
+            base = module.get_base_layer()
+            linear = shared_copy(base, lambda _: None)
+            if adapter in module.lora_A:
+                pieces = (base, module.lora_A[adapter], module.lora_B[adapter])
+                sources.extend((owner, "weight", CopySource(owner.weight)) for owner in pieces)
+                merged = base.weight + module.get_delta_weight(adapter)  # what peft's unsafe merge adds
+                linear._parameters["weight"] = nn.Parameter(merged, requires_grad=False)
+            return linear
+
+        model = shared_copy(self.target, substitute)
+        self._sources = sources
+        return model
+
+
 class AdaptsTargetConfig(DrafterConfig):
     """Config of a family that puts a LoRA on the target (Medusa-2, Speculative Streaming): the
     target's shape (``target``, recorded so that another target is refused) and the LoRA's options."""
@@ -383,3 +479,25 @@ class VerifiesAdaptedTarget:
 
     def reference_model(self) -> AbstractContextManager[nn.Module]:
         return self.adapting.adapted()
+
+
+class ServesMergedAdapter(VerifiesAdaptedTarget):
+    """Runtime-drafter mixin for a LoRA family whose verification is a plain forward of the adapted
+    target (Medusa-2): it serves the target with the LoRA merged (:class:`MergedAdapter`), which is then
+    also the reference, so output is identical to what peft's ``merge_and_unload`` model decodes. A target
+    a copy cannot stand for (:func:`mergeable`) is served through peft's wrapped linears instead."""
+
+    merged: MergedAdapter | None
+
+    def serve_merged(self) -> None:
+        target = self.adapting.target
+        self.merged = MergedAdapter(target, self.adapting.lora) if mergeable(target) else None
+
+    def served_model(self) -> nn.Module | None:
+        return None if self.merged is None else self.merged.model()
+
+    def verifier_model(self) -> nn.Module | None:
+        return super().verifier_model() if self.merged is None else None
+
+    def reference_model(self) -> AbstractContextManager[nn.Module]:
+        return super().reference_model() if self.merged is None else nullcontext(self.merged.model())

@@ -2,8 +2,11 @@
 
 The served model is the LoRA-adapted target: its features feed the heads and its logits are what
 verification compares against, so decoding is lossless with respect to the adapted model (not the
-original). The loss (``train.losses.medusa2_loss``) keeps the adapted model close to the original
-by self-distillation: a KL against the same target with the adapters switched off, no second copy.
+original). The runtime serves it merged, as peft's ``merge_and_unload`` would (``W + B @ A * scaling``
+in a private copy of the adapted projections), so it decodes through the same fast paths as the target;
+the merged model is then the reference. The loss (``train.losses.medusa2_loss``) keeps the adapted
+model close to the original by self-distillation: a KL against the same target with the adapters
+switched off, no second copy.
 
 - The heads are a :class:`~draftsmith.drafters.medusa.MedusaHeads` (same options, trees, drafting);
   the adapter is a :class:`~draftsmith.drafters.lora.TargetLora`, active only inside :meth:`Medusa2Model.forward`,
@@ -39,7 +42,7 @@ from draftsmith.drafters.lora import (
     AdaptedTarget,
     AdaptsTargetConfig,
     AdaptsTargetMixin,
-    VerifiesAdaptedTarget,
+    ServesMergedAdapter,
 )
 from draftsmith.drafters.medusa import MedusaConfig, MedusaHeads, MedusaTreeDrafter
 
@@ -159,11 +162,13 @@ class Medusa2Model(AdaptsTargetMixin, DrafterModel):
         return Medusa2TreeDrafter(self, tree)
 
 
-class Medusa2TreeDrafter(VerifiesAdaptedTarget, MedusaTreeDrafter):
-    """Medusa's tree drafting over the adapted target: the runtime verifies with the target with the
-    LoRA on, whose features feed the heads and whose logits are verified."""
+class Medusa2TreeDrafter(ServesMergedAdapter, MedusaTreeDrafter):
+    """Medusa's tree drafting over the adapted target: the runtime decodes with the target with the
+    LoRA merged into a private copy of the weights it adapts (or, where no copy can stand for the
+    target, with the LoRA on through peft), whose features feed the heads and whose logits are verified."""
 
     def __init__(self, model: Medusa2Model, tree: TreeOptions) -> None:
         super().__init__(model.heads, tree, name=model.config.drafter_family)
         self.adapting = model.eval()
         self.verifier = AdaptedTarget(model.target, model.lora)
+        self.serve_merged()

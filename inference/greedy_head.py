@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from draftsmith.inference.weight_copies import CopySource
+from draftsmith.core.weight_copies import CopySource
 
 _FP32_UNIT = 2.0**-24  # float32 unit roundoff
 _FP64_UNIT = 2.0**-53

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from draftsmith.inference.weight_copies import CopySource
+from draftsmith.core.weight_copies import CopySource
 
 ROW_BUCKETS = (2, 4, 8, 16, 32)
 MEMORY_SHARE = 0.5  # a bucket is packed only if its packs fit in this share of the available memory

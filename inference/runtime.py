@@ -175,7 +175,7 @@ def generate(
     """Speculative decoding of one prompt, greedy (``sampling=None``) or sampled; ``drafter=None`` is
     plain decoding through the runtime. ``on_tokens`` receives all new tokens so far after every commit.
     ``compiled`` (built for ``model``) runs every verification forward through its compiled graphs;
-    drafters that verify with their own model (an adapted target) run eagerly. ``packed_gemm``: eager
+    drafters that serve or verify with their own model (an adapted target) run eagerly. ``packed_gemm``: eager
     multi-row forwards of a float32 CPU target go through MKL's packed GEMM (``packed_gemm.py``).
     ``direct_forward``: eager verification forwards of a supported target (a Llama with SDPA) skip
     transformers' per-call machinery, with bitwise the same results (``direct_forward.py``).
@@ -186,9 +186,11 @@ def generate(
     the timing)."""
     start = time.perf_counter()
     compiled_before = compiled.compile_seconds if compiled is not None else 0.0
+    served = drafter.served_model() if drafter is not None else None
     verifier = drafter.verifier_model() if drafter is not None else None
+    model = served if served is not None else model
     model = model if verifier is None else verifier
-    compiled = compiled if verifier is None else None
+    compiled = compiled if verifier is None and served is None else None
     gemm = packed_gemm_for(model) if packed_gemm and compiled is None and verifier is None else None
     packed_before = gemm.pack_seconds if gemm is not None else 0.0
     setup_start = time.perf_counter()  # a first call loads (or builds) the native layers: setup

@@ -19,6 +19,7 @@ from draftsmith.drafters.base import FrozenTarget
 from draftsmith.drafters.medusa import resolve_tree
 from draftsmith.drafters.medusa2 import Medusa2ConfigError, Medusa2Model
 from draftsmith.drafters.registry import get_family
+from draftsmith.inference.greedy_head import greedy_head_for
 from draftsmith.inference.runtime import generate
 from draftsmith.train.batch import TrainBatch
 from draftsmith.train.losses import medusa2_loss, medusa_loss
@@ -161,14 +162,54 @@ def test_greedy_decoding_is_lossless_for_the_adapted_model(trained):
     for tree in ("medusa-16", "dynamic"):
         drafter = serve(model, target, tree=tree, total_tokens=10)
         for prompt in random_prompts(6, seed=5) + random_prompts(6, seed=99):
-            with model.adapted() as adapted:
-                reference = hf_greedy(adapted, prompt, 30)
+            with drafter.reference_model() as served:
+                reference = hf_greedy(served, prompt, 30)
             differs += reference != hf_greedy(target, prompt, 30)
             result = generate(target, prompt, drafter, max_new_tokens=30, eos_token_ids=[EOS])
             assert result.tokens == reference, (tree, prompt)
             taus.append(result.tau)
+        # the merged copy took the direct forward: its screened greedy head (direct forwards only) ran
+        assert greedy_head_for(drafter.served_model()).rows > 0
     assert max(taus) > 1.5  # the heads do draft accepted tokens
     assert differs > 0  # the reference really is the adapted model, not the original
+
+
+def test_the_served_copy_follows_a_changed_adapter(trained):
+    target, model = trained
+    drafter = serve(model, target)
+    first = drafter.served_model()
+    assert drafter.served_model() is first  # made once while nothing changes
+    pair = next(iter(model.lora.values()))
+    saved = pair.B.weight.detach().clone()
+    try:
+        with torch.no_grad():
+            pair.B.weight.mul_(3.0)  # in place, as an optimizer step
+        second = drafter.served_model()
+        assert second is not first
+        prompt = random_prompts(1, seed=8)[0]
+        with drafter.reference_model() as served:
+            assert served is second
+            reference = hf_greedy(served, prompt, 24)
+        assert generate(target, prompt, drafter, max_new_tokens=24, eos_token_ids=[EOS]).tokens == reference
+    finally:
+        with torch.no_grad():
+            pair.B.weight.copy_(saved)
+
+
+def test_a_target_dispatched_by_accelerate_is_served_through_peft():
+    """accelerate's hooks patch each module's own forward, so no copy can stand for such a target: the
+    runtime then verifies through peft's wrapped linears, still losslessly."""
+    from accelerate.hooks import ModelHook, add_hook_to_module
+
+    target = tiny_llama(VOCAB, seed=4)
+    model = build(target, lora_noise=0.05).eval()
+    add_hook_to_module(target.model.layers[0], ModelHook())
+    drafter = serve(model, target)
+    assert drafter.served_model() is None and drafter.verifier_model() is not None
+    for prompt in random_prompts(3, seed=6):
+        with drafter.reference_model() as adapted:
+            reference = hf_greedy(adapted, prompt, 20)
+        assert generate(target, prompt, drafter, max_new_tokens=20, eos_token_ids=[EOS]).tokens == reference
 
 
 def test_sampled_decoding_is_reproducible(trained):
@@ -290,6 +331,35 @@ def test_export_holds_heads_and_a_peft_adapter_and_round_trips(medusa2_run, tiny
         ours = adapted(ids).logits
     theirs = PeftModel.from_pretrained(load_target(str(tiny_target_dir)).model, str(export))(ids).logits
     torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-5)
+
+
+def test_the_served_model_is_peft_merge_and_unload_sharing_every_unadapted_weight(medusa2_run, tiny_target_dir):
+    from peft import PeftModel
+    from peft.tuners.lora import LoraLayer
+
+    from draftsmith.core.target import load_target
+    from draftsmith.inference.methods import build_drafter
+
+    export = medusa2_run / "export"
+    tiny = load_target(str(tiny_target_dir))
+    ids = torch.tensor([[5, 9, 14, 33, 7, 21]])
+    with torch.no_grad():
+        original = tiny.model(ids).logits
+    drafter = build_drafter(f"medusa={export}", tiny)
+    served = drafter.served_model()
+    assert type(served) is type(tiny.model) and not any(isinstance(m, LoraLayer) for m in served.modules())
+    theirs = PeftModel.from_pretrained(load_target(str(tiny_target_dir)).model, str(export)).merge_and_unload()
+    ours = served.state_dict()
+    assert set(ours) == set(theirs.state_dict())
+    assert all(torch.equal(ours[key], value) for key, value in theirs.state_dict().items())
+    # only the adapted projections are new; the shared target is still the original model
+    layers, modules = range(tiny.model.config.num_hidden_layers), ("q_proj", "k_proj", "v_proj", "o_proj")
+    adapted = {f"model.layers.{i}.self_attn.{m}.weight" for i in layers for m in modules}
+    assert {key for key, value in served.named_parameters() if key in adapted} == adapted
+    target_weights = {id(p) for p in tiny.model.parameters()}
+    assert all((id(p) in target_weights) != (key in adapted) for key, p in served.named_parameters())
+    with torch.no_grad():
+        assert torch.equal(tiny.model(ids).logits, original)
 
 
 def test_an_adapter_that_does_not_match_the_config_is_refused(medusa2_run, tmp_path):

@@ -426,8 +426,9 @@ def run_bench(
     for record, question in zip(finished, questions):
         if record.get("question") != question.id:
             raise BenchError(f"{progress.path} does not follow these questions (at {question.id}); use --overwrite")
-    bar = tqdm(total=sum(len(q.turns) for q in questions), desc="bench", unit="turn", dynamic_ncols=True)
-    bar.update(sum(len(q.turns) for q in questions[: len(finished)]))
+    resumed_turns = sum(len(q.turns) for q in questions[: len(finished)])  # counted, but not in the rate
+    total_turns = sum(len(q.turns) for q in questions)
+    bar = tqdm(total=total_turns, initial=resumed_turns, desc="bench", unit="turn", dynamic_ncols=True)
     decode_options = {"compiled": compiled, "packed_gemm": packed_gemm, "greedy_head": greedy_head, "native": native}
     for index, question in enumerate(questions):
         if index < len(finished):

@@ -344,7 +344,7 @@ def tune_base(directory: Path, target: Target) -> EagleTreeDrafter | MedusaTreeD
     """The export's runtime drafter, if ``tune`` can fit its tree: EAGLE-2 trees and Medusa-1's."""
     drafter = load_drafter(directory, target, tree=TreeOptions(total_tokens=1))
     fits = isinstance(drafter, EagleTreeDrafter) or (
-        isinstance(drafter, MedusaTreeDrafter) and drafter.verifier_model() is None
+        isinstance(drafter, MedusaTreeDrafter) and drafter.reference_model() is None  # serves the target itself
     )
     if not fits:
         raise TuneError(

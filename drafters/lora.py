@@ -303,8 +303,9 @@ def mergeable(target_model: nn.Module) -> bool:
 
 def shared_copy(module: nn.Module, substitute: Callable[[nn.Module], nn.Module | None]) -> nn.Module:
     """A copy of ``module``'s tree that shares every parameter and buffer but has its own submodules
-    (``substitute`` returns a replacement for one, or None) and hooks, without those marked
-    :data:`INERT_OUTSIDE_OWNER` (another drafter's, which it removes from the original only)."""
+    (``substitute`` returns a replacement for one, or None) and hooks. Hooks marked
+    :data:`INERT_OUTSIDE_OWNER` (another drafter's, which act only in that drafter's own forward of the
+    original) are left out of the copy."""
     replacement = substitute(module)
     if replacement is not None:
         return replacement
@@ -331,7 +332,8 @@ class MergedAdapter:
     the runtime's fast paths (direct forward, C++ layers, packed GEMM, screened head) apply, which
     peft's wrapped linears keep out. A private copy, not an in-place merge: the shared target stays
     the original for every other user, and only the adapted projections take new memory (every other
-    weight is shared). The copy is remade when the LoRA or the target's weights change."""
+    weight is shared, so it sees in-place changes to them). The copy is remade when a LoRA weight or
+    an adapted base weight is changed in place or replaced; a replaced shared parameter is not tracked."""
 
     def __init__(self, target_model: nn.Module, lora: TargetLora) -> None:
         self.target, self.lora = target_model, lora

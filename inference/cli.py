@@ -365,13 +365,15 @@ def add_inference_commands(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "tune",
         help="fit a drafter's tree to this device and write it into the export (EAGLE-2 trees: depth, top_k, "
-        "total_tokens; Medusa-1: a dynamic tree's top_k per head and total_tokens)",
+        "total_tokens; Medusa-1 and Medusa-2: a dynamic tree's top_k per head and total_tokens)",
         description="Measure this device's verification cost per tree size and the drafter's cost per round, "
         "record the drafter's acceptance at every position of greedy decodes of calibration prompts, choose "
         "the tree with the highest predicted tokens/s (plain decoding included), write it into the export's "
         "tuned_trees.json for this device, dtype and thread count (generate and bench then use it), and measure it.",
     )
-    p.add_argument("export", help="a directory written by `draftsmith export` (eagle, fspad, eagle3, fspad3, medusa)")
+    p.add_argument(
+        "export", help="a directory written by `draftsmith export` (eagle, fspad, eagle3, fspad3, medusa, medusa2)"
+    )
     p.add_argument(
         "--questions", default=None, help="Spec-Bench-format .jsonl (first turns); default: held-out default prompts"
     )

@@ -1,6 +1,7 @@
 """``draftsmith tune``: the draft tree that decodes fastest on this device, for EAGLE-2 dynamic trees
-(depth, top_k, total_tokens of an eagle, fspad, eagle3 or fspad3 drafter) and Medusa-1's dynamic
-trees (top_k per head, total_tokens).
+(depth, top_k, total_tokens of an eagle, fspad, eagle3 or fspad3 drafter) and Medusa's dynamic
+trees (top_k per head, total_tokens) for Medusa-1 and for Medusa-2, whose served model (the target with
+its LoRA merged) stands in for the target throughout: decoded, timed and measured.
 
 Predicted tokens/s of a tree = mean tokens committed per round / (drafting cost + verification cost),
 with both costs measured here: the target's verification forward per tree size by ``bench-tree``'s
@@ -341,18 +342,25 @@ def eagle_growth(base: EagleTreeDrafter, target: Target, depth: int, top_k: int)
 
 
 def tune_base(directory: Path, target: Target) -> EagleTreeDrafter | MedusaTreeDrafter:
-    """The export's runtime drafter, if ``tune`` can fit its tree: EAGLE-2 trees and Medusa-1's."""
+    """The export's runtime drafter, if ``tune`` can fit its tree: EAGLE-2 trees, and Medusa's dynamic
+    trees for Medusa-1 and for a Medusa-2 served merged (whose model a plain forward stands for)."""
     drafter = load_drafter(directory, target, tree=TreeOptions(total_tokens=1))
-    fits = isinstance(drafter, EagleTreeDrafter) or (
-        isinstance(drafter, MedusaTreeDrafter) and drafter.reference_model() is None  # serves the target itself
+    if isinstance(drafter, EagleTreeDrafter):
+        return drafter
+    if isinstance(drafter, MedusaTreeDrafter) and (drafter.reference_model() is None or drafter.served_model()):
+        return drafter
+    raise TuneError(
+        f"draftsmith tune fits EAGLE-2 dynamic trees (eagle, fspad, eagle3, fspad3 drafters) and Medusa's "
+        f"dynamic trees (medusa, medusa2); {directory} holds a {drafter.name!r} drafter whose drafts come from "
+        "inside the target's forward or from a target that cannot be served merged here"
     )
-    if not fits:
-        raise TuneError(
-            f"draftsmith tune fits EAGLE-2 dynamic trees (eagle, fspad, eagle3, fspad3 drafters) and Medusa-1's "
-            f"dynamic trees; {directory} holds a {drafter.name!r} drafter, whose drafts come from the target it "
-            "adapts (for Medusa-2's static tree use `draftsmith medusa calibrate`)"
-        )
-    return drafter
+
+
+def serving_target(base: Drafter, target: Target) -> Target:
+    """The target ``base`` decodes: ``target`` itself, or the model it serves instead (Medusa-2's target
+    with the LoRA merged). Tune times, records and measures that model, and the heads read its features."""
+    served = base.served_model()
+    return target if served is None else Target(served, target.tokenizer, target.identity)
 
 
 def medusa_search_space(heads: int, top_ks: Sequence[int], totals: Sequence[int]) -> list[Shape]:
@@ -476,6 +484,7 @@ def run_tune(
     if max_new_tokens < 2:
         raise TuneError(f"--max-new-tokens must be at least 2 for a drafting round to happen; got {max_new_tokens}")
     base = tune_base(directory, target)
+    target = serving_target(base, target)
     medusa = isinstance(base, MedusaTreeDrafter)
     depth = base.model.config.num_heads if medusa else max_depth
     prompts = calibration_prompts(target, questions, limit)

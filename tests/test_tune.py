@@ -12,6 +12,7 @@ from draftsmith.core.target import load_target
 from draftsmith.drafters.base import FrozenTarget
 from draftsmith.drafters.io import export_drafter
 from draftsmith.drafters.registry import get_family
+from draftsmith.inference.learned import load_drafter
 from draftsmith.inference.methods import build_drafter
 from draftsmith.inference.runtime import generate
 from draftsmith.inference.tune import (
@@ -20,6 +21,7 @@ from draftsmith.inference.tune import (
     record_prompt,
     run_tune,
     runtime_drafter_for_tune,
+    serving_target,
     simulate_rounds,
     tune_base,
 )
@@ -32,7 +34,7 @@ from draftsmith.inference.tuned_trees import (
     write_tuned_tree,
 )
 from draftsmith.train.cli import main
-from draftsmith.train.losses import family_loss, medusa_loss
+from draftsmith.train.losses import family_loss, medusa2_loss, medusa_loss
 
 
 @pytest.fixture(scope="module")
@@ -206,15 +208,72 @@ def test_tune_fits_a_dynamic_medusa_tree_that_generate_uses(tiny, tiny_target_di
     assert static.static is not None
 
 
-def test_tune_refuses_drafters_that_adapt_the_target_and_bad_options(tiny, tiny_target_dir, tmp_path, capsys):
-    medusa2 = get_family("medusa2").build(tiny.model.config, {})
-    export_drafter(medusa2, tiny.identity.to_dict(), tmp_path / "medusa2")
+@pytest.fixture(scope="module")
+def medusa2_export(tiny_target_dir, tmp_path_factory):
+    """Medusa-2 (heads and a non-zero LoRA) trained briefly on the tiny target's greedy continuations,
+    exported. Its own copy of the target: a Medusa-2 model puts its LoRA into the target it adapts."""
+    target = load_target(str(tiny_target_dir))
+    target.model.requires_grad_(False)
+    batch = self_distilled_batch(target.model, int(target.model.config.vocab_size), n=16, new_tokens=40, seed=0)
+    torch.manual_seed(0)
+    model = get_family("medusa2").build(target.model.config, {"num_heads": 3, "lora_rank": 4, "lora_alpha": 8})
+    frozen = FrozenTarget.from_model(target.model)
+    model.init_from_target(frozen)
+    with torch.no_grad():
+        for pair in model.lora.values():
+            pair.B.weight.normal_(std=0.01)
+    model.attach_target(target.model)
+    fit(model, lambda m: medusa2_loss(m, batch, frozen), 120, 3e-3)
+    return export_drafter(model.eval(), target.identity.to_dict(), tmp_path_factory.mktemp("tune") / "medusa2")
+
+
+def test_medusa2_acceptance_is_recorded_on_the_model_it_serves(tiny_target_dir, medusa2_export):
+    """Tune decodes, records and times the merged model Medusa-2 serves, so its simulated rounds are
+    the real ones of the drafter `generate` loads, whose output is the merged model's, not the original's."""
+    target = load_target(str(tiny_target_dir))
+    base = tune_base(medusa2_export, target)
+    served = serving_target(base, target)
+    assert served.model is base.served_model() and served.model is not target.model
+    shapes = [Shape(3, 1, 3, medusa=True), Shape(3, 2, 4, medusa=True)]
+    eos, max_new, drafted, differs = target.eos_token_ids, 24, 0, 0
+    for prompt in random_prompts(6, seed=3, vocab=int(target.model.config.vocab_size)):
+        record = record_counted_prompt(served, base, prompt, max_new, shapes)
+        differs += hf_greedy(served.model, prompt, max_new) != hf_greedy(target.model, prompt, max_new)
+        for shape in shapes:
+            drafter = load_drafter(medusa2_export, target, tree=shape.options())
+            real = generate(target.model, prompt, drafter, max_new_tokens=max_new, eos_token_ids=eos)
+            assert real.tokens == hf_greedy(drafter.served_model(), prompt, max_new)[: len(real.tokens)]
+            assert simulate_rounds(record, shape, max_new, set(eos)) == real.accept_lengths, shape
+            drafted += sum(n - 1 for n in real.accept_lengths)
+    assert drafted > 10 and differs > 0, (drafted, differs)  # drafts accepted; the served model is not the original
+
+
+def test_tune_fits_medusa2_and_generate_uses_the_tree(tiny_target_dir, medusa2_export, tmp_path, capsys):
+    import shutil
+
+    export = shutil.copytree(medusa2_export, tmp_path / "medusa2")
+    argv = ["tune", str(export), "--target", str(tiny_target_dir), "--limit", "2", "--max-new-tokens", "12"]
+    main(argv + ["--top-k", "1,2", "--total-tokens", "1,2,4"])
+    assert "chosen tree=dynamic top_k=" in capsys.readouterr().out
+    assert file_problems(export) == {}
+    target = load_target(str(tiny_target_dir))
+    chosen = read_tuned_trees(export)[DeviceKey.current(target.model).text()]["tree"]
+    drafter = build_drafter(f"medusa={export}", target)
+    assert (drafter.top_k, drafter.total_tokens) == (chosen["top_k"], chosen["total_tokens"])
+    prompt = random_prompts(1, seed=1, vocab=int(target.model.config.vocab_size))[0]
+    result = generate(target.model, prompt, drafter, max_new_tokens=24, eos_token_ids=[2])
+    assert result.tokens == hf_greedy(drafter.served_model(), prompt, 24)
+
+
+def test_tune_refuses_drafters_inside_the_target_and_bad_options(tiny, tiny_target_dir, tmp_path, capsys):
+    streaming = get_family("streaming").build(tiny.model.config, {"num_stream_layers": 1, "lora_rank": 2})
+    export_drafter(streaming, tiny.identity.to_dict(), tmp_path / "streaming")
     with pytest.raises(SystemExit):
-        main(["tune", str(tmp_path / "medusa2"), "--target", str(tiny_target_dir)])
+        main(["tune", str(tmp_path / "streaming"), "--target", str(tiny_target_dir)])
     err = capsys.readouterr().err
-    assert "tune fits EAGLE-2 dynamic trees" in err and "medusa2" in err and "Traceback" not in err
+    assert "tune fits EAGLE-2 dynamic trees" in err and "streaming" in err and "Traceback" not in err
     with pytest.raises(SystemExit):
-        main(["tune", str(tmp_path / "medusa2"), "--target", str(tiny_target_dir), "--top-k", "two"])
+        main(["tune", str(tmp_path / "streaming"), "--target", str(tiny_target_dir), "--top-k", "two"])
     assert "--top-k takes comma-separated whole numbers" in capsys.readouterr().err
 
 

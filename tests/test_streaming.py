@@ -425,7 +425,8 @@ def test_shipped_recipe_validates():
 
     recipe = load_train_recipe(REPO / "recipes/streaming-smollm2.yaml")
     assert recipe.family_name == "streaming" and recipe.drafter["num_streams"] == 4
-    assert recipe.loss["kl_weight"] > 0 and recipe.train.lr_scale == {"lora": 0.1}
+    assert recipe.loss["kl_weight"] > 0 and recipe.train.lr_scale == {"streams": 20, "lora": 0.1}
+    assert recipe.drafter["stream_init_rank"] > 0
     for ns in (2, 4, 8):
         assert load_train_recipe(REPO / "recipes/streaming-smollm2.yaml", [f"drafter.num_stream_layers={ns}"])
 

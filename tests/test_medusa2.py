@@ -362,6 +362,51 @@ def test_the_served_model_is_peft_merge_and_unload_sharing_every_unadapted_weigh
         assert torch.equal(tiny.model(ids).logits, original)
 
 
+def test_calibrate_scores_the_heads_on_the_model_medusa2_serves(tiny_target_dir, tmp_path, capsys):
+    """The heads read the merged model's features when serving, so calibrate measures them there (and
+    against that model's greedy tokens), from a prepared dataset or a feature cache of the original."""
+    from draftsmith.core.target import Target, load_target
+    from draftsmith.drafters.base import TreeOptions
+    from draftsmith.drafters.io import export_drafter
+    from draftsmith.train.cli import main
+    from draftsmith.train.medusa_calibrate import calibrate, iter_samples, measure_head_accuracy
+
+    prepared, cache = tmp_path / "prepared", tmp_path / "features"
+    prepare_arithmetic_chats(prepared, tiny_target_dir, 10)
+    main(["data", "cache-features", str(prepared), "--out", str(cache), "--target", str(tiny_target_dir)])
+    target = load_target(str(tiny_target_dir))
+    model = build(target.model, lora_noise=0.05).eval()
+    export = export_drafter(model, target.identity.to_dict(), tmp_path / "medusa2")
+    merged = model.runtime_drafter(target.model, TreeOptions()).served_model()
+
+    def accuracy_on(scoring_model):
+        scorer = Target(scoring_model, target.tokenizer, target.identity)
+        return measure_head_accuracy(model.heads, scorer, iter_samples(prepared, scorer, 4), 10)["accuracy"]
+
+    on_merged = accuracy_on(merged)
+    assert on_merged != accuracy_on(target.model)  # the adapter changes what the heads are scored on
+    for data in (prepared, cache):
+        out = tmp_path / f"tree-{data.name}.json"
+        assert calibrate(export, data, 4, str(tiny_target_dir), samples=4, out=out)["head_accuracy"] == on_merged
+    main(
+        [
+            "medusa",
+            "calibrate",
+            str(export),
+            "--data",
+            str(prepared),
+            "--nodes",
+            "4",
+            "--samples",
+            "4",
+            "--target",
+            str(tiny_target_dir),
+        ]
+    )
+    assert "4-node tree" in capsys.readouterr().out
+    assert len(json.loads((export / "config.json").read_text())["tree"]) == 4
+
+
 def test_an_adapter_that_does_not_match_the_config_is_refused(medusa2_run, tmp_path):
     import shutil
 

@@ -6,6 +6,10 @@ verification compares against), counted where ``x_{t+k+1}`` is an assistant toke
 nodes is then grown best-first by path probability (:func:`calibrated_paths`), which maximises the
 expected acceptance length under independent per-head accuracies.
 
+A Medusa-2 drafter's heads read the model it serves (the target with its LoRA merged), so both the
+features and the greedy tokens they are scored against come from that model, computed from the samples'
+tokens (a feature cache holds the original target's features: only its tokens are read then).
+
 Held-out means the samples ``data.eval_samples=N`` keeps out of training (the same split as the
 trainer's), so calibrating with ``--samples`` equal to the recipe's ``data.eval_samples`` never
 reads a training sample.
@@ -15,6 +19,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -23,14 +28,17 @@ import torch
 from tqdm.auto import tqdm
 
 from draftsmith.core.io import atomic_write_json, record_rewritten_file
-from draftsmith.core.target import load_target
+from draftsmith.core.target import Target, load_target
 from draftsmith.data.features import CACHE_FORMAT, FeatureCache, target_features
 from draftsmith.data.prepared import PreparedDataset
+from draftsmith.drafters.base import TreeOptions
 from draftsmith.drafters.io import check_drafter_target, read_drafter_config
 from draftsmith.drafters.medusa import MedusaHeads, MedusaTreeError, calibrated_paths, expected_accept_length
+from draftsmith.drafters.registry import get_family
 from draftsmith.train.loader import EVAL_SPLIT_SEED
 
 TREE_FORMAT = "draftsmith.medusa_tree/1"
+CALIBRATED_FAMILIES = ("medusa", "medusa2")  # Medusa-2's heads are Medusa-1's, over its adapted features
 
 
 def held_out_indices(n_samples: int, count: int) -> list[int]:
@@ -41,9 +49,12 @@ def held_out_indices(n_samples: int, count: int) -> list[int]:
     return sorted(int(i) for i in split[n_samples - count :])
 
 
-def iter_samples(data_dir: Path, target, count: int) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+def iter_samples(
+    data_dir: Path, target, count: int, cached_features: bool = True
+) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """``(input_ids, loss_mask, feature)`` of the held-out samples of a prepared dataset (features
-    computed by the target) or of a feature cache (features read)."""
+    computed by ``target``) or of a feature cache (features read; computed by ``target`` from the cached
+    tokens when not ``cached_features``, for a model other than the one the cache was made with)."""
     manifest = data_dir / "manifest.json"
     is_cache = manifest.is_file() and json.loads(manifest.read_text()).get("format") == CACHE_FORMAT
     if is_cache:
@@ -51,15 +62,19 @@ def iter_samples(data_dir: Path, target, count: int) -> Iterator[tuple[torch.Ten
         cache.check_target(target.identity)
         for index in held_out_indices(len(cache), count):
             item = cache[index]
-            yield item["input_ids"], item["loss_mask"], item["feature"].float()
+            ids = item["input_ids"]
+            yield ids, item["loss_mask"], item["feature"].float() if cached_features else _features(target, ids)
         return
     prepared = PreparedDataset(data_dir)
     prepared.check_target(target.identity)
     for index in held_out_indices(len(prepared), count):
         sample = prepared[index]
-        with torch.no_grad():
-            feature = target_features(target, [sample.input_ids], ())[0]["feature"]
-        yield sample.input_ids, sample.loss_mask, feature
+        yield sample.input_ids, sample.loss_mask, _features(target, sample.input_ids)
+
+
+@torch.no_grad()
+def _features(target, input_ids: torch.Tensor) -> torch.Tensor:
+    return target_features(target, [input_ids], ())[0]["feature"]
 
 
 @torch.no_grad()
@@ -123,12 +138,17 @@ def calibrate(
         raise MedusaTreeError("--nodes and --max-rank must be >= 1")
     directory = Path(directory)
     config = read_drafter_config(directory)
-    if config["drafter_family"] != "medusa":
-        raise MedusaTreeError(f"{directory} holds a {config['drafter_family']!r} drafter; calibrate works on medusa")
+    family = config["drafter_family"]
+    if family not in CALIBRATED_FAMILIES:
+        raise MedusaTreeError(f"{directory} holds a {family!r} drafter; calibrate works on medusa and medusa2")
     target = load_target(target_name)
     check_drafter_target(config, target, directory)
-    model = MedusaHeads.from_pretrained(directory).to(target.model.device, target.model.dtype).eval()
-    measured = measure_head_accuracy(model, target, iter_samples(Path(data_dir), target, samples), max_rank, samples)
+    model = get_family(family).model_class.from_pretrained(directory).to(target.model.device, target.model.dtype)
+    drafter = model.eval().runtime_drafter(target.model, TreeOptions())
+    with drafter.reference_model() or nullcontext(target.model) as served:  # Medusa-2: the merged model
+        scorer = target if served is target.model else Target(served, target.tokenizer, target.identity)
+        held_out = iter_samples(Path(data_dir), scorer, samples, cached_features=scorer is target)
+        measured = measure_head_accuracy(drafter.model, scorer, held_out, max_rank, samples)
     paths = calibrated_paths(measured["accuracy"], nodes)
     record = {
         "nodes": len(paths),

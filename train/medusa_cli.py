@@ -32,7 +32,11 @@ def add_medusa_commands(subparsers: Any) -> None:
         "held-out samples and build the N-node tree maximising the expected acceptance length. Without --out "
         "the tree is written into the drafter's config.json, which `--method medusa=DIR` then uses.",
     )
-    c.add_argument("drafter", help="a Medusa directory written by `draftsmith export`")
+    c.add_argument(
+        "drafter",
+        help="a Medusa-1 or Medusa-2 directory written by `draftsmith export` (Medusa-2: measured on the model it "
+        "serves, the target with its LoRA merged)",
+    )
     c.add_argument("--data", required=True, help="a prepared dataset or its feature cache")
     c.add_argument("--nodes", type=int, required=True, help="tree size (draft tokens verified per round)")
     c.add_argument("--target", default=None, help="target model (default: the embedded SmolLM2)")

@@ -51,6 +51,9 @@ class StreamingConfigError(DraftsmithError, ValueError):
     """Speculative Streaming options or a target that do not fit together."""
 
 
+PRUNING_EXITS = ("lens", "linear")  # the tree-pruning adapter's early exit (StreamingConfig.pruning_exit)
+
+
 class StreamingConfig(AdaptsTargetConfig):
     """The MSA layout (streams, MSA layers), the LoRA adapters and the default draft tree.
 
@@ -60,7 +63,11 @@ class StreamingConfig(AdaptsTargetConfig):
     tree-pruning adapter of that rank (paper: 8; see ``tree_pruning``), trained with the streams;
     ``prune`` is the serve-time default threshold below which it prunes a sub-tree (0 = none;
     ``streaming=DIR:prune=P`` overrides it); ``train_pruning_only`` freezes the LoRA and the streams so
-    that only the adapter trains (after the streams: with ``train.init_from`` an exported run)."""
+    that only the adapter trains (after the streams: with ``train.init_from`` an exported run).
+    ``pruning_exit`` is the adapter's early exit ``o_θ`` (see ``tree_pruning``): ``"lens"`` (default)
+    ``N(M) + B(A(N(M)))`` with ``N`` the target's final norm, which starts as the target's own logit lens;
+    ``"linear"`` ``B(A(M))``, the paper's formula, which starts uniform (exports made before the option
+    existed lack the key and load as ``"linear"``)."""
 
     model_type = "draftsmith_streaming"
     TREE_OPTIONS = ("top_k", "total_tokens", "prune")
@@ -74,6 +81,7 @@ class StreamingConfig(AdaptsTargetConfig):
         pruning_rank: int = 0,
         prune: float = 0.0,
         train_pruning_only: bool = False,
+        pruning_exit: str = "lens",
         top_k: int = 3,
         total_tokens: int = 12,
         **kwargs: Any,
@@ -84,6 +92,7 @@ class StreamingConfig(AdaptsTargetConfig):
         self.pruning_rank = pruning_rank
         self.prune = prune
         self.train_pruning_only = train_pruning_only
+        self.pruning_exit = pruning_exit
         self.top_k = top_k
         self.total_tokens = total_tokens
         kwargs.setdefault("drafter_family", "streaming")
@@ -99,12 +108,21 @@ class StreamingConfig(AdaptsTargetConfig):
             )
         if self.num_streams < 1 or self.stream_init_rank < 0:
             raise StreamingConfigError("drafter.num_streams must be >= 1, stream_init_rank >= 0")
+        if self.pruning_exit not in PRUNING_EXITS:
+            raise StreamingConfigError(
+                f"drafter.pruning_exit must be one of {', '.join(PRUNING_EXITS)}, got {self.pruning_exit!r}"
+            )
         if self.pruning_rank < 0 or not 0.0 <= self.prune < 1.0:
             raise StreamingConfigError("drafter.pruning_rank must be >= 0 and drafter.prune in [0, 1)")
         if (self.prune or self.train_pruning_only) and not self.pruning_rank:
             raise StreamingConfigError(
                 "drafter.prune and drafter.train_pruning_only need the adapter: set drafter.pruning_rank=8"
             )
+
+    @classmethod
+    def from_dict(cls, config_dict: dict[str, Any], **kwargs: Any) -> Any:
+        # A config.json written before ``pruning_exit`` existed describes the paper's linear exit.
+        return super().from_dict({"pruning_exit": "linear", **config_dict}, **kwargs)
 
     @property
     def hidden_size(self) -> int:
@@ -122,7 +140,7 @@ class StreamingOutput:
     stream_hidden: torch.Tensor | None  # (B, R, γ, h): streams after the final norm (lm_head gives their logits)
     past_key_values: Any = None
     hidden_states: tuple[torch.Tensor, ...] | None = None
-    pruning_hidden: torch.Tensor | None = None  # (B, q', h): o_θ(M^{L-Ns}); lm_head gives the pruning adapter's logits
+    pruning_hidden: torch.Tensor | None = None  # (B, q', h): o_θ(M^{L-Ns}) (early_exit); lm_head gives its logits
     kept_rows: torch.Tensor | None = None  # (q',): rows of input_ids that tree pruning kept (None = all)
     original_features: torch.Tensor | None = None  # (B, q, h): the target with the adapters off, no gradient
     features: torch.Tensor | None = None  # (B, q, h): the main stream's last features (the input of lm_head)
@@ -239,7 +257,7 @@ class StreamingModel(AdaptsTargetMixin, DrafterModel):
             layers = slice(0, self.config.first_stream_layer)
             keep_positions(out.past_key_values, kept_columns(run.kept, past), layers)
         stream_hidden = target.model.norm(run.states)
-        pruning_hidden = None if self.pruning is None else self.pruning(run.fork.detach())  # trains o_θ alone
+        pruning_hidden = None if self.pruning is None else self.early_exit(run.fork.detach())  # trains o_θ alone
         return StreamingOutput(
             main_logits, stream_hidden, out.past_key_values, out.hidden_states, pruning_hidden, run.kept, **main
         )
@@ -302,9 +320,16 @@ class StreamingModel(AdaptsTargetMixin, DrafterModel):
         run.allowed = run.allowed[:, kept][:, :, kept_columns(kept, pruning.past)]
         return kept
 
+    def early_exit(self, main_hidden: torch.Tensor) -> torch.Tensor:
+        """``o_θ(M)`` over main-stream states (..., h) at L - Ns: the input of ``lm_head``."""
+        if self.config.pruning_exit == "linear":
+            return self.pruning(main_hidden)
+        normed = self.target.model.norm(main_hidden)
+        return normed + self.pruning(normed)
+
     def early_exit_logits(self, main_hidden: torch.Tensor) -> torch.Tensor:
         """The pruning adapter's logits ``lm_head(o_θ(M))`` over main-stream states (..., h) at L - Ns."""
-        return self.target.get_output_embeddings()(self.pruning(main_hidden))
+        return self.target.get_output_embeddings()(self.early_exit(main_hidden))
 
     def _init_streams(self, main: torch.Tensor) -> torch.Tensor:
         """S_{t,j} = f(M_t) + P_j: (B, R, h) -> (B, R, γ, h)."""

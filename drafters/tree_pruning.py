@@ -14,10 +14,14 @@ What the paper fixes, and is followed here:
   threshold is pruned together with its sub-tree;
 - the adapter trains on next-token loss, jointly with the streams or after them.
 
-What the paper leaves open, and is chosen here:
-- ``o_θ(M) = B(A(M))`` without bias, residual path or final norm in front of ``H`` (the paper's formula
-  has none; the scale of a rank-θ vector is the map's to learn), initialised as LoRA is (``B = 0``:
-  uniform estimates until trained, so an untrained adapter with a threshold above 1/V prunes all);
+What is chosen here (the first item departs from the paper's letter by default; the rest it leaves open):
+- ``o_θ(M) = N(M) + B(A(N(M)))`` by default (``pruning_exit: lens``), ``N`` the target's final norm,
+  ``B = 0`` at first: the adapter starts as the target's own logit lens at layer ``l`` and learns a
+  low-rank correction. On SmolLM2 that lens agrees with the final greedy token on 45% of assistant
+  positions at Ns 4 (54% at Ns 2, 27% at Ns 8). The paper's literal ``o_θ(M) = B(A(M))``
+  (``pruning_exit: linear``; no residual, no norm) starts uniform (so an untrained one with a
+  threshold above 1/V prunes all) and, fed the un-normalised ``M`` (RMS ~200 from a few massive
+  dimensions), reached 1-4% top-1 accuracy in 16-24 training steps;
 - the root (the last committed token, not a draft) is never pruned; a threshold of 0 prunes nothing;
 - the keys/values the pruned rows left in layers ``< L - Ns`` are dropped right after the forward
   (the paper trims them lazily), so every layer's cache holds the same rows for the runtime's commit;

@@ -40,9 +40,32 @@ def test_adapter_is_a_rank_r_map_into_the_lm_head():
         out = model(ids)
         main = model(ids, streams=False, output_hidden_states=True).hidden_states[model.config.first_stream_layer]
     assert out.pruning_hidden.shape == (2, 9, H)
-    torch.testing.assert_close(out.pruning_hidden, model.pruning(main), rtol=0, atol=1e-6)  # o_θ(M^{L-Ns})
+    torch.testing.assert_close(out.pruning_hidden, model.early_exit(main), rtol=0, atol=1e-6)  # o_θ(M^{L-Ns})
     assert model.early_exit_logits(main).shape == (2, 9, VOCAB)
     assert "pruning" not in make_streaming(make_target()).parameter_counts()
+
+
+def test_the_exit_starts_as_the_logit_lens_and_old_exports_keep_the_linear_one(tmp_path):
+    """``lens``: an untrained adapter is the target's own early exit (final norm, lm_head) at L - Ns, and
+    training adds a low-rank correction of the normed state; ``linear`` (the paper's ``B(A(M))``, and
+    every export made before the option) starts uniform."""
+    lens, linear = pruned_model(), pruned_model(pruning_exit="linear")
+    target = lens.target
+    main = torch.randn(2, 5, H) * 30.0
+    with torch.no_grad():
+        torch.testing.assert_close(lens.early_exit_logits(main), target.lm_head(target.model.norm(main)))
+        assert not linear.early_exit_logits(main).any()  # B = 0: every token equally likely
+        lens.pruning[1].weight.normal_(std=0.1)
+        normed = target.model.norm(main)
+        torch.testing.assert_close(lens.early_exit(main), normed + lens.pruning(normed))
+    with pytest.raises(StreamingConfigError, match="pruning_exit"):
+        pruned_model(pruning_exit="logits")
+    lens.config.save_pretrained(str(tmp_path))
+    written = json.loads((tmp_path / "config.json").read_text())
+    assert written["pruning_exit"] == "lens"
+    del written["pruning_exit"]  # as exports made before the option were written
+    (tmp_path / "config.json").write_text(json.dumps(written))
+    assert type(lens.config).from_pretrained(str(tmp_path)).pruning_exit == "linear"
 
 
 def test_options_that_need_the_adapter_are_refused():

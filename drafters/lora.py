@@ -157,6 +157,7 @@ class TargetLora(nn.ModuleDict):
         self.target_modules, self.layer_indices = list(target_modules), indices
         self.adapter_name: str | None = None
         self._peft_layers: list[nn.Module] = []  # peft's LoRA layers in the target (not submodules of ours)
+        self._enabled_depth = 0  # nested enabled() blocks (a checkpointed recompute enters its own)
 
     def peft_config(self, base_model: str | None = None, inference_mode: bool = False) -> Any:
         """The ``peft.LoraConfig`` of this adapter."""
@@ -213,12 +214,17 @@ class TargetLora(nn.ModuleDict):
 
     @contextmanager
     def enabled(self) -> Iterator[None]:
-        """The adapters active in the target for the duration of the block."""
-        self.set_enabled(True)
+        """The adapters active in the target for the duration of the block; blocks nest (the outermost
+        one switches them off again)."""
+        if not self._enabled_depth:
+            self.set_enabled(True)
+        self._enabled_depth += 1
         try:
             yield
         finally:
-            self.set_enabled(False)
+            self._enabled_depth -= 1
+            if not self._enabled_depth:
+                self.set_enabled(False)
 
     # ---- peft's saved format -------------------------------------------------------------------
     def _peft_name(self, key: str, part: str) -> str:

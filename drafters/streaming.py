@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 from transformers import DynamicCache
 from transformers.models.llama.modeling_llama import rotate_half
 
@@ -167,6 +168,7 @@ class StreamingModel(AdaptsTargetMixin, DrafterModel):
     config_class = StreamingConfig
     adapter_prefix = "streaming"  # unique adapter names: two models may share a target
     PARAMETER_GROUPS = ("streams", "pruning", "lora")
+    STREAM_ROW_CHUNK = 256  # query rows whose stream attention is computed (and kept for backward) at once
 
     def __init__(self, config: StreamingConfig) -> None:
         super().__init__(config)
@@ -284,11 +286,43 @@ class StreamingModel(AdaptsTargetMixin, DrafterModel):
             cos, sin = kwargs["position_embeddings"]
             if run.rows is not None:
                 cos, sin = cos[:, run.rows], sin[:, run.rows]
-            run.states = stream_layer(module, run.states, layer.keys, layer.values, cos, sin, run.allowed)
+            run.states = self._stream_layer(module, run.states, layer.keys, layer.values, cos, sin, run.allowed)
             return None  # the main stream's output is left exactly as HF computed it
 
         setattr(hook, INERT_OUTSIDE_OWNER, True)  # a no-op without a stream run: others may skip it
         return hook
+
+    def _stream_layer(
+        self,
+        layer: nn.Module,
+        states: torch.Tensor,
+        main_keys: torch.Tensor,
+        main_values: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        allowed: torch.Tensor,
+    ) -> torch.Tensor:
+        """:func:`stream_layer` over chunks of :attr:`STREAM_ROW_CHUNK` query rows. Rows are independent
+        (each sees its allowed main keys and its own streams), and a row's attention scores cover every
+        main key for every stream and head, so a long training sequence's (rows x γ x heads x keys)
+        scores would otherwise all sit in memory, in every MSA layer, until the backward (Ns 8 at batch
+        2 ran out of 24 GiB). Under autograd each chunk is checkpointed and recomputed in the backward,
+        with this model's LoRA on again (the recompute runs outside :meth:`forward`)."""
+        rows = states.shape[1]
+        if rows <= self.STREAM_ROW_CHUNK:
+            return stream_layer(layer, states, main_keys, main_values, cos, sin, allowed)
+
+        def chunk(part_states, part_cos, part_sin, part_allowed):
+            with self.lora.enabled():
+                return stream_layer(layer, part_states, main_keys, main_values, part_cos, part_sin, part_allowed)
+
+        pieces = []
+        for start in range(0, rows, self.STREAM_ROW_CHUNK):
+            part = slice(start, start + self.STREAM_ROW_CHUNK)
+            args = (states[:, part], cos[:, part], sin[:, part], allowed[:, part])
+            grad = torch.is_grad_enabled()
+            pieces.append(checkpoint(chunk, *args, use_reentrant=False) if grad else chunk(*args))
+        return torch.cat(pieces, 1)
 
     def _make_prune_hook(self, index: int):
         """Pre-hook of an MSA layer: at L - Ns choose the rows that survive tree pruning; then give

@@ -286,31 +286,32 @@ class StreamingModel(AdaptsTargetMixin, DrafterModel):
             cos, sin = kwargs["position_embeddings"]
             if run.rows is not None:
                 cos, sin = cos[:, run.rows], sin[:, run.rows]
-            run.states = self._stream_layer(module, run.states, layer.keys, layer.values, cos, sin, run.allowed)
+            self._advance_streams(module, run, (layer.keys, layer.values), (cos, sin))
             return None  # the main stream's output is left exactly as HF computed it
 
         setattr(hook, INERT_OUTSIDE_OWNER, True)  # a no-op without a stream run: others may skip it
         return hook
 
-    def _stream_layer(
+    def _advance_streams(
         self,
         layer: nn.Module,
-        states: torch.Tensor,
-        main_keys: torch.Tensor,
-        main_values: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        allowed: torch.Tensor,
-    ) -> torch.Tensor:
-        """:func:`stream_layer` over chunks of :attr:`STREAM_ROW_CHUNK` query rows. Rows are independent
-        (each sees its allowed main keys and its own streams), and a row's attention scores cover every
-        main key for every stream and head, so a long training sequence's (rows x γ x heads x keys)
-        scores would otherwise all sit in memory, in every MSA layer, until the backward (Ns 8 at batch
-        2 ran out of 24 GiB). Under autograd each chunk is checkpointed and recomputed in the backward,
-        with this model's LoRA on again (the recompute runs outside :meth:`forward`)."""
+        run: _StreamRun,
+        main: tuple[torch.Tensor, torch.Tensor],
+        rope: tuple[torch.Tensor, torch.Tensor],
+    ) -> None:
+        """``run.states`` through one MSA layer: :func:`stream_layer` against the main stream's cached
+        (keys, values) and the stream rows' (cos, sin), over chunks of :attr:`STREAM_ROW_CHUNK` query
+        rows. Rows are independent (each sees its allowed main keys and its own streams), and a row's
+        attention scores cover every main key for every stream and head, so a long training sequence's
+        (rows x γ x heads x keys) scores would otherwise all sit in memory, in every MSA layer, until the
+        backward (Ns 8 at batch 2 ran out of 24 GiB). Under autograd each chunk is checkpointed and
+        recomputed in the backward, with this model's LoRA on again (the recompute runs outside
+        :meth:`forward`)."""
+        (main_keys, main_values), (cos, sin), states, allowed = main, rope, run.states, run.allowed
         rows = states.shape[1]
         if rows <= self.STREAM_ROW_CHUNK:
-            return stream_layer(layer, states, main_keys, main_values, cos, sin, allowed)
+            run.states = stream_layer(layer, states, main_keys, main_values, cos, sin, allowed)
+            return
 
         def chunk(part_states, part_cos, part_sin, part_allowed):
             with self.lora.enabled():
@@ -322,7 +323,7 @@ class StreamingModel(AdaptsTargetMixin, DrafterModel):
             args = (states[:, part], cos[:, part], sin[:, part], allowed[:, part])
             grad = torch.is_grad_enabled()
             pieces.append(checkpoint(chunk, *args, use_reentrant=False) if grad else chunk(*args))
-        return torch.cat(pieces, 1)
+        run.states = torch.cat(pieces, 1)
 
     def _make_prune_hook(self, index: int):
         """Pre-hook of an MSA layer: at L - Ns choose the rows that survive tree pruning; then give

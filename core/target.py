@@ -15,7 +15,7 @@ import importlib.util
 import json
 import os
 import shutil
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -91,6 +91,11 @@ class Target:
     @property
     def hidden_size(self) -> int:
         return int(self.model.config.hidden_size)
+
+    def with_model(self, model: Any) -> Target:
+        """This target decoded by ``model`` instead, with the same tokenizer and identity (a model that
+        stands for it, such as Medusa-2's target with its LoRA merged); itself when ``model`` is its own."""
+        return self if model is self.model else replace(self, model=model)
 
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
         """Token ids of a conversation rendered with the chat template, ready for the assistant's turn."""

@@ -317,11 +317,10 @@ class StreamingModel(AdaptsTargetMixin, DrafterModel):
             with self.lora.enabled():
                 return stream_layer(layer, part_states, main_keys, main_values, part_cos, part_sin, part_allowed)
 
-        pieces = []
+        pieces, grad = [], torch.is_grad_enabled()
         for start in range(0, rows, self.STREAM_ROW_CHUNK):
             part = slice(start, start + self.STREAM_ROW_CHUNK)
             args = (states[:, part], cos[:, part], sin[:, part], allowed[:, part])
-            grad = torch.is_grad_enabled()
             pieces.append(checkpoint(chunk, *args, use_reentrant=False) if grad else chunk(*args))
         run.states = torch.cat(pieces, 1)
 

@@ -359,8 +359,7 @@ def tune_base(directory: Path, target: Target) -> EagleTreeDrafter | MedusaTreeD
 def serving_target(base: Drafter, target: Target) -> Target:
     """The target ``base`` decodes: ``target`` itself, or the model it serves instead (Medusa-2's target
     with the LoRA merged). Tune times, records and measures that model, and the heads read its features."""
-    served = base.served_model()
-    return target if served is None else Target(served, target.tokenizer, target.identity)
+    return target.with_model(base.served_model() or target.model)
 
 
 def medusa_search_space(heads: int, top_ks: Sequence[int], totals: Sequence[int]) -> list[Shape]:

@@ -28,7 +28,7 @@ import torch
 from tqdm.auto import tqdm
 
 from draftsmith.core.io import atomic_write_json, record_rewritten_file
-from draftsmith.core.target import Target, load_target
+from draftsmith.core.target import load_target
 from draftsmith.data.features import CACHE_FORMAT, FeatureCache, target_features
 from draftsmith.data.prepared import PreparedDataset
 from draftsmith.drafters.base import TreeOptions
@@ -146,7 +146,7 @@ def calibrate(
     model = get_family(family).model_class.from_pretrained(directory).to(target.model.device, target.model.dtype)
     drafter = model.eval().runtime_drafter(target.model, TreeOptions())
     with drafter.reference_model() or nullcontext(target.model) as served:  # Medusa-2: the merged model
-        scorer = target if served is target.model else Target(served, target.tokenizer, target.identity)
+        scorer = target.with_model(served)
         held_out = iter_samples(Path(data_dir), scorer, samples, cached_features=scorer is target)
         measured = measure_head_accuracy(drafter.model, scorer, held_out, max_rank, samples)
     paths = calibrated_paths(measured["accuracy"], nodes)

@@ -148,6 +148,18 @@ class DrafterMLP(nn.Module):
         return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
 
 
+def at_rows(fn: Any, x: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+    """``fn`` (a position-wise map) of ``x`` (B, T, h) only where ``rows`` (B, T) is True, zeros
+    elsewhere; everywhere when ``rows`` is None. Training passes the positions its loss reads, so the
+    MLP is not run over prompts and padding."""
+    if rows is None:
+        return fn(x)
+    picked = fn(x[rows])
+    out = picked.new_zeros(*x.shape[:2], picked.shape[-1])
+    out[rows] = picked
+    return out
+
+
 @dataclass
 class DrafterOutput:
     token_features: torch.Tensor  # (B, T, h): what goes to lm_head (f~ with partial alignment)
@@ -181,8 +193,11 @@ class EagleDrafter(DraftVocabMixin, DrafterModel):
         position_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         past_key_values: DynamicCache | None = None,
+        rows: torch.Tensor | None = None,
     ) -> DrafterOutput:
-        """``attention_mask``: a 4D additive mask ``(B, 1, T, past + T)``; None = causal over the inputs."""
+        """``attention_mask``: a 4D additive mask ``(B, 1, T, past + T)``; None = causal over the inputs.
+        ``rows`` (B, T) bool: the positions whose outputs are read (the MLP runs there only, see
+        :func:`at_rows`); None = all."""
         x = self.fc(torch.cat([embeds, features], dim=-1))  # (B, T, h)
         if self.feature_sampler is not None:
             x = self.feature_sampler(x, embeds)
@@ -195,7 +210,7 @@ class EagleDrafter(DraftVocabMixin, DrafterModel):
             past_key_values=past_key_values,
         )
         residual = x + attended
-        out = self.mlp(self.post_attention_layernorm(residual))
+        out = at_rows(lambda r: self.mlp(self.post_attention_layernorm(r)), residual, rows)
         if self.config.partial_alignment:
             out = torch.cat([residual, residual], dim=-1) + out
             h = residual.shape[-1]

@@ -38,6 +38,7 @@ from draftsmith.drafters.eagle import (
     EagleConfigError,
     EagleTreeDrafter,
     FeatureSampler,
+    at_rows,
 )
 from draftsmith.drafters.engine_layouts import (
     EAGLE3_SPECULATORS_REQUIRED,
@@ -128,8 +129,10 @@ class Eagle3DecoderLayer(nn.Module):
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
         attention_mask: torch.Tensor,
         past_key_values: DynamicCache | None,
+        rows: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(residual after attention, MLP output) for the caller to combine."""
+        """(residual after attention, MLP output) for the caller to combine; the MLP only at ``rows``
+        (:func:`~draftsmith.drafters.eagle.at_rows`)."""
         residual = self.hidden_norm(hidden)  # norm_before_residual: the residual is the normed hidden
         attended, _ = self.self_attn(
             torch.cat([self.input_layernorm(embeds), residual], dim=-1),
@@ -138,7 +141,7 @@ class Eagle3DecoderLayer(nn.Module):
             past_key_values=past_key_values,
         )
         residual = residual + attended
-        return residual, self.mlp(self.post_attention_layernorm(residual))
+        return residual, at_rows(lambda r: self.mlp(self.post_attention_layernorm(r)), residual, rows)
 
 
 class Eagle3Drafter(DrafterModel):
@@ -208,15 +211,17 @@ class Eagle3Drafter(DrafterModel):
         attention_mask: torch.Tensor | None = None,
         past_key_values: DynamicCache | None = None,
         from_target: bool = False,
+        rows: torch.Tensor | None = None,
     ) -> DrafterOutput:
         """``attention_mask``: a 4D additive mask ``(B, 1, T, past + T)``; None = causal over the inputs.
-        ``from_target``: ``hidden`` is the target's concatenated layer states, fused first."""
+        ``from_target``: ``hidden`` is the target's concatenated layer states, fused first. ``rows``
+        (B, T) bool: the positions whose outputs are read (the MLP runs there only); None = all."""
         if from_target:
             hidden = self.fuse(hidden, embeds)
         if attention_mask is None:
             attention_mask = causal_mask(hidden.shape[1], hidden.dtype, hidden.device)
         rotary = self.rotary_emb(hidden, position_ids)
-        residual, out = self.layer(embeds, hidden, rotary, attention_mask, past_key_values)
+        residual, out = self.layer(embeds, hidden, rotary, attention_mask, past_key_values, rows)
         if self.config.partial_alignment:  # [token half | fed-back half] over a duplicated residual
             out = torch.cat([residual, residual], dim=-1) + out
             h = residual.shape[-1]

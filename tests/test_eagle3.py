@@ -16,7 +16,7 @@ from draftsmith.drafters.registry import get_family
 from draftsmith.drafters.vocab import draft_vocab_maps
 from draftsmith.inference.runtime import generate
 from draftsmith.train.loader import online_features
-from draftsmith.train.losses import family_loss, ttt_mask, ttt_unroll
+from draftsmith.train.losses import family_loss, read_rows, ttt_mask, ttt_unroll
 
 VOCAB = 97
 EOS = 2
@@ -127,6 +127,27 @@ def test_training_time_test_never_sees_a_later_position(target, family):
 
 
 @pytest.mark.parametrize("family", ["eagle3", "fspad3"])
+def test_training_time_test_at_the_read_rows_only_equals_the_whole_unroll(target, family):
+    """The MLP skipped where no step reads a position changes nothing where one does."""
+    torch.manual_seed(0)
+    model = get_family(family).build(target.config, {"aux_layer_ids": LAYERS, "ttt_steps": 3})
+    frozen = FrozenTarget.from_model(target)
+    ids, states = torch.randint(4, VOCAB, (2, 12)), torch.randn(2, 12, 3 * 64)
+    attention = torch.ones_like(ids)
+    attention[1, 9:] = 0
+    labels = [torch.zeros(2, 12, dtype=torch.bool) for _ in range(3)]
+    labels[0][0, 6:9], labels[1][0, 3], labels[2][1, 2:5] = True, True, True
+    read = read_rows(labels)
+    assert read[2].equal(labels[2]) and read[0].equal(labels[0] | labels[1] | labels[2])
+    with torch.no_grad():
+        whole = list(ttt_unroll(model, frozen, ids, attention, states))
+        partial = list(ttt_unroll(model, frozen, ids, attention, states, read=read))
+    for step, (a, b) in enumerate(zip(whole, partial)):
+        torch.testing.assert_close(a.token_features[labels[step]], b.token_features[labels[step]])
+        assert not torch.allclose(a.token_features[~read[step]], b.token_features[~read[step]])
+
+
+@pytest.mark.parametrize("family", ["eagle3", "fspad3"])
 def test_loss_is_finite_trains_only_the_drafter_and_overfits(target, family):
     batch = fused_batch(target, LAYERS, n=4, new_tokens=12)
     model = get_family(family).build(target.config, {"aux_layer_ids": LAYERS})
@@ -211,4 +232,5 @@ def test_teacher_chunks_do_not_change_the_loss(target):
     whole = family_loss(get_family("eagle3"))(model, batch, frozen, teacher_chunk_rows=0)
     chunked = family_loss(get_family("eagle3"))(model, batch, frozen, teacher_chunk_rows=5)
     torch.testing.assert_close(whole.loss, chunked.loss)
-    assert whole.metrics == chunked.metrics
+    # equal up to rounding: on some CPUs a matmul's rounding depends on its number of rows
+    assert chunked.metrics == pytest.approx(whole.metrics, rel=1e-6)

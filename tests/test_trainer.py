@@ -80,12 +80,13 @@ def test_training_logs_finite_losses_and_writes_complete_checkpoints(tmp_path, r
     assert sorted(curve) == [1, 2, 3, 4] and all(torch.isfinite(torch.tensor(list(curve.values()))))
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     train_record = next(r for r in records if "loss" in r)
-    assert {"lr", "tokens_per_s", "loss/smooth_l1", "loss/ce", "acc/step1", "acc/step2"} <= set(train_record)
+    assert {"lr", "tokens_per_s", "loss/smooth_l1", "loss/ce", "acc/step1"} <= set(train_record)
+    assert "acc/step2" not in train_record  # unrolled steps cost a forward each: evaluation only
     assert any("eval/loss" in r for r in records)  # held-out evaluation at each checkpoint
     evaluated = next(r for r in records if "eval/loss" in r and r["step"] == 4)
     state = json.loads((run / "checkpoints/step-4/trainer_state.json").read_text())
     assert state["eval"] == {k: v for k, v in evaluated.items() if k.startswith("eval/")}  # recorded with it
-    assert "eval/sim/accept_length" in state["eval"]
+    assert {"eval/sim/accept_length", "eval/acc/step2"} <= set(state["eval"])
     assert train_record["lr"] == 0.0 and train_record["tokens_per_s"] > 0  # warmup starts at zero
     assert [p.name for p in complete_checkpoints(run)] == ["step-4"]  # keep_last=1
     assert result.checkpoint == run / "checkpoints" / "step-4" and result.step == 4
@@ -233,6 +234,58 @@ def test_resume_refuses_another_recipe_and_fresh_runs_refuse_old_checkpoints(rec
         Trainer(load_train_recipe(recipe_path, ["train.lr=2e-3"]), resume=True)
     result = train(load_train_recipe(recipe_path, ["train.max_steps=3"]), resume=True)  # max_steps may grow
     assert result.checkpoint.name == "step-3" and sorted(losses(result.output_dir)) == [1, 2, 3]
+
+
+def test_a_run_saved_before_a_recipe_key_existed_resumes_at_its_default(recipe_path):
+    result = train(load_train_recipe(recipe_path, ["train.max_steps=2"]))
+    saved = result.output_dir / "recipe.resolved.yaml"
+    tree = yaml.safe_load(saved.read_text())
+    del tree["data"]["group_by_length"]  # as an older draftsmith wrote it
+    saved.write_text(yaml.safe_dump(tree))
+    with pytest.raises(RecipeError, match=r"data.group_by_length was None, now True"):
+        Trainer(load_train_recipe(recipe_path, ["data.group_by_length=true"]), resume=True)
+    result = train(load_train_recipe(recipe_path, ["train.max_steps=3"]), resume=True)
+    assert result.checkpoint.name == "step-3"
+
+
+def test_max_minutes_stops_the_sitting_with_a_checkpoint_and_resume_goes_on(recipe_path, capsys):
+    result = train(load_train_recipe(recipe_path, ["train.max_minutes=1e-9", "train.save_every=100"]))
+    assert result.step == 1 and result.checkpoint.name == "step-1"
+    shown = capsys.readouterr()
+    assert "stopped after train.max_minutes=1e-09 at step 1 of 4" in shown.out + shown.err
+    result = train(load_train_recipe(recipe_path, ["train.save_every=100"]), resume=True)
+    assert result.step == 4 and result.checkpoint.name == "step-4" and sorted(losses(result.output_dir)) == [1, 2, 3, 4]
+
+
+class _Lengths:
+    """A stand-in prepared dataset: only the sample lengths matter to the sample order."""
+
+    def __init__(self, lengths: list[int]) -> None:
+        self.lengths = lengths
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def sample_length(self, index: int) -> int:
+        return self.lengths[index]
+
+
+def test_length_grouping_pads_less_and_depends_only_on_seed_and_epoch():
+    from draftsmith.train.loader import TrainData
+
+    lengths = torch.randint(20, 2000, (400,), generator=torch.Generator().manual_seed(0)).tolist()
+
+    def padded_tokens(order: list[int], size: int = 4) -> int:
+        return sum(size * max(lengths[i] for i in order[s : s + size]) for s in range(0, len(order), size))
+
+    plain = TrainData(_Lengths(lengths), eval_samples=8)
+    grouped = TrainData(_Lengths(lengths), eval_samples=8, length_group=4)
+    order = grouped.epoch_order(seed=3, epoch=0)
+    assert sorted(order) == sorted(plain.train_indices) == sorted(plain.epoch_order(seed=3, epoch=0))
+    real = sum(lengths[i] for i in order)
+    assert padded_tokens(order) < 1.1 * real < 0.75 * padded_tokens(plain.epoch_order(seed=3, epoch=0))
+    again = TrainData(_Lengths(lengths), eval_samples=8, length_group=4)
+    assert again.epoch_order(seed=3, epoch=0) == order and again.epoch_order(seed=3, epoch=1) != order
 
 
 def test_offline_features_match_online_training(tmp_path, tiny_target_dir, prepared_dir, other_target_dir):

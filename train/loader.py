@@ -8,6 +8,11 @@ micro-batches as two processes with ``grad_accum=1``.
 
 Offline (feature cache), samples are shuffled shard by shard (shard order, then order within the
 shard), so a rank keeps one shard in memory instead of reading one per sample.
+
+With ``length_group`` (the micro-batch size; ``data.group_by_length``), each micro-batch holds samples
+of similar length, so right-padding wastes little compute: windows of ``LENGTH_WINDOW`` micro-batches of
+the shuffled order are sorted by length and cut into micro-batches, which are then shuffled (HF's
+``group_by_length``). It stays a function of ``(seed, epoch)`` alone.
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ from draftsmith.data.prepared import PreparedDataError, PreparedDataset
 from draftsmith.train.batch import TrainBatch
 
 EVAL_SPLIT_SEED = 0  # the held-out split does not move when train.seed changes
+# Micro-batches sorted together by length: more means less padding but batches less mixed in length.
+LENGTH_WINDOW = 32
 
 
 @dataclass(frozen=True)
@@ -103,6 +110,7 @@ class TrainData:
     max_length: int | None = None
     eval_samples: int = 0
     layers: tuple[int, ...] = (-1,)  # the target states the drafter reads (its config's feature_layers())
+    length_group: int = 0  # micro-batch size whose samples are grouped by length (0: plain shuffle)
     train_indices: list[int] = field(init=False)
     eval_indices: list[int] = field(init=False)
     _order: tuple[int, list[int]] | None = field(default=None, init=False, repr=False)
@@ -136,9 +144,30 @@ class TrainData:
             return self._order[1]
         rng = np.random.default_rng([seed, epoch])
         groups = self._shard_groups()
-        order = [groups[g][i] for g in rng.permutation(len(groups)) for i in rng.permutation(len(groups[g]))]
+        order = [
+            index
+            for g in rng.permutation(len(groups))
+            for index in self._grouped_by_length([groups[g][i] for i in rng.permutation(len(groups[g]))], rng)
+        ]
         self._order = (epoch, order)
         return order
+
+    def _grouped_by_length(self, shuffled: list[int], rng: np.random.Generator) -> list[int]:
+        """``shuffled`` with every micro-batch of similar lengths (see the module doc); unchanged when
+        ``length_group`` is 0."""
+        size = self.length_group
+        if not size:
+            return shuffled
+        window = size * LENGTH_WINDOW
+        batches = []
+        for start in range(0, len(shuffled), window):
+            ordered = sorted(shuffled[start : start + window], key=self._length)
+            batches += [ordered[i : i + size] for i in range(0, len(ordered), size)]
+        return [index for b in rng.permutation(len(batches)) for index in batches[b]]
+
+    def _length(self, index: int) -> int:
+        length = self.prepared.sample_length(index)
+        return length if self.max_length is None else min(length, self.max_length)
 
     def _shard_groups(self) -> list[list[int]]:
         if self.cache is None:

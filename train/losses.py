@@ -60,30 +60,33 @@ def feature_distillation_loss(
     ``feature_noise`` perturbs the input features while training (0 turns it off). With a reduced
     draft vocabulary the CE runs over those tokens only (EAGLE-3's choice: the drafter never proposes
     anything else, and the full-vocabulary head would dominate the step's cost). The logged top-1
-    accuracies at draft steps 1..``metric_steps`` compare with the target's argmax over its whole
-    vocabulary, on at most ``metric_rows`` supervised positions, unrolling the drafter on its own
-    predicted features (no gradient); ``sim/accept_length`` is the top-1 chain length they imply."""
+    accuracies compare with the target's argmax over its whole vocabulary, on at most ``metric_rows``
+    supervised positions: in training only step 1's (free: it reads the step's own forward); in
+    evaluation steps 1..``metric_steps``, unrolling the drafter on its own predicted features (no
+    gradient; each step is one more forward over the batch, so training skips them), and
+    ``sim/accept_length``, the top-1 chain length they imply."""
     inputs, next_tokens, targets, weights = _feature_pairs(batch)
     positions = torch.arange(inputs.shape[1], device=inputs.device)[None].expand(inputs.shape[0], -1)
     embeds = frozen.embed_tokens(next_tokens).to(inputs.dtype)
     noisy = inputs + _length_scaled_noise(inputs, feature_noise) if model.training and feature_noise else inputs
     mask = _padded_causal_mask(batch.attention_mask[:, 1:], inputs.dtype)
-    out = model(embeds, noisy, positions, attention_mask=mask)
-
     rows = weights > 0
+    # evaluation unrolls the drafter on its own features at every position; a training step reads rows only
+    out = model(embeds, noisy, positions, attention_mask=mask, rows=rows if model.training else None)
+
     total = weights.sum().clamp_min(1.0)
-    regression = (F.smooth_l1_loss(out.next_features, targets, reduction="none").mean(-1) * weights).sum() / total
+    per_row = F.smooth_l1_loss(out.next_features[rows], targets[rows], reduction="none").mean(-1)
+    regression = (per_row * weights[rows]).sum() / total
     head = DraftHead(frozen.lm_head, getattr(model, "module", model).draft_vocab)
     with torch.no_grad():
         teacher = head(targets[rows])
     ce = (_soft_cross_entropy(head(out.token_features[rows]), teacher) * weights[rows]).sum() / total
     metrics = {"loss/smooth_l1": float(regression.detach()), "loss/ce": float(ce.detach())}
-    if rows.any() and metric_steps > 0:
+    steps = 1 if model.training else metric_steps
+    if rows.any() and steps > 0:
         picked = rows.nonzero()[:metric_rows]
         metrics.update(
-            _draft_step_accuracy(
-                model, frozen, head, embeds, inputs, out, positions, mask, picked, targets, metric_steps
-            )
+            _draft_step_accuracy(model, frozen, head, embeds, inputs, out, positions, mask, picked, targets, steps)
         )
     return LossOutput(regression + ce_weight * ce, metrics)
 
@@ -101,12 +104,14 @@ def _draft_step_accuracy(model, frozen, head, embeds, inputs, first, positions, 
             out = model(embeds, shifted, positions, attention_mask=mask)
         accuracies.append(float((head.top1(out.token_features[at]) == truth).float().mean()))
     metrics = {f"acc/step{k}": a for k, a in enumerate(accuracies, start=1)}
-    chain, product = 1.0, 1.0
-    for accuracy in accuracies:
-        product *= accuracy
-        chain += product
-    metrics["sim/accept_length"] = chain
+    if steps > 1:
+        metrics["sim/accept_length"] = chain_length(accuracies)
     return metrics
+
+
+def chain_length(accuracies: list[float]) -> float:
+    """``1 + sum_k prod_{j<=k} acc_j``: the expected length of a top-1 chain with these per-step accuracies."""
+    return 1.0 + float(torch.tensor(accuracies, dtype=torch.float64).cumprod(0).sum())
 
 
 def _padded_causal_mask(padding: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -131,31 +136,45 @@ def eagle3_loss(model, batch: TrainBatch, frozen: FrozenTarget, decay: float = 0
     core = getattr(model, "module", model)  # DDP / DeepSpeed wrap the drafter; compute goes through model()
     supervised = (batch.loss_mask * batch.attention_mask).bool()
     needed = _shift_left(supervised, 1)  # f_s teaches x_{s+1}: needed where that is an assistant token
-    teacher, truth = _draft_vocab_teacher(frozen, core, batch.hidden_states.float(), needed, teacher_chunk_rows)
-    drafted = needed & core.t2d[truth]  # (B, T): the target's argmax at f_s is in the draft vocabulary
+    teacher = _draft_vocab_teacher(frozen, core, batch.hidden_states.float(), needed, teacher_chunk_rows)
+    drafted = needed & core.t2d[teacher.argmax]  # (B, T): the target's argmax at f_s is in the draft vocabulary
     total, metrics, accuracies = 0.0, {}, []
-    steps = ttt_unroll(model, frozen, batch.input_ids, batch.attention_mask, batch.drafter_states.float())
+    ttt_steps = core.config.ttt_steps
+    labels = [_shift_left(supervised, 2 + step) for step in range(ttt_steps)]  # x_{t+2+i} is an assistant token
+    steps = ttt_unroll(
+        model, frozen, batch.input_ids, batch.attention_mask, batch.drafter_states.float(), read=read_rows(labels)
+    )
     for step, out in enumerate(steps):
-        labelled = _shift_left(supervised, 2 + step)  # x_{t+2+i} is an assistant token
-        rows = labelled & _shift_left(drafted, 1 + step)
-        logits = core.logits(out.token_features)
-        ce = _soft_cross_entropy(logits[rows].float(), _shift_left(teacher, 1 + step)[rows])
-        step_loss = ce.sum() / rows.sum().clamp_min(1)
+        labelled = labels[step]
+        # the head only where a label is: its logits over the draft vocabulary are the step's largest tensor
+        logits = core.logits(out.token_features[labelled])
+        taught = _shift_left(drafted, 1 + step)[labelled]
+        ce = _soft_cross_entropy(logits[taught].float(), teacher.rows_at(labelled, 1 + step)[taught])
+        step_loss = ce.sum() / taught.sum().clamp_min(1)
         total = total + decay**step * step_loss
         metrics[f"loss/step{step}"] = float(step_loss.detach())
         if labelled.any():
-            hits = core.token_ids(logits[labelled].detach().argmax(-1)) == _shift_left(truth, 1 + step)[labelled]
+            hits = core.token_ids(logits.detach().argmax(-1)) == _shift_left(teacher.argmax, 1 + step)[labelled]
             accuracies.append(float(hits.float().mean()))
             metrics[f"acc/step{step + 1}"] = accuracies[-1]
     if accuracies:
-        metrics["sim/accept_length"] = 1.0 + float(torch.tensor(accuracies).cumprod(0).sum())
+        metrics["sim/accept_length"] = chain_length(accuracies)
     return LossOutput(total, metrics)
 
 
-def ttt_unroll(model, frozen: FrozenTarget, input_ids: torch.Tensor, attention_mask: torch.Tensor, states):
+def ttt_unroll(
+    model,
+    frozen: FrozenTarget,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    states,
+    read: list[torch.Tensor] | None = None,
+):
     """The training-time test's steps, each a ``DrafterOutput`` over all positions (see :func:`eagle3_loss`):
     step 0 reads the target ``states`` (B, T, layers x h), step i the hidden step i-1 fed back, and
-    ``x_{t+1+i}`` at rotary position t + i; their keys accumulate in one KV cache, masked by :func:`ttt_mask`."""
+    ``x_{t+1+i}`` at rotary position t + i; their keys accumulate in one KV cache, masked by :func:`ttt_mask`.
+    ``read[i]`` (B, T) bool: the positions of step i whose outputs are read (:func:`read_rows`); the
+    MLP runs there only. None: everywhere."""
     core = getattr(model, "module", model)
     width = input_ids.shape[1]
     key_padding = _shift_left(attention_mask, 1)  # position s reads x_{s+1}: real when x_{s+1} is
@@ -164,9 +183,21 @@ def ttt_unroll(model, frozen: FrozenTarget, input_ids: torch.Tensor, attention_m
         embeds = frozen.embed_tokens(_shift_left(input_ids, 1 + step)).to(states.dtype)
         positions = (torch.arange(width, device=input_ids.device) + step)[None].expand(input_ids.shape[0], -1)
         mask = ttt_mask(key_padding, step, states.dtype)
-        out = model(embeds, hidden, positions, mask, cache, from_target=step == 0)  # through DDP's forward
+        rows = None if read is None else read[step]
+        out = model(embeds, hidden, positions, mask, cache, from_target=step == 0, rows=rows)  # through DDP's forward
         hidden = out.next_features
         yield out
+
+
+def read_rows(labels: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Per training-time-test step, the positions whose output is read: where that step or a later
+    one has a label. A step-i output at position t is only ever read by later steps at t (their queries
+    see step 0's keys and their own position's), so elsewhere it may be left uncomputed."""
+    read, later = [], torch.zeros_like(labels[-1])
+    for labelled in reversed(labels):
+        later = later | labelled
+        read.append(later)
+    return read[::-1]
 
 
 def ttt_mask(key_padding: torch.Tensor, step: int, dtype: torch.dtype) -> torch.Tensor:
@@ -188,24 +219,41 @@ def _shift_left(tensor: torch.Tensor, shift: int) -> torch.Tensor:
     return shifted
 
 
+@dataclass
+class DraftVocabTeacher:
+    """The target's distribution at the positions that teach a supervised token: ``logits`` (n, N) over
+    the draft vocabulary, one row per needed position in row-major order, ``row`` (B, T) the row of each
+    position (-1 where not needed), and ``argmax`` (B, T) its top token over the whole vocabulary (0
+    where not needed). Compact because a dense (B, T, N) tensor would be the step's largest."""
+
+    logits: torch.Tensor
+    row: torch.Tensor
+    argmax: torch.Tensor
+
+    def rows_at(self, where: torch.Tensor, shift: int) -> torch.Tensor:
+        """The logits rows read ``shift`` positions ahead of each True position of ``where`` (B, T)."""
+        return self.logits[_shift_left(self.row, shift)[where]]
+
+
 @torch.no_grad()
-def _draft_vocab_teacher(frozen: FrozenTarget, core, features: torch.Tensor, needed: torch.Tensor, chunk_rows: int):
-    """The target's logits restricted to the draft vocabulary (B, T, N) and its argmax over the whole
-    vocabulary (B, T), at the ``needed`` (B, T) positions only (zeros elsewhere): ``chunk_rows`` rows
-    of full-vocabulary logits at a time (0 = all at once)."""
+def _draft_vocab_teacher(
+    frozen: FrozenTarget, core, features: torch.Tensor, needed: torch.Tensor, chunk_rows: int
+) -> DraftVocabTeacher:
+    """The teacher at the ``needed`` (B, T) positions only: ``chunk_rows`` rows of full-vocabulary
+    logits at a time (0 = all at once)."""
     rows = features[needed]
     vocab = core.draft_token_ids()
-    restricted = features.new_zeros(*features.shape[:2], vocab.numel())
-    argmax = torch.zeros(features.shape[:2], dtype=torch.long, device=features.device)
     size = chunk_rows if chunk_rows > 0 else max(rows.shape[0], 1)
-    parts, tops = [], []
+    parts, tops = [features.new_zeros(0, vocab.numel())], [torch.zeros(0, dtype=torch.long, device=features.device)]
     for start in range(0, rows.shape[0], size):
         logits = frozen.lm_head(rows[start : start + size]).float()
         parts.append(logits[:, vocab])
         tops.append(logits.argmax(-1))
-    if parts:
-        restricted[needed], argmax[needed] = torch.cat(parts), torch.cat(tops)
-    return restricted, argmax
+    row = torch.full(needed.shape, -1, dtype=torch.long, device=features.device)
+    row[needed] = torch.arange(rows.shape[0], device=features.device)
+    argmax = torch.zeros(needed.shape, dtype=torch.long, device=features.device)
+    argmax[needed] = torch.cat(tops)
+    return DraftVocabTeacher(torch.cat(parts), row, argmax)
 
 
 def medusa_loss(

@@ -33,6 +33,8 @@ class DataSection:
     features: Optional[str] = None  # feature cache from `draftsmith data cache-features` -> offline training
     max_length: Optional[int] = None  # cut longer samples to this many tokens (None: as prepared)
     eval_samples: int = 0  # samples held out of training and evaluated at every checkpoint
+    # micro-batches of samples of similar length (less padding); the order still depends on the seed alone
+    group_by_length: bool = False
 
 
 @dataclass
@@ -47,6 +49,9 @@ class TrainSection:
     scheduler: Literal["linear", "cosine", "constant"] = "linear"  # after the warmup
     warmup_steps: int = 0
     max_steps: Optional[int] = None  # optimizer steps; None = `epochs` passes over the data
+    # stop this sitting after so many minutes with a checkpoint (resume with --resume); the schedule
+    # still runs to max_steps / epochs, so a run split over sittings trains as one would
+    max_minutes: Optional[float] = None
     epochs: int = 1
     batch_size: int = 4  # samples per device per micro-batch
     grad_accum: int = 1  # micro-batches per optimizer step
@@ -152,6 +157,8 @@ def validate(recipe: TrainRecipe) -> None:
     }
     if train.max_steps is not None:
         positive["train.max_steps"] = train.max_steps
+    if train.max_minutes is not None:
+        positive["train.max_minutes"] = train.max_minutes
     for key, value in positive.items():
         if value <= 0:
             raise RecipeError(f"{key} must be > 0, got {value}")

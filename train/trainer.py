@@ -48,7 +48,7 @@ from draftsmith.train.checkpoint import (
 )
 from draftsmith.train.loader import BatchPlan, TrainData, online_features, open_feature_cache, open_prepared
 from draftsmith.train.losses import family_loss
-from draftsmith.train.recipe import TrainRecipe, TrainSection
+from draftsmith.train.recipe import DataSection, TrainRecipe, TrainSection
 from draftsmith.train.recipe_loader import RecipeError, save_resolved, to_tree
 from draftsmith.train.tracking import Tracker
 
@@ -56,7 +56,14 @@ RUN_INFO = "run_info.json"
 # Recipe keys a resumed run may change: they do not alter what the finished steps computed. The run is
 # found at the current output_dir, so where it was written before (a moved or copied run, or the same
 # place spelt differently: a trailing slash, ./, a relative path) does not matter.
-RESUMABLE_CHANGES = ("output_dir", "train.max_steps", "train.resume", "train.resume_inexact", "tracking.")
+RESUMABLE_CHANGES = (
+    "output_dir",
+    "train.max_steps",
+    "train.max_minutes",
+    "train.resume",
+    "train.resume_inexact",
+    "tracking.",
+)
 
 
 class TrainingError(DraftsmithError, RuntimeError):
@@ -174,8 +181,12 @@ def _check_resumable(recipe: TrainRecipe, output_dir: Path) -> None:
     if not saved_path.is_file():
         return
     saved, current = _flatten(yaml.safe_load(saved_path.read_text())), _flatten(to_tree(recipe))
+    # a key newer than the saved run's draftsmith, at its default, keeps the behaviour that run had
+    defaults = _flatten(to_tree(TrainRecipe(output_dir="", data=DataSection(), drafter={})))
     for key in sorted(set(saved) | set(current)):
         if key.startswith(RESUMABLE_CHANGES) or saved.get(key) == current.get(key):
+            continue
+        if key not in saved and key in defaults and current.get(key) == defaults[key]:
             continue
         raise RecipeError(
             f"cannot resume {output_dir}: {key} was {saved.get(key)!r}, now {current.get(key)!r}; "
@@ -328,7 +339,10 @@ class Trainer:
             )
         elif self.family.needs_features:
             self.target.model.to(device)  # online: the frozen target computes features inside the step
-        self.data = TrainData(prepared, cache, recipe.data.max_length, recipe.data.eval_samples, self.layers)
+        length_group = recipe.train.batch_size if recipe.data.group_by_length else 0
+        self.data = TrainData(
+            prepared, cache, recipe.data.max_length, recipe.data.eval_samples, self.layers, length_group
+        )
         self.frozen = FrozenTarget.from_model(self.target.model)
         self.frozen.embed_tokens.to(device)
         self.frozen.lm_head.to(device)
@@ -563,7 +577,8 @@ class Trainer:
             disable=not self.is_main,
         )
         window: dict[str, list[float]] = defaultdict(list)
-        window_start, last, checkpoint = time.perf_counter(), {}, self.checkpoint
+        started = window_start = time.perf_counter()
+        last, checkpoint, done = {}, self.checkpoint, self.start_step
         try:
             for step in range(self.start_step, self.total_steps):
                 figures = self.train_step(step)
@@ -579,12 +594,31 @@ class Trainer:
                     tracker.log(done, last)
                     progress.set_postfix(loss=f"{last['loss']:.4g}", tok_s=f"{last['tokens_per_s']:.0f}")
                     window, window_start = defaultdict(list), time.perf_counter()
-                if done % train.save_every == 0 or done == self.total_steps:
+                saved = done % train.save_every == 0 or done == self.total_steps
+                if saved:
                     checkpoint = self._save(done, tracker)
+                if done < self.total_steps and done % train.log_every == 0 and self._out_of_time(started):
+                    checkpoint = checkpoint if saved else self._save(done, tracker)
+                    if self.is_main:
+                        tqdm.write(
+                            f"draftsmith: stopped after train.max_minutes={train.max_minutes:g} at step {done} of "
+                            f"{self.total_steps}, checkpoint {checkpoint}; rerun with --resume to go on"
+                        )
+                    break
         finally:
             progress.close()
             tracker.close()
-        return TrainResult(self.output_dir, max(self.start_step, self.total_steps), checkpoint, last)
+        return TrainResult(self.output_dir, max(done, self.start_step), checkpoint, last)
+
+    def _out_of_time(self, started: float) -> bool:
+        """Has this sitting used ``train.max_minutes``? Asked of every rank at once (one all-reduce), so
+        all stop at the same step even though their clocks differ."""
+        limit = self.recipe.train.max_minutes
+        if limit is None:
+            return False
+        over = float(time.perf_counter() - started >= 60 * limit)
+        flag = torch.tensor([over], dtype=torch.float64, device=self.accelerator.device)
+        return float(self.accelerator.reduce(flag, reduction="sum")) > 0
 
 
 def train(recipe: TrainRecipe, resume: bool = False, resume_inexact: bool = False) -> TrainResult:

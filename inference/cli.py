@@ -31,7 +31,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
     from draftsmith.core.verify import SamplingConfig
     from draftsmith.inference.context import check_fits_context
-    from draftsmith.inference.methods import build_drafter
+    from draftsmith.inference.methods.table import build_drafter
     from draftsmith.inference.runtime import generate
 
     if args.threads:
@@ -74,7 +74,7 @@ def _compiled_target(args: argparse.Namespace, target):
     """The compiled verification forward when ``--compile`` was given."""
     if not args.compile:
         return None
-    from draftsmith.inference.compiled import CompiledTarget
+    from draftsmith.inference.kernels.compiled import CompiledTarget
 
     return CompiledTarget(target.model)
 
@@ -97,7 +97,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
 
     from draftsmith.core.io import check_creatable_directory, check_output_directory
     from draftsmith.core.target import safetensors_directory
-    from draftsmith.inference.bench import (
+    from draftsmith.inference.measure.bench import (
         PROGRESS,
         BenchError,
         BenchProgress,
@@ -109,7 +109,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
         run_bench,
         write_results,
     )
-    from draftsmith.inference.vllm_engine import is_vllm_method
+    from draftsmith.inference.measure.vllm_engine import is_vllm_method
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -160,7 +160,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
 def cmd_bench_tree(args: argparse.Namespace) -> None:
     import torch
 
-    from draftsmith.inference.bench_tree import parse_sizes, run_tree_bench, tree_markdown, write_tree_results
+    from draftsmith.inference.measure.bench_tree import parse_sizes, run_tree_bench, tree_markdown, write_tree_results
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -185,7 +185,7 @@ def cmd_bench_tree(args: argparse.Namespace) -> None:
 def cmd_tune(args: argparse.Namespace) -> None:
     import torch
 
-    from draftsmith.inference.tune import parse_numbers, run_tune
+    from draftsmith.inference.measure.tune import parse_numbers, run_tune
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -205,7 +205,7 @@ def cmd_tune(args: argparse.Namespace) -> None:
 
 
 def cmd_spectra_index(args: argparse.Namespace) -> None:
-    from draftsmith.inference.spectra_retrieval import build_index
+    from draftsmith.inference.methods.spectra_retrieval import build_index
 
     meta = build_index(
         Path(args.corpus), Path(args.out), args.target, args.keep, args.max_length, args.batch_size, args.limit

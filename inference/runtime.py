@@ -20,10 +20,16 @@ from draftsmith.core.cache import commit_tree_path, preallocated_cache_for
 from draftsmith.core.drafting import DraftContext, Drafter
 from draftsmith.core.tree import DraftTree, TreeInputBuffers
 from draftsmith.core.verify import SamplingConfig, sample, verify_greedy, verify_greedy_tokens, verify_sampling
-from draftsmith.inference.compiled import CompiledTarget, StaticTreeInputs, commit_static, static_rows, tree_bucket
-from draftsmith.inference.direct_forward import DirectForward, direct_forward_for
-from draftsmith.inference.greedy_head import GreedyHead, greedy_head_for
-from draftsmith.inference.packed_gemm import PackedGemm, packed_gemm_for
+from draftsmith.inference.kernels.compiled import (
+    CompiledTarget,
+    StaticTreeInputs,
+    commit_static,
+    static_rows,
+    tree_bucket,
+)
+from draftsmith.inference.kernels.direct_forward import DirectForward, direct_forward_for
+from draftsmith.inference.kernels.greedy_head import GreedyHead, greedy_head_for
+from draftsmith.inference.kernels.packed_gemm import PackedGemm, packed_gemm_for
 
 
 @dataclass

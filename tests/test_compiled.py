@@ -10,7 +10,7 @@ from conftest import tiny_llama
 from decoding_helpers import hf_greedy
 from draftsmith.core.drafting import Drafter
 from draftsmith.core.tree import DraftTree, tree_attention_inputs
-from draftsmith.inference.compiled import (
+from draftsmith.inference.kernels.compiled import (
     CompiledTarget,
     StaticTreeInputs,
     commit_static,

@@ -8,9 +8,9 @@ from conftest import tiny_llama
 from decoding_helpers import hf_greedy, seeded_random_tree
 from draftsmith.core.cache import preallocated_cache_for
 from draftsmith.core.tree import DraftTree, TreeInputBuffers
-from draftsmith.inference.direct_forward import direct_forward_for
-from draftsmith.inference.packed_gemm import packed_gemm_for
-from draftsmith.inference.pld import PromptLookupDrafter
+from draftsmith.inference.kernels.direct_forward import direct_forward_for
+from draftsmith.inference.kernels.packed_gemm import packed_gemm_for
+from draftsmith.inference.methods.pld import PromptLookupDrafter
 from draftsmith.inference.runtime import generate, verification_forward
 
 VOCAB = 97

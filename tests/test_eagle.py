@@ -209,7 +209,7 @@ def test_config_follows_target_shape(target):
 def test_loading_checks_the_target(tiny_target_dir, other_target_dir, tmp_path):
     from draftsmith.core.target import TargetError, load_target
     from draftsmith.drafters.io import DrafterCheckpointError
-    from draftsmith.inference.methods import build_drafter
+    from draftsmith.inference.methods.table import build_drafter
 
     tiny, other = load_target(str(tiny_target_dir)), load_target(str(other_target_dir))
     model = get_family("fspad").build(tiny.model.config, {})
@@ -288,7 +288,7 @@ def test_fspad_and_other_formats_have_no_engine_layout(target):
 def test_tree_options_at_serve_time(tiny_target_dir, tmp_path):
     from draftsmith.core.target import load_target
     from draftsmith.drafters.base import TreeOptionError
-    from draftsmith.inference.methods import build_drafter, split_tree_options
+    from draftsmith.inference.methods.table import build_drafter, split_tree_options
 
     assert split_tree_options("a:b/dir:depth=4:top_k=2") == ("a:b/dir", {"depth": "4", "top_k": "2"})
     tiny = load_target(str(tiny_target_dir))

@@ -11,9 +11,9 @@ from conftest import tiny_llama
 from decoding_helpers import hf_greedy
 from draftsmith.core.drafting import DraftContext, Drafter
 from draftsmith.core.tree import DraftTree
-from draftsmith.inference.greedy_head import GreedyHead, greedy_head_for, greedy_head_supported
-from draftsmith.inference.native import native_extension
-from draftsmith.inference.pld import PromptLookupDrafter
+from draftsmith.inference.kernels.greedy_head import GreedyHead, greedy_head_for, greedy_head_supported
+from draftsmith.inference.kernels.native import native_extension
+from draftsmith.inference.methods.pld import PromptLookupDrafter
 from draftsmith.inference.runtime import generate
 
 VOCAB, HIDDEN = 3000, 64

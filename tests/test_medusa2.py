@@ -19,7 +19,7 @@ from draftsmith.drafters.base import FrozenTarget
 from draftsmith.drafters.medusa import resolve_tree
 from draftsmith.drafters.medusa2 import Medusa2ConfigError, Medusa2Model
 from draftsmith.drafters.registry import get_family
-from draftsmith.inference.greedy_head import greedy_head_for
+from draftsmith.inference.kernels.greedy_head import greedy_head_for
 from draftsmith.inference.runtime import generate
 from draftsmith.train.batch import TrainBatch
 from draftsmith.train.losses import medusa2_loss, medusa_loss
@@ -338,7 +338,7 @@ def test_the_served_model_is_peft_merge_and_unload_sharing_every_unadapted_weigh
     from peft.tuners.lora import LoraLayer
 
     from draftsmith.core.target import load_target
-    from draftsmith.inference.methods import build_drafter
+    from draftsmith.inference.methods.table import build_drafter
 
     export = medusa2_run / "export"
     tiny = load_target(str(tiny_target_dir))
@@ -422,8 +422,8 @@ def test_an_adapter_that_does_not_match_the_config_is_refused(medusa2_run, tmp_p
 
 def test_exported_drafter_serves_the_adapted_model_and_bench_reports_agreement(medusa2_run, tiny_target_dir):
     from draftsmith.core.target import load_target
-    from draftsmith.inference.bench import Question, run_bench
-    from draftsmith.inference.methods import build_drafter
+    from draftsmith.inference.measure.bench import Question, run_bench
+    from draftsmith.inference.methods.table import build_drafter
 
     export = medusa2_run / "export"
     tiny = load_target(str(tiny_target_dir))
@@ -445,7 +445,7 @@ def test_exported_drafter_serves_the_adapted_model_and_bench_reports_agreement(m
 def test_loading_for_another_target_is_refused(medusa2_run, other_target_dir):
     from draftsmith.core.target import TargetError, load_target
     from draftsmith.drafters.io import DrafterCheckpointError
-    from draftsmith.inference.methods import build_drafter
+    from draftsmith.inference.methods.table import build_drafter
 
     with pytest.raises(TargetError, match="trained for"):
         build_drafter(f"medusa={medusa2_run / 'export'}", load_target(str(other_target_dir)))

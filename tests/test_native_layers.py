@@ -14,10 +14,10 @@ from conftest import tiny_llama
 from decoding_helpers import hf_greedy, seeded_random_tree
 from draftsmith.core.cache import preallocated_cache_for
 from draftsmith.core.tree import TreeInputBuffers
-from draftsmith.inference import native_layers
-from draftsmith.inference.direct_forward import direct_forward_for
-from draftsmith.inference.packed_gemm import packed_gemm_for
-from draftsmith.inference.pld import PromptLookupDrafter
+from draftsmith.inference.kernels import native_layers
+from draftsmith.inference.kernels.direct_forward import direct_forward_for
+from draftsmith.inference.kernels.packed_gemm import packed_gemm_for
+from draftsmith.inference.methods.pld import PromptLookupDrafter
 from draftsmith.inference.runtime import generate, verification_forward
 
 VOCAB = 97
@@ -82,7 +82,7 @@ def test_tree_forwards_through_the_native_layers_are_bitwise_the_models(nodes, p
     real = native_layers.native_decoder_layers
     monkeypatch.setattr(native_layers, "native_decoder_layers", lambda *a: calls.append(a[2].shape[1]) or real(*a))
     monkeypatch.setattr(
-        "draftsmith.inference.direct_forward.native_decoder_layers", native_layers.native_decoder_layers
+        "draftsmith.inference.kernels.direct_forward.native_decoder_layers", native_layers.native_decoder_layers
     )
     model = tiny_llama(VOCAB, seed=nodes)
     gemm = packed_gemm_for(model) if packed else None
@@ -151,8 +151,8 @@ def test_a_failed_build_says_so_once_and_decodes_the_same(tmp_path):
 import torch
 from conftest import tiny_llama
 from decoding_helpers import hf_greedy
-from draftsmith.inference.direct_forward import direct_forward_for
-from draftsmith.inference.pld import PromptLookupDrafter
+from draftsmith.inference.kernels.direct_forward import direct_forward_for
+from draftsmith.inference.methods.pld import PromptLookupDrafter
 from draftsmith.inference.runtime import generate
 model = tiny_llama(97, seed=2)
 prompt = [5, 17, 33, 2, 61, 8, 40, 17, 33]

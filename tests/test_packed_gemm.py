@@ -11,9 +11,9 @@ from conftest import tiny_llama
 from decoding_helpers import TINY_EOS, hf_greedy, seeded_random_tree
 from draftsmith.core.cache import preallocated_cache_for
 from draftsmith.core.tree import TreeInputBuffers
-from draftsmith.inference import packed_gemm
-from draftsmith.inference.packed_gemm import PackedGemm, PackedLinear, packed_gemm_for, row_bucket
-from draftsmith.inference.pld import PromptLookupDrafter
+from draftsmith.inference.kernels import packed_gemm
+from draftsmith.inference.kernels.packed_gemm import PackedGemm, PackedLinear, packed_gemm_for, row_bucket
+from draftsmith.inference.methods.pld import PromptLookupDrafter
 from draftsmith.inference.runtime import generate, verification_forward
 
 VOCAB = 97

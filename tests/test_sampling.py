@@ -110,7 +110,7 @@ def test_speculative_sampling_matches_the_exact_distribution(model, drafter, con
 def test_compiled_verification_samples_the_exact_distribution(model):
     """The compiled path's padded, bucketed forwards (aot_eager here: the same graphs, compiled fast)
     under recursive rejection over siblings at two depths."""
-    from draftsmith.inference.compiled import CompiledTarget
+    from draftsmith.inference.kernels.compiled import CompiledTarget
 
     config = CONFIGS[1]
     counts = sample_counts(model, FixedTree(), config, seed=12, compiled=CompiledTarget(model, backend="aot_eager"))

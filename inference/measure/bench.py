@@ -27,16 +27,16 @@ from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.io import OutputRules, atomic_directory, atomic_write_bytes, atomic_write_json
 from draftsmith.core.target import Target
 from draftsmith.core.vllm_env import VllmError, find_vllm_python
-from draftsmith.inference.compiled import CompiledTarget
 from draftsmith.inference.context import check_fits_context
-from draftsmith.inference.direct_forward import direct_forward_for, direct_forward_supported
-from draftsmith.inference.greedy_head import GreedyHead, greedy_head_for
-from draftsmith.inference.hf_compiled import NAME as HF_STATIC_COMPILE
-from draftsmith.inference.hf_compiled import StaticCompiledGenerate, greedy_settings
-from draftsmith.inference.methods import build_drafter
-from draftsmith.inference.packed_gemm import packed_gemm_for
+from draftsmith.inference.kernels.compiled import CompiledTarget
+from draftsmith.inference.kernels.direct_forward import direct_forward_for, direct_forward_supported
+from draftsmith.inference.kernels.greedy_head import GreedyHead, greedy_head_for
+from draftsmith.inference.kernels.packed_gemm import packed_gemm_for
+from draftsmith.inference.measure.hf_compiled import NAME as HF_STATIC_COMPILE
+from draftsmith.inference.measure.hf_compiled import StaticCompiledGenerate, greedy_settings
+from draftsmith.inference.measure.vllm_engine import is_vllm_method, parse_vllm_method, run_vllm
+from draftsmith.inference.methods.table import build_drafter
 from draftsmith.inference.runtime import generate
-from draftsmith.inference.vllm_engine import is_vllm_method, parse_vllm_method, run_vllm
 
 BASELINE = "hf-generate"
 # Spec-Bench files label MT-bench questions either "mt_bench" or by MT-bench's own eight categories;

@@ -44,8 +44,8 @@ from transformers.models.llama.modeling_llama import (
 
 from draftsmith.core.cache import PreallocatedCache
 from draftsmith.core.drafting import INERT_OUTSIDE_OWNER
-from draftsmith.inference.native import native_extension
-from draftsmith.inference.native_layers import (
+from draftsmith.inference.kernels.native import native_extension
+from draftsmith.inference.kernels.native_layers import (
     NativePlan,
     native_decoder_layers,
     native_layers_supported,

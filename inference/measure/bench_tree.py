@@ -28,10 +28,10 @@ from draftsmith.core.cache import keep_positions, preallocated_cache_for
 from draftsmith.core.io import atomic_write_bytes, atomic_write_json
 from draftsmith.core.target import Target
 from draftsmith.core.tree import DraftTree, TreeInputBuffers
-from draftsmith.inference.bench import BenchError
-from draftsmith.inference.direct_forward import direct_forward_for
-from draftsmith.inference.greedy_head import greedy_head_for
-from draftsmith.inference.packed_gemm import packed_gemm_for
+from draftsmith.inference.kernels.direct_forward import direct_forward_for
+from draftsmith.inference.kernels.greedy_head import greedy_head_for
+from draftsmith.inference.kernels.packed_gemm import packed_gemm_for
+from draftsmith.inference.measure.bench import BenchError
 from draftsmith.inference.runtime import DEFAULT_TREE_ROOM, verification_forward
 
 SHAPES = ("random", "chain")

@@ -40,7 +40,7 @@ import torch
 from draftsmith.core.drafting import DraftContext, Drafter
 from draftsmith.core.tree import DraftTree
 from draftsmith.core.verify import Verdict
-from draftsmith.inference.spectra_retrieval import RetrievalIndex
+from draftsmith.inference.methods.spectra_retrieval import RetrievalIndex
 
 
 @dataclass

@@ -5,7 +5,7 @@ its LoRA merged) stands in for the target throughout: decoded, timed and measure
 
 Predicted tokens/s of a tree = mean tokens committed per round / (drafting cost + verification cost),
 with both costs measured here: the target's verification forward per tree size by ``bench-tree``'s
-machinery (:func:`~draftsmith.inference.bench_tree.run_tree_bench`), the drafter's round per depth and
+machinery (:func:`~draftsmith.inference.measure.bench_tree.run_tree_bench`), the drafter's round per depth and
 top_k by timing its ``propose``. Plain decoding (one token per 1-token forward) is a candidate too.
 
 How acceptance is measured, and what is exact. Greedy verification accepts the longest path of the
@@ -54,12 +54,12 @@ from draftsmith.data.default_prompts import held_out_questions
 from draftsmith.drafters.base import TreeOptions
 from draftsmith.drafters.eagle import EagleTreeDrafter
 from draftsmith.drafters.medusa import DYNAMIC, MedusaTreeDrafter
-from draftsmith.inference.bench import read_questions
-from draftsmith.inference.bench_tree import run_tree_bench
 from draftsmith.inference.context import check_fits_context
-from draftsmith.inference.learned import load_drafter
+from draftsmith.inference.measure.bench import read_questions
+from draftsmith.inference.measure.bench_tree import run_tree_bench
+from draftsmith.inference.methods.learned import load_drafter
+from draftsmith.inference.methods.tuned_trees import DeviceKey, weights_sha256, write_tuned_tree
 from draftsmith.inference.runtime import generate
-from draftsmith.inference.tuned_trees import DeviceKey, weights_sha256, write_tuned_tree
 
 DEFAULT_TOP_K = (1, 2, 4, 8)
 DEFAULT_TOTAL_TOKENS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)

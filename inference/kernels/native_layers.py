@@ -23,7 +23,7 @@ from transformers.activations import SiLUActivation
 from transformers.integrations.sdpa_attention import use_gqa_in_sdpa
 
 from draftsmith.core.cache import PreallocatedLayer
-from draftsmith.inference.packed_gemm import PackedLinear
+from draftsmith.inference.kernels.packed_gemm import PackedLinear
 
 _WEIGHTS_PER_LAYER = 9  # the order of native.cpp's Weight enum
 
@@ -88,7 +88,7 @@ def native_decoder_layers(
     output, or None (nothing done) where transformers would repeat grouped K/V heads instead of letting
     SDPA read them grouped (a mask without the runtime's switch, see ``runtime._grouped_kv_heads``).
     ``cos`` and ``signed_sin`` as :func:`direct_forward._lean_layers` makes them; projections whose
-    :class:`~draftsmith.inference.packed_gemm.PackedLinear` has an active pack for these rows use it."""
+    :class:`~draftsmith.inference.kernels.packed_gemm.PackedLinear` has an active pack for these rows use it."""
     grouped = plan.heads != plan.kv_heads
     if grouped and not use_gqa_in_sdpa(attention_mask, cache_layers[0].keys, cache_layers[0].values):
         return None

@@ -110,13 +110,14 @@ def test_training_free_methods_are_lossless_on_cuda(method, target, tiny_target_
 
 def test_compiled_verification_with_cuda_graphs_is_lossless(target):
     """--compile on CUDA: mode="reduce-overhead" (CUDA graphs per bucket), prompt lookup trees padded."""
-    from draftsmith.inference.kernels.compiled import CompiledTarget
+    from draftsmith.inference.backends import Backends
+    from draftsmith.inference.kernels.options import KernelOptions
     from draftsmith.inference.methods.pld import PromptLookupDrafter
 
-    compiled = CompiledTarget(target)
+    backends = Backends(KernelOptions(compiled=True))
     for prompt in random_prompts(3, seed=5, vocab=VOCAB):
         prompt = prompt * 4  # repeats give prompt lookup something to draft
         for drafter in (None, PromptLookupDrafter()):
-            result = generate(target, prompt, drafter, max_new_tokens=32, eos_token_ids=[EOS], compiled=compiled)
+            result = generate(target, prompt, drafter, max_new_tokens=32, eos_token_ids=[EOS], backends=backends)
             assert result.tokens == hf_greedy(target, prompt, 32, EOS)
-    assert compiled.compile_seconds > 0
+    assert backends.compiled(target).compile_seconds > 0

@@ -9,7 +9,7 @@ from decoding_helpers import random_prompts as _random_prompts
 from draftsmith.core.drafting import DraftContext
 from draftsmith.core.tree import best_first_tree
 from draftsmith.drafters.base import FrozenTarget, UnknownOptionError
-from draftsmith.drafters.eagle import EagleConfig, EagleDrafter, causal_mask
+from draftsmith.drafters.eagle import EagleConfig, EagleModel, causal_mask
 from draftsmith.drafters.io import DrafterCheckpointError, export_drafter
 from draftsmith.drafters.registry import get_family
 from draftsmith.inference.runtime import generate
@@ -111,7 +111,7 @@ def test_export_and_load_round_trip(target, tmp_path, trained_fspad):
     export_drafter(
         trained_fspad, {"name": "t", "revision": "r", "config_hash": "c", "tokenizer_hash": "k"}, tmp_path / "d"
     )
-    loaded = EagleDrafter.from_pretrained(tmp_path / "d").eval()
+    loaded = EagleModel.from_pretrained(tmp_path / "d").eval()
     assert loaded.config.drafter_family == "fspad" and loaded.config.target_identity["name"] == "t"
     args = (torch.randn(1, 6, 64), torch.randn(1, 6, 64), torch.arange(6)[None])
     torch.testing.assert_close(loaded(*args).next_features, trained_fspad(*args).next_features)
@@ -119,7 +119,7 @@ def test_export_and_load_round_trip(target, tmp_path, trained_fspad):
         export_drafter(trained_fspad, {}, tmp_path / "d")
     (tmp_path / "d" / "model.safetensors").unlink()
     with pytest.raises(DrafterCheckpointError, match="model.safetensors is missing"):
-        EagleDrafter.from_pretrained(tmp_path / "d")
+        EagleModel.from_pretrained(tmp_path / "d")
 
 
 def _context(target, prompt, extra):

@@ -303,7 +303,8 @@ def test_bench_accounts_for_vllm_runs_and_keeps_results_when_one_fails(tmp_path,
     import sys
 
     from draftsmith.core.target import load_target
-    from draftsmith.inference.measure.bench import Question, markdown_table, run_bench
+    from draftsmith.inference.measure.bench import Question, run_bench
+    from draftsmith.inference.measure.bench_report import markdown_table
 
     stub = tmp_path / "python"
     stub.write_text(STUB_ENGINE.format(python=sys.executable))

@@ -29,8 +29,16 @@ ALLOWED = {
     "inference": _OUTSIDE | {"inference.kernels", "inference.methods"},
     "inference.measure": _OUTSIDE | {"inference", "inference.kernels", "inference.methods"},
     "inference.cli": _OUTSIDE | {"inference", "inference.kernels", "inference.methods", "inference.measure"},
-    "train": {"core", "data", "drafters", "inference", "inference.kernels", "inference.methods",
-              "inference.measure", "inference.cli"},
+    "train": {
+        "core",
+        "data",
+        "drafters",
+        "inference",
+        "inference.kernels",
+        "inference.methods",
+        "inference.measure",
+        "inference.cli",
+    },
 }
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -19,7 +19,7 @@ from draftsmith.drafters.base import FrozenTarget
 from draftsmith.drafters.medusa import resolve_tree
 from draftsmith.drafters.medusa2 import Medusa2ConfigError, Medusa2Model
 from draftsmith.drafters.registry import get_family
-from draftsmith.inference.kernels.greedy_head import greedy_head_for
+from draftsmith.inference.backends import Backends
 from draftsmith.inference.runtime import generate
 from draftsmith.train.batch import TrainBatch
 from draftsmith.train.losses import medusa2_loss, medusa_loss
@@ -159,17 +159,18 @@ def trained():
 def test_greedy_decoding_is_lossless_for_the_adapted_model(trained):
     target, model = trained
     differs, taus = 0, []
+    backends = Backends()
     for tree in ("medusa-16", "dynamic"):
         drafter = serve(model, target, tree=tree, total_tokens=10)
         for prompt in random_prompts(6, seed=5) + random_prompts(6, seed=99):
             with drafter.reference_model() as served:
                 reference = hf_greedy(served, prompt, 30)
             differs += reference != hf_greedy(target, prompt, 30)
-            result = generate(target, prompt, drafter, max_new_tokens=30, eos_token_ids=[EOS])
+            result = generate(target, prompt, drafter, max_new_tokens=30, eos_token_ids=[EOS], backends=backends)
             assert result.tokens == reference, (tree, prompt)
             taus.append(result.tau)
         # the merged copy took the direct forward: its screened greedy head (direct forwards only) ran
-        assert greedy_head_for(drafter.served_model()).rows > 0
+        assert backends.kernels(drafter.served_model()).greedy_head().rows > 0
     assert max(taus) > 1.5  # the heads do draft accepted tokens
     assert differs > 0  # the reference really is the adapted model, not the original
 

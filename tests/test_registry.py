@@ -74,7 +74,7 @@ def test_every_user_error_class_is_a_draftsmith_error():
     import draftsmith.data.features as features
     import draftsmith.data.formats as formats
     import draftsmith.drafters.io as drafter_io
-    import draftsmith.inference.measure.bench as bench
+    import draftsmith.inference.measure.errors as bench_errors
     import draftsmith.inference.methods.errors as inference_errors
     import draftsmith.train.checkpoint as checkpoint
     import draftsmith.train.recipe_loader as recipe
@@ -85,7 +85,7 @@ def test_every_user_error_class_is_a_draftsmith_error():
         features.FeatureCacheError,
         formats.DataError,
         drafter_io.DrafterCheckpointError,
-        bench.BenchError,
+        bench_errors.BenchError,
         inference_errors.MethodError,
         checkpoint.CheckpointError,
         recipe.RecipeError,

@@ -303,7 +303,8 @@ def test_bench_writes_the_contract(tmp_path, tiny_target_dir):
 
 
 def test_bench_rejects_a_bad_question_file(tmp_path, tiny_target_dir):
-    from draftsmith.inference.measure.bench import BenchError, read_questions
+    from draftsmith.inference.measure.bench import read_questions
+    from draftsmith.inference.measure.errors import BenchError
 
     bad = tmp_path / "q.jsonl"
     bad.write_text('{"question_id": 1, "turns": ["x"]}\n')

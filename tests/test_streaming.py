@@ -412,7 +412,7 @@ def test_the_shared_target_keeps_its_direct_forward_for_other_methods():
     assert hooked._forward_hooks and hooked._forward_pre_hooks
     assert direct_forward_for(target) is not None
     prompt = random_prompts(1, seed=7)[0]
-    plain = generate(target, prompt, None, max_new_tokens=20, eos_token_ids=[EOS], direct_forward=True)
+    plain = generate(target, prompt, None, max_new_tokens=20, eos_token_ids=[EOS])
     assert plain.tokens == hf_greedy(target, prompt, 20)
     with model.adapted() as adapted:
         reference = hf_greedy(adapted, prompt, 20)

@@ -285,7 +285,7 @@ def test_run_tune_says_when_plain_decoding_wins(tiny, tmp_path, monkeypatch):
     millisecond, which a busy machine reorders at random."""
     from draftsmith.inference.measure import tune
 
-    def cost_curve(target, sizes, prefix, repeats):
+    def cost_curve(target, sizes, prefix, repeats, backends):
         rows = [{"size": size, "median_ms": 10.0 + size} for size in sizes]
         return {"rows": rows, "native": False, "packed_gemm": False, "greedy_head": False}
 

@@ -1,8 +1,8 @@
 """The direct forward's lean decoder layers as one C++ call (:mod:`native`), bitwise the same.
 
-A one-token step of SmolLM2 through the lean Python loop (:func:`direct_forward._lean_layers`) spends
-~4 ms of ~32 ms on a 2-core CPU in the interpreter between ~1,000 small ATen calls, and a tree forward
-as much. ``native.cpp``'s ``decoder_layers`` makes the same ATen calls (MKL's packed GEMM where
+The lean Python loop (:func:`direct_forward._lean_layers`) makes ~1,000 small ATen calls per forward,
+and on a CPU the interpreter's time between them is a visible share of a small model's step.
+``native.cpp``'s ``decoder_layers`` makes the same ATen calls (MKL's packed GEMM where
 :mod:`packed_gemm`'s pack for the rows is active) on the same values in the same order from C++, so the
 results are bitwise those of the Python loop (``tests/test_native_layers.py`` checks logits, every
 hidden state and the cache).

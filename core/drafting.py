@@ -50,7 +50,7 @@ class Drafter:
     # ``DraftContext.features``, concatenated in this order: taken from the verification forward.
     feature_layers: tuple[int, ...] = (-1,)
     # True: :meth:`observe` reads the target's logits. Otherwise greedy decoding may hand it None: the
-    # runtime then computes only the target's argmax (``inference/greedy_head.py``).
+    # runtime then computes only the target's argmax (``inference/kernels/greedy_head.py``).
     reads_logits: ClassVar[bool] = False
 
     def propose(self, context: DraftContext) -> DraftTree:

@@ -4,7 +4,7 @@ vLLM's CPU build pins torch, transformers and a CUDA torchvision that clash with
 environment, so draftsmith runs vLLM as a subprocess of that environment's interpreter
 (``--vllm-python PATH`` or ``$DRAFTSMITH_VLLM_PYTHON``; without either, the current interpreter when
 it has vLLM), executing ``vllm_worker.py`` by path. ``bench`` uses it to decode one prompt at a time
-(``inference/vllm_engine.py``); ``data regenerate --engine vllm`` keeps one engine running and sends
+(``inference/measure/vllm_engine.py``); ``data regenerate --engine vllm`` keeps one engine running and sends
 it batches (``data/regenerate.py``, ``VllmEngine``).
 """
 

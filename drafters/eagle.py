@@ -166,7 +166,7 @@ class DrafterOutput:
     next_features: torch.Tensor  # (B, T, h): the predicted f_{t+1}, fed back when drafting
 
 
-class EagleDrafter(DraftVocabMixin, DrafterModel):
+class EagleModel(DraftVocabMixin, DrafterModel):
     """``forward(embeds, features, position_ids, attention_mask)``: position t reads ``e_{t+1}`` and ``f_t``
     and predicts ``f_{t+1}``."""
 
@@ -344,7 +344,7 @@ class EagleTreeDrafter(Drafter):
             keep_positions(self._cache, torch.arange(committed))
 
 
-def vllm_eagle_layout(model: EagleDrafter, fmt: str, verifier: Verifier, speculative_tokens: int) -> EngineExport:
+def vllm_eagle_layout(model: EagleModel, fmt: str, verifier: Verifier, speculative_tokens: int) -> EngineExport:
     """``(config, tensors)`` of a plain EAGLE drafter in the layout vLLM's ``eagle`` method loads: the
     SafeAILab EAGLE-1 ``EagleLlamaForCausalLM`` checkpoint (a Llama ``config.json`` with one layer,
     ``fc.weight`` and ``layers.0.*``; embedding and lm_head shared from the target).

@@ -144,7 +144,7 @@ class Eagle3DecoderLayer(nn.Module):
         return residual, at_rows(lambda r: self.mlp(self.post_attention_layernorm(r)), residual, rows)
 
 
-class Eagle3Drafter(DrafterModel):
+class Eagle3Model(DrafterModel):
     """``forward(embeds, hidden, position_ids, attention_mask, past_key_values)``: position t reads
     ``e_{t+1}`` and a hidden ``h_t`` (the fused target states, see :meth:`read_target`, or the previous
     step's ``next_features``) and predicts ``x_{t+2}`` (:meth:`logits` of ``token_features``)."""
@@ -260,7 +260,7 @@ SGLANG_RESIDUAL_CAVEAT = (
 )
 
 
-def _eagle3_tensors(model: Eagle3Drafter, layer_prefix: str) -> dict[str, torch.Tensor]:
+def _eagle3_tensors(model: Eagle3Model, layer_prefix: str) -> dict[str, torch.Tensor]:
     """The drafter's weights under an engine's names (``layer.*`` -> ``layer_prefix*``), float32 on CPU."""
     tensors = {}
     for name, tensor in model.state_dict().items():
@@ -272,7 +272,7 @@ def _eagle3_tensors(model: Eagle3Drafter, layer_prefix: str) -> dict[str, torch.
     return tensors
 
 
-def speculators_eagle3_layout(model: Eagle3Drafter, verifier: Verifier, speculative_tokens: int) -> EngineExport:
+def speculators_eagle3_layout(model: Eagle3Model, verifier: Verifier, speculative_tokens: int) -> EngineExport:
     """vLLM's ``speculators`` EAGLE-3 layout (what ``speculators`` 0.9.0 writes, vLLM 0.32 loads):
     ``Eagle3DraftModel`` with ``embed_tokens`` (the target's, copied: vLLM reads the drafter's own),
     ``fc``, ``layers.0.*``, ``norm``, ``lm_head`` and, for a reduced vocabulary, ``d2t``/``t2d`` (vLLM
@@ -319,7 +319,7 @@ def speculators_eagle3_layout(model: Eagle3Drafter, verifier: Verifier, speculat
     )
 
 
-def sglang_eagle3_layout(model: Eagle3Drafter, speculative_tokens: int) -> EngineExport:
+def sglang_eagle3_layout(model: Eagle3Model, speculative_tokens: int) -> EngineExport:
     """SGLang's ``LlamaForCausalLMEagle3``: ``fc``, ``midlayer.*``, ``norm``, ``lm_head`` over the draft
     vocabulary, ``d2t``, ``t2d``, no embedding (SGLang shares the target's). SGLang names the fused
     states as layer *outputs*: its ids are vLLM's minus one."""
@@ -352,7 +352,7 @@ class Eagle3Head:
     """The drafter's own token head for :class:`EagleTreeDrafter`: logits over the draft vocabulary
     and their columns' target ids (the counterpart of :class:`~draftsmith.drafters.vocab.DraftHead`)."""
 
-    def __init__(self, model: Eagle3Drafter) -> None:
+    def __init__(self, model: Eagle3Model) -> None:
         self.model = model
 
     def __call__(self, token_features: torch.Tensor) -> torch.Tensor:

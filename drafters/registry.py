@@ -5,11 +5,18 @@ and a :class:`~draftsmith.drafters.base.DrafterModel`), one loss in ``draftsmith
 here), one recipe, and one entry in :data:`FAMILIES`. The trainer, recipe checks, ``draftsmith
 export``, the runtime's ``--method`` table and its serve-time tree options all read this table; the
 key is written into every exported ``config.json`` (``drafter_family``), so loading never guesses.
+
+Names say which side a class is on: the ``nn.Module`` a family trains, saves and exports is its model
+(``EagleModel``, ``Eagle3Model``, ``MedusaHeads``, ``Medusa2Model``, ``StreamingModel``); what its
+``runtime_drafter()`` returns for decoding is a runtime drafter (``EagleTreeDrafter``,
+``MedusaTreeDrafter``, ...: a :class:`~draftsmith.core.drafting.Drafter`). Tools that treat families
+differently (``draftsmith tune``, ``draftsmith medusa calibrate``) read the fields below, never the classes.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,8 +24,8 @@ from transformers import PretrainedConfig
 
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.drafters.base import DrafterConfig, DrafterModel
-from draftsmith.drafters.eagle import EagleConfig, EagleDrafter
-from draftsmith.drafters.eagle3 import Eagle3Config, Eagle3Drafter
+from draftsmith.drafters.eagle import EagleConfig, EagleModel
+from draftsmith.drafters.eagle3 import Eagle3Config, Eagle3Model
 from draftsmith.drafters.medusa import MedusaConfig, MedusaHeads
 from draftsmith.drafters.medusa2 import Medusa2Config, Medusa2Model
 from draftsmith.drafters.streaming import StreamingConfig, StreamingModel
@@ -26,6 +33,13 @@ from draftsmith.drafters.streaming import StreamingConfig, StreamingModel
 
 class UnknownFamilyError(DraftsmithError, ValueError):
     """A drafter family name this draftsmith does not know."""
+
+
+class TreeSearch(enum.Enum):
+    """How ``draftsmith tune`` searches a family's dynamic trees for the one that decodes fastest."""
+
+    GROWTH = "growth"  # EAGLE-2's best-first growth from the drafter's features: depth, top_k, total_tokens
+    HEADS = "heads"  # Medusa's dynamic tree over its heads' candidates: top_k per head, total_tokens
 
 
 @dataclass(frozen=True)
@@ -44,6 +58,11 @@ class Family:
     # Families whose exports may start a run of this one (``train.init_from``), besides itself:
     # Medusa-2's two-stage recipe starts from trained Medusa-1 heads.
     starts_from: tuple[str, ...] = ()
+    # How ``draftsmith tune`` fits its tree to a device; None: its drafts come from elsewhere (inside
+    # the target's forward) and there is no tree to fit.
+    tree_search: TreeSearch | None = None
+    # Its static tree can be calibrated from the heads' measured accuracy (``draftsmith medusa calibrate``).
+    calibrated_tree: bool = False
 
     @property
     def needs_features(self) -> bool:
@@ -78,24 +97,29 @@ class Family:
 
 
 FAMILIES: dict[str, Family] = {
-    "eagle": Family("eagle", EagleConfig, EagleDrafter, "feature_distillation_loss"),
+    "eagle": Family("eagle", EagleConfig, EagleModel, "feature_distillation_loss", tree_search=TreeSearch.GROWTH),
     "fspad": Family(
         "fspad",
         EagleConfig,
-        EagleDrafter,
+        EagleModel,
         "feature_distillation_loss",
         defaults={"feature_sampler": True, "partial_alignment": True},
+        tree_search=TreeSearch.GROWTH,
     ),
-    "eagle3": Family("eagle3", Eagle3Config, Eagle3Drafter, "eagle3_loss"),
+    "eagle3": Family("eagle3", Eagle3Config, Eagle3Model, "eagle3_loss", tree_search=TreeSearch.GROWTH),
     "fspad3": Family(
         "fspad3",
         Eagle3Config,
-        Eagle3Drafter,
+        Eagle3Model,
         "eagle3_loss",
         defaults={"feature_sampler": True, "partial_alignment": True},
+        tree_search=TreeSearch.GROWTH,
     ),
-    "medusa": Family("medusa", MedusaConfig, MedusaHeads, "medusa_loss"),
-    # Medusa-2 trains a LoRA on the target with the heads and computes its own (adapted) features.
+    "medusa": Family(
+        "medusa", MedusaConfig, MedusaHeads, "medusa_loss", tree_search=TreeSearch.HEADS, calibrated_tree=True
+    ),
+    # Medusa-2 trains a LoRA on the target with the heads and computes its own (adapted) features; its
+    # heads are Medusa-1's, so its trees are tuned and calibrated alike (over the adapted features).
     "medusa2": Family(
         "medusa2",
         Medusa2Config,
@@ -103,6 +127,8 @@ FAMILIES: dict[str, Family] = {
         "medusa2_loss",
         method="medusa",
         starts_from=("medusa",),
+        tree_search=TreeSearch.HEADS,
+        calibrated_tree=True,
     ),
     # Speculative Streaming runs inside the target (attach_target): no features, the target's own tokens.
     "streaming": Family("streaming", StreamingConfig, StreamingModel, "streaming_loss"),

@@ -31,14 +31,14 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
     from draftsmith.core.verify import SamplingConfig
     from draftsmith.inference.context import check_fits_context
-    from draftsmith.inference.methods import build_drafter
+    from draftsmith.inference.methods.table import build_drafter
     from draftsmith.inference.runtime import generate
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    backends = _backends(args)
     target = _load_target(args)
     drafter = build_drafter(args.method, target)
-    compiled = _compiled_target(args, target)
+    if backends.options.compiled:  # a target --compile cannot serve is refused before decoding
+        backends.compiled(target.model)
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
     if args.raw:
         ids = target.tokenizer(prompt, add_special_tokens=True)["input_ids"]
@@ -55,10 +55,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
         sampling=sampling,
         generator=torch.Generator().manual_seed(args.seed),
         on_tokens=_stream_printer(target.tokenizer),
-        compiled=compiled,
-        packed_gemm=not args.no_packed_gemm,
-        greedy_head=not args.no_greedy_head,
-        native=not args.no_native,
+        backends=backends,
     )
     print()
     if result.compile_seconds:
@@ -70,13 +67,21 @@ def cmd_generate(args: argparse.Namespace) -> None:
     )
 
 
-def _compiled_target(args: argparse.Namespace, target):
-    """The compiled verification forward when ``--compile`` was given."""
-    if not args.compile:
-        return None
-    from draftsmith.inference.compiled import CompiledTarget
+def _backends(args: argparse.Namespace):
+    """The run's verification backends, with the kernel options of :func:`_kernel_parent` (torch's
+    thread count set from them, before the target loads)."""
+    from draftsmith.inference.backends import Backends
+    from draftsmith.inference.kernels.options import KernelOptions
 
-    return CompiledTarget(target.model)
+    options = KernelOptions(
+        compiled=args.compile,
+        packed_gemm=not args.no_packed_gemm,
+        greedy_head=not args.no_greedy_head,
+        native=not args.no_native,
+        threads=args.threads,
+    )
+    options.apply_threads()
+    return Backends(options)
 
 
 def _method_inputs(methods: list[str]) -> tuple[tuple[str, Path], ...]:
@@ -93,26 +98,15 @@ def _method_inputs(methods: list[str]) -> tuple[tuple[str, Path], ...]:
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
-    import torch
-
     from draftsmith.core.io import check_creatable_directory, check_output_directory
     from draftsmith.core.target import safetensors_directory
-    from draftsmith.inference.bench import (
-        PROGRESS,
-        BenchError,
-        BenchProgress,
-        bench_output_rules,
-        bench_settings,
-        markdown_table,
-        read_progress,
-        read_questions,
-        run_bench,
-        write_results,
-    )
-    from draftsmith.inference.vllm_engine import is_vllm_method
+    from draftsmith.inference.measure.bench import bench_settings, read_questions, run_bench
+    from draftsmith.inference.measure.bench_report import bench_output_rules, markdown_table, write_results
+    from draftsmith.inference.measure.bench_resume import PROGRESS, BenchProgress, read_progress
+    from draftsmith.inference.measure.errors import BenchError
+    from draftsmith.inference.measure.vllm_engine import is_vllm_method
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    backends = _backends(args)
     categories = [c.strip() for c in args.categories.split(",")] if args.categories else None
     questions = read_questions(Path(args.questions), categories, args.limit)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
@@ -132,12 +126,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
     check_creatable_directory(out)
     target = _load_target(args)
     target_dir = safetensors_directory(args.target) if any(is_vllm_method(m) for m in methods) else None
-    options = {
-        "packed_gemm": not args.no_packed_gemm,
-        "greedy_head": not args.no_greedy_head,
-        "native": not args.no_native,
-    }
-    settings = bench_settings(target, questions, methods, args.max_new_tokens, compiled=args.compile, **options)
+    settings = bench_settings(target, questions, methods, args.max_new_tokens, backends.options)
     progress = BenchProgress.resume(out, settings) if args.resume else BenchProgress.start(out, settings)
     if progress.records:
         print(f"bench: resuming after {len(progress.records)} finished questions of {len(questions)}", flush=True)
@@ -146,11 +135,10 @@ def cmd_bench(args: argparse.Namespace) -> None:
         questions,
         methods,
         args.max_new_tokens,
-        compiled=_compiled_target(args, target),
+        backends,
         vllm_python=args.vllm_python,
         target_dir=target_dir,
         progress=progress,
-        **options,
     )
     print(markdown_table(results))  # shown before writing, so a failed write loses no figures
     write_results(results, out, True, rules)  # --out holds this run's own progress file by now
@@ -158,24 +146,12 @@ def cmd_bench(args: argparse.Namespace) -> None:
 
 
 def cmd_bench_tree(args: argparse.Namespace) -> None:
-    import torch
+    from draftsmith.inference.measure.bench_tree import parse_sizes, run_tree_bench, tree_markdown, write_tree_results
 
-    from draftsmith.inference.bench_tree import parse_sizes, run_tree_bench, tree_markdown, write_tree_results
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    backends = _backends(args)
     sizes = parse_sizes(args.sizes)
     target = _load_target(args)
-    results = run_tree_bench(
-        target,
-        sizes,
-        args.prefix,
-        args.repeats,
-        args.shape,
-        packed_gemm=not args.no_packed_gemm,
-        greedy_head=not args.no_greedy_head,
-        native=not args.no_native,
-    )
+    results = run_tree_bench(target, sizes, args.prefix, args.repeats, args.shape, backends=backends)
     print(tree_markdown(results))
     if args.out:
         write_tree_results(results, Path(args.out))
@@ -183,12 +159,9 @@ def cmd_bench_tree(args: argparse.Namespace) -> None:
 
 
 def cmd_tune(args: argparse.Namespace) -> None:
-    import torch
+    from draftsmith.inference.measure.tune import parse_numbers, run_tune
 
-    from draftsmith.inference.tune import parse_numbers, run_tune
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    backends = _backends(args)
     top_ks, totals = parse_numbers(args.top_k, "--top-k"), parse_numbers(args.total_tokens, "--total-tokens")
     target = _load_target(args)
     run_tune(
@@ -201,11 +174,12 @@ def cmd_tune(args: argparse.Namespace) -> None:
         top_ks=top_ks,
         totals=totals,
         repeats=args.repeats,
+        backends=backends,
     )
 
 
 def cmd_spectra_index(args: argparse.Namespace) -> None:
-    from draftsmith.inference.spectra_retrieval import build_index
+    from draftsmith.inference.methods.spectra_retrieval import build_index
 
     meta = build_index(
         Path(args.corpus), Path(args.out), args.target, args.keep, args.max_length, args.batch_size, args.limit
@@ -229,17 +203,21 @@ def _add_target_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _add_compile_argument(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--compile",
-        action="store_true",
-        help="run the target's verification forwards through torch.compile (inductor; CUDA graphs on a GPU), "
-        "padded to a few tree-size buckets; compile time is reported once and excluded from speed figures",
-    )
-
-
-def _add_kernel_arguments(p: argparse.ArgumentParser) -> None:
-    """Switches for the runtime's float32 CPU kernels (outputs are the same tokens either way)."""
+def _kernel_parent(compile: bool) -> argparse.ArgumentParser:
+    """The kernel options every decoding command takes (parsed by :func:`_backends`): torch's threads
+    and the switches of the runtime's float32 CPU kernels (the same tokens either way); ``compile``: also
+    ``--compile`` (commands without it decode eagerly)."""
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--threads", type=positive_int, default=None, help="torch threads, >= 1 (default: torch's choice)")
+    if compile:
+        p.add_argument(
+            "--compile",
+            action="store_true",
+            help="run the target's verification forwards through torch.compile (inductor; CUDA graphs on a GPU), "
+            "padded to a few tree-size buckets; compile time is reported once and excluded from speed figures",
+        )
+    else:
+        p.set_defaults(compile=False)
     switches = {
         "--no-packed-gemm": "verify trees with PyTorch's default matrix multiply instead of MKL's packed GEMM "
         "(the packed one makes a few-row forward cost little more than one row, at one extra copy of the weights "
@@ -252,6 +230,7 @@ def _add_kernel_arguments(p: argparse.ArgumentParser) -> None:
     }
     for flag, text in switches.items():
         p.add_argument(flag, action="store_true", help=text + "; float32 on CPU only")
+    return p
 
 
 def _load_target(args: argparse.Namespace):
@@ -260,9 +239,11 @@ def _load_target(args: argparse.Namespace):
     return load_target(args.target, dtype=args.dtype, device=args.device)
 
 
-def add_inference_commands(subparsers: Any) -> None:
+def _add_generate_parser(subparsers: Any) -> None:
+    """``draftsmith generate``: decode one prompt, streaming tokens."""
     p = subparsers.add_parser(
         "generate",
+        parents=[_kernel_parent(compile=True)],
         help="decode a prompt with a drafter (lossless), streaming tokens",
         description="Generate with the target, drafting with METHOD and verifying every draft; "
         "greedy output is token-identical to plain greedy decoding, sampled output "
@@ -286,12 +267,14 @@ def add_inference_commands(subparsers: Any) -> None:
     p.add_argument("--top-k", type=int, default=0, help="with sampling: keep the k most likely tokens (0 = all)")
     p.add_argument("--top-p", type=float, default=1.0, help="with sampling: nucleus mass to keep")
     p.add_argument("--seed", type=int, default=0, help="with sampling: random seed")
-    p.add_argument("--threads", type=positive_int, default=None, help="torch threads, >= 1 (default: torch's choice)")
-    _add_compile_argument(p)
-    _add_kernel_arguments(p)
     p.set_defaults(func=cmd_generate)
+
+
+def _add_bench_parser(subparsers: Any) -> None:
+    """``draftsmith bench``: every method against plain decoding on Spec-Bench-format questions."""
     p = subparsers.add_parser(
         "bench",
+        parents=[_kernel_parent(compile=True)],
         help="benchmark methods against plain decoding on Spec-Bench-format questions",
         description="Run HF generate (greedy), the runtime without a drafter and each method on "
         "the same prompts, interleaved; report tau, speedup, tokens/s and whether "
@@ -317,7 +300,6 @@ def add_inference_commands(subparsers: Any) -> None:
     p.add_argument("--categories", default=None, help="comma-separated categories to keep")
     p.add_argument("--max-new-tokens", type=positive_int, default=128, help="tokens per answer (>= 1)")
     _add_target_arguments(p)
-    p.add_argument("--threads", type=positive_int, default=None, help="torch threads, >= 1 (default: torch's choice)")
     p.add_argument("--out", required=True, help="output directory for results.json, results.md, chart.png")
     p.add_argument(
         "--overwrite", action="store_true", help="replace earlier bench results (never a directory bench did not write)"
@@ -328,9 +310,11 @@ def add_inference_commands(subparsers: Any) -> None:
         help="continue the bench that stopped in --out (its progress.jsonl holds each finished question) with "
         "the same options, instead of starting over",
     )
-    _add_compile_argument(p)
-    _add_kernel_arguments(p)
     p.set_defaults(func=cmd_bench)
+
+
+def _add_spectra_index_parser(subparsers: Any) -> None:
+    """``draftsmith spectra-index``: the SPECTRA-RETRIEVAL index of a corpus."""
     p = subparsers.add_parser(
         "spectra-index",
         help="build a SPECTRA-RETRIEVAL index: the lowest-perplexity part of a corpus, tokenised",
@@ -346,8 +330,13 @@ def add_inference_commands(subparsers: Any) -> None:
     p.add_argument("--batch-size", type=int, default=4, help="documents per perplexity forward")
     p.add_argument("--limit", type=int, default=None, help="only the first N documents of the corpus")
     p.set_defaults(func=cmd_spectra_index)
+
+
+def _add_bench_tree_parser(subparsers: Any) -> None:
+    """``draftsmith bench-tree``: one verification forward's cost per tree size."""
     p = subparsers.add_parser(
         "bench-tree",
+        parents=[_kernel_parent(compile=False)],
         help="time one tree-verification forward per tree size, relative to a 1-token forward",
         description="Time the runtime's verification forward (4D tree mask and depth positions) over "
         "SIZE query tokens (the root + SIZE-1 draft nodes) on top of a KV cache holding --prefix tokens; "
@@ -358,12 +347,15 @@ def add_inference_commands(subparsers: Any) -> None:
     p.add_argument("--prefix", type=int, default=300, help="tokens already in the KV cache")
     p.add_argument("--repeats", type=int, default=7, help="timed forwards per size; the median is reported")
     p.add_argument("--shape", choices=["random", "chain"], default="random", help="tree shape (seeded random tree)")
-    p.add_argument("--threads", type=positive_int, default=None, help="torch threads, >= 1 (default: torch's choice)")
     p.add_argument("--out", default=None, help="also write bench_tree.json and bench_tree.md to this directory")
-    _add_kernel_arguments(p)
     p.set_defaults(func=cmd_bench_tree)
+
+
+def _add_tune_parser(subparsers: Any) -> None:
+    """``draftsmith tune``: fit an export's tree to this device."""
     p = subparsers.add_parser(
         "tune",
+        parents=[_kernel_parent(compile=False)],
         help="fit a drafter's tree to this device and write it into the export (EAGLE-2 trees: depth, top_k, "
         "total_tokens; Medusa-1 and Medusa-2: a dynamic tree's top_k per head and total_tokens)",
         description="Measure this device's verification cost per tree size and the drafter's cost per round, "
@@ -391,5 +383,12 @@ def add_inference_commands(subparsers: Any) -> None:
     )
     p.add_argument("--repeats", type=positive_int, default=5, help="timed verification forwards per tree size")
     _add_target_arguments(p)
-    p.add_argument("--threads", type=positive_int, default=None, help="torch threads, >= 1 (default: torch's choice)")
     p.set_defaults(func=cmd_tune)
+
+
+def add_inference_commands(subparsers: Any) -> None:
+    _add_generate_parser(subparsers)
+    _add_bench_parser(subparsers)
+    _add_spectra_index_parser(subparsers)
+    _add_bench_tree_parser(subparsers)
+    _add_tune_parser(subparsers)

@@ -10,7 +10,7 @@ import torch
 
 from draftsmith.core.tree import DraftTree
 from draftsmith.drafters.base import TreeOptions
-from draftsmith.inference.bench import hf_greedy as bench_hf_greedy
+from draftsmith.inference.measure.bench import hf_greedy as bench_hf_greedy
 from draftsmith.train.batch import TrainBatch
 
 TINY_EOS = 2

@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from draftsmith.inference.bench import BenchError
-from draftsmith.inference.bench_tree import build_tree, parse_sizes
+from draftsmith.inference.measure.bench_tree import build_tree, parse_sizes
+from draftsmith.inference.measure.errors import BenchError
 
 
 def test_bench_tree_writes_json_and_markdown(tmp_path, tiny_target_dir, capsys):

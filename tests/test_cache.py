@@ -20,7 +20,8 @@ from draftsmith.core.cache import (
 )
 from draftsmith.core.drafting import Drafter
 from draftsmith.core.tree import DraftTree, TreeInputBuffers, ancestry, tree_attention_inputs
-from draftsmith.inference.runtime import DEFAULT_TREE_ROOM, generate
+from draftsmith.inference.backends import DEFAULT_TREE_ROOM
+from draftsmith.inference.runtime import generate
 
 VOCAB = 97
 

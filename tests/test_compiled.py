@@ -10,13 +10,15 @@ from conftest import tiny_llama
 from decoding_helpers import hf_greedy
 from draftsmith.core.drafting import Drafter
 from draftsmith.core.tree import DraftTree, tree_attention_inputs
-from draftsmith.inference.compiled import (
+from draftsmith.inference.backends import Backends
+from draftsmith.inference.kernels.compiled import (
     CompiledTarget,
     StaticTreeInputs,
     commit_static,
     context_bucket,
     tree_bucket,
 )
+from draftsmith.inference.kernels.options import KernelOptions
 from draftsmith.inference.runtime import generate
 
 VOCAB = 97
@@ -90,25 +92,26 @@ def test_commit_static_moves_the_accepted_rows(model):
 
 def test_padded_buckets_commit_exactly_the_plain_greedy_tokens(model):
     """aot_eager keeps this fast: it runs the same bucketed, padded, static-cache forwards as inductor."""
-    compiled = CompiledTarget(model, backend="aot_eager")
+    backends = Backends(KernelOptions(compiled=True), compile_backend="aot_eager")
     rng = random.Random(1)
     for prompt_length in (5, 40):
         prompt = [rng.randrange(4, VOCAB) for _ in range(prompt_length)]
         truth = hf_greedy(model, prompt, 60, eos=())
         for drafter in (None, TruthPlusNoiseDrafter(truth, len(prompt))):
-            result = generate(model, prompt, drafter, max_new_tokens=60, compiled=compiled)
+            result = generate(model, prompt, drafter, max_new_tokens=60, backends=backends)
             assert result.tokens == truth
+    compiled = backends.compiled(model)
     assert result.tau > 1.3  # trees were accepted, so padded buckets and row moves were exercised
     assert {bucket for bucket, _ in compiled.compiled_shapes} >= {1, 4, 8}
     assert compiled.compile_seconds > 0
 
 
 def test_inductor_compiled_forward_is_lossless(model):
-    compiled = CompiledTarget(model)
+    backends = Backends(KernelOptions(compiled=True))
     prompt = [5, 9, 11, 30, 41]
     truth = hf_greedy(model, prompt, 24, eos=())
-    first = generate(model, prompt, None, max_new_tokens=24, compiled=compiled)
-    second = generate(model, prompt, None, max_new_tokens=24, compiled=compiled)
+    first = generate(model, prompt, None, max_new_tokens=24, backends=backends)
+    second = generate(model, prompt, None, max_new_tokens=24, backends=backends)
     assert first.tokens == second.tokens == truth
     assert first.compile_seconds > 0 and second.compile_seconds == 0  # compiled once, then reused
 
@@ -158,7 +161,8 @@ def test_feature_drafters_get_the_same_features_from_the_compiled_forward(model,
     truth = hf_greedy(model, prompt, 30, eos=())
     eager, compiled = FeatureRecorder(truth, len(prompt), layers), FeatureRecorder(truth, len(prompt), layers)
     assert generate(model, prompt, eager, max_new_tokens=30).tokens == truth
-    result = generate(model, prompt, compiled, max_new_tokens=30, compiled=CompiledTarget(model, backend="aot_eager"))
+    backends = Backends(KernelOptions(compiled=True), compile_backend="aot_eager")
+    result = generate(model, prompt, compiled, max_new_tokens=30, backends=backends)
     assert result.tokens == truth and len(eager.seen) == len(compiled.seen)
     assert eager.seen[0].shape[-1] == len(layers) * model.config.hidden_size
     for ours, reference in zip(compiled.seen, eager.seen):

@@ -98,7 +98,7 @@ def test_trains_in_bf16_and_decodes_losslessly_on_cuda(name, target, batch):
 @pytest.mark.parametrize("method", ["none", "pld", "spectra", "draft=layers:1"])
 def test_training_free_methods_are_lossless_on_cuda(method, target, tiny_target_dir):
     from draftsmith.core.target import load_target
-    from draftsmith.inference.methods import build_drafter
+    from draftsmith.inference.methods.table import build_drafter
 
     loaded = load_target(str(tiny_target_dir), device="cuda")
     drafter = build_drafter(method, loaded)
@@ -110,13 +110,14 @@ def test_training_free_methods_are_lossless_on_cuda(method, target, tiny_target_
 
 def test_compiled_verification_with_cuda_graphs_is_lossless(target):
     """--compile on CUDA: mode="reduce-overhead" (CUDA graphs per bucket), prompt lookup trees padded."""
-    from draftsmith.inference.compiled import CompiledTarget
-    from draftsmith.inference.pld import PromptLookupDrafter
+    from draftsmith.inference.backends import Backends
+    from draftsmith.inference.kernels.options import KernelOptions
+    from draftsmith.inference.methods.pld import PromptLookupDrafter
 
-    compiled = CompiledTarget(target)
+    backends = Backends(KernelOptions(compiled=True))
     for prompt in random_prompts(3, seed=5, vocab=VOCAB):
         prompt = prompt * 4  # repeats give prompt lookup something to draft
         for drafter in (None, PromptLookupDrafter()):
-            result = generate(target, prompt, drafter, max_new_tokens=32, eos_token_ids=[EOS], compiled=compiled)
+            result = generate(target, prompt, drafter, max_new_tokens=32, eos_token_ids=[EOS], backends=backends)
             assert result.tokens == hf_greedy(target, prompt, 32, EOS)
-    assert compiled.compile_seconds > 0
+    assert backends.compiled(target).compile_seconds > 0

@@ -8,10 +8,12 @@ from conftest import tiny_llama
 from decoding_helpers import hf_greedy, seeded_random_tree
 from draftsmith.core.cache import preallocated_cache_for
 from draftsmith.core.tree import DraftTree, TreeInputBuffers
-from draftsmith.inference.direct_forward import direct_forward_for
-from draftsmith.inference.packed_gemm import packed_gemm_for
-from draftsmith.inference.pld import PromptLookupDrafter
-from draftsmith.inference.runtime import generate, verification_forward
+from draftsmith.inference.backends import Backends, verification_forward
+from draftsmith.inference.kernels.direct_forward import direct_forward_for
+from draftsmith.inference.kernels.options import KernelOptions
+from draftsmith.inference.kernels.packed_gemm import PackedGemm
+from draftsmith.inference.methods.pld import PromptLookupDrafter
+from draftsmith.inference.runtime import generate
 
 VOCAB = 97
 PROMPT = [5, 17, 33, 2, 61, 8, 40, 17, 33]
@@ -35,7 +37,7 @@ def test_the_direct_forward_is_bitwise_the_models_forward(nodes, packed, config)
     assert direct is not None
     if packed and not torch.backends.mkl.is_available():
         pytest.skip("PyTorch built without MKL")
-    gemm = packed_gemm_for(model) if packed else None
+    gemm = PackedGemm(model) if packed else None
     tree = seeded_random_tree(nodes, nodes, VOCAB) if nodes else DraftTree.empty()
     reference, reference_cache = verify_once(model, tree, gemm, None)
     out, cache = verify_once(model, tree, gemm, direct)
@@ -104,7 +106,8 @@ def test_generate_through_the_direct_forward_equals_plain_decoding():
     reference = hf_greedy(model, PROMPT, 24)
     for drafter in (None, PromptLookupDrafter(num_draft=4)):
         for direct in (False, True):
-            result = generate(model, PROMPT, drafter, max_new_tokens=24, eos_token_ids=[2], direct_forward=direct)
+            backends = Backends(KernelOptions(direct_forward=direct))
+            result = generate(model, PROMPT, drafter, max_new_tokens=24, eos_token_ids=[2], backends=backends)
             assert result.tokens == reference
 
 

@@ -15,14 +15,14 @@ from conftest import SHARED_DATA, tiny_llama
 from decoding_helpers import hf_greedy
 from draftsmith.core.drafting import Drafter
 from draftsmith.core.target import Target, TargetError
-from draftsmith.inference.draft_model import (
+from draftsmith.inference.methods.draft_model import (
     DraftModelDrafter,
     build_draft_model_drafter,
     build_truncated_draft,
     tokenizer_mismatch,
 )
-from draftsmith.inference.errors import MethodError
-from draftsmith.inference.methods import build_drafter
+from draftsmith.inference.methods.errors import MethodError
+from draftsmith.inference.methods.table import build_drafter
 from draftsmith.inference.runtime import generate
 
 SPEC_BENCH = SHARED_DATA / "spec_bench_dev.jsonl"

@@ -9,7 +9,7 @@ from decoding_helpers import random_prompts as _random_prompts
 from draftsmith.core.drafting import DraftContext
 from draftsmith.core.tree import best_first_tree
 from draftsmith.drafters.base import FrozenTarget, UnknownOptionError
-from draftsmith.drafters.eagle import EagleConfig, EagleDrafter, causal_mask
+from draftsmith.drafters.eagle import EagleConfig, EagleModel, causal_mask
 from draftsmith.drafters.io import DrafterCheckpointError, export_drafter
 from draftsmith.drafters.registry import get_family
 from draftsmith.inference.runtime import generate
@@ -129,7 +129,7 @@ def test_export_and_load_round_trip(target, tmp_path, trained_fspad):
     export_drafter(
         trained_fspad, {"name": "t", "revision": "r", "config_hash": "c", "tokenizer_hash": "k"}, tmp_path / "d"
     )
-    loaded = EagleDrafter.from_pretrained(tmp_path / "d").eval()
+    loaded = EagleModel.from_pretrained(tmp_path / "d").eval()
     assert loaded.config.drafter_family == "fspad" and loaded.config.target_identity["name"] == "t"
     args = (torch.randn(1, 6, 64), torch.randn(1, 6, 64), torch.arange(6)[None])
     torch.testing.assert_close(loaded(*args).next_features, trained_fspad(*args).next_features)
@@ -137,7 +137,7 @@ def test_export_and_load_round_trip(target, tmp_path, trained_fspad):
         export_drafter(trained_fspad, {}, tmp_path / "d")
     (tmp_path / "d" / "model.safetensors").unlink()
     with pytest.raises(DrafterCheckpointError, match="model.safetensors is missing"):
-        EagleDrafter.from_pretrained(tmp_path / "d")
+        EagleModel.from_pretrained(tmp_path / "d")
 
 
 def _context(target, prompt, extra):
@@ -227,7 +227,7 @@ def test_config_follows_target_shape(target):
 def test_loading_checks_the_target(tiny_target_dir, other_target_dir, tmp_path):
     from draftsmith.core.target import TargetError, load_target
     from draftsmith.drafters.io import DrafterCheckpointError
-    from draftsmith.inference.methods import build_drafter
+    from draftsmith.inference.methods.table import build_drafter
 
     tiny, other = load_target(str(tiny_target_dir)), load_target(str(other_target_dir))
     model = get_family("fspad").build(tiny.model.config, {})
@@ -306,7 +306,7 @@ def test_fspad_and_other_formats_have_no_engine_layout(target):
 def test_tree_options_at_serve_time(tiny_target_dir, tmp_path):
     from draftsmith.core.target import load_target
     from draftsmith.drafters.base import TreeOptionError
-    from draftsmith.inference.methods import build_drafter, split_tree_options
+    from draftsmith.inference.methods.table import build_drafter, split_tree_options
 
     assert split_tree_options("a:b/dir:depth=4:top_k=2") == ("a:b/dir", {"depth": "4", "top_k": "2"})
     tiny = load_target(str(tiny_target_dir))

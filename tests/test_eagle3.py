@@ -10,7 +10,7 @@ from decoding_helpers import random_prompts as _random_prompts
 from draftsmith.core.drafting import DraftContext
 from draftsmith.drafters.base import FrozenTarget
 from draftsmith.drafters.eagle import EagleConfigError
-from draftsmith.drafters.eagle3 import Eagle3Drafter, default_aux_layer_ids
+from draftsmith.drafters.eagle3 import Eagle3Model, default_aux_layer_ids
 from draftsmith.drafters.io import export_drafter
 from draftsmith.drafters.registry import get_family
 from draftsmith.drafters.vocab import draft_vocab_maps
@@ -89,7 +89,7 @@ def test_draft_vocabulary_maps_round_trip(target, tmp_path):
     model.init_from_target(FrozenTarget.from_model(target))
     torch.testing.assert_close(model.lm_head.weight, target.lm_head.weight[drafted])
     export_drafter(model, {"name": "t"}, tmp_path / "d")
-    loaded = Eagle3Drafter.from_pretrained(tmp_path / "d")
+    loaded = Eagle3Model.from_pretrained(tmp_path / "d")
     assert loaded.draft_token_ids().tolist() == drafted and torch.equal(loaded.t2d, model.t2d)
     assert loaded.config.aux_layer_ids == LAYERS and loaded.config.drafter_family == "eagle3"
 
@@ -214,7 +214,7 @@ def test_export_and_load_round_trip(target, tmp_path, trained_eagle3):
     export_drafter(
         trained_eagle3, {"name": "t", "revision": "r", "config_hash": "c", "tokenizer_hash": "k"}, tmp_path / "d"
     )
-    loaded = Eagle3Drafter.from_pretrained(tmp_path / "d").eval()
+    loaded = Eagle3Model.from_pretrained(tmp_path / "d").eval()
     args = (torch.randn(1, 6, 64), torch.randn(1, 6, 3 * 64), torch.arange(6)[None])
     with torch.no_grad():
         torch.testing.assert_close(

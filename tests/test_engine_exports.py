@@ -195,7 +195,7 @@ def test_vllm_methods_are_checked_before_anything_runs(tmp_path, tiny_target_dir
     from draftsmith.core.target import TargetError, load_target
     from draftsmith.core.vllm_env import VllmError, find_vllm_python
     from draftsmith.drafters.io import export_drafter
-    from draftsmith.inference.vllm_engine import parse_vllm_method
+    from draftsmith.inference.measure.vllm_engine import parse_vllm_method
 
     tiny = load_target(str(tiny_target_dir))
     assert parse_vllm_method("vllm", tiny).speculative_config() is None
@@ -260,8 +260,8 @@ def test_vllm_computes_on_as_many_cores_as_the_runtime_it_is_compared_with(monke
 def test_vllm_serves_an_eagle3_export_losslessly(tmp_path, tokenizer, monkeypatch):
     """vLLM plain and with a (random) eagle3 export give HF generate's greedy tokens on a tiny target."""
     from draftsmith.core.target import load_target
-    from draftsmith.inference.bench import hf_greedy
-    from draftsmith.inference.vllm_engine import parse_vllm_method, run_vllm
+    from draftsmith.inference.measure.bench import hf_greedy
+    from draftsmith.inference.measure.vllm_engine import parse_vllm_method, run_vllm
 
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
     target_dir = tmp_path / "target"
@@ -303,7 +303,8 @@ def test_bench_accounts_for_vllm_runs_and_keeps_results_when_one_fails(tmp_path,
     import sys
 
     from draftsmith.core.target import load_target
-    from draftsmith.inference.bench import Question, markdown_table, run_bench
+    from draftsmith.inference.measure.bench import Question, run_bench
+    from draftsmith.inference.measure.bench_report import markdown_table
 
     stub = tmp_path / "python"
     stub.write_text(STUB_ENGINE.format(python=sys.executable))

@@ -11,9 +11,11 @@ from conftest import tiny_llama
 from decoding_helpers import hf_greedy
 from draftsmith.core.drafting import DraftContext, Drafter
 from draftsmith.core.tree import DraftTree
-from draftsmith.inference.greedy_head import GreedyHead, greedy_head_for, greedy_head_supported
-from draftsmith.inference.native import native_extension
-from draftsmith.inference.pld import PromptLookupDrafter
+from draftsmith.inference.backends import Backends
+from draftsmith.inference.kernels.greedy_head import GreedyHead, greedy_head_supported
+from draftsmith.inference.kernels.native import native_extension
+from draftsmith.inference.kernels.options import KernelOptions
+from draftsmith.inference.methods.pld import PromptLookupDrafter
 from draftsmith.inference.runtime import generate
 
 VOCAB, HIDDEN = 3000, 64
@@ -151,7 +153,6 @@ def test_heads_the_screen_cannot_serve_are_refused(layer):
     model = nn.Module()
     model.lm_head = layer
     assert not greedy_head_supported(model)
-    assert greedy_head_for(model) is None
 
 
 class _LogitReader(Drafter):
@@ -172,19 +173,21 @@ class _LogitReader(Drafter):
 def test_the_runtime_verifies_through_the_screened_head_and_equals_plain_decoding():
     model = tiny_llama(97, seed=3)
     prompt = [5, 17, 33, 2, 61, 8, 40, 17, 33, 61, 8]
-    greedy = greedy_head_for(model)
+    backends = Backends()
+    greedy = backends.kernels(model).greedy_head()
     assert greedy is not None
     reference = hf_greedy(model, prompt, 24)
     for drafter in (None, PromptLookupDrafter()):
         before = greedy.rows
-        out = generate(model, prompt, drafter, max_new_tokens=24, eos_token_ids=[2])
+        out = generate(model, prompt, drafter, max_new_tokens=24, eos_token_ids=[2], backends=backends)
         assert out.tokens == reference
         assert greedy.rows > before
     reader = _LogitReader()
     before = greedy.rows
-    assert generate(model, prompt, reader, max_new_tokens=24, eos_token_ids=[2]).tokens == reference
+    assert generate(model, prompt, reader, max_new_tokens=24, eos_token_ids=[2], backends=backends).tokens == reference
     assert greedy.rows == before and all(logits is not None for logits in reader.seen)
-    plain = generate(model, prompt, None, max_new_tokens=24, eos_token_ids=[2], greedy_head=False)
+    unscreened = Backends(KernelOptions(greedy_head=False))
+    plain = generate(model, prompt, None, max_new_tokens=24, eos_token_ids=[2], backends=unscreened)
     assert plain.tokens == reference and greedy.rows == before
 
 
@@ -193,13 +196,20 @@ def test_a_head_changed_after_the_screen_was_built_gets_a_new_screen():
     weight both rebuild it."""
     model = tiny_llama(97, seed=4)
     prompt = [5, 17, 33, 2, 61, 8, 40]
-    first = greedy_head_for(model)
-    assert generate(model, prompt, None, max_new_tokens=12, eos_token_ids=[2]).tokens == hf_greedy(model, prompt, 12)
+    backends = Backends()
+    kernels = backends.kernels(model)
+
+    def decodes_greedily() -> bool:
+        decoded = generate(model, prompt, None, max_new_tokens=12, eos_token_ids=[2], backends=backends).tokens
+        return decoded == hf_greedy(model, prompt, 12)
+
+    first = kernels.greedy_head()
+    assert decodes_greedily()
     with torch.no_grad():
         model.lm_head.weight.copy_(model.lm_head.weight.flip(0))  # every token's row moves
-    second = greedy_head_for(model)
-    assert second is not first and greedy_head_for(model) is second
-    assert generate(model, prompt, None, max_new_tokens=12, eos_token_ids=[2]).tokens == hf_greedy(model, prompt, 12)
+    second = kernels.greedy_head()
+    assert second is not first and kernels.greedy_head() is second
+    assert decodes_greedily()
     model.lm_head.weight = nn.Parameter(torch.randn_like(model.lm_head.weight))
-    assert greedy_head_for(model) is not second
-    assert generate(model, prompt, None, max_new_tokens=12, eos_token_ids=[2]).tokens == hf_greedy(model, prompt, 12)
+    assert kernels.greedy_head() is not second
+    assert decodes_greedily()

@@ -216,7 +216,7 @@ def test_an_interrupted_bench_resumes_where_it_stopped(tmp_path, tiny_target_dir
     """A bench killed after two of three questions keeps them in progress.jsonl (a torn line after them
     is dropped); a plain rerun is refused, a resume with other options is refused naming them, and
     --resume decodes only the third question and writes results over all three."""
-    from draftsmith.inference import bench
+    from draftsmith.inference.measure import bench
 
     records = [{"question_id": f"q{i}", "category": "writing", "turns": [f"Write {i} words."]} for i in range(3)]
     questions = write_jsonl(tmp_path / "questions.jsonl", records)
@@ -443,7 +443,7 @@ def test_bench_refuses_a_question_longer_than_the_context_before_running(tmp_pat
     long = {"question_id": "q2", "category": "writing", "turns": ["snow " * 600]}
     questions = write_jsonl(tmp_path / "q.jsonl", [short, long])
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr("draftsmith.inference.bench.hf_greedy", lambda *a, **k: pytest.fail("the run started"))
+        patch.setattr("draftsmith.inference.measure.bench.hf_greedy", lambda *a, **k: pytest.fail("the run started"))
         line = refused(bench_argv(questions, tmp_path / "out", tiny_target_dir), capsys)
     assert "question q2 turn 1 is " in line and "the target's context is 512; shorten it" in line
     assert not (tmp_path / "out").exists()

@@ -381,7 +381,7 @@ def medusa_export(tmp_path_factory, tiny_target_dir):
 
 def test_trained_export_calibrates_and_decodes_losslessly(medusa_export, tiny_target_dir, capsys):
     from draftsmith.core.target import load_target
-    from draftsmith.inference.methods import build_drafter
+    from draftsmith.inference.methods.table import build_drafter
     from draftsmith.train.cli import main
 
     root, export = medusa_export, medusa_export / "export"
@@ -443,7 +443,7 @@ def test_a_shipped_tree_can_replace_the_exported_one_at_serve_time(medusa_export
     """``medusa=DIR:tree=medusa-16`` against ``medusa=DIR`` compares a calibrated tree with a default one."""
     from draftsmith.core.target import load_target
     from draftsmith.drafters.base import TreeOptionError
-    from draftsmith.inference.methods import build_drafter, split_tree_options
+    from draftsmith.inference.methods.table import build_drafter, split_tree_options
 
     export = medusa_export / "export"
     assert split_tree_options("d:tree=medusa-16:top_k=3") == ("d", {"tree": "medusa-16", "top_k": "3"})

@@ -19,7 +19,7 @@ from draftsmith.drafters.base import FrozenTarget
 from draftsmith.drafters.medusa import resolve_tree
 from draftsmith.drafters.medusa2 import Medusa2ConfigError, Medusa2Model
 from draftsmith.drafters.registry import get_family
-from draftsmith.inference.greedy_head import greedy_head_for
+from draftsmith.inference.backends import Backends
 from draftsmith.inference.runtime import generate
 from draftsmith.train.batch import TrainBatch
 from draftsmith.train.losses import medusa2_loss, medusa_loss
@@ -159,17 +159,18 @@ def trained():
 def test_greedy_decoding_is_lossless_for_the_adapted_model(trained):
     target, model = trained
     differs, taus = 0, []
+    backends = Backends()
     for tree in ("medusa-16", "dynamic"):
         drafter = serve(model, target, tree=tree, total_tokens=10)
         for prompt in random_prompts(6, seed=5) + random_prompts(6, seed=99):
             with drafter.reference_model() as served:
                 reference = hf_greedy(served, prompt, 30)
             differs += reference != hf_greedy(target, prompt, 30)
-            result = generate(target, prompt, drafter, max_new_tokens=30, eos_token_ids=[EOS])
+            result = generate(target, prompt, drafter, max_new_tokens=30, eos_token_ids=[EOS], backends=backends)
             assert result.tokens == reference, (tree, prompt)
             taus.append(result.tau)
         # the merged copy took the direct forward: its screened greedy head (direct forwards only) ran
-        assert greedy_head_for(drafter.served_model()).rows > 0
+        assert backends.kernels(drafter.served_model()).greedy_head().rows > 0
     assert max(taus) > 1.5  # the heads do draft accepted tokens
     assert differs > 0  # the reference really is the adapted model, not the original
 
@@ -338,7 +339,7 @@ def test_the_served_model_is_peft_merge_and_unload_sharing_every_unadapted_weigh
     from peft.tuners.lora import LoraLayer
 
     from draftsmith.core.target import load_target
-    from draftsmith.inference.methods import build_drafter
+    from draftsmith.inference.methods.table import build_drafter
 
     export = medusa2_run / "export"
     tiny = load_target(str(tiny_target_dir))
@@ -422,8 +423,8 @@ def test_an_adapter_that_does_not_match_the_config_is_refused(medusa2_run, tmp_p
 
 def test_exported_drafter_serves_the_adapted_model_and_bench_reports_agreement(medusa2_run, tiny_target_dir):
     from draftsmith.core.target import load_target
-    from draftsmith.inference.bench import Question, run_bench
-    from draftsmith.inference.methods import build_drafter
+    from draftsmith.inference.measure.bench import Question, run_bench
+    from draftsmith.inference.methods.table import build_drafter
 
     export = medusa2_run / "export"
     tiny = load_target(str(tiny_target_dir))
@@ -445,7 +446,7 @@ def test_exported_drafter_serves_the_adapted_model_and_bench_reports_agreement(m
 def test_loading_for_another_target_is_refused(medusa2_run, other_target_dir):
     from draftsmith.core.target import TargetError, load_target
     from draftsmith.drafters.io import DrafterCheckpointError
-    from draftsmith.inference.methods import build_drafter
+    from draftsmith.inference.methods.table import build_drafter
 
     with pytest.raises(TargetError, match="trained for"):
         build_drafter(f"medusa={medusa2_run / 'export'}", load_target(str(other_target_dir)))

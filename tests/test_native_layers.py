@@ -14,11 +14,13 @@ from conftest import tiny_llama
 from decoding_helpers import hf_greedy, seeded_random_tree
 from draftsmith.core.cache import preallocated_cache_for
 from draftsmith.core.tree import TreeInputBuffers
-from draftsmith.inference import native_layers
-from draftsmith.inference.direct_forward import direct_forward_for
-from draftsmith.inference.packed_gemm import packed_gemm_for
-from draftsmith.inference.pld import PromptLookupDrafter
-from draftsmith.inference.runtime import generate, verification_forward
+from draftsmith.inference.backends import Backends, verification_forward
+from draftsmith.inference.kernels import native_layers
+from draftsmith.inference.kernels.direct_forward import direct_forward_for
+from draftsmith.inference.kernels.options import KernelOptions
+from draftsmith.inference.kernels.packed_gemm import PackedGemm
+from draftsmith.inference.methods.pld import PromptLookupDrafter
+from draftsmith.inference.runtime import generate
 
 VOCAB = 97
 PROMPT = [5, 17, 33, 2, 61, 8, 40, 17, 33]
@@ -82,10 +84,10 @@ def test_tree_forwards_through_the_native_layers_are_bitwise_the_models(nodes, p
     real = native_layers.native_decoder_layers
     monkeypatch.setattr(native_layers, "native_decoder_layers", lambda *a: calls.append(a[2].shape[1]) or real(*a))
     monkeypatch.setattr(
-        "draftsmith.inference.direct_forward.native_decoder_layers", native_layers.native_decoder_layers
+        "draftsmith.inference.kernels.direct_forward.native_decoder_layers", native_layers.native_decoder_layers
     )
     model = tiny_llama(VOCAB, seed=nodes)
-    gemm = packed_gemm_for(model) if packed else None
+    gemm = PackedGemm(model) if packed else None
     tree = seeded_random_tree(nodes, nodes, VOCAB)
     results = []
     for direct in (None, direct_forward_for(model)):
@@ -124,7 +126,8 @@ def test_generation_with_the_native_layers_equals_plain_decoding():
     reference = hf_greedy(model, PROMPT, 24)
     for drafter in (None, PromptLookupDrafter(num_draft=4)):
         for native in (True, False):
-            result = generate(model, PROMPT, drafter, max_new_tokens=24, eos_token_ids=[2], native=native)
+            backends = Backends(KernelOptions(native=native))
+            result = generate(model, PROMPT, drafter, max_new_tokens=24, eos_token_ids=[2], backends=backends)
             assert result.tokens == reference
 
 
@@ -151,8 +154,8 @@ def test_a_failed_build_says_so_once_and_decodes_the_same(tmp_path):
 import torch
 from conftest import tiny_llama
 from decoding_helpers import hf_greedy
-from draftsmith.inference.direct_forward import direct_forward_for
-from draftsmith.inference.pld import PromptLookupDrafter
+from draftsmith.inference.kernels.direct_forward import direct_forward_for
+from draftsmith.inference.methods.pld import PromptLookupDrafter
 from draftsmith.inference.runtime import generate
 model = tiny_llama(97, seed=2)
 prompt = [5, 17, 33, 2, 61, 8, 40, 17, 33]

@@ -11,10 +11,13 @@ from conftest import tiny_llama
 from decoding_helpers import TINY_EOS, hf_greedy, seeded_random_tree
 from draftsmith.core.cache import preallocated_cache_for
 from draftsmith.core.tree import TreeInputBuffers
-from draftsmith.inference import packed_gemm
-from draftsmith.inference.packed_gemm import PackedGemm, PackedLinear, packed_gemm_for, row_bucket
-from draftsmith.inference.pld import PromptLookupDrafter
-from draftsmith.inference.runtime import generate, verification_forward
+from draftsmith.inference.backends import Backends, verification_forward
+from draftsmith.inference.kernels import packed_gemm
+from draftsmith.inference.kernels.context import KernelContext
+from draftsmith.inference.kernels.options import KernelOptions
+from draftsmith.inference.kernels.packed_gemm import PackedGemm, PackedLinear, row_bucket
+from draftsmith.inference.methods.pld import PromptLookupDrafter
+from draftsmith.inference.runtime import generate
 
 VOCAB = 97
 pytestmark = pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="PyTorch built without MKL")
@@ -45,7 +48,7 @@ def test_padded_packed_forward_keeps_every_real_row(nodes):
     prompt = [5, 17, 33, 2, 61, 8, 40]
     tree = seeded_random_tree(nodes, nodes, VOCAB)
     plain, plain_cache = verify_once(model, prompt, tree, None)
-    gemm = packed_gemm_for(model)
+    gemm = PackedGemm(model)
     packed, packed_cache = verify_once(model, prompt, tree, gemm)
     rows = 1 + nodes
     assert packed.logits.shape[1] == row_bucket(rows)
@@ -62,13 +65,15 @@ def test_padded_packed_forward_keeps_every_real_row(nodes):
 def test_greedy_identity_with_packed_gemm():
     model = fresh_model(seed=1)
     rng = random.Random(3)
+    backends = Backends()
     for _ in range(4):
         base = [rng.randrange(4, VOCAB) for _ in range(rng.randint(3, 8))]
         prompt = base * 3
         expected = hf_greedy(model, prompt, 24)
-        result = generate(model, prompt, PromptLookupDrafter(num_draft=6), max_new_tokens=24, eos_token_ids=[TINY_EOS])
+        drafter = PromptLookupDrafter(num_draft=6)
+        result = generate(model, prompt, drafter, max_new_tokens=24, eos_token_ids=[TINY_EOS], backends=backends)
         assert result.tokens == expected
-    assert packed_gemm_for(model).buckets, "the prompt-lookup trees should have used packed buckets"
+    assert backends.kernels(model).gemm.buckets, "the prompt-lookup trees should have used packed buckets"
 
 
 def test_linears_are_unchanged_outside_the_runtime():
@@ -77,7 +82,7 @@ def test_linears_are_unchanged_outside_the_runtime():
     x = torch.randn(4, model.config.hidden_size)
     linear = model.model.layers[0].self_attn.q_proj
     expected = torch.nn.functional.linear(x, linear.weight)
-    gemm = packed_gemm_for(model)
+    gemm = PackedGemm(model)
     assert isinstance(linear, PackedLinear) and gemm.padded_rows(4) == 4
     assert torch.equal(linear(x), expected)  # not inside gemm.rows(): the default kernel, bit for bit
     with gemm.rows(), torch.no_grad():
@@ -86,14 +91,15 @@ def test_linears_are_unchanged_outside_the_runtime():
         assert torch.equal(linear(x), expected)
     assert model.state_dict().keys() == before.keys()
     assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
-    assert packed_gemm_for(model) is gemm
+    again = PackedGemm(model)  # a new owner (another kernel context) takes the linears over, unpacked
+    assert linear._owner is again and again.buckets == [] and gemm.buckets == []
 
 
 def test_packs_of_a_changed_weight_are_remade():
     """A pack copies the weight: after an in-place change or a replaced weight, the packed forward must
     multiply by the new values, not the packed old ones."""
     model = fresh_model(seed=5)
-    gemm = packed_gemm_for(model)
+    gemm = PackedGemm(model)
     linear = model.model.layers[0].mlp.down_proj
     x = torch.randn(4, linear.in_features)
     assert gemm.padded_rows(4) == 4
@@ -119,7 +125,7 @@ def test_memory_guard_refuses_a_bucket(monkeypatch):
 
 def test_half_precision_targets_are_not_packed():
     model = fresh_model(seed=4).to(torch.bfloat16)
-    assert packed_gemm_for(model) is None
+    assert KernelContext(model, KernelOptions()).gemm is None
 
 
 def test_tree_forwards_read_grouped_kv_heads_without_copies(monkeypatch):

@@ -10,7 +10,7 @@ from draftsmith.core.errors import DraftsmithError
 from draftsmith.drafters.base import DrafterModel, TreeOptionError, TreeOptions
 from draftsmith.drafters.io import export_drafter
 from draftsmith.drafters.registry import FAMILIES
-from draftsmith.inference.methods import METHODS, build_drafter, method_tree_options
+from draftsmith.inference.methods.table import METHODS, build_drafter, method_tree_options
 from draftsmith.train.losses import family_loss, loss_option_names
 
 VOCAB = 97
@@ -74,8 +74,8 @@ def test_every_user_error_class_is_a_draftsmith_error():
     import draftsmith.data.features as features
     import draftsmith.data.formats as formats
     import draftsmith.drafters.io as drafter_io
-    import draftsmith.inference.bench as bench
-    import draftsmith.inference.errors as inference_errors
+    import draftsmith.inference.measure.errors as bench_errors
+    import draftsmith.inference.methods.errors as inference_errors
     import draftsmith.train.checkpoint as checkpoint
     import draftsmith.train.recipe_loader as recipe
     import draftsmith.train.trainer as trainer
@@ -85,7 +85,7 @@ def test_every_user_error_class_is_a_draftsmith_error():
         features.FeatureCacheError,
         formats.DataError,
         drafter_io.DrafterCheckpointError,
-        bench.BenchError,
+        bench_errors.BenchError,
         inference_errors.MethodError,
         checkpoint.CheckpointError,
         recipe.RecipeError,

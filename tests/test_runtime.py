@@ -13,7 +13,7 @@ from draftsmith.core.cache import cache_length, commit_tree_path
 from draftsmith.core.drafting import DraftContext, Drafter
 from draftsmith.core.tree import DraftTree, tree_attention_inputs
 from draftsmith.core.verify import verify_greedy
-from draftsmith.inference.pld import PromptLookupDrafter
+from draftsmith.inference.methods.pld import PromptLookupDrafter
 from draftsmith.inference.runtime import generate
 
 VOCAB = 97
@@ -230,9 +230,9 @@ def test_unknown_method_is_a_clear_error(tiny_target_dir):
 def test_pld_takes_its_options_in_the_method_spec_and_drafts_short_chains_on_a_cpu():
     from types import SimpleNamespace
 
-    from draftsmith.inference.errors import MethodError
-    from draftsmith.inference.methods import build_drafter
-    from draftsmith.inference.pld import CPU_NUM_DRAFT, GPU_NUM_DRAFT
+    from draftsmith.inference.methods.errors import MethodError
+    from draftsmith.inference.methods.pld import CPU_NUM_DRAFT, GPU_NUM_DRAFT
+    from draftsmith.inference.methods.table import build_drafter
 
     target = SimpleNamespace(model=tiny_llama(97))
     assert build_drafter("pld", target) == PromptLookupDrafter(num_draft=CPU_NUM_DRAFT)
@@ -303,7 +303,8 @@ def test_bench_writes_the_contract(tmp_path, tiny_target_dir):
 
 
 def test_bench_rejects_a_bad_question_file(tmp_path, tiny_target_dir):
-    from draftsmith.inference.bench import BenchError, read_questions
+    from draftsmith.inference.measure.bench import read_questions
+    from draftsmith.inference.measure.errors import BenchError
 
     bad = tmp_path / "q.jsonl"
     bad.write_text('{"question_id": 1, "turns": ["x"]}\n')

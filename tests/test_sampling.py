@@ -12,6 +12,8 @@ from draftsmith.core.drafting import Drafter
 from draftsmith.core.tree import DraftTree
 from draftsmith.core.verify import SamplingConfig, Verdict
 from draftsmith.inference import runtime
+from draftsmith.inference.backends import Backends
+from draftsmith.inference.kernels.options import KernelOptions
 from draftsmith.inference.runtime import generate
 
 V = 5
@@ -78,12 +80,12 @@ class SampledChain(Drafter):
         return DraftTree.chain(tokens, self.q.repeat(2, 1))
 
 
-def sample_counts(model, drafter, config, seed, compiled=None):
+def sample_counts(model, drafter, config, seed, backends=None):
     generator = torch.Generator().manual_seed(seed)
     counts = Counter()
     for _ in range(N_SAMPLES):
         result = generate(
-            model, PROMPT, drafter, max_new_tokens=3, sampling=config, generator=generator, compiled=compiled
+            model, PROMPT, drafter, max_new_tokens=3, sampling=config, generator=generator, backends=backends
         )
         counts[tuple(result.tokens)] += 1
     return counts
@@ -110,10 +112,9 @@ def test_speculative_sampling_matches_the_exact_distribution(model, drafter, con
 def test_compiled_verification_samples_the_exact_distribution(model):
     """The compiled path's padded, bucketed forwards (aot_eager here: the same graphs, compiled fast)
     under recursive rejection over siblings at two depths."""
-    from draftsmith.inference.compiled import CompiledTarget
-
     config = CONFIGS[1]
-    counts = sample_counts(model, FixedTree(), config, seed=12, compiled=CompiledTarget(model, backend="aot_eager"))
+    backends = Backends(KernelOptions(compiled=True), compile_backend="aot_eager")
+    counts = sample_counts(model, FixedTree(), config, seed=12, backends=backends)
     assert chi_square_p_value(counts, exact_distribution(model, config), N_SAMPLES) > 1e-3
 
 

@@ -65,8 +65,8 @@ def _dev_prompts(n):
 
 
 def test_runtime_is_lossless_on_smollm2(cached):
-    from draftsmith.inference.bench import hf_greedy
-    from draftsmith.inference.pld import PromptLookupDrafter
+    from draftsmith.inference.measure.bench import hf_greedy
+    from draftsmith.inference.methods.pld import PromptLookupDrafter
     from draftsmith.inference.runtime import generate
 
     eos = cached.eos_token_ids
@@ -84,8 +84,8 @@ def test_feature_drafters_are_lossless_on_smollm2(cached, tmp_path):
     the exported-directory loader, on real prompts: token-identical to HF greedy."""
     from draftsmith.drafters.io import export_drafter
     from draftsmith.drafters.registry import get_family
-    from draftsmith.inference.bench import hf_greedy
-    from draftsmith.inference.methods import build_drafter
+    from draftsmith.inference.measure.bench import hf_greedy
+    from draftsmith.inference.methods.table import build_drafter
     from draftsmith.inference.runtime import generate
 
     eos = cached.eos_token_ids
@@ -109,7 +109,7 @@ def test_lean_direct_forwards_are_bitwise_the_models_on_smollm2(cached):
     steps and a tree forward."""
     from draftsmith.core.cache import preallocated_cache_for
     from draftsmith.core.tree import DraftTree, TreeInputBuffers
-    from draftsmith.inference.direct_forward import direct_forward_for
+    from draftsmith.inference.kernels.direct_forward import direct_forward_for
 
     model = cached.model
     direct = direct_forward_for(model)

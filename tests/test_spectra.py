@@ -14,15 +14,15 @@ from draftsmith.core.drafting import DraftContext
 from draftsmith.core.target import TargetError
 from draftsmith.core.tree import DraftTree
 from draftsmith.core.verify import SamplingConfig, Verdict
-from draftsmith.inference.runtime import generate
-from draftsmith.inference.spectra import NgramStore, SpectraConfig, SpectraDrafter, node_of_path
-from draftsmith.inference.spectra_retrieval import (
+from draftsmith.inference.methods.spectra import NgramStore, SpectraConfig, SpectraDrafter, node_of_path
+from draftsmith.inference.methods.spectra_retrieval import (
     SEPARATOR,
     RetrievalIndex,
     SpectraIndexError,
     build_suffix_array,
     write_index,
 )
+from draftsmith.inference.runtime import generate
 
 VOCAB = 97
 EOS = [2]  # the tiny Llama's EOS: HF generate stops there, so the runtime must too
@@ -241,7 +241,7 @@ def corpus_records():
 
 def test_index_command_keeps_the_lowest_perplexity_and_decodes_losslessly(tmp_path, tiny_target_dir, capsys):
     from draftsmith.core.target import load_target
-    from draftsmith.inference.spectra_retrieval import read_documents
+    from draftsmith.inference.methods.spectra_retrieval import read_documents
     from draftsmith.train.cli import main
 
     corpus = write_jsonl(tmp_path / "chat.jsonl", corpus_records())
@@ -299,7 +299,7 @@ def test_index_scoring_resumes_from_finished_scores(tmp_path, tiny_target_dir, c
 
 def test_an_index_for_another_target_is_refused_in_one_line(tmp_path, tiny_target_dir, other_target_dir, capsys):
     from draftsmith.core.target import load_target
-    from draftsmith.inference.methods import build_drafter
+    from draftsmith.inference.methods.table import build_drafter
     from draftsmith.train.cli import main
 
     corpus = tmp_path / "docs.txt"
@@ -327,7 +327,7 @@ def test_spectra_on_smollm2_is_identical_to_hf_greedy():
     if not questions.is_file():
         pytest.skip("spec_bench_dev.jsonl is not available")
     from draftsmith.core.target import load_target
-    from draftsmith.inference.methods import build_drafter
+    from draftsmith.inference.methods.table import build_drafter
 
     target = load_target()
     drafter = build_drafter("spectra", target)

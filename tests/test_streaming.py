@@ -403,7 +403,7 @@ def test_the_shared_target_keeps_its_direct_forward_for_other_methods():
     """Serving a streaming drafter hooks the target's top layers; the hooks act only in the drafter's own
     forward, so plain decoding of that same target still takes the runtime's direct forward (a user's
     hook would turn it off) and still decodes the original model, while the drafter serves the adapted one."""
-    from draftsmith.inference.direct_forward import direct_forward_for
+    from draftsmith.inference.kernels.direct_forward import direct_forward_for
 
     target = make_target(seed=6)
     model = make_streaming(target, pruning_rank=4)
@@ -412,7 +412,7 @@ def test_the_shared_target_keeps_its_direct_forward_for_other_methods():
     assert hooked._forward_hooks and hooked._forward_pre_hooks
     assert direct_forward_for(target) is not None
     prompt = random_prompts(1, seed=7)[0]
-    plain = generate(target, prompt, None, max_new_tokens=20, eos_token_ids=[EOS], direct_forward=True)
+    plain = generate(target, prompt, None, max_new_tokens=20, eos_token_ids=[EOS])
     assert plain.tokens == hf_greedy(target, prompt, 20)
     with model.adapted() as adapted:
         reference = hf_greedy(adapted, prompt, 20)
@@ -456,7 +456,7 @@ def test_shipped_recipe_validates():
 
 def test_train_export_and_decode_through_the_cli(tmp_path, tiny_target_dir):
     from draftsmith.core.target import load_target
-    from draftsmith.inference.methods import build_drafter
+    from draftsmith.inference.methods.table import build_drafter
     from draftsmith.train.cli import main
 
     prepare_arithmetic_chats(tmp_path / "prep", tiny_target_dir, 10)
@@ -486,7 +486,7 @@ def test_train_export_and_decode_through_the_cli(tmp_path, tiny_target_dir):
         )[0, len(prompt) :].tolist()
     assert result.tokens == reference
     # bench judges streaming against the adapted model it serves, and reports its drift from the target
-    from draftsmith.inference.bench import Question, run_bench
+    from draftsmith.inference.measure.bench import Question, run_bench
 
     results = run_bench(
         tiny,

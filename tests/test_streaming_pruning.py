@@ -222,7 +222,7 @@ def _recipe(tmp_path, tiny_target_dir, name: str, drafter: dict, train: dict | N
 
 def test_joint_then_afterwards_training_export_and_decode(tmp_path, tiny_target_dir, capsys):
     from draftsmith.core.target import load_target
-    from draftsmith.inference.methods import build_drafter
+    from draftsmith.inference.methods.table import build_drafter
     from draftsmith.train.cli import main
 
     prepare_arithmetic_chats(tmp_path / "prep", tiny_target_dir, 10)
@@ -270,7 +270,7 @@ def test_init_from_fills_what_fits_and_refuses_other_options(tmp_path):
 
 def test_prune_option_must_be_a_fraction():
     from draftsmith.drafters.base import TreeOptionError
-    from draftsmith.inference.methods import build_drafter, split_tree_options
+    from draftsmith.inference.methods.table import build_drafter, split_tree_options
 
     assert split_tree_options("runs/x:prune=0.05:top_k=2") == ("runs/x", {"prune": "0.05", "top_k": "2"})
     for bad in ("1.5", "abc"):

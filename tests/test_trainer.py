@@ -317,7 +317,7 @@ def test_offline_features_match_online_training(tmp_path, tiny_target_dir, prepa
 
 
 def test_export_writes_a_self_describing_drafter(tmp_path, recipe_path, capsys):
-    from draftsmith.drafters.eagle import EagleDrafter
+    from draftsmith.drafters.eagle import EagleModel
 
     recipe = load_train_recipe(recipe_path)
     train(recipe)
@@ -328,7 +328,7 @@ def test_export_writes_a_self_describing_drafter(tmp_path, recipe_path, capsys):
     assert config["drafter_family"] == "fspad" and config["feature_sampler"] and config["partial_alignment"]
     info = json.loads((Path(recipe.output_dir) / "run_info.json").read_text())
     assert config["target_identity"] == info["target_identity"]
-    model = EagleDrafter.from_pretrained(str(out))
+    model = EagleModel.from_pretrained(str(out))
     saved = load_file(str(Path(recipe.output_dir) / "checkpoints/step-4/drafter/model.safetensors"))
     for key, value in model.state_dict().items():
         assert torch.equal(value, saved[key])

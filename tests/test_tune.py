@@ -12,10 +12,7 @@ from draftsmith.core.target import load_target
 from draftsmith.drafters.base import FrozenTarget
 from draftsmith.drafters.io import export_drafter
 from draftsmith.drafters.registry import get_family
-from draftsmith.inference.learned import load_drafter
-from draftsmith.inference.methods import build_drafter
-from draftsmith.inference.runtime import generate
-from draftsmith.inference.tune import (
+from draftsmith.inference.measure.tune import (
     Shape,
     record_counted_prompt,
     record_prompt,
@@ -25,7 +22,9 @@ from draftsmith.inference.tune import (
     simulate_rounds,
     tune_base,
 )
-from draftsmith.inference.tuned_trees import (
+from draftsmith.inference.methods.learned import load_drafter
+from draftsmith.inference.methods.table import build_drafter
+from draftsmith.inference.methods.tuned_trees import (
     TUNED_TREES,
     DeviceKey,
     fitted_tree,
@@ -33,6 +32,7 @@ from draftsmith.inference.tuned_trees import (
     weights_sha256,
     write_tuned_tree,
 )
+from draftsmith.inference.runtime import generate
 from draftsmith.train.cli import main
 from draftsmith.train.losses import family_loss, medusa2_loss, medusa_loss
 
@@ -283,9 +283,9 @@ def test_run_tune_says_when_plain_decoding_wins(tiny, tmp_path, monkeypatch):
     the default calibration prompts (no --questions). The verification costs are a fixed curve (a
     wider forward costs more, as everywhere): the tiny model's real ones are fractions of a
     millisecond, which a busy machine reorders at random."""
-    from draftsmith.inference import tune
+    from draftsmith.inference.measure import tune
 
-    def cost_curve(target, sizes, prefix, repeats):
+    def cost_curve(target, sizes, prefix, repeats, backends):
         rows = [{"size": size, "median_ms": 10.0 + size} for size in sizes]
         return {"rows": rows, "native": False, "packed_gemm": False, "greedy_head": False}
 

@@ -34,11 +34,10 @@ from draftsmith.data.prepared import PreparedDataset
 from draftsmith.drafters.base import TreeOptions
 from draftsmith.drafters.io import check_drafter_target, read_drafter_config
 from draftsmith.drafters.medusa import MedusaHeads, MedusaTreeError, calibrated_paths, expected_accept_length
-from draftsmith.drafters.registry import get_family
+from draftsmith.drafters.registry import FAMILIES, get_family
 from draftsmith.train.loader import EVAL_SPLIT_SEED
 
 TREE_FORMAT = "draftsmith.medusa_tree/1"
-CALIBRATED_FAMILIES = ("medusa", "medusa2")  # Medusa-2's heads are Medusa-1's, over its adapted features
 
 
 def held_out_indices(n_samples: int, count: int) -> list[int]:
@@ -139,8 +138,9 @@ def calibrate(
     directory = Path(directory)
     config = read_drafter_config(directory)
     family = config["drafter_family"]
-    if family not in CALIBRATED_FAMILIES:
-        raise MedusaTreeError(f"{directory} holds a {family!r} drafter; calibrate works on medusa and medusa2")
+    calibrated = [name for name, entry in FAMILIES.items() if entry.calibrated_tree]
+    if family not in calibrated:
+        raise MedusaTreeError(f"{directory} holds a {family!r} drafter; calibrate works on {' and '.join(calibrated)}")
     target = load_target(target_name)
     check_drafter_target(config, target, directory)
     model = get_family(family).model_class.from_pretrained(directory).to(target.model.device, target.model.dtype)

@@ -5,7 +5,7 @@ its LoRA merged) stands in for the target throughout: decoded, timed and measure
 
 Predicted tokens/s of a tree = mean tokens committed per round / (drafting cost + verification cost),
 with both costs measured here: the target's verification forward per tree size by ``bench-tree``'s
-machinery (:func:`~draftsmith.inference.bench_tree.run_tree_bench`), the drafter's round per depth and
+machinery (:func:`~draftsmith.inference.measure.bench_tree.run_tree_bench`), the drafter's round per depth and
 top_k by timing its ``propose``. Plain decoding (one token per 1-token forward) is a candidate too.
 
 How acceptance is measured, and what is exact. Greedy verification accepts the longest path of the
@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -53,13 +53,16 @@ from draftsmith.core.tree import DraftTree, TreeGrowth, admission_order, candida
 from draftsmith.data.default_prompts import held_out_questions
 from draftsmith.drafters.base import TreeOptions
 from draftsmith.drafters.eagle import EagleTreeDrafter
+from draftsmith.drafters.io import read_drafter_config
 from draftsmith.drafters.medusa import DYNAMIC, MedusaTreeDrafter
-from draftsmith.inference.bench import read_questions
-from draftsmith.inference.bench_tree import run_tree_bench
+from draftsmith.drafters.registry import TreeSearch, get_family
+from draftsmith.inference.backends import Backends
 from draftsmith.inference.context import check_fits_context
-from draftsmith.inference.learned import load_drafter
+from draftsmith.inference.measure.bench import read_questions
+from draftsmith.inference.measure.bench_tree import run_tree_bench
+from draftsmith.inference.methods.learned import load_drafter
+from draftsmith.inference.methods.tuned_trees import DeviceKey, weights_sha256, write_tuned_tree
 from draftsmith.inference.runtime import generate
-from draftsmith.inference.tuned_trees import DeviceKey, weights_sha256, write_tuned_tree
 
 DEFAULT_TOP_K = (1, 2, 4, 8)
 DEFAULT_TOTAL_TOKENS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
@@ -331,9 +334,14 @@ def calibration_prompts(target: Target, questions: Path | None, limit: int) -> l
 def runtime_drafter_for_tune(directory: Path, target: Target, max_depth: int, top_k: int) -> EagleTreeDrafter:
     """The export's EAGLE-2 drafter growing trees of ``max_depth`` levels with ``top_k``."""
     drafter = tune_base(directory, target)
-    if not isinstance(drafter, EagleTreeDrafter):
+    if family_tree_search(directory) is not TreeSearch.GROWTH:
         raise TuneError(f"{directory} holds a {drafter.name!r} drafter, not an EAGLE-2 one")
     return eagle_growth(drafter, target, max_depth, top_k)
+
+
+def family_tree_search(directory: Path) -> TreeSearch | None:
+    """How tune searches the trees of the export's family (its registry entry's ``tree_search``)."""
+    return get_family(read_drafter_config(directory)["drafter_family"]).tree_search
 
 
 def eagle_growth(base: EagleTreeDrafter, target: Target, depth: int, top_k: int) -> EagleTreeDrafter:
@@ -341,13 +349,12 @@ def eagle_growth(base: EagleTreeDrafter, target: Target, depth: int, top_k: int)
     return base.model.runtime_drafter(target.model, TreeOptions(depth=depth, top_k=top_k, total_tokens=1))
 
 
-def tune_base(directory: Path, target: Target) -> EagleTreeDrafter | MedusaTreeDrafter:
-    """The export's runtime drafter, if ``tune`` can fit its tree: EAGLE-2 trees, and Medusa's dynamic
-    trees for Medusa-1 and for a Medusa-2 served merged (whose model a plain forward stands for)."""
+def tune_base(directory: Path, target: Target) -> Drafter:
+    """The export's runtime drafter, if ``tune`` can fit its tree: a family with a tree search, decoding
+    the target itself or a model it serves (Medusa-2 merged, whose model a plain forward stands for)."""
     drafter = load_drafter(directory, target, tree=TreeOptions(total_tokens=1))
-    if isinstance(drafter, EagleTreeDrafter):
-        return drafter
-    if isinstance(drafter, MedusaTreeDrafter) and (drafter.reference_model() is None or drafter.served_model()):
+    decodes_a_plain_model = drafter.reference_model() is None or drafter.served_model() is not None
+    if family_tree_search(directory) is not None and decodes_a_plain_model:
         return drafter
     raise TuneError(
         f"draftsmith tune fits EAGLE-2 dynamic trees (eagle, fspad, eagle3, fspad3 drafters) and Medusa's "
@@ -421,6 +428,27 @@ def medusa_plan(
     )
 
 
+@dataclass(frozen=True)
+class Search:
+    """What tune does for one :class:`~draftsmith.drafters.registry.TreeSearch`: the deepest tree it
+    tries (given ``--max-depth``) and the plan it measures."""
+
+    deepest: Callable[[Drafter, int], int]
+    plan: Callable[..., TunePlan]  # (target, base, prompts, max_new_tokens, max_depth, top_ks, totals)
+
+
+SEARCHES = {
+    TreeSearch.GROWTH: Search(lambda base, max_depth: max_depth, eagle_plan),
+    # a Medusa tree is as deep as its heads: --max-depth does not apply
+    TreeSearch.HEADS: Search(
+        lambda base, max_depth: base.model.config.num_heads,
+        lambda target, base, prompts, tokens, max_depth, top_ks, totals: medusa_plan(
+            target, base, prompts, tokens, top_ks, totals
+        ),
+    ),
+}
+
+
 @dataclass
 class Measured:
     """Real decodes of the calibration prompts, summed."""
@@ -474,32 +502,32 @@ def run_tune(
     repeats: int = 5,
     measure_choice: bool = True,
     say=print,
+    backends: Backends | None = None,
 ) -> dict[str, Any]:
-    """Fit the tree, write it into the export's ``tuned_trees.json`` and return the entry written."""
+    """Fit the tree, write it into the export's ``tuned_trees.json`` and return the entry written; the
+    verification forwards are timed and measured through ``backends`` (default: the default kernels)."""
     directory = Path(directory)
+    backends = backends or Backends()
     top_ks, totals = sorted(set(top_ks)), sorted(set(totals))
     if max_depth < 1 or not top_ks or min(top_ks) < 1 or not totals or min(totals) < 1:
         raise TuneError("--max-depth, --top-k and --total-tokens take whole numbers >= 1")
     if max_new_tokens < 2:
         raise TuneError(f"--max-new-tokens must be at least 2 for a drafting round to happen; got {max_new_tokens}")
     base = tune_base(directory, target)
+    search = SEARCHES[family_tree_search(directory)]
     target = serving_target(base, target)
-    medusa = isinstance(base, MedusaTreeDrafter)
-    depth = base.model.config.num_heads if medusa else max_depth
+    depth = search.deepest(base, max_depth)
     prompts = calibration_prompts(target, questions, limit)
     for i, prompt in enumerate(prompts):
         check_fits_context(target.model, len(prompt), max_new_tokens + depth + max(totals), f"calibration prompt {i}")
     say(f"recording the drafter's candidates at every position of {len(prompts)} prompts ({max_new_tokens} tokens)")
-    if medusa:
-        plan = medusa_plan(target, base, prompts, max_new_tokens, top_ks, totals)
-    else:
-        plan = eagle_plan(target, base, prompts, max_new_tokens, max_depth, top_ks, totals)
+    plan = search.plan(target, base, prompts, max_new_tokens, max_depth, top_ks, totals)
     shapes, records = plan.shapes, plan.records
     say("timing drafting rounds, and verification forwards per tree size (bench-tree)")
     draft_ms = drafting_ms(plan.round_drafters, records[0])
     sizes = sorted({1} | {1 + shape.total_tokens for shape in shapes})
     prefix = int(statistics.fmean(len(p) for p in prompts)) + max_new_tokens // 2
-    bench = run_tree_bench(target, sizes, prefix, repeats)
+    bench = run_tree_bench(target, sizes, prefix, repeats, backends=backends)
     verify_ms = {row["size"]: row["median_ms"] for row in bench["rows"]}
     eos = set(target.eos_token_ids)
     ranked = predictions(records, verify_ms, draft_ms, shapes, max_new_tokens, eos)
@@ -531,7 +559,7 @@ def run_tune(
         "tuned_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
     if measure_choice:
-        entry["measured"] = measure_chosen(target, base, records, best, plain, max_new_tokens, say)
+        entry["measured"] = measure_chosen(target, base, records, best, plain, max_new_tokens, say, backends)
     key = DeviceKey.current(target.model)
     path = write_tuned_tree(directory, key, entry)
     say(f"wrote the tree for {key.text()} to {path}")
@@ -540,12 +568,13 @@ def run_tune(
 
 def measure_chosen(
     target: Target,
-    base: EagleTreeDrafter | MedusaTreeDrafter,
+    base: Drafter,
     records: list[PromptRecord] | list[CountedRecord],
     best: Prediction,
     plain: Prediction,
     max_new_tokens: int,
     say,
+    backends: Backends,
 ) -> dict[str, Any]:
     """Decode the calibration prompts with the chosen tree and without drafting, interleaved prompt by
     prompt (machine noise hits both alike), and compare with the prediction."""
@@ -554,7 +583,9 @@ def measure_chosen(
     tree, without = Measured(), Measured()
     for record in records:
         for runs, one, shape in ((without, None, None), (tree, drafter, best.shape)):
-            result = generate(target.model, record.prompt, one, max_new_tokens=max_new_tokens, eos_token_ids=eos)
+            result = generate(
+                target.model, record.prompt, one, max_new_tokens=max_new_tokens, eos_token_ids=eos, backends=backends
+            )
             runs.add(result, simulate_rounds(record, shape, max_new_tokens, set(eos)))
     speedup = tree.tokens_per_s / without.tokens_per_s if without.tokens_per_s else 0.0
     say(

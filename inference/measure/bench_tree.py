@@ -24,15 +24,14 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from draftsmith.core.cache import keep_positions, preallocated_cache_for
+from draftsmith.core.cache import keep_positions
 from draftsmith.core.io import atomic_write_bytes, atomic_write_json
 from draftsmith.core.target import Target
-from draftsmith.core.tree import DraftTree, TreeInputBuffers
-from draftsmith.inference.bench import BenchError
-from draftsmith.inference.direct_forward import direct_forward_for
-from draftsmith.inference.greedy_head import greedy_head_for
-from draftsmith.inference.packed_gemm import packed_gemm_for
-from draftsmith.inference.runtime import DEFAULT_TREE_ROOM, verification_forward
+from draftsmith.core.tree import DraftTree
+from draftsmith.inference.backends import DEFAULT_TREE_ROOM, Backends
+from draftsmith.inference.kernels.options import KernelOptions
+from draftsmith.inference.measure.errors import BenchError
+from draftsmith.inference.runtime import PlainDecoding
 
 SHAPES = ("random", "chain")
 WARMUP = 2  # untimed forwards per size before the timed repeats
@@ -62,59 +61,35 @@ def parse_sizes(text: str) -> list[int]:
 
 
 class _VerificationForward:
-    """The runtime's verification forward (:func:`~draftsmith.inference.runtime.verification_forward`,
-    direct where the target allows it, packed GEMM included unless ``packed_gemm`` is off) over a given
-    tree on top of a fixed cached prefix, timed."""
+    """The runtime's verification forward (its eager backend: direct where the target allows it,
+    packed GEMM and the screened head as the kernel options say) over a given tree on top of a fixed
+    cached prefix, timed."""
 
-    def __init__(
-        self,
-        target: Target,
-        prefix: int,
-        seed: int,
-        packed_gemm: bool = True,
-        greedy_head: bool = True,
-        native: bool = True,
-    ) -> None:
+    def __init__(self, target: Target, prefix: int, seed: int, backends: Backends) -> None:
         self.model = target.model
-        self.device = next(self.model.parameters()).device
-        self.dtype = next(self.model.parameters()).dtype
+        self.backend = backends.for_generation(self.model, PlainDecoding(), reads_logits=False)
+        self.kernels = self.backend.kernels
+        self.device, self.dtype = self.backend.device, self.backend.dtype
         generator = torch.Generator().manual_seed(seed)
         self.vocab = len(target.tokenizer)
         self.prefix = prefix
-        room = prefix + 2 * DEFAULT_TREE_ROOM
-        self.cache = preallocated_cache_for(self.model.config, room)
-        self.inputs = TreeInputBuffers(DEFAULT_TREE_ROOM, room, self.dtype, self.device)
-        self.gemm = packed_gemm_for(self.model) if packed_gemm else None
-        self.direct = direct_forward_for(self.model, native)
-        self.greedy = greedy_head_for(self.model) if greedy_head and self.direct is not None else None
-        ids = torch.randint(0, self.vocab, (1, prefix), generator=generator)
-        with torch.no_grad():
-            self.model(ids.to(self.device), past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+        self.cache = self.backend.new_cache(prefix + 2 * DEFAULT_TREE_ROOM)
+        ids = torch.randint(0, self.vocab, (prefix,), generator=generator).tolist()
+        self.backend.prefill(self.cache, ids, hidden=False)
         self.generator = generator
 
     @torch.no_grad()
     def seconds(self, tree: DraftTree) -> float:
-        if self.gemm is not None:
-            self.gemm.padded_rows(1 + len(tree))  # packing a new bucket is not part of a forward's cost
+        if self.kernels.gemm is not None:
+            self.kernels.gemm.padded_rows(1 + len(tree))  # packing a new bucket is not part of a forward's cost
         tokens = torch.randint(0, self.vocab, (len(tree) + 1,), generator=self.generator).tolist()
         tree = DraftTree(torch.tensor(tokens[1:]), tree.parents)
         start = time.perf_counter()
-        verification_forward(
-            self.model,
-            self.cache,
-            self.inputs,
-            tokens[0],
-            tree,
-            self.prefix,
-            False,
-            self.gemm,
-            self.direct,
-            self.greedy,
-        )
+        self.backend.verify(self.cache, tokens[0], tree, self.prefix, False)
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - start
-        keep_positions(self.cache, torch.arange(self.prefix))  # back to the prefix, untimed
+        keep_positions(self.cache.kv, torch.arange(self.prefix))  # back to the prefix, untimed
         return elapsed
 
 
@@ -125,11 +100,10 @@ def run_tree_bench(
     repeats: int,
     shape: str = "random",
     seed: int = 0,
-    packed_gemm: bool = True,
-    greedy_head: bool = True,
-    native: bool = True,
+    backends: Backends | None = None,
 ) -> dict[str, Any]:
-    """Median seconds of one verification forward per size, and its ratio to the 1-token forward."""
+    """Median seconds of one verification forward per size, and its ratio to the 1-token forward, through
+    ``backends``' eager kernels (default: the default kernel options)."""
     if repeats < 1:
         raise BenchError(f"--repeats must be at least 1; got {repeats}")
     if prefix < 1:
@@ -138,7 +112,8 @@ def run_tree_bench(
     if limit is not None and prefix + max(sizes) > limit:
         raise BenchError(f"--prefix {prefix} + size {max(sizes)} exceeds the target's {limit} positions")
     trees = {size: build_tree(size - 1, shape, seed) for size in sizes}
-    forward = _VerificationForward(target, prefix, seed, packed_gemm, greedy_head, native)
+    backends = backends or Backends(KernelOptions())
+    forward = _VerificationForward(target, prefix, seed, backends)
     timings: dict[int, list[float]] = {size: [] for size in sizes}
     for _ in range(WARMUP):
         for size in sizes:
@@ -166,9 +141,9 @@ def run_tree_bench(
         "threads": torch.get_num_threads(),
         "device": str(forward.device),
         "dtype": str(forward.dtype).removeprefix("torch."),
-        "packed_gemm": forward.gemm is not None,
-        "greedy_head": forward.greedy is not None,
-        "native": forward.direct is not None and forward.direct.native,
+        "packed_gemm": forward.kernels.gemm is not None,
+        "greedy_head": forward.kernels.greedy_head() is not None,
+        "native": forward.kernels.direct() is not None and forward.kernels.direct().native,
         "rows": rows,
     }
 

@@ -3,7 +3,7 @@ another engine, as a second baseline: ``model.generate`` with a static KV cache 
 step compiled by ``torch.compile`` (transformers' own ``compile_config``; inductor on CPU, CUDA graphs
 on a GPU).
 
-The static cache is sized by :func:`~draftsmith.inference.compiled.context_bucket`, so few shapes are
+The static cache is sized by :func:`~draftsmith.inference.kernels.compiled.context_bucket`, so few shapes are
 ever compiled; the first prompt of each size is decoded once untimed to compile (that time is
 reported as ``compile_seconds``), then timed like HF ``generate``.
 """
@@ -15,7 +15,7 @@ import time
 import torch
 from transformers import CompileConfig, StaticCache
 
-from draftsmith.inference.compiled import context_bucket
+from draftsmith.inference.kernels.compiled import context_bucket
 
 NAME = "hf-static-compile"
 

@@ -32,7 +32,7 @@ from draftsmith.core.drafting import DraftContext, Drafter
 from draftsmith.core.target import Target, TargetError, load_target, load_tokenizer
 from draftsmith.core.tree import DraftTree
 from draftsmith.core.verify import sample
-from draftsmith.inference.errors import MethodError
+from draftsmith.inference.methods.errors import MethodError
 
 DEFAULT_NUM_DRAFT = 4  # tokens per chain: a good default for small drafts on a CPU
 _K_SUFFIX = re.compile(r"^(?P<spec>.+):k=(?P<k>\d+)$")

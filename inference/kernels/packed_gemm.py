@@ -1,11 +1,10 @@
 """Verification forwards through MKL's packed GEMM: wide forwards that cost little more than one token.
 
 On a CPU, a verification forward over a few rows should cost about what one token costs: the weights
-are read once either way. PyTorch's default fp32 ``linear`` (MKL ``sgemm``) does not get there for
-small row counts: on the 2-core reference machine a SmolLM2 forward over 4 rows took 1.45x one row
-and over 8 rows 1.8x, which is why trees barely paid on CPU. MKL's packed GEMM (``cblas_sgemm_pack``
-/ ``compute``, exposed as ``torch.ops.mkl._mkl_linear``; inductor's ``freezing`` uses it too) brought
-those to 1.15x and 1.3x.
+are read once either way. PyTorch's default fp32 ``linear`` (MKL ``sgemm``) falls well short of that
+for small row counts, so trees barely pay; MKL's packed GEMM (``cblas_sgemm_pack`` / ``compute``,
+exposed as ``torch.ops.mkl._mkl_linear``; inductor's ``freezing`` uses it too) gets much closer
+(``draftsmith bench-tree`` measures both on a machine).
 
 A pack is made for one row count, so a verification forward's rows are padded up to a **row bucket**
 (2, 4, 8, 16, 32): padding rows repeat the root token, attend only to committed tokens and themselves,
@@ -23,7 +22,6 @@ from __future__ import annotations
 
 import os
 import time
-import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -78,15 +76,15 @@ class PackedLinear(nn.Linear):
 
 
 class PackedGemm:
-    """The packs of one target model. :func:`packed_gemm_for` makes (at most) one per model; it turns
-    the model's ``nn.Linear`` modules into :class:`PackedLinear`, which behave exactly as before
-    outside :meth:`rows`' context."""
+    """The packs of one target model, held by its kernel context (:mod:`kernels.context`). It turns the
+    model's ``nn.Linear`` modules into :class:`PackedLinear`, which behave exactly as before outside
+    :meth:`rows`' context; a later ``PackedGemm`` of the same model takes them over, with no packs yet."""
 
     def __init__(self, model: nn.Module) -> None:
         self.active = False
         self._linears: list[PackedLinear] = []
         for module in model.modules():
-            if type(module) is nn.Linear:
+            if type(module) in (nn.Linear, PackedLinear):
                 module.__class__ = PackedLinear
                 module._packs, module._owner = {}, self
                 self._linears.append(module)
@@ -138,18 +136,6 @@ class PackedGemm:
                 module._packed_from = CopySource(module.weight)
         self.pack_seconds += time.perf_counter() - start
         return True
-
-
-_PACKED: weakref.WeakKeyDictionary[nn.Module, PackedGemm] = weakref.WeakKeyDictionary()
-
-
-def packed_gemm_for(model: nn.Module) -> PackedGemm | None:
-    """The model's :class:`PackedGemm` (made on first call), or None where packed GEMM does not apply."""
-    if not packed_gemm_supported(model):
-        return None
-    if model not in _PACKED:
-        _PACKED[model] = PackedGemm(model)
-    return _PACKED[model]
 
 
 def _available_bytes() -> int:

@@ -1,8 +1,9 @@
 """Greedy tokens from the target's ``lm_head`` without reading its float32 weights: an int8 screen with
 a proof, and the float32 head only where the proof fails.
 
-A one-token SmolLM2 forward on the 2-core CPU reads ~540 MB of float32 weights, 113 MB of them the
-``lm_head`` (49,152 x 576), and greedy decoding needs only the head's argmax. :class:`GreedyHead` keeps
+A one-token forward on a CPU reads every float32 weight once, and for a small model with a large
+vocabulary the ``lm_head`` is a large share of them (SmolLM2: 49,152 x 576); greedy decoding needs only
+the head's argmax. :class:`GreedyHead` keeps
 an int8 copy of the head (a bfloat16 scale per row; a quarter of the bytes) and returns, for each row
 ``x``, exactly ``argmax(F.linear(x, W))`` as the float32 head computes it:
 
@@ -13,17 +14,17 @@ an int8 copy of the head (a bfloat16 scale per row; a quarter of the bytes) and 
    Cauchy-Schwarz with the row's measured error), the input's rounding to bfloat16, both float32
    accumulations and the bfloat16 output rounding (:meth:`GreedyHead.screen_bounds`).
 2. **Candidates.** Some token's ``f`` is at least ``L = max_i (a_i - D_i)``; a token with ``a_i + D_i
-   < L`` cannot be the argmax. The rest are the candidates (3 on a median SmolLM2 row).
+   < L`` cannot be the argmax. The rest are the candidates (a handful per row on real text).
 3. **Proof.** The candidates' logits are recomputed in float64 (``T_i``) with their float32 error
    bound ``B_i = gamma_K sum_k |x_k W_ik|``. If the best one beats every other candidate by more than
    both bounds, it is the float32 argmax, strictly: no tie, no rounding, no summation order changes it.
-4. **Fallback.** Otherwise (a near tie: 2 of 780 rows of real SmolLM2 text) the row takes the float32
-   head, one row, as plain decoding computes it.
+4. **Fallback.** Otherwise (a near tie, rare on real text; ``bench`` reports how many rows) the row
+   takes the float32 head, one row, as plain decoding computes it.
 
 So the tokens are those of plain greedy decoding (``tests/test_greedy_head.py`` checks random rows,
 forced near ties, that the bound holds for every token of this machine's kernel, and that the screen
-without the proof gets tokens wrong). On the 2-core CPU the head's share of a one-token step drops from
-~4.3 ms to ~3 ms, and of a 4-row tree verification from ~8.8 ms to ~4.4 ms.
+without the proof gets tokens wrong). The head's share of a step shrinks with the bytes it reads, most
+for tree verifications, whose rows share one read of the screen.
 
 Used for greedy verification through the direct forward only: sampling and drafters that read the
 logits (SPECTRA) take the float32 head. CPU float32 targets whose head is a bias-free ``nn.Linear``
@@ -33,7 +34,6 @@ with a hidden size that is a multiple of 32 (the int8 kernel reads 16-value bloc
 from __future__ import annotations
 
 import time
-import weakref
 from types import ModuleType
 
 import torch
@@ -170,18 +170,3 @@ def greedy_head_supported(model: nn.Module) -> bool:
         and head.weight.device.type == "cpu"
         and head.weight.shape[1] % 32 == 0
     )
-
-
-_HEADS: weakref.WeakKeyDictionary[nn.Module, GreedyHead] = weakref.WeakKeyDictionary()
-
-
-def greedy_head_for(model: nn.Module) -> GreedyHead | None:
-    """The model's :class:`GreedyHead` (built on first call, ~0.3 s for SmolLM2, and again whenever the
-    head's weight was replaced or changed in place since), or None where it does not apply."""
-    if not greedy_head_supported(model):
-        return None
-    head = _HEADS.get(model)
-    # a stale screen could miss the argmax: a replaced or changed weight gets a new one
-    if head is None or not head.source.still(model.lm_head.weight):
-        head = _HEADS[model] = GreedyHead(model.lm_head)
-    return head

@@ -2,14 +2,15 @@
 screened head's contender search (:mod:`greedy_head`), each computing what the Python code computes
 without the interpreter between many small calls.
 
-It is built by :func:`torch.utils.cpp_extension.load` the first time a process needs it (~30 s on 2
-cores; a C++ compiler, Python's headers and ninja) and cached in torch's extensions directory
+It is built by :func:`torch.utils.cpp_extension.load` the first time a process needs it (a C++
+compiler, Python's headers and ninja; tens of seconds) and cached in torch's extensions directory
 (``TORCH_EXTENSIONS_DIR``), so later processes load it in well under a second. Where it cannot be
 built, the runtime says so once and keeps the Python code: the same tokens, a slower step.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import sys
@@ -23,26 +24,17 @@ _SOURCE = Path(__file__).with_name("native.cpp")
 _NAME = "draftsmith_native_torch" + "".join(c if c.isalnum() else "_" for c in torch.__version__)
 
 
-class _Build:
-    """This process's one attempt at loading the extension."""
-
-    tried = False
-    module: ModuleType | None = None
-
-
+@functools.cache  # a shared library loads once per process (Python cannot unload it): one attempt
 def native_extension() -> ModuleType | None:
     """The compiled extension, built on this process's first call where no cached build exists; None
     (said once on stderr) where it cannot be built."""
-    if _Build.tried:
-        return _Build.module
-    _Build.tried = True
     try:
         from torch.utils.cpp_extension import _get_build_directory, load
 
         _put_ninja_on_path()
         if not any(Path(_get_build_directory(_NAME, verbose=False)).glob(f"{_NAME}*.so")):
             print("[native] building the runtime's C++ kernels once (~30 s; cached for later runs)", file=sys.stderr)
-        _Build.module = load(name=_NAME, sources=[str(_SOURCE)], extra_cflags=["-O2"], verbose=False)
+        return load(name=_NAME, sources=[str(_SOURCE)], extra_cflags=["-O2"], verbose=False)
     except Exception as error:  # no compiler, headers or ninja: the Python code computes the same
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         print(
@@ -50,7 +42,7 @@ def native_extension() -> ModuleType | None:
             "code (the same tokens, a slower step). Install g++ and ninja to enable them, or pass --no-native.",
             file=sys.stderr,
         )
-    return _Build.module
+        return None
 
 
 def _put_ninja_on_path() -> None:

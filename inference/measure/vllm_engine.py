@@ -84,8 +84,8 @@ def run_vllm(
 ) -> dict[str, Any]:
     """Greedy generations of ``prompts`` one at a time in a vLLM engine (float32) computing on
     ``threads`` cores, with per-prompt seconds and speculative-decoding counters; see
-    ``vllm_worker.py``. The engine runs compiled, its fastest mode (on a CPU 1.06x its eager mode on
-    SmolLM2, for ~65 s more start-up, which is reported apart and never timed); ``eager`` skips the
+    ``vllm_worker.py``. The engine runs compiled, its fastest mode (its longer start-up is reported
+    apart and never timed); ``eager`` skips the
     compiling where start-up matters more than speed (tests)."""
     longest = max(len(p) for p in prompts) + max_new_tokens + method.speculative_tokens + 16
     request = {

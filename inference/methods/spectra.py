@@ -21,12 +21,11 @@ Deviations from the paper, chosen for this runtime and a CPU:
 * The committed context (prompt and output) is also indexed into the dictionaries
   (``index_context``), as Lookahead's "pool from prompt" does; it is free, the pool costs tree nodes.
 * ``max_tree_tokens`` caps the tree and ``pool_per_round`` the pool sequences per forward: on a CPU
-  a forward over 64 tree tokens costs ~3.7x a single token (16 tokens ~2.1x, 8 ~1.6x), while on
-  SmolLM2 the acceptance length grows far more slowly with the tree (8 Spec-Bench prompts, 64 new
-  tokens: τ 1.41 / 1.56 / 1.84 for caps 8 / 20 / uncapped, mean trees of 8 / 19 / 66 nodes). So the
-  CPU default keeps 12 nodes: guesses first in priority order (truncated to fit, 4 nodes held back
-  for the pool), then one pool sequence, round-robin, so all ``W`` sequences still advance, only
-  more slowly. ``SpectraConfig.paper()`` (method ``spectra-paper``) lifts both limits, as on a GPU.
+  a forward's cost grows with its tree tokens much faster than the acceptance length grows with the
+  tree (``bench-tree`` and ``bench`` measure both). So the CPU default keeps 12 nodes: guesses first
+  in priority order (truncated to fit, 4 nodes held back for the pool), then one pool sequence,
+  round-robin, so all ``W`` sequences still advance, only more slowly. ``SpectraConfig.paper()``
+  (method ``spectra-paper``) lifts both limits, as on a GPU.
 * The backward guess is placed first instead of last, so a cap never drops the best guess.
 """
 
@@ -40,7 +39,7 @@ import torch
 from draftsmith.core.drafting import DraftContext, Drafter
 from draftsmith.core.tree import DraftTree
 from draftsmith.core.verify import Verdict
-from draftsmith.inference.spectra_retrieval import RetrievalIndex
+from draftsmith.inference.methods.spectra_retrieval import RetrievalIndex
 
 
 @dataclass

@@ -1,8 +1,8 @@
 """The direct forward's lean decoder layers as one C++ call (:mod:`native`), bitwise the same.
 
-A one-token step of SmolLM2 through the lean Python loop (:func:`direct_forward._lean_layers`) spends
-~4 ms of ~32 ms on a 2-core CPU in the interpreter between ~1,000 small ATen calls, and a tree forward
-as much. ``native.cpp``'s ``decoder_layers`` makes the same ATen calls (MKL's packed GEMM where
+The lean Python loop (:func:`direct_forward._lean_layers`) makes ~1,000 small ATen calls per forward,
+and on a CPU the interpreter's time between them is a visible share of a small model's step.
+``native.cpp``'s ``decoder_layers`` makes the same ATen calls (MKL's packed GEMM where
 :mod:`packed_gemm`'s pack for the rows is active) on the same values in the same order from C++, so the
 results are bitwise those of the Python loop (``tests/test_native_layers.py`` checks logits, every
 hidden state and the cache).
@@ -23,7 +23,7 @@ from transformers.activations import SiLUActivation
 from transformers.integrations.sdpa_attention import use_gqa_in_sdpa
 
 from draftsmith.core.cache import PreallocatedLayer
-from draftsmith.inference.packed_gemm import PackedLinear
+from draftsmith.inference.kernels.packed_gemm import PackedLinear
 
 _WEIGHTS_PER_LAYER = 9  # the order of native.cpp's Weight enum
 
@@ -88,7 +88,7 @@ def native_decoder_layers(
     output, or None (nothing done) where transformers would repeat grouped K/V heads instead of letting
     SDPA read them grouped (a mask without the runtime's switch, see ``runtime._grouped_kv_heads``).
     ``cos`` and ``signed_sin`` as :func:`direct_forward._lean_layers` makes them; projections whose
-    :class:`~draftsmith.inference.packed_gemm.PackedLinear` has an active pack for these rows use it."""
+    :class:`~draftsmith.inference.kernels.packed_gemm.PackedLinear` has an active pack for these rows use it."""
     grouped = plan.heads != plan.kv_heads
     if grouped and not use_gqa_in_sdpa(attention_mask, cache_layers[0].keys, cache_layers[0].values):
         return None

@@ -1,7 +1,7 @@
 """The target's verification forward without transformers' per-call machinery, bit for bit the same.
 
-A one-token forward of SmolLM2 on a 2-core CPU spends ~27 ms in matrix multiplies and ~9 ms around
-them. Part of the rest is not arithmetic: output-capturing hooks and decorators, mask preparation,
+On a CPU, a small model's one-token forward spends a visible share of its time around the matrix
+multiplies, and part of that is not arithmetic: output-capturing hooks and decorators, mask preparation,
 keyword plumbing through three module levels per layer, the attention-interface lookup. For a Llama
 model with SDPA attention, :class:`DirectForward` runs the same submodules in the same order (the
 norms, the projections, the MLP, the rotary embedding, ``apply_rotary_pos_emb``, the cache's
@@ -44,8 +44,8 @@ from transformers.models.llama.modeling_llama import (
 
 from draftsmith.core.cache import PreallocatedCache
 from draftsmith.core.drafting import INERT_OUTSIDE_OWNER
-from draftsmith.inference.native import native_extension
-from draftsmith.inference.native_layers import (
+from draftsmith.inference.kernels.native import native_extension
+from draftsmith.inference.kernels.native_layers import (
     NativePlan,
     native_decoder_layers,
     native_layers_supported,

@@ -15,7 +15,7 @@ from draftsmith.drafters.io import (
     read_drafter_config,
 )
 from draftsmith.drafters.registry import FAMILIES
-from draftsmith.inference.tuned_trees import DeviceKey, fitted_tree
+from draftsmith.inference.methods.tuned_trees import DeviceKey, fitted_tree
 
 
 def load_drafter(

@@ -5,15 +5,14 @@ and the baseline time; then each method runs on the same prompt. Multi-turn ques
 turn after the model's own first answer (the reference one, so every method sees the same prompt).
 Methods run interleaved prompt by prompt, so machine noise hits all of them alike; ``vllm`` and
 ``vllm=DIR`` (vLLM in its own environment, see ``vllm_engine.py``) run afterwards on the same prompts.
-Each finished question is appended to ``OUT/progress.jsonl`` (:class:`BenchProgress`), so a bench
-that stops (a whole dev file takes hours on a CPU) continues with ``--resume`` where it stopped.
+Each finished question is appended to ``OUT/progress.jsonl`` (:mod:`bench_resume`), so a bench that
+stops continues with ``--resume`` where it stopped; :mod:`bench_report` writes the table and the chart.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -23,22 +22,22 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from draftsmith.core.errors import DraftsmithError
-from draftsmith.core.io import OutputRules, atomic_directory, atomic_write_bytes, atomic_write_json
 from draftsmith.core.target import Target
 from draftsmith.core.vllm_env import VllmError, find_vllm_python
-from draftsmith.inference.compiled import CompiledTarget
+from draftsmith.inference.backends import Backends
 from draftsmith.inference.context import check_fits_context
-from draftsmith.inference.direct_forward import direct_forward_for, direct_forward_supported
-from draftsmith.inference.greedy_head import GreedyHead, greedy_head_for
-from draftsmith.inference.hf_compiled import NAME as HF_STATIC_COMPILE
-from draftsmith.inference.hf_compiled import StaticCompiledGenerate, greedy_settings
-from draftsmith.inference.methods import build_drafter
-from draftsmith.inference.packed_gemm import packed_gemm_for
+from draftsmith.inference.kernels.context import KernelContext
+from draftsmith.inference.kernels.options import KernelOptions
+from draftsmith.inference.measure.bench_resume import BenchProgress
+from draftsmith.inference.measure.errors import BenchError
+from draftsmith.inference.measure.hf_compiled import NAME as HF_STATIC_COMPILE
+from draftsmith.inference.measure.hf_compiled import StaticCompiledGenerate, greedy_settings
+from draftsmith.inference.measure.vllm_engine import VllmMethod, is_vllm_method, parse_vllm_method, run_vllm
+from draftsmith.inference.methods.table import build_drafter
 from draftsmith.inference.runtime import generate
-from draftsmith.inference.vllm_engine import is_vllm_method, parse_vllm_method, run_vllm
 
 BASELINE = "hf-generate"
+RUNTIME_ALONE = "none"  # the runtime without a drafter: always benched, the reference a drafter has to beat
 # Spec-Bench files label MT-bench questions either "mt_bench" or by MT-bench's own eight categories;
 # the latter also count towards an "mt_bench" scope, so results compare with Spec-Bench's table.
 MT_BENCH_CATEGORIES = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
@@ -48,90 +47,8 @@ def scopes_of(category: str) -> tuple[str, ...]:
     return ("overall", category, "mt_bench") if category in MT_BENCH_CATEGORIES else ("overall", category)
 
 
-class BenchError(DraftsmithError, ValueError):
-    """A question file that cannot be benchmarked."""
-
-
-PROGRESS = "progress.jsonl"
-PROGRESS_FORMAT = "draftsmith.bench_progress/1"
-
-
-class BenchProgress:
-    """The questions a bench has finished, in order: ``OUT/progress.jsonl``, a header line with the
-    settings every measurement depends on, then one line per finished question (its tokens and
-    timings), flushed to disk as each finishes. ``bench --resume`` replays them and goes on from the
-    first unfinished question; a torn last line (the process killed mid-write) is dropped. The
-    finished results replace the directory, progress file included."""
-
-    def __init__(self, path: Path, records: list[dict[str, Any]], header: dict[str, Any] | None = None) -> None:
-        self.path = path
-        self.records = records
-        self._header = header  # written with the first finished question: a refused run leaves nothing
-
-    @classmethod
-    def start(cls, out: Path, settings: dict[str, Any]) -> BenchProgress:
-        return cls(out / PROGRESS, [], {"format": PROGRESS_FORMAT, "settings": settings})
-
-    @classmethod
-    def resume(cls, out: Path, settings: dict[str, Any]) -> BenchProgress:
-        path = out / PROGRESS
-        header, records, intact = read_progress(path)
-        if header is None:
-            raise BenchError(f"--resume: {out} holds no unfinished bench ({PROGRESS}); run without --resume")
-        differ = sorted(
-            key
-            for key in settings.keys() | header["settings"].keys()
-            if settings.get(key) != header["settings"].get(key)
-        )
-        if differ:
-            raise BenchError(
-                f"--resume: the unfinished bench in {out} ran with other {', '.join(differ)}; resume it with "
-                "the same options, or start over with --overwrite"
-            )
-        if len(intact) < len(path.read_bytes()):  # drop the torn line, so appends start on a line of their own
-            with open(path, "r+b") as handle:
-                handle.truncate(len(intact))
-        return cls(path, records)
-
-    def append(self, record: dict[str, Any]) -> None:
-        if self._header is not None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            with open(self.path, "w") as handle:
-                handle.write(json.dumps(self._header) + "\n")
-            self._header = None
-        with open(self.path, "a") as handle:
-            handle.write(json.dumps(record) + "\n")
-            handle.flush()
-            os.fsync(handle.fileno())
-        self.records.append(record)
-
-
-def read_progress(path: Path) -> tuple[dict[str, Any] | None, list[dict[str, Any]], bytes]:
-    """(header or None, finished question records, the bytes of the intact lines) of a progress file."""
-    try:
-        data = path.read_bytes()
-    except OSError:
-        return None, [], b""
-    lines, intact, header = [], 0, None
-    for line in data.splitlines(keepends=True):
-        try:
-            obj = json.loads(line) if line.endswith(b"\n") else None
-        except ValueError:
-            obj = None
-        if not isinstance(obj, dict):
-            break
-        if header is None:
-            if obj.get("format") != PROGRESS_FORMAT or not isinstance(obj.get("settings"), dict):
-                return None, [], b""
-            header = obj
-        else:
-            lines.append(obj)
-        intact += len(line)
-    return header, lines, data[:intact]
-
-
 def bench_settings(
-    target: Target, questions: list[Question], methods: list[str], max_new_tokens: int, **kernels: Any
+    target: Target, questions: list[Question], methods: list[str], max_new_tokens: int, options: KernelOptions
 ) -> dict[str, Any]:
     """What a resumed bench must share with the run it continues (JSON values)."""
     asked = json.dumps([[q.id, q.category, q.turns] for q in questions]).encode()
@@ -143,7 +60,7 @@ def bench_settings(
         "device": str(target.model.device),
         "dtype": str(target.model.dtype).removeprefix("torch."),
         "threads": torch.get_num_threads(),
-        **kernels,
+        **options.settings(),
     }
 
 
@@ -306,7 +223,7 @@ def _run_question(
     plain: dict[str, StaticCompiledGenerate],
     drafters: dict[str, Any],
     max_new_tokens: int,
-    decode_options: dict[str, Any],
+    backends: Backends,
     bar: tqdm,
 ) -> dict[str, Any]:
     """Every turn of one question, HF ``generate`` first and then each method: what was decoded and how
@@ -333,7 +250,7 @@ def _run_question(
         for name, drafter in drafters.items():
             own_reference, own_seconds = _served_reference(target, drafter, prompt, max_new_tokens, eos)
             result = generate(
-                target.model, prompt, drafter, max_new_tokens=max_new_tokens, eos_token_ids=eos, **decode_options
+                target.model, prompt, drafter, max_new_tokens=max_new_tokens, eos_token_ids=eos, backends=backends
             )
             record["methods"][name] = {
                 "tokens": result.tokens,
@@ -378,28 +295,22 @@ def run_bench(
     questions: list[Question],
     methods: list[str],
     max_new_tokens: int,
+    backends: Backends | None = None,
     *,
-    compiled: CompiledTarget | None = None,
-    packed_gemm: bool = True,
-    greedy_head: bool = True,
-    native: bool = True,
     vllm_python: str | None = None,
     target_dir: Path | None = None,
     progress: BenchProgress | None = None,
 ) -> dict[str, Any]:
-    """Per method, overall and per category: tau, speedup, tokens_per_s, identical, total. With
-    ``compiled``, every runtime method verifies through it (compile time is kept out of the timings
-    and reported as ``compile_seconds``). ``packed_gemm``: the runtime's eager verification forwards use
-    MKL's packed GEMM where it applies (packing time is kept out of the timings too). ``greedy_head``:
-    greedy verification computes the target's argmax through the screened head where it applies.
-    ``native``: verification forwards run the C++ decoder layers and contender search where they apply
-    (built before any timing).
+    """Per method, overall and per category: tau, speedup, tokens_per_s, identical, total. Every runtime
+    method verifies through ``backends`` (default: the default kernel options); its kernels are built
+    before any timing, and compile and packing time are kept out of the timings (reported apart).
 
     ``vllm`` / ``vllm=DIR`` methods run after the others, in vLLM (``vllm_python``'s environment, the
     target opened from ``target_dir``), on the same prompts, each prompt timed alone.
 
     ``progress``: each finished question is appended to it, and the questions it already holds (from a
     run that stopped) are taken from it instead of decoded again."""
+    backends = backends or Backends()
     eos = target.eos_token_ids
     for question in questions:  # later turns depend on earlier answers: they are checked when they are asked
         prompt = target.encode_chat([{"role": "user", "content": question.turns[0]}])
@@ -409,18 +320,16 @@ def run_bench(
         vllm_python = find_vllm_python(vllm_python)  # before any decoding, so a missing vLLM costs nothing
         if target_dir is None:
             raise BenchError("vLLM opens the target as a safetensors model directory; give --target DIR")
-    methods = ["none"] + [m for m in methods if m != "none" and not is_vllm_method(m)]  # overhead always shown
+    methods = [RUNTIME_ALONE] + [m for m in methods if m != RUNTIME_ALONE and not is_vllm_method(m)]
     plain = {name: StaticCompiledGenerate(target.model) for name in methods if name == HF_STATIC_COMPILE}
     drafters = {name: build_drafter(name, target) for name in methods if name not in plain}
     names = [BASELINE, *methods, *(m.name for m in engine_methods)]
     tallies: dict[str, dict[str, Tally]] = {name: defaultdict(Tally) for name in names}
     turns: list[Turn] = []
     pack_seconds = 0.0
-    screened = greedy_head and compiled is None and direct_forward_supported(target.model)
-    head = greedy_head_for(target.model) if screened else None  # built here, outside every timing
-    head_rows = (head.rows, head.fallback_rows) if head is not None else (0, 0)
-    direct = direct_forward_for(target.model) if native and compiled is None else None
-    native_used = direct is not None and direct.native  # built here, outside every timing
+    backends.prepare(target.model)  # kernels built here, outside every timing
+    kernels = None if backends.options.compiled else backends.kernels(target.model)
+    head_before = _head_rows(kernels)
     hf_greedy(target.model, target.encode_chat([{"role": "user", "content": "Hi"}]), 4, eos)  # warm-up
     finished = list(progress.records) if progress is not None else []  # from the run this one resumes
     for record, question in zip(finished, questions):
@@ -429,17 +338,44 @@ def run_bench(
     resumed_turns = sum(len(q.turns) for q in questions[: len(finished)])  # counted, but not in the rate
     total_turns = sum(len(q.turns) for q in questions)
     bar = tqdm(total=total_turns, initial=resumed_turns, desc="bench", unit="turn", dynamic_ncols=True)
-    decode_options = {"compiled": compiled, "packed_gemm": packed_gemm, "greedy_head": greedy_head, "native": native}
     for index, question in enumerate(questions):
         if index < len(finished):
             record = finished[index]
         else:
-            record = _run_question(target, question, plain, drafters, max_new_tokens, decode_options, bar)
+            record = _run_question(target, question, plain, drafters, max_new_tokens, backends, bar)
             if progress is not None:
                 progress.append(record)
         turns += _tally_question(tallies, record, question.category)
         pack_seconds += sum(m["pack_seconds"] for turn in record["turns"] for m in turn["methods"].values())
     bar.close()
+    engine_info = _run_engines(engine_methods, turns, tallies, vllm_python, target_dir, max_new_tokens, eos)
+    return {
+        "target": target.identity.to_dict(),
+        "max_new_tokens": max_new_tokens,
+        "threads": torch.get_num_threads(),
+        "device": str(target.model.device),
+        "dtype": str(target.model.dtype).removeprefix("torch."),
+        "questions": len(questions),
+        **({"resumed_questions": len(finished)} if finished else {}),
+        **_kernel_summary(backends, target.model, kernels, head_before, pack_seconds),
+        **{f"{name}_compile_seconds": round(decode.compile_seconds, 1) for name, decode in plain.items()},
+        "baseline": BASELINE,
+        "methods": {name: {scope: t.summary() for scope, t in scopes.items()} for name, scopes in tallies.items()},
+        **({"vllm": engine_info} if engine_info else {}),
+    }
+
+
+def _run_engines(
+    engine_methods: list[VllmMethod],
+    turns: list[Turn],
+    tallies: dict[str, dict[str, Tally]],
+    vllm_python: str | None,
+    target_dir: Path | None,
+    max_new_tokens: int,
+    eos: list[int],
+) -> dict[str, Any]:
+    """Each vLLM method over every benchmarked turn, tallied; per method its version and startup time,
+    or the error that stopped it (the other methods' measurements are kept)."""
     engine_info = {}
     for method in engine_methods:
         print(f"bench: {method.name} in vLLM ({len(turns)} prompts; it compiles for a minute or two first)", flush=True)
@@ -447,7 +383,7 @@ def run_bench(
             run = run_vllm(
                 vllm_python, method, target_dir, [t.prompt for t in turns], max_new_tokens, eos, torch.get_num_threads()
             )
-        except VllmError as error:  # the other methods' measurements are kept; the error is reported
+        except VllmError as error:
             print(f"bench: {error}", flush=True)
             engine_info[method.name] = {"error": str(error)}
             del tallies[method.name]
@@ -459,144 +395,43 @@ def run_bench(
                 forwards = 1 + result["drafts"] if result["drafts"] else len(result["tokens"])
                 tally.add(result["tokens"], forwards, result["seconds"], turn.base_seconds, turn.reference, turn.where)
                 tally.add_engine_counters(result["drafts"], result["accepted"])
+    return engine_info
+
+
+def _head_rows(kernels: KernelContext | None) -> tuple[int, int]:
+    head = kernels.greedy_head() if kernels is not None else None
+    return (head.rows, head.fallback_rows) if head is not None else (0, 0)
+
+
+def _kernel_summary(
+    backends: Backends, model, kernels: KernelContext | None, head_before: tuple[int, int], pack_seconds: float
+) -> dict[str, Any]:
+    """How the runtime's forwards ran, for results.json: compiled (and how long compiling took), or
+    which eager fast paths served the target."""
+    if backends.options.compiled:
+        compiled = {"compiled": True, "compile_seconds": round(backends.compiled(model).compile_seconds, 1)}
+        return {**compiled, "packed_gemm": None, "direct_forward": False, "native": False, "greedy_head": None}
+    direct = kernels.direct()
     return {
-        "target": target.identity.to_dict(),
-        "max_new_tokens": max_new_tokens,
-        "threads": torch.get_num_threads(),
-        "device": str(target.model.device),
-        "dtype": str(target.model.dtype).removeprefix("torch."),
-        "questions": len(questions),
-        **({"resumed_questions": len(finished)} if finished else {}),
-        "compiled": compiled is not None,
-        **({"compile_seconds": round(compiled.compile_seconds, 1)} if compiled is not None else {}),
-        **{f"{name}_compile_seconds": round(decode.compile_seconds, 1) for name, decode in plain.items()},
-        "packed_gemm": _packed_gemm_summary(target.model, packed_gemm and compiled is None, pack_seconds),
-        "direct_forward": compiled is None and direct_forward_supported(target.model),
-        "native": native_used,
-        "greedy_head": _greedy_head_summary(head, head_rows),
-        "baseline": BASELINE,
-        "methods": {name: {scope: t.summary() for scope, t in scopes.items()} for name, scopes in tallies.items()},
-        **({"vllm": engine_info} if engine_info else {}),
+        "compiled": False,
+        "packed_gemm": _packed_gemm_summary(kernels, pack_seconds),
+        "direct_forward": direct is not None,
+        "native": direct is not None and direct.native,
+        "greedy_head": _greedy_head_summary(kernels, head_before),
     }
 
 
-def markdown_table(results: dict[str, Any]) -> str:
-    scopes = ["overall"] + sorted(s for s in results["methods"][BASELINE] if s != "overall")
-    lines = [
-        f"Greedy, max {results['max_new_tokens']} new tokens, {results.get('dtype', 'float32')} on "
-        f"{results.get('device', 'cpu')}, {results['threads']} threads{_forward_note(results)}; "
-        f"speedup = {BASELINE} time / method time on the same prompts.",
-        "",
-        "| method | scope | tau | speedup | tokens/s | identical |",
-        "| --- | --- | --- | --- | --- | --- |",
-    ]
-    for name, by_scope in results["methods"].items():
-        for scope in scopes:
-            s = by_scope.get(scope)
-            if s:
-                lines.append(
-                    f"| {name} | {scope} | {s['tau']:.2f} | {s['speedup']:.2f}x | {s['tokens_per_s']:.1f} | "
-                    f"{s['identical']}/{s['total']} |"
-                )
-    failed = {name: info["error"] for name, info in results.get("vllm", {}).items() if "error" in info}
-    lines += [f"{name} did not run: {error}" for name, error in failed.items()]
-    engines = {name: s["overall"] for name, s in results["methods"].items() if name.startswith("vllm")}
-    if engines:
-        lines += ["", "vLLM methods: tau = tokens / (speculative steps + 1 prefill); vLLM's own acceptance length:"]
-        lines += [
-            f"- {name}: {s['engine_acceptance_length']:.2f}"
-            for name, s in engines.items()
-            if "engine_acceptance_length" in s
-        ]
-    return "\n".join(lines) + "\n"
-
-
-def _packed_gemm_summary(model, enabled: bool, pack_seconds: float) -> dict[str, Any] | None:
+def _packed_gemm_summary(kernels: KernelContext, pack_seconds: float) -> dict[str, Any] | None:
     """The row buckets packed for the runtime's verification forwards, or None when none were."""
-    gemm = packed_gemm_for(model) if enabled else None
-    if gemm is None or not gemm.buckets:
+    if kernels.gemm is None or not kernels.gemm.buckets:
         return None
-    return {"buckets": gemm.buckets, "pack_seconds": round(pack_seconds, 1)}
+    return {"buckets": kernels.gemm.buckets, "pack_seconds": round(pack_seconds, 1)}
 
 
-def _greedy_head_summary(head: GreedyHead | None, before: tuple[int, int]) -> dict[str, int] | None:
+def _greedy_head_summary(kernels: KernelContext, before: tuple[int, int]) -> dict[str, int] | None:
     """How many verification rows the screened head served in this run, and how many of them the
     proof left to the float32 head."""
-    if head is None or head.rows == before[0]:
+    rows, fallback_rows = _head_rows(kernels)
+    if rows == before[0]:
         return None
-    return {"rows": head.rows - before[0], "fallback_rows": head.fallback_rows - before[1]}
-
-
-def _forward_note(results: dict[str, Any]) -> str:
-    """How the runtime's forwards ran, for the table's header."""
-    notes = []
-    if results.get("compiled"):
-        notes.append(f"runtime forwards compiled ({results['compile_seconds']} s compiling, not counted)")
-    if results.get("direct_forward"):
-        notes.append("verification forwards direct (bitwise the model's, without its per-call machinery)")
-    if results.get("native"):
-        notes.append("decoder layers and contender search in C++ (bitwise the same)")
-    head = results.get("greedy_head")
-    if head:
-        notes.append(
-            f"greedy tokens through the screened int8 head, exact ({head['fallback_rows']} of {head['rows']} rows "
-            "left to the float32 head by the proof)"
-        )
-    packed = results.get("packed_gemm")
-    if packed:
-        notes.append(
-            f"tree forwards through MKL packed GEMM (row buckets {packed['buckets']}, {packed['pack_seconds']} s "
-            "packing, not counted)"
-        )
-    return "".join(f"; {note}" for note in notes)
-
-
-def write_chart(results: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    names = [n for n in results["methods"] if n != BASELINE]
-    scopes = ["overall"] + sorted(s for s in results["methods"][BASELINE] if s != "overall")
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    width = 0.8 / max(1, len(names))
-    for i, name in enumerate(names):
-        xs = [j + i * width for j in range(len(scopes))]
-        axes[0].bar(xs, [results["methods"][name][s]["tau"] for s in scopes], width, label=name)
-        axes[1].bar(xs, [results["methods"][name][s]["speedup"] for s in scopes], width, label=name)
-    for axis, title in zip(axes, ["tau (tokens per target forward)", f"speedup vs {BASELINE}"]):
-        axis.set_xticks([j + width * (len(names) - 1) / 2 for j in range(len(scopes))], scopes, rotation=20)
-        axis.set_title(title)
-        axis.axhline(1.0, color="grey", linewidth=0.8)
-        axis.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def is_bench_results(path: Path) -> bool:
-    """Whether ``path`` holds what :func:`write_results` writes (a results.json with its methods), or an
-    unfinished bench's progress file."""
-    if read_progress(Path(path) / PROGRESS)[0] is not None:
-        return True
-    try:
-        results = json.loads((Path(path) / "results.json").read_text())
-    except (OSError, ValueError):
-        return False
-    return isinstance(results, dict) and "methods" in results
-
-
-def bench_output_rules(keep: tuple[tuple[str, Path], ...] = ()) -> OutputRules:
-    """``bench --out`` replaces only earlier bench results, never one of ``keep`` (its inputs)."""
-    return OutputRules("bench results written by `draftsmith bench`", is_bench_results, keep)
-
-
-def write_results(
-    results: dict[str, Any], out: Path, overwrite: bool = False, rules: OutputRules | None = None
-) -> None:
-    """results.json, results.md and chart.png, all or none, replacing ``out`` as ``rules`` allow."""
-    with atomic_directory(Path(out), overwrite, rules or bench_output_rules()) as staging:
-        atomic_write_json(staging / "results.json", results)
-        atomic_write_bytes(staging / "results.md", markdown_table(results).encode())
-        write_chart(results, staging / "chart.png")
+    return {"rows": rows - before[0], "fallback_rows": fallback_rows - before[1]}

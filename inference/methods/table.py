@@ -9,11 +9,11 @@ from pathlib import Path
 from draftsmith.core.drafting import Drafter
 from draftsmith.drafters.base import TreeOptions
 from draftsmith.drafters.registry import FAMILIES, families_served_by
-from draftsmith.inference.draft_model import build_draft_model_drafter
-from draftsmith.inference.errors import MethodError
-from draftsmith.inference.learned import load_drafter
-from draftsmith.inference.pld import PromptLookupDrafter, default_num_draft
-from draftsmith.inference.spectra import build_spectra_drafter
+from draftsmith.inference.methods.draft_model import build_draft_model_drafter
+from draftsmith.inference.methods.errors import MethodError
+from draftsmith.inference.methods.learned import load_drafter
+from draftsmith.inference.methods.pld import PromptLookupDrafter, default_num_draft
+from draftsmith.inference.methods.spectra import build_spectra_drafter
 
 _TREE_OPTION = re.compile(r"^(?P<rest>.+):(?P<key>[a-z_]+)=(?P<value>[\w.-]+)$")
 

@@ -1,0 +1,36 @@
+"""The runtime's kernel choices, declared once: the CLI parses them into one :class:`KernelOptions` and
+every decoding path (``generate``, ``bench``, ``bench-tree``, ``tune``) reads that object."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class KernelOptions:
+    """How the runtime runs the target's verification forwards. Every choice decodes the same tokens;
+    they differ in speed and in what they need (float32 on a CPU for the last three)."""
+
+    compiled: bool = False  # torch.compile'd forwards over bucketed trees (kernels/compiled.py)
+    direct_forward: bool = True  # skip transformers' per-call machinery, bitwise the same (kernels/direct_forward.py)
+    packed_gemm: bool = True  # few-row forwards through MKL's packed GEMM (kernels/packed_gemm.py)
+    greedy_head: bool = True  # greedy argmax through a screened int8 head with a proof (kernels/greedy_head.py)
+    native: bool = True  # the direct forward's layers and the head's contender search in C++ (kernels/native.py)
+    threads: int | None = None  # torch's intra-op threads; None leaves torch's choice
+
+    def apply_threads(self) -> None:
+        """Set torch's thread count, where one was asked for (before the target loads)."""
+        if self.threads:
+            torch.set_num_threads(self.threads)
+
+    def settings(self) -> dict[str, Any]:
+        """The choices a measurement depends on, as ``bench`` records them (a resumed bench must match)."""
+        return {
+            "compiled": self.compiled,
+            "packed_gemm": self.packed_gemm,
+            "greedy_head": self.greedy_head,
+            "native": self.native,
+        }

@@ -1,0 +1,1 @@
+"""Measurement: ``bench`` (running, resume, report), ``bench-tree``, ``tune`` and the baselines they compare against."""

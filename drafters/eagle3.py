@@ -29,6 +29,7 @@ from torch import nn
 from transformers import DynamicCache, PretrainedConfig
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRMSNorm, LlamaRotaryEmbedding
 
+from draftsmith.core.cache_kwarg import cache_kwargs
 from draftsmith.core.tree import causal_mask
 from draftsmith.drafters.base import DrafterModel, FrozenTarget, TreeOptions
 from draftsmith.drafters.eagle import (
@@ -127,7 +128,7 @@ class Eagle3DecoderLayer(nn.Module):
         hidden: torch.Tensor,
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
         attention_mask: torch.Tensor,
-        past_key_values: DynamicCache | None,
+        cache: DynamicCache | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(residual after attention, MLP output) for the caller to combine."""
         residual = self.hidden_norm(hidden)  # norm_before_residual: the residual is the normed hidden
@@ -135,14 +136,14 @@ class Eagle3DecoderLayer(nn.Module):
             torch.cat([self.input_layernorm(embeds), residual], dim=-1),
             position_embeddings=position_embeddings,
             attention_mask=attention_mask,
-            past_key_values=past_key_values,
+            **cache_kwargs(cache),
         )
         residual = residual + attended
         return residual, self.mlp(self.post_attention_layernorm(residual))
 
 
 class Eagle3Drafter(DrafterModel):
-    """``forward(embeds, hidden, position_ids, attention_mask, past_key_values)``: position t reads
+    """``forward(embeds, hidden, position_ids, attention_mask, cache)``: position t reads
     ``e_{t+1}`` and a hidden ``h_t`` (the fused target states, see :meth:`read_target`, or the previous
     step's ``next_features``) and predicts ``x_{t+2}`` (:meth:`logits` of ``token_features``)."""
 
@@ -206,7 +207,7 @@ class Eagle3Drafter(DrafterModel):
         hidden: torch.Tensor,
         position_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
-        past_key_values: DynamicCache | None = None,
+        cache: DynamicCache | None = None,
         from_target: bool = False,
     ) -> DrafterOutput:
         """``attention_mask``: a 4D additive mask ``(B, 1, T, past + T)``; None = causal over the inputs.
@@ -216,7 +217,7 @@ class Eagle3Drafter(DrafterModel):
         if attention_mask is None:
             attention_mask = causal_mask(hidden.shape[1], hidden.dtype, hidden.device)
         rotary = self.rotary_emb(hidden, position_ids)
-        residual, out = self.layer(embeds, hidden, rotary, attention_mask, past_key_values)
+        residual, out = self.layer(embeds, hidden, rotary, attention_mask, cache)
         if self.config.partial_alignment:  # [token half | fed-back half] over a duplicated residual
             out = torch.cat([residual, residual], dim=-1) + out
             h = residual.shape[-1]

@@ -25,6 +25,7 @@ import torch
 from tqdm.auto import tqdm
 
 from draftsmith.core.cache import keep_positions, preallocated_cache_for
+from draftsmith.core.cache_kwarg import cache_kwargs
 from draftsmith.core.io import atomic_write_bytes, atomic_write_json
 from draftsmith.core.target import Target
 from draftsmith.core.tree import DraftTree, TreeInputBuffers
@@ -89,7 +90,7 @@ class _VerificationForward:
         self.greedy = greedy_head_for(self.model) if greedy_head and self.direct is not None else None
         ids = torch.randint(0, self.vocab, (1, prefix), generator=generator)
         with torch.no_grad():
-            self.model(ids.to(self.device), past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+            self.model(ids.to(self.device), **cache_kwargs(self.cache), use_cache=True, logits_to_keep=1)
         self.generator = generator
 
     @torch.no_grad()

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from draftsmith.core.cache import commit_tree_path, preallocated_cache_for
+from draftsmith.core.cache_kwarg import cache_kwargs
 from draftsmith.core.drafting import DraftContext, Drafter
 from draftsmith.core.tree import DraftTree, TreeInputBuffers
 from draftsmith.core.verify import SamplingConfig, sample, verify_greedy, verify_greedy_tokens, verify_sampling
@@ -129,7 +130,7 @@ def verification_forward(
             input_ids.to(device),
             attention_mask=mask,
             position_ids=positions,
-            past_key_values=cache,
+            **cache_kwargs(cache),
             use_cache=True,
             output_hidden_states=hidden,
         )
@@ -217,7 +218,7 @@ def generate(
     last_logits_only = {"logits_to_keep": 1} if verifier is None else {}
     out = model(
         torch.tensor([prompt_ids], device=device),
-        past_key_values=cache,
+        **cache_kwargs(cache),
         use_cache=True,
         output_hidden_states=wants_features,
         **last_logits_only,

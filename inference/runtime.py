@@ -21,10 +21,13 @@ from draftsmith.core.cache_kwarg import cache_kwargs
 from draftsmith.core.drafting import DraftContext, Drafter
 from draftsmith.core.tree import DraftTree, TreeInputBuffers
 from draftsmith.core.verify import SamplingConfig, sample, verify_greedy, verify_greedy_tokens, verify_sampling
+from draftsmith.core.versions import warn_about_untested_versions
 from draftsmith.inference.compiled import CompiledTarget, StaticTreeInputs, commit_static, static_rows, tree_bucket
 from draftsmith.inference.direct_forward import DirectForward, direct_forward_for
 from draftsmith.inference.greedy_head import GreedyHead, greedy_head_for
 from draftsmith.inference.packed_gemm import PackedGemm, packed_gemm_for
+
+warn_about_untested_versions()
 
 
 @dataclass

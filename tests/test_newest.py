@@ -98,7 +98,7 @@ def test_a_family_trains_exports_and_decodes_losslessly_on_the_tiny_target(
 def smollm2_prepared(tmp_path_factory) -> Path:
     """A few conversations of the bundled default data, cut short: a step takes seconds, not minutes."""
     out = tmp_path_factory.mktemp("newest-smollm2") / "prepared"
-    main(["data", "prepare", "--out", str(out), "--limit", "4", "--max-length", "96"])
+    main(["data", "prepare", "--out", str(out), "--limit", "8", "--max-length", "256"])
     return out
 
 

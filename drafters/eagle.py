@@ -24,6 +24,7 @@ from transformers.activations import ACT2FN
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRMSNorm, LlamaRotaryEmbedding
 
 from draftsmith.core.cache import cache_length, keep_positions
+from draftsmith.core.cache_kwarg import cache_kwargs
 from draftsmith.core.drafting import DraftContext, Drafter
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.tree import DraftTree, TreeGrowth, causal_mask, grow_tree
@@ -192,7 +193,7 @@ class EagleModel(DraftVocabMixin, DrafterModel):
         features: torch.Tensor,
         position_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
-        past_key_values: DynamicCache | None = None,
+        cache: DynamicCache | None = None,
         rows: torch.Tensor | None = None,
     ) -> DrafterOutput:
         """``attention_mask``: a 4D additive mask ``(B, 1, T, past + T)``; None = causal over the inputs.
@@ -207,7 +208,7 @@ class EagleModel(DraftVocabMixin, DrafterModel):
             x,
             position_embeddings=self.rotary_emb(x, position_ids),
             attention_mask=attention_mask,
-            past_key_values=past_key_values,
+            **cache_kwargs(cache),
         )
         residual = x + attended
         out = at_rows(lambda r: self.mlp(self.post_attention_layernorm(r)), residual, rows)

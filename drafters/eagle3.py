@@ -29,6 +29,7 @@ from torch import nn
 from transformers import DynamicCache, PretrainedConfig
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRMSNorm, LlamaRotaryEmbedding
 
+from draftsmith.core.cache_kwarg import cache_kwargs
 from draftsmith.core.tree import causal_mask
 from draftsmith.drafters.base import DrafterModel, FrozenTarget, TreeOptions
 from draftsmith.drafters.eagle import (
@@ -128,7 +129,7 @@ class Eagle3DecoderLayer(nn.Module):
         hidden: torch.Tensor,
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
         attention_mask: torch.Tensor,
-        past_key_values: DynamicCache | None,
+        cache: DynamicCache | None,
         rows: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(residual after attention, MLP output) for the caller to combine; the MLP only at ``rows``
@@ -138,14 +139,14 @@ class Eagle3DecoderLayer(nn.Module):
             torch.cat([self.input_layernorm(embeds), residual], dim=-1),
             position_embeddings=position_embeddings,
             attention_mask=attention_mask,
-            past_key_values=past_key_values,
+            **cache_kwargs(cache),
         )
         residual = residual + attended
         return residual, at_rows(lambda r: self.mlp(self.post_attention_layernorm(r)), residual, rows)
 
 
 class Eagle3Model(DrafterModel):
-    """``forward(embeds, hidden, position_ids, attention_mask, past_key_values)``: position t reads
+    """``forward(embeds, hidden, position_ids, attention_mask, cache)``: position t reads
     ``e_{t+1}`` and a hidden ``h_t`` (the fused target states, see :meth:`read_target`, or the previous
     step's ``next_features``) and predicts ``x_{t+2}`` (:meth:`logits` of ``token_features``)."""
 
@@ -209,7 +210,7 @@ class Eagle3Model(DrafterModel):
         hidden: torch.Tensor,
         position_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
-        past_key_values: DynamicCache | None = None,
+        cache: DynamicCache | None = None,
         from_target: bool = False,
         rows: torch.Tensor | None = None,
     ) -> DrafterOutput:
@@ -221,7 +222,7 @@ class Eagle3Model(DrafterModel):
         if attention_mask is None:
             attention_mask = causal_mask(hidden.shape[1], hidden.dtype, hidden.device)
         rotary = self.rotary_emb(hidden, position_ids)
-        residual, out = self.layer(embeds, hidden, rotary, attention_mask, past_key_values, rows)
+        residual, out = self.layer(embeds, hidden, rotary, attention_mask, cache, rows)
         if self.config.partial_alignment:  # [token half | fed-back half] over a duplicated residual
             out = torch.cat([residual, residual], dim=-1) + out
             h = residual.shape[-1]

@@ -32,6 +32,7 @@ from transformers import DynamicCache
 from transformers.models.llama.modeling_llama import rotate_half
 
 from draftsmith.core.cache import keep_positions
+from draftsmith.core.cache_kwarg import cache_in, cache_kwargs, takes_cache_kwarg
 from draftsmith.core.drafting import INERT_OUTSIDE_OWNER, DraftContext, Drafter
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.tree import DraftTree, cartesian_tree
@@ -139,7 +140,7 @@ class StreamingConfig(AdaptsTargetConfig):
 class StreamingOutput:
     logits: torch.Tensor | None  # (B, q, V): the main stream, exactly the adapted HF model's (None: logits=False)
     stream_hidden: torch.Tensor | None  # (B, R, γ, h): streams after the final norm (lm_head gives their logits)
-    past_key_values: Any = None
+    cache: Any = None  # the target's KV cache after this forward
     hidden_states: tuple[torch.Tensor, ...] | None = None
     pruning_hidden: torch.Tensor | None = None  # (B, q', h): o_θ(M^{L-Ns}) (early_exit); lm_head gives its logits
     kept_rows: torch.Tensor | None = None  # (q',): rows of input_ids that tree pruning kept (None = all)
@@ -208,7 +209,7 @@ class StreamingModel(AdaptsTargetMixin, DrafterModel):
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
-        past_key_values: Any = None,
+        cache: Any = None,
         use_cache: bool | None = None,
         streams: bool = True,
         stream_rows: torch.Tensor | None = None,
@@ -229,9 +230,9 @@ class StreamingModel(AdaptsTargetMixin, DrafterModel):
         logits and returns its ``features``: the loss projects the rows it needs in chunks."""
         target = self.target
         original_features = self.original_features(input_ids, attention_mask) if original else None
-        if streams and past_key_values is None:
-            past_key_values = DynamicCache(config=target.config)  # the hooks read main keys/values from it
-        past = past_key_values.get_seq_length() if past_key_values is not None else 0
+        if streams and cache is None:
+            cache = DynamicCache(config=target.config)  # the hooks read main keys/values from it
+        past = cache.get_seq_length() if cache is not None else 0
         run = None
         if streams:
             allowed = _main_stream_allowed(attention_mask, input_ids.shape, past, input_ids.device)
@@ -245,8 +246,8 @@ class StreamingModel(AdaptsTargetMixin, DrafterModel):
                     input_ids=input_ids,
                     attention_mask=attention_mask,
                     position_ids=position_ids,
-                    past_key_values=past_key_values,
-                    use_cache=past_key_values is not None if use_cache is None else use_cache,
+                    **cache_kwargs(cache),
+                    use_cache=cache is not None if use_cache is None else use_cache,
                     output_hidden_states=output_hidden_states,
                 )
         finally:
@@ -254,14 +255,14 @@ class StreamingModel(AdaptsTargetMixin, DrafterModel):
         main = {"original_features": original_features, "features": None if logits else out.last_hidden_state}
         main_logits = out.logits if logits else None
         if run is None:
-            return StreamingOutput(main_logits, None, out.past_key_values, out.hidden_states, **main)
+            return StreamingOutput(main_logits, None, cache_in(out), out.hidden_states, **main)
         if run.kept is not None:  # the pruned rows left keys/values in the layers below L - Ns
             layers = slice(0, self.config.first_stream_layer)
-            keep_positions(out.past_key_values, kept_columns(run.kept, past), layers)
+            keep_positions(cache_in(out), kept_columns(run.kept, past), layers)
         stream_hidden = target.model.norm(run.states)
         pruning_hidden = None if self.pruning is None else self.early_exit(run.fork.detach())  # trains o_θ alone
         return StreamingOutput(
-            main_logits, stream_hidden, out.past_key_values, out.hidden_states, pruning_hidden, run.kept, **main
+            main_logits, stream_hidden, cache_in(out), out.hidden_states, pruning_hidden, run.kept, **main
         )
 
     def _tree_pruning(
@@ -282,7 +283,7 @@ class StreamingModel(AdaptsTargetMixin, DrafterModel):
                 hidden = args[0] if args else kwargs["hidden_states"]
                 run.fork = hidden
                 run.states = self._init_streams(hidden if run.rows is None else hidden[:, run.rows])
-            layer = kwargs["past_key_values"].layers[module.self_attn.layer_idx]
+            layer = cache_in(kwargs).layers[module.self_attn.layer_idx]
             cos, sin = kwargs["position_embeddings"]
             if run.rows is not None:
                 cos, sin = cos[:, run.rows], sin[:, run.rows]
@@ -462,12 +463,13 @@ class StreamingVerifier(nn.Module):
         self.stream_hidden: torch.Tensor | None = None  # (R, γ, h) of the last forward
         self.calls = 0
 
+    @takes_cache_kwarg
     def forward(
         self,
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
-        past_key_values: Any = None,
+        cache: Any = None,
         use_cache: bool | None = None,
         output_hidden_states: bool = False,
     ) -> StreamingOutput:
@@ -478,7 +480,7 @@ class StreamingVerifier(nn.Module):
             input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=past_key_values,
+            cache=cache,
             use_cache=use_cache,
             stream_rows=rows,
             output_hidden_states=output_hidden_states,

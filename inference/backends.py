@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from draftsmith.core.cache import commit_tree_path, preallocated_cache_for
+from draftsmith.core.cache_kwarg import cache_kwargs
 from draftsmith.core.drafting import Drafter
 from draftsmith.core.tree import DraftTree, TreeInputBuffers
 from draftsmith.inference.kernels.compiled import (
@@ -83,7 +84,7 @@ def verification_forward(
             input_ids.to(device),
             attention_mask=mask,
             position_ids=positions,
-            past_key_values=cache,
+            **cache_kwargs(cache),
             use_cache=True,
             output_hidden_states=hidden,
         )
@@ -127,7 +128,7 @@ class _Backend:
         verifier models keep their own full-logits contract."""
         keep = {"logits_to_keep": 1} if self._last_logits_only else {}
         prompt = torch.tensor([prompt_ids], device=self.device)
-        return self.model(prompt, past_key_values=cache, use_cache=True, output_hidden_states=hidden, **keep)
+        return self.model(prompt, **cache_kwargs(cache), use_cache=True, output_hidden_states=hidden, **keep)
 
     def fits(self, cache, past: int, tree: DraftTree) -> bool:
         """Whether ``tree`` can be verified on top of ``past`` committed rows: not past the model's

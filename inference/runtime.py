@@ -20,7 +20,10 @@ import torch
 from draftsmith.core.drafting import DraftContext, Drafter
 from draftsmith.core.tree import DraftTree
 from draftsmith.core.verify import SamplingConfig, sample, verify_greedy, verify_greedy_tokens, verify_sampling
+from draftsmith.core.versions import warn_about_untested_versions
 from draftsmith.inference.backends import DEFAULT_TREE_ROOM, Backends, GreedyForward
+
+warn_about_untested_versions()
 
 
 @dataclass

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 import torch
 
+from draftsmith.core.cache_kwarg import cache_kwargs
 from draftsmith.core.tree import DraftTree
 from draftsmith.drafters.base import TreeOptions
 from draftsmith.inference.measure.bench import hf_greedy as bench_hf_greedy
@@ -39,10 +40,10 @@ def prefill_and_verify(model, prefix: torch.Tensor, tree, cache) -> None:
     from draftsmith.core.tree import tree_attention_inputs
 
     past = prefix.shape[1] - 1
-    model(prefix[:, :-1], past_key_values=cache, use_cache=True)
+    model(prefix[:, :-1], **cache_kwargs(cache), use_cache=True)
     mask, positions = tree_attention_inputs(tree, past, torch.float32)
     root_and_tree = torch.cat([prefix[:, -1:], tree.tokens[None]], 1)
-    model(root_and_tree, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True)
+    model(root_and_tree, attention_mask=mask, position_ids=positions, **cache_kwargs(cache), use_cache=True)
 
 
 def random_prompts(n: int, seed: int, vocab: int) -> list[list[int]]:

@@ -18,6 +18,7 @@ from draftsmith.core.cache import (
     keep_positions,
     preallocated_cache_for,
 )
+from draftsmith.core.cache_kwarg import cache_kwargs
 from draftsmith.core.drafting import Drafter
 from draftsmith.core.tree import DraftTree, TreeInputBuffers, ancestry, tree_attention_inputs
 from draftsmith.inference.backends import DEFAULT_TREE_ROOM
@@ -120,7 +121,7 @@ def test_commit_of_a_non_contiguous_path_equals_the_reference(model):
     for layer in caches["reference"].layers:
         reference_keep(layer, reference_rows)
     plain = DynamicCache(config=model.config)
-    model(torch.cat([prefix, torch.tensor([[11, 14]])], 1), past_key_values=plain, use_cache=True)
+    model(torch.cat([prefix, torch.tensor([[11, 14]])], 1), **cache_kwargs(plain), use_cache=True)
     assert cache_length(caches["ours"]) == caches["ours"].get_seq_length() == 11
     for ours, reference, fresh in zip(caches["ours"].layers, caches["reference"].layers, plain.layers):
         assert_same_rows(ours, reference)

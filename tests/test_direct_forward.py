@@ -7,6 +7,7 @@ import torch
 from conftest import tiny_llama
 from decoding_helpers import hf_greedy, seeded_random_tree
 from draftsmith.core.cache import preallocated_cache_for
+from draftsmith.core.cache_kwarg import cache_kwargs
 from draftsmith.core.tree import DraftTree, TreeInputBuffers
 from draftsmith.inference.backends import Backends, verification_forward
 from draftsmith.inference.kernels.direct_forward import direct_forward_for
@@ -22,7 +23,7 @@ PROMPT = [5, 17, 33, 2, 61, 8, 40, 17, 33]
 def verify_once(model, tree, gemm, direct):
     cache = preallocated_cache_for(model.config, 64)
     with torch.no_grad():
-        model(torch.tensor([PROMPT[:-1]]), past_key_values=cache, use_cache=True, output_hidden_states=True)
+        model(torch.tensor([PROMPT[:-1]]), **cache_kwargs(cache), use_cache=True, output_hidden_states=True)
         inputs = TreeInputBuffers(8, 64, torch.float32)
         out = verification_forward(model, cache, inputs, PROMPT[-1], tree, len(PROMPT) - 1, True, gemm, direct)
     return out, cache
@@ -74,11 +75,11 @@ def test_tree_forwards_outside_the_runtime_take_the_wrappers_attention_branch(fo
     for forward in (None, direct):
         cache = preallocated_cache_for(model.config, 64)
         with torch.no_grad():
-            model(torch.tensor([PROMPT[:-1]]), past_key_values=cache, use_cache=True)
+            model(torch.tensor([PROMPT[:-1]]), **cache_kwargs(cache), use_cache=True)
             mask, positions = TreeInputBuffers(8, 64, torch.float32).build(tree, len(PROMPT) - 1, 0)
             ids = torch.tensor([[PROMPT[-1], *tree.tokens.tolist()]])
             if forward is None:
-                out = model(ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True)
+                out = model(ids, attention_mask=mask, position_ids=positions, **cache_kwargs(cache), use_cache=True)
             else:
                 out = forward(ids, positions, mask, cache)
         outputs.append((out.logits, cache))

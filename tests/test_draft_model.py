@@ -13,6 +13,7 @@ from transformers import DynamicCache
 
 from conftest import SHARED_DATA, tiny_llama
 from decoding_helpers import hf_greedy
+from draftsmith.core.cache_kwarg import cache_kwargs
 from draftsmith.core.drafting import Drafter
 from draftsmith.core.target import Target, TargetError
 from draftsmith.inference.methods.draft_model import (
@@ -101,7 +102,7 @@ class CheckedDrafter(Drafter):
 def assert_cache_matches_prefill(draft, cache, tokens):
     fresh = DynamicCache(config=draft.config)
     with torch.no_grad():
-        draft(torch.tensor([tokens]), past_key_values=fresh, use_cache=True)
+        draft(torch.tensor([tokens]), **cache_kwargs(fresh), use_cache=True)
     assert len(cache.layers) == len(fresh.layers)
     for ours, theirs in zip(cache.layers, fresh.layers):
         assert ours.keys.shape == theirs.keys.shape

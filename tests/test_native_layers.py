@@ -13,6 +13,7 @@ import torch
 from conftest import tiny_llama
 from decoding_helpers import hf_greedy, seeded_random_tree
 from draftsmith.core.cache import preallocated_cache_for
+from draftsmith.core.cache_kwarg import cache_kwargs
 from draftsmith.core.tree import TreeInputBuffers
 from draftsmith.inference.backends import Backends, verification_forward
 from draftsmith.inference.kernels import native_layers
@@ -33,12 +34,12 @@ def decode_steps(model, forward):
     cache = preallocated_cache_for(model.config, 32)
     outputs = []
     with torch.no_grad():
-        model(torch.tensor([PROMPT]), past_key_values=cache, use_cache=True)
+        model(torch.tensor([PROMPT]), **cache_kwargs(cache), use_cache=True)
         for offset, token in enumerate(STEPS):
             ids, positions = torch.tensor([[token]]), torch.tensor([[len(PROMPT) + offset]])
             if forward is None:
                 out = model(
-                    ids, position_ids=positions, past_key_values=cache, use_cache=True, output_hidden_states=True
+                    ids, position_ids=positions, **cache_kwargs(cache), use_cache=True, output_hidden_states=True
                 )
             else:
                 out = forward(ids, positions, None, cache, True)
@@ -93,7 +94,7 @@ def test_tree_forwards_through_the_native_layers_are_bitwise_the_models(nodes, p
     for direct in (None, direct_forward_for(model)):
         cache = preallocated_cache_for(model.config, 64)
         with torch.no_grad():
-            model(torch.tensor([PROMPT[:-1]]), past_key_values=cache, use_cache=True)
+            model(torch.tensor([PROMPT[:-1]]), **cache_kwargs(cache), use_cache=True)
             inputs = TreeInputBuffers(8, 64, torch.float32)
             out = verification_forward(model, cache, inputs, PROMPT[-1], tree, len(PROMPT) - 1, True, gemm, direct)
         results.append((out, cache))

@@ -10,6 +10,7 @@ import torch
 from conftest import tiny_llama
 from decoding_helpers import TINY_EOS, hf_greedy, seeded_random_tree
 from draftsmith.core.cache import preallocated_cache_for
+from draftsmith.core.cache_kwarg import cache_kwargs
 from draftsmith.core.tree import TreeInputBuffers
 from draftsmith.inference.backends import Backends, verification_forward
 from draftsmith.inference.kernels import packed_gemm
@@ -30,7 +31,7 @@ def fresh_model(seed=0):
 def verify_once(model, prompt, tree, gemm):
     cache = preallocated_cache_for(model.config, 64)
     with torch.no_grad():
-        model(torch.tensor([prompt[:-1]]), past_key_values=cache, use_cache=True)
+        model(torch.tensor([prompt[:-1]]), **cache_kwargs(cache), use_cache=True)
         inputs = TreeInputBuffers(8, 64, torch.float32)
         out = verification_forward(model, cache, inputs, prompt[-1], tree, len(prompt) - 1, True, gemm)
     return out, cache

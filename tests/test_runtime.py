@@ -10,6 +10,7 @@ from transformers import DynamicCache
 from conftest import tiny_llama
 from decoding_helpers import hf_greedy, prefill_and_verify
 from draftsmith.core.cache import cache_length, commit_tree_path
+from draftsmith.core.cache_kwarg import cache_kwargs
 from draftsmith.core.drafting import DraftContext, Drafter
 from draftsmith.core.tree import DraftTree, tree_attention_inputs
 from draftsmith.core.verify import verify_greedy
@@ -107,7 +108,7 @@ def test_compacted_cache_equals_plain_cache(model):
     prefill_and_verify(model, prefix, tree, cache)
     commit_tree_path(cache, 8, [0, 3])  # the non-contiguous path 11 -> 14
     plain = DynamicCache(config=model.config)
-    model(torch.cat([prefix, torch.tensor([[11, 14]])], 1), past_key_values=plain, use_cache=True)
+    model(torch.cat([prefix, torch.tensor([[11, 14]])], 1), **cache_kwargs(plain), use_cache=True)
     assert cache_length(cache) == cache_length(plain) == 11
     for ours, theirs in zip(cache.layers, plain.layers):
         torch.testing.assert_close(ours.keys, theirs.keys, rtol=1e-5, atol=1e-6)

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from draftsmith.core.cache_kwarg import cache_kwargs
 from draftsmith.core.target import SMOLLM2_NAME, load_target, load_tokenizer, smollm2_gguf_path
 from draftsmith.data.formats import Conversation
 from draftsmith.data.templates import tokenize_conversation
@@ -117,11 +118,11 @@ def test_lean_direct_forwards_are_bitwise_the_models_on_smollm2(cached):
     caches = [preallocated_cache_for(model.config, 64) for _ in range(2)]
     with torch.no_grad():
         for cache in caches:
-            model(prompt, past_key_values=cache, use_cache=True)
+            model(prompt, **cache_kwargs(cache), use_cache=True)
         token = torch.tensor([[int(prompt[0, -1])]])
         for step in range(8):
             position = torch.tensor([[prompt.shape[1] + step]])
-            theirs = model(token, position_ids=position, past_key_values=caches[0], use_cache=True).logits
+            theirs = model(token, position_ids=position, **cache_kwargs(caches[0]), use_cache=True).logits
             ours = direct(token, position, None, caches[1]).logits
             assert torch.equal(ours, theirs)
             token = theirs[:, -1:].argmax(-1)
@@ -129,7 +130,7 @@ def test_lean_direct_forwards_are_bitwise_the_models_on_smollm2(cached):
         past = caches[0].get_seq_length()
         mask, positions = TreeInputBuffers(8, 64, torch.float32).build(tree, past, 0)
         ids = torch.tensor([[int(token), 11, 12, 13, 14]])
-        theirs = model(ids, attention_mask=mask, position_ids=positions, past_key_values=caches[0], use_cache=True)
+        theirs = model(ids, attention_mask=mask, position_ids=positions, **cache_kwargs(caches[0]), use_cache=True)
         assert torch.equal(direct(ids, positions, mask, caches[1]).logits, theirs.logits)
     assert direct._steps and direct.native
     for a, b in zip(caches[0].layers, caches[1].layers):

@@ -118,11 +118,11 @@ def test_streams_never_enter_the_cache_and_tree_rows_match_their_paths(pair):
     tree = DraftTree.from_paths([[40, 41, 42], [40, 50], [60, 61]])
     cache = DynamicCache(config=model.target.config)
     with torch.no_grad():
-        model(torch.tensor([prefix[:-1]]), past_key_values=cache)
+        model(torch.tensor([prefix[:-1]]), cache=cache)
         assert cache.get_seq_length() == len(prefix) - 1
         mask, positions = tree_attention_inputs(tree, len(prefix) - 1, torch.float32)
         ids = torch.cat([torch.tensor(prefix[-1:]), tree.tokens])[None]
-        out = model(ids, attention_mask=mask, position_ids=positions, past_key_values=cache)
+        out = model(ids, attention_mask=mask, position_ids=positions, cache=cache)
         assert cache.get_seq_length() == len(prefix) - 1 + ids.shape[1]  # main rows only, no stream rows
         tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
         for node in range(len(tree)):

@@ -111,12 +111,12 @@ def test_pruned_forward_is_the_full_forward_restricted_to_the_kept_rows():
     def run(threshold):
         cache = DynamicCache(config=model.target.config)
         with torch.no_grad():
-            model(torch.tensor([prefix[:-1]]), past_key_values=cache)
+            model(torch.tensor([prefix[:-1]]), cache=cache)
             out = model(
                 ids,
                 attention_mask=mask,
                 position_ids=positions,
-                past_key_values=cache,
+                cache=cache,
                 output_hidden_states=not threshold,
                 prune_threshold=threshold,
             )

@@ -28,6 +28,7 @@ from tqdm.auto import tqdm
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.io import atomic_write_json, check_creatable_directory
 from draftsmith.core.target import TargetIdentity, load_target
+from draftsmith.core.versions import warn_about_untested_versions
 from draftsmith.drafters.base import DrafterModel, FrozenTarget
 from draftsmith.drafters.io import check_drafter_target, read_drafter_config
 from draftsmith.drafters.registry import get_family
@@ -51,6 +52,8 @@ from draftsmith.train.losses import family_loss
 from draftsmith.train.recipe import DataSection, TrainRecipe, TrainSection
 from draftsmith.train.recipe_loader import RecipeError, save_resolved, to_tree
 from draftsmith.train.tracking import Tracker
+
+warn_about_untested_versions()
 
 RUN_INFO = "run_info.json"
 # Recipe keys a resumed run may change: they do not alter what the finished steps computed. The run is

@@ -24,6 +24,7 @@ import torch
 from transformers import StaticCache
 
 from draftsmith.core.cache import supports_preallocation
+from draftsmith.core.cache_kwarg import cache_kwargs
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.target import cache_root
 from draftsmith.core.tree import DraftTree, ancestry, tree_block
@@ -138,7 +139,7 @@ class CompiledTarget:
             input_ids=tokens,
             attention_mask=mask,
             position_ids=positions,
-            past_key_values=cache,
+            **cache_kwargs(cache),
             use_cache=True,
             output_hidden_states=hidden,
         )

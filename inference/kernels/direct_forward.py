@@ -43,6 +43,7 @@ from transformers.models.llama.modeling_llama import (
 )
 
 from draftsmith.core.cache import PreallocatedCache
+from draftsmith.core.cache_kwarg import cache_kwargs
 from draftsmith.core.drafting import INERT_OUTSIDE_OWNER
 from draftsmith.inference.kernels.native import native_extension
 from draftsmith.inference.kernels.native_layers import (
@@ -56,7 +57,7 @@ from draftsmith.inference.kernels.native_layers import (
 class DirectForward:
     """``forward(input_ids, position_ids, attention_mask, cache, output_hidden_states)`` of a
     :class:`~transformers.LlamaForCausalLM`, equal to ``model(input_ids, attention_mask=...,
-    position_ids=..., past_key_values=cache, use_cache=True, output_hidden_states=...)`` when the mask
+    position_ids=..., **cache_kwargs(cache), use_cache=True, output_hidden_states=...)`` when the mask
     is None (every cached key is seen: a one-token step) or a 4D additive mask over ``past + T`` keys."""
 
     def __init__(self, model: LlamaForCausalLM, native: bool = True) -> None:
@@ -101,8 +102,8 @@ class DirectForward:
         hidden[-1] = x  # transformers reports the normed last state as the last hidden state
         states = tuple(hidden) if output_hidden_states else None
         if not head:
-            return BaseModelOutputWithPast(last_hidden_state=x, past_key_values=cache, hidden_states=states)
-        return CausalLMOutputWithPast(logits=self.model.lm_head(x), past_key_values=cache, hidden_states=states)
+            return BaseModelOutputWithPast(last_hidden_state=x, **cache_kwargs(cache), hidden_states=states)
+        return CausalLMOutputWithPast(logits=self.model.lm_head(x), **cache_kwargs(cache), hidden_states=states)
 
     @property
     def native(self) -> bool:

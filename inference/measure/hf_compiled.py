@@ -15,6 +15,7 @@ import time
 import torch
 from transformers import CompileConfig, StaticCache
 
+from draftsmith.core.cache_kwarg import cache_kwargs
 from draftsmith.inference.kernels.compiled import context_bucket
 
 NAME = "hf-static-compile"
@@ -63,7 +64,7 @@ class StaticCompiledGenerate:
     def _generate(self, prompt: list[int], max_new_tokens: int, eos: list[int], rows: int) -> list[int]:
         out = self.model.generate(
             torch.tensor([prompt], device=self.model.device),
-            past_key_values=StaticCache(config=self.model.config, max_cache_len=rows),
+            **cache_kwargs(StaticCache(config=self.model.config, max_cache_len=rows)),
             compile_config=self.config,
             max_new_tokens=max_new_tokens,
             **greedy_settings(eos),

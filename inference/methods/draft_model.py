@@ -28,6 +28,7 @@ import torch
 from transformers import DynamicCache
 
 from draftsmith.core.cache import keep_positions, preallocated_cache_for
+from draftsmith.core.cache_kwarg import cache_kwargs
 from draftsmith.core.drafting import DraftContext, Drafter
 from draftsmith.core.target import Target, TargetError, load_target, load_tokenizer
 from draftsmith.core.tree import DraftTree
@@ -130,7 +131,7 @@ class DraftModelDrafter(Drafter):
     def _forward(self, tokens: list[int]) -> torch.Tensor:
         """Run the draft on ``tokens`` after the cached ones; logits (V_shared,) of the last one."""
         input_ids = torch.tensor([tokens], device=self.device)
-        out = self.model(input_ids, past_key_values=self.cache, use_cache=True)
+        out = self.model(input_ids, **cache_kwargs(self.cache), use_cache=True)
         self.cached_tokens.extend(tokens)
         return out.logits[0, -1, : self.shared_vocab]
 

@@ -17,7 +17,7 @@ from decoding_helpers import prepare_arithmetic_chats
 from draftsmith.core.target import load_target
 from draftsmith.drafters.registry import FAMILIES
 from draftsmith.inference.measure.bench import hf_greedy
-from draftsmith.inference.methods import build_drafter
+from draftsmith.inference.methods.table import build_drafter
 from draftsmith.inference.runtime import generate
 from draftsmith.train.cli import main
 

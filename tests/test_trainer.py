@@ -543,3 +543,15 @@ def test_eagle3_reads_its_declared_layers_offline_and_online(tmp_path, tiny_targ
     assert cached.drafter_states.shape[-1] == 2 * cached.hidden_states.shape[-1]
     torch.testing.assert_close(cached.drafter_states[real], computed.drafter_states[real], rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(cached.hidden_states[real], computed.hidden_states[real], rtol=1e-4, atol=1e-5)
+
+
+def test_throughput_times_the_recipes_step_and_reports_padding(recipe_path, prepared_dir, tmp_path, capsys):
+    from draftsmith.train.throughput import main as throughput
+
+    scratch = tmp_path / "scratch"
+    throughput(
+        [str(recipe_path), str(prepared_dir), "--steps", "2", "--scratch", str(scratch), "data.group_by_length=true"]
+    )
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert line.startswith("fspad: ") and " tokens/s (" in line and "padded/real 1." in line
+    assert not scratch.exists()

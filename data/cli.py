@@ -177,7 +177,14 @@ def cmd_regenerate(args: argparse.Namespace) -> None:
     with ExitStack() as stack:
         engine = _start_vllm(stack, vllm, target, settings, args.dtype, args.threads) if vllm else None
         report = regenerate(
-            _source(args.input), Path(args.out), target, settings, limit=args.limit, shard=args.shard, engine=engine
+            _source(args.input),
+            Path(args.out),
+            target,
+            settings,
+            limit=args.limit,
+            shard=args.shard,
+            engine=engine,
+            command=getattr(args, "command_line", None),
         )
     print(report.stats.summary())
     print(

@@ -308,10 +308,12 @@ def regenerate(
     limit: int | None = None,
     shard: tuple[int, int] = (0, 1),
     engine: TurnEngine | None = None,
+    command: str | None = None,
 ) -> RegenerateReport:
     """Regenerate ``source`` into ``out`` (ShareGPT JSONL), resuming if ``out`` exists. ``limit`` and
     ``shard`` (index, count) pick a deterministic subset spread over the whole source (RecordSample).
-    ``engine`` generates the turns (default: transformers on ``target``)."""
+    ``engine`` generates the turns (default: transformers on ``target``); ``command`` (the command
+    line, when there is one) is recorded in the ``.meta.json``."""
     out = Path(out)
     engine = engine or TransformersEngine(target, settings)
     done = _read_done_ids(out)
@@ -326,6 +328,7 @@ def regenerate(
             "engine": engine.name,
             # Not checked on resume: a larger limit on the same output only adds records.
             "sample": asdict(sample) if sample else None,
+            **({"command": command} if command else {}),
         },
         resuming=out.is_file(),
     )

@@ -223,6 +223,8 @@ def test_threads_option_sets_torch_threads(tmp_path, source, tiny_target_dir):
         args = ["data", "regenerate", str(source), "--out", str(out), "--target", str(tiny_target_dir)]
         main([*args, "--max-new-tokens", "2", "--limit", "1", "--threads", "1"])
         assert torch.get_num_threads() == 1 and len(read_out(out)) == 1
+        command = json.loads(meta_path(out).read_text())["command"]  # the meta says how it was made
+        assert command.startswith("draftsmith data regenerate ") and command.endswith("--limit 1 --threads 1")
     finally:
         torch.set_num_threads(before)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 from collections.abc import Sequence
 from typing import NoReturn
@@ -50,7 +51,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    run_command(build_parser().parse_args(argv))
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    args.command_line = "draftsmith " + shlex.join(argv)  # what a run's records say made them
+    run_command(args)
 
 
 def run_command(args: argparse.Namespace) -> None:

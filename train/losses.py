@@ -139,8 +139,7 @@ def eagle3_loss(model, batch: TrainBatch, frozen: FrozenTarget, decay: float = 0
     teacher = _draft_vocab_teacher(frozen, core, batch.hidden_states.float(), needed, teacher_chunk_rows)
     drafted = needed & core.t2d[teacher.argmax]  # (B, T): the target's argmax at f_s is in the draft vocabulary
     total, metrics, accuracies = 0.0, {}, []
-    ttt_steps = core.config.ttt_steps
-    labels = [_shift_left(supervised, 2 + step) for step in range(ttt_steps)]  # x_{t+2+i} is an assistant token
+    labels = [_shift_left(supervised, 2 + step) for step in range(core.config.ttt_steps)]  # x_{t+2+i} supervised
     steps = ttt_unroll(
         model, frozen, batch.input_ids, batch.attention_mask, batch.drafter_states.float(), read=read_rows(labels)
     )

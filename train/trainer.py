@@ -601,7 +601,8 @@ class Trainer:
                 if saved:
                     checkpoint = self._save(done, tracker)
                 if done < self.total_steps and done % train.log_every == 0 and self._out_of_time(started):
-                    checkpoint = checkpoint if saved else self._save(done, tracker)
+                    if not saved:
+                        checkpoint = self._save(done, tracker)
                     if self.is_main:
                         tqdm.write(
                             f"draftsmith: stopped after train.max_minutes={train.max_minutes:g} at step {done} of "

@@ -627,4 +627,10 @@ class Trainer:
 
 def train(recipe: TrainRecipe, resume: bool = False, resume_inexact: bool = False) -> TrainResult:
     """Train ``recipe`` (in this process, or in each process of ``accelerate launch``)."""
-    return Trainer(recipe, resume=resume, resume_inexact=resume_inexact).run()
+    trainer = Trainer(recipe, resume=resume, resume_inexact=resume_inexact)
+    try:
+        return trainer.run()
+    finally:
+        # A process that exits with its gloo group alive can abort in the group's threads at interpreter exit
+        # ("terminate called without an active exception"), failing a run whose every step succeeded.
+        trainer.accelerator.end_training()

@@ -156,12 +156,20 @@ class PreallocatedCache(DynamicCache):
         Cache.__init__(self, layers=[PreallocatedLayer(capacity) for _ in range(num_layers)])
 
 
+# Layer kinds a cache that keeps every row serves: a sliding-window layer keeps them all too, and its
+# window is then the attention mask's job (see draftsmith.core.tree.masks_per_layer_type).
+KEEPS_EVERY_ROW = ("full_attention", "sliding_attention")
+
+
 def supports_preallocation(config) -> bool:
-    """True when every decoder layer is full attention (no sliding window, linear attention or shared
-    KV), the only kind :class:`PreallocatedLayer` stands in for."""
+    """True when every decoder layer is full attention or a sliding window over a declared layer type
+    (Gemma-3's, masked per layer type), the kinds a :class:`PreallocatedLayer` keeping every row serves;
+    not linear attention, shared KV, or a window the model applies to every layer alike (a single mask)."""
     text = config.get_text_config(decoder=True)
-    layer_types = getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers
-    return all(kind == "full_attention" for kind in layer_types) and not getattr(text, "sliding_window", None)
+    declared = getattr(text, "layer_types", None)
+    if not declared:
+        return not getattr(text, "sliding_window", None)
+    return all(kind in KEEPS_EVERY_ROW for kind in declared)
 
 
 def preallocated_cache_for(config, capacity: int) -> DynamicCache:

@@ -168,6 +168,21 @@ def tree_attention_inputs(
     return mask.to(device), positions.to(device)
 
 
+def masks_per_layer_type(config, mask: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | dict[str, torch.Tensor]:
+    """The verification forward's ``attention_mask`` for a model with ``config``: ``mask`` itself, or for
+    a model with sliding-window layers (a cache keeping every row, see ``supports_preallocation``) one
+    mask per layer type, the sliding one hiding every key ``sliding_window`` or more positions behind
+    its query, as the model's own sliding masks do. ``mask`` (1, 1, q, past + q) holds the committed
+    columns (column ``j`` at position ``j``) then the forward's own rows, at ``positions`` (1, q)."""
+    text = config.get_text_config(decoder=True)
+    if "sliding_attention" not in (getattr(text, "layer_types", None) or ()):
+        return mask
+    past = mask.shape[-1] - positions.shape[-1]
+    keys = torch.cat([torch.arange(past, device=positions.device), positions[0]])
+    behind = positions[0, :, None] - keys[None, :] >= text.sliding_window
+    return {"full_attention": mask, "sliding_attention": mask.masked_fill(behind, torch.finfo(mask.dtype).min)}
+
+
 def causal_mask(length: int, dtype: torch.dtype, device: torch.device | str, padding: torch.Tensor | None = None):
     """``(B or 1, 1, T, T)`` additive causal mask; ``padding`` (B, T) 1/0 also hides padded keys."""
     allowed = torch.ones(length, length, dtype=torch.bool, device=device).tril()[None, None]

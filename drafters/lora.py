@@ -384,6 +384,9 @@ class AdaptsTargetConfig(DrafterConfig):
     target's shape (``target``, recorded so that another target is refused) and the LoRA's options."""
 
     DERIVED = ("target",)
+    # The target architectures (``model_type``) this family adapts: the adapter's module names (peft
+    # format) are Llama's ``model.layers.N.self_attn.q_proj`` ..., which Gemma-3's decoder layers share.
+    ADAPTS: tuple[str, ...] = ("llama", "gemma3_text")
 
     def __init__(
         self,
@@ -408,8 +411,10 @@ class AdaptsTargetConfig(DrafterConfig):
     def check(self) -> None:
         super().check()
         kind = self.target.get("model_type")
-        if kind not in ("llama", None):  # the adapter's layer names (peft format) assume a Llama
-            raise self.error(f"{self.drafter_family}'s LoRA fits Llama-architecture targets; this one is {kind!r}")
+        if kind is not None and kind not in self.ADAPTS:
+            raise self.error(
+                f"{self.drafter_family}'s LoRA fits {' and '.join(self.ADAPTS)} targets; this one is {kind!r}"
+            )
         check_lora_options(self.target, self.lora_rank, self.lora_target_modules, self.lora_layers, self.error)
 
     def lora_options(self) -> LoraOptions:

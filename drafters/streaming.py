@@ -74,6 +74,9 @@ class StreamingConfig(AdaptsTargetConfig):
     model_type = "draftsmith_streaming"
     TREE_OPTIONS = ("top_k", "total_tokens", "prune")
     error = StreamingConfigError
+    # The stream attention (``_stream_layer``) re-computes a Llama decoder layer: no QK-norm, no
+    # Gemma-3's extra norms or sliding windows.
+    ADAPTS = ("llama",)
 
     def __init__(
         self,

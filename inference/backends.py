@@ -22,7 +22,7 @@ from torch import nn
 from draftsmith.core.cache import commit_tree_path, preallocated_cache_for
 from draftsmith.core.cache_kwarg import cache_kwargs
 from draftsmith.core.drafting import Drafter
-from draftsmith.core.tree import DraftTree, TreeInputBuffers
+from draftsmith.core.tree import DraftTree, TreeInputBuffers, masks_per_layer_type
 from draftsmith.inference.kernels.compiled import (
     CompiledTarget,
     StaticTreeInputs,
@@ -69,6 +69,8 @@ def verification_forward(
     if len(tree):
         rows = gemm.padded_rows(1 + len(tree)) if gemm is not None else 0
         mask, positions = tree_inputs.build(tree, past, rows)
+        if direct is None:  # the direct forward serves full-attention Llamas only
+            mask = masks_per_layer_type(model.config, mask, positions)
     else:  # the root alone sees every cached key: no mask, as in plain decoding
         mask, positions = None, torch.tensor([[past]], device=device)
     input_ids = torch.full((1, positions.shape[1]), root, dtype=torch.long)

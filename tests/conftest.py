@@ -1,4 +1,5 @@
-"""Shared fixtures: a small in-test BPE tokenizer with real chat templates and a tiny random Llama."""
+"""Shared fixtures: a small in-test BPE tokenizer with real chat templates, a tiny random Llama and a tiny
+random Gemma-3 (the second architecture every family is tested on)."""
 
 from __future__ import annotations
 
@@ -104,16 +105,50 @@ def tiny_llama(vocab_size: int, seed: int = 0, **overrides):
     return LlamaForCausalLM(LlamaConfig(vocab_size=vocab_size, **{**TINY_LLAMA, **overrides})).eval()
 
 
-@pytest.fixture(scope="session")
-def tiny_target_dir(tmp_path_factory, tokenizer) -> Path:
-    """A saved tiny Llama + tokenizer: a local target directory, as a user would pass with --target."""
-    path = tmp_path_factory.mktemp("tiny-target")
-    model = tiny_llama(len(tokenizer))
+# Gemma-3's shape in small: a sliding-window layer (a window shorter than the test prompts, so it
+# matters) then a full-attention one, QK-norm, scaled embeddings, tied head; the tiny Llama's sizes.
+TINY_GEMMA3 = {
+    **TINY_LLAMA,
+    "head_dim": 16,
+    "query_pre_attn_scalar": 16,
+    "sliding_window": 8,
+    "layer_types": ["sliding_attention", "full_attention"],
+}
+
+
+def tiny_gemma3(vocab_size: int, seed: int = 0, **overrides):
+    """The tests' tiny random-weight Gemma-3 (``overrides`` change its config), seeded."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    config = {**TINY_GEMMA3, **overrides}
+    config["layer_types"] = (config["layer_types"] * config["num_hidden_layers"])[: config["num_hidden_layers"]]
+    torch.manual_seed(seed)
+    return Gemma3ForCausalLM(Gemma3TextConfig(vocab_size=vocab_size, **config)).eval()
+
+
+TINY_TARGETS = {"llama": tiny_llama, "gemma3": tiny_gemma3}
+
+
+def save_tiny_target(path: Path, architecture: str, tokenizer) -> Path:
+    """A saved tiny target + tokenizer: a local target directory, as a user would pass with --target."""
+    model = TINY_TARGETS[architecture](len(tokenizer))
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="session")
+def tiny_target_dir(tmp_path_factory, tokenizer) -> Path:
+    """The tiny Llama saved as a target directory."""
+    return save_tiny_target(tmp_path_factory.mktemp("tiny-target"), "llama", tokenizer)
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3_dir(tmp_path_factory, tokenizer) -> Path:
+    """The tiny Gemma-3 saved as a target directory."""
+    return save_tiny_target(tmp_path_factory.mktemp("tiny-gemma3"), "gemma3", tokenizer)
 
 
 @pytest.fixture(scope="session")
@@ -124,6 +159,22 @@ def other_target_dir(tmp_path_factory, tokenizer) -> Path:
     tiny_llama(len(tokenizer), seed=1, num_hidden_layers=1, **narrow).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="module")
+def prepared_dir(tmp_path_factory, tiny_target_dir) -> Path:
+    """Sixteen short conversations tokenised by the real `draftsmith data prepare` path."""
+    from draftsmith.train.cli import main
+
+    root = tmp_path_factory.mktemp("trainer-data")
+    records = [
+        sharegpt(("human", f"Question number {i}: what is {i} plus {i}?"), ("gpt", f"It is {2 * i}. " * (1 + i % 3)))
+        for i in range(16)
+    ]
+    data = write_jsonl(root / "chats.jsonl", records)
+    out = root / "prepared"
+    main(["data", "prepare", str(data), "--out", str(out), "--target", str(tiny_target_dir), "--max-length", "256"])
+    return out
 
 
 def write_jsonl(path: Path, records: list) -> Path:

@@ -9,7 +9,6 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from conftest import tiny_llama
-from decoding_helpers import hf_greedy, prefill_and_verify
 from draftsmith.core.cache import (
     PreallocatedCache,
     PreallocatedLayer,
@@ -23,6 +22,7 @@ from draftsmith.core.drafting import Drafter
 from draftsmith.core.tree import DraftTree, TreeInputBuffers, ancestry, tree_attention_inputs
 from draftsmith.inference.backends import DEFAULT_TREE_ROOM
 from draftsmith.inference.runtime import generate
+from helpers import hf_greedy, prefill_and_verify
 
 VOCAB = 97
 

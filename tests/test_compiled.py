@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from conftest import tiny_llama
-from decoding_helpers import hf_greedy
 from draftsmith.core.drafting import Drafter
 from draftsmith.core.tree import DraftTree, tree_attention_inputs
 from draftsmith.inference.backends import Backends
@@ -20,6 +19,7 @@ from draftsmith.inference.kernels.compiled import (
 )
 from draftsmith.inference.kernels.options import KernelOptions
 from draftsmith.inference.runtime import generate
+from helpers import hf_greedy
 
 VOCAB = 97
 

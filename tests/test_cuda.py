@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from conftest import tiny_llama
-from decoding_helpers import hf_greedy, random_prompts, self_distilled_batch, serve
 from draftsmith.drafters.base import FrozenTarget
 from draftsmith.drafters.registry import FAMILIES, get_family
 from draftsmith.inference.runtime import generate
 from draftsmith.train.losses import family_loss
+from helpers import hf_greedy, random_prompts, self_distilled_batch, serve
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

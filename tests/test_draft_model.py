@@ -6,13 +6,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_runtime import VOCAB, prompts
-from test_sampling import CONFIGS, N_SAMPLES, chi_square_p_value, exact_distribution, sample_counts
-from test_sampling import V as SAMPLING_VOCAB
 from transformers import DynamicCache
 
 from conftest import SHARED_DATA, tiny_llama
-from decoding_helpers import hf_greedy
 from draftsmith.core.cache_kwarg import cache_kwargs
 from draftsmith.core.drafting import Drafter
 from draftsmith.core.target import Target, TargetError
@@ -25,8 +21,23 @@ from draftsmith.inference.methods.draft_model import (
 from draftsmith.inference.methods.errors import MethodError
 from draftsmith.inference.methods.table import build_drafter
 from draftsmith.inference.runtime import generate
+from helpers import (
+    N_SAMPLES,
+    SAMPLING_VOCAB,
+    chi_square_p_value,
+    exact_distribution,
+    hf_greedy,
+    repetitive_prompts,
+    sample_counts,
+)
+from helpers import SAMPLING_CONFIGS as CONFIGS
 
 SPEC_BENCH = SHARED_DATA / "spec_bench_dev.jsonl"
+VOCAB = 97
+
+
+def prompts(n, seed=0):
+    return repetitive_prompts(n, seed, VOCAB)
 
 
 @pytest.fixture(scope="module")

@@ -4,8 +4,6 @@ import pytest
 import torch
 
 from conftest import tiny_llama
-from decoding_helpers import fit, hf_greedy, sampled_twice, self_distilled_batch, serve
-from decoding_helpers import random_prompts as _random_prompts
 from draftsmith.core.drafting import DraftContext
 from draftsmith.core.tree import best_first_tree
 from draftsmith.drafters.base import FrozenTarget, UnknownOptionError
@@ -15,6 +13,8 @@ from draftsmith.drafters.registry import get_family
 from draftsmith.inference.runtime import generate
 from draftsmith.train.losses import check_loss_options, family_loss
 from draftsmith.train.recipe_loader import RecipeError
+from helpers import fit, hf_greedy, sampled_twice, self_distilled_batch, serve
+from helpers import random_prompts as _random_prompts
 
 VOCAB = 97
 EOS = 2

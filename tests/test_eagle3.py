@@ -5,8 +5,6 @@ import pytest
 import torch
 
 from conftest import tiny_llama
-from decoding_helpers import fit, hf_greedy, self_distilled_batch, serve
-from decoding_helpers import random_prompts as _random_prompts
 from draftsmith.core.drafting import DraftContext
 from draftsmith.drafters.base import FrozenTarget
 from draftsmith.drafters.eagle import EagleConfigError
@@ -17,6 +15,8 @@ from draftsmith.drafters.vocab import draft_vocab_maps
 from draftsmith.inference.runtime import generate
 from draftsmith.train.loader import online_features
 from draftsmith.train.losses import family_loss, read_rows, ttt_mask, ttt_unroll
+from helpers import fit, hf_greedy, self_distilled_batch, serve
+from helpers import random_prompts as _random_prompts
 
 VOCAB = 97
 EOS = 2

@@ -8,7 +8,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from conftest import tiny_llama
-from decoding_helpers import hf_greedy
 from draftsmith.core.drafting import DraftContext, Drafter
 from draftsmith.core.tree import DraftTree
 from draftsmith.inference.backends import Backends
@@ -17,6 +16,7 @@ from draftsmith.inference.kernels.native import native_extension
 from draftsmith.inference.kernels.options import KernelOptions
 from draftsmith.inference.methods.pld import PromptLookupDrafter
 from draftsmith.inference.runtime import generate
+from helpers import hf_greedy
 
 VOCAB, HIDDEN = 3000, 64
 # the contender search in Python and in the runtime's C++ extension (which the tests expect to build)

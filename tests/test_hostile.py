@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 import yaml
-from test_trainer import losses, prepared_dir, write_recipe  # noqa: F401  (prepared_dir is a fixture)
 
 from conftest import sharegpt, write_jsonl
 from draftsmith.train.checkpoint import latest_checkpoint, rng_state_file
 from draftsmith.train.cli import main
+from helpers import losses, write_recipe
 
 
 def refused(argv: list[str], capsys: pytest.CaptureFixture) -> str:

@@ -9,8 +9,6 @@ import yaml
 from torch import nn
 
 from conftest import tiny_llama
-from decoding_helpers import fit, hf_greedy, prepare_arithmetic_chats, sampled_twice, self_distilled_batch, serve
-from decoding_helpers import random_prompts as _random_prompts
 from draftsmith.core.drafting import DraftContext
 from draftsmith.drafters.base import FrozenTarget, UnknownOptionError
 from draftsmith.drafters.io import export_drafter
@@ -29,6 +27,8 @@ from draftsmith.inference.runtime import generate
 from draftsmith.train.batch import TrainBatch
 from draftsmith.train.losses import check_loss_options, medusa_loss
 from draftsmith.train.recipe_loader import RecipeError
+from helpers import fit, hf_greedy, prepare_arithmetic_chats, sampled_twice, self_distilled_batch, serve
+from helpers import random_prompts as _random_prompts
 
 VOCAB = 97
 EOS = 2

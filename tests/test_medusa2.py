@@ -13,8 +13,6 @@ import yaml
 from safetensors.torch import load_file
 
 from conftest import tiny_llama
-from decoding_helpers import hf_greedy, padded, prepare_arithmetic_chats, sampled_twice, serve
-from decoding_helpers import random_prompts as _random_prompts
 from draftsmith.drafters.base import FrozenTarget
 from draftsmith.drafters.medusa import resolve_tree
 from draftsmith.drafters.medusa2 import Medusa2ConfigError, Medusa2Model
@@ -23,6 +21,8 @@ from draftsmith.inference.backends import Backends
 from draftsmith.inference.runtime import generate
 from draftsmith.train.batch import TrainBatch
 from draftsmith.train.losses import medusa2_loss, medusa_loss
+from helpers import hf_greedy, padded, prepare_arithmetic_chats, sampled_twice, serve
+from helpers import random_prompts as _random_prompts
 
 REPO = Path(__file__).resolve().parents[1]
 VOCAB = 97

@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from conftest import tiny_llama
-from decoding_helpers import hf_greedy, seeded_random_tree
 from draftsmith.core.cache import preallocated_cache_for
 from draftsmith.core.cache_kwarg import cache_kwargs
 from draftsmith.core.tree import TreeInputBuffers
@@ -22,6 +21,7 @@ from draftsmith.inference.kernels.options import KernelOptions
 from draftsmith.inference.kernels.packed_gemm import PackedGemm
 from draftsmith.inference.methods.pld import PromptLookupDrafter
 from draftsmith.inference.runtime import generate
+from helpers import hf_greedy, seeded_random_tree
 
 VOCAB = 97
 PROMPT = [5, 17, 33, 2, 61, 8, 40, 17, 33]
@@ -154,7 +154,7 @@ def test_a_failed_build_says_so_once_and_decodes_the_same(tmp_path):
     script = """
 import torch
 from conftest import tiny_llama
-from decoding_helpers import hf_greedy
+from helpers import hf_greedy
 from draftsmith.inference.kernels.direct_forward import direct_forward_for
 from draftsmith.inference.methods.pld import PromptLookupDrafter
 from draftsmith.inference.runtime import generate

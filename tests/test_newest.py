@@ -8,40 +8,27 @@ family runs on the tiny random Llama and (slow) on SmolLM2 with its shipped reci
 
 from __future__ import annotations
 
-from contextlib import nullcontext
 from pathlib import Path
 
 import pytest
 
-from decoding_helpers import prepare_arithmetic_chats
 from draftsmith.core.target import load_target
 from draftsmith.drafters.registry import FAMILIES
-from draftsmith.inference.measure.bench import hf_greedy
 from draftsmith.inference.methods.table import build_drafter
-from draftsmith.inference.runtime import generate
 from draftsmith.train.cli import main
+from helpers import (
+    NO_SIDE_EFFECTS,
+    TINY_DRAFTER,
+    assert_decodes_like_plain_greedy,
+    prepare_arithmetic_chats,
+    shipped_recipe,
+)
 
 # transformers' deprecations (a renamed argument, an old output field) warn, and nothing of ours may cause one.
 pytestmark = pytest.mark.filterwarnings("error::FutureWarning")
 
-REPO = Path(__file__).resolve().parents[1]
-PROMPTS = ("Question 3: what is 3 plus 3?", "Explain how a rainbow forms.")
 NEW_TOKENS = 16
-
-# What one step on the tiny two-layer target needs beyond the shipped recipe: the whole (small) vocabulary,
-# stream layers it has. EAGLE-3's default fused layers fit any depth.
-WHOLE_VOCABULARY = ["drafter.draft_vocab_size=0"]
-TINY_DRAFTER = {
-    "eagle": WHOLE_VOCABULARY,
-    "fspad": WHOLE_VOCABULARY,
-    "eagle3": WHOLE_VOCABULARY,
-    "fspad3": WHOLE_VOCABULARY,
-    "medusa": WHOLE_VOCABULARY,
-    "medusa2": WHOLE_VOCABULARY,
-    "streaming": ["drafter.num_stream_layers=1"],
-}
 ONE_STEP = ["train.max_steps=1", "train.batch_size=1", "train.save_every=1", "data.eval_samples=0"]
-NO_SIDE_EFFECTS = ["data.features=null", "tracking.wandb=false"]
 
 
 def test_every_family_is_covered():
@@ -58,25 +45,15 @@ def no_deprecation_logged(caplog):
     assert not logged, logged
 
 
-def shipped_recipe(family: str) -> Path:
-    recipe = {"medusa": "medusa1"}.get(family, family)  # Medusa-1's recipe names its version
-    return REPO / "recipes" / f"{recipe}-smollm2.yaml"
-
-
 def train_export_decode(family: str, target_name: str, prepared: Path, tmp_path: Path, overrides: list[str]) -> None:
     """One training step from ``family``'s shipped recipe on ``target_name``, its export, and greedy
-    decoding of :data:`PROMPTS` with it, each identical to the served model's plain greedy decoding."""
+    decoding of :data:`~helpers.CHAT_PROMPTS` with it, each identical to the served model's plain greedy decoding."""
     run, export = tmp_path / "run", tmp_path / "export"
     settings = [f"target.name={target_name}", f"data.prepared={prepared}", f"output_dir={run}"]
     main(["train", str(shipped_recipe(family)), *settings, *ONE_STEP, *NO_SIDE_EFFECTS, *overrides])
     main(["export", str(run), "--out", str(export)])
     target = load_target(target_name)
-    drafter = build_drafter(str(export), target)
-    for text in PROMPTS:
-        prompt = target.encode_chat([{"role": "user", "content": text}])
-        with drafter.reference_model() or nullcontext(target.model) as served:
-            reference, _ = hf_greedy(served, prompt, NEW_TOKENS, [])
-        assert generate(target.model, prompt, drafter, max_new_tokens=NEW_TOKENS).tokens == reference, (family, text)
+    assert_decodes_like_plain_greedy(target, build_drafter(str(export), target), NEW_TOKENS)
 
 
 @pytest.fixture(scope="module")

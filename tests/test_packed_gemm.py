@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from conftest import tiny_llama
-from decoding_helpers import TINY_EOS, hf_greedy, seeded_random_tree
 from draftsmith.core.cache import preallocated_cache_for
 from draftsmith.core.cache_kwarg import cache_kwargs
 from draftsmith.core.tree import TreeInputBuffers
@@ -19,6 +18,7 @@ from draftsmith.inference.kernels.options import KernelOptions
 from draftsmith.inference.kernels.packed_gemm import PackedGemm, PackedLinear, row_bucket
 from draftsmith.inference.methods.pld import PromptLookupDrafter
 from draftsmith.inference.runtime import generate
+from helpers import TINY_EOS, hf_greedy, seeded_random_tree
 
 VOCAB = 97
 pytestmark = pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="PyTorch built without MKL")

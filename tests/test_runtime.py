@@ -8,7 +8,6 @@ import torch
 from transformers import DynamicCache
 
 from conftest import tiny_llama
-from decoding_helpers import hf_greedy, prefill_and_verify
 from draftsmith.core.cache import cache_length, commit_tree_path
 from draftsmith.core.cache_kwarg import cache_kwargs
 from draftsmith.core.drafting import DraftContext, Drafter
@@ -16,6 +15,7 @@ from draftsmith.core.tree import DraftTree, tree_attention_inputs
 from draftsmith.core.verify import verify_greedy
 from draftsmith.inference.methods.pld import PromptLookupDrafter
 from draftsmith.inference.runtime import generate
+from helpers import hf_greedy, prefill_and_verify, repetitive_prompts
 
 VOCAB = 97
 
@@ -26,12 +26,7 @@ def model():
 
 
 def prompts(n, seed=0):
-    rng = random.Random(seed)
-    made = []
-    for i in range(n):
-        base = [rng.randrange(4, VOCAB) for _ in range(rng.randint(3, 12))]
-        made.append(base * (1 + i % 3))  # repeated spans give prompt lookup something to find
-    return made
+    return repetitive_prompts(n, seed, VOCAB)
 
 
 class OracleDrafter(Drafter):

@@ -1,61 +1,26 @@
 """Sampling is lossless: the empirical distribution of the first three tokens under speculative
 sampling matches the exact distribution, enumerated on a tiny model; a lossy verifier fails the test."""
 
-import itertools
-from collections import Counter
-
 import pytest
 import torch
 
 from conftest import tiny_llama
 from draftsmith.core.drafting import Drafter
 from draftsmith.core.tree import DraftTree
-from draftsmith.core.verify import SamplingConfig, Verdict
+from draftsmith.core.verify import Verdict
 from draftsmith.inference import runtime
 from draftsmith.inference.backends import Backends
 from draftsmith.inference.kernels.options import KernelOptions
-from draftsmith.inference.runtime import generate
-
-V = 5
-PROMPT = [1, 3, 2, 4]
-N_SAMPLES = 4000
-CONFIGS = [SamplingConfig(temperature=1.0), SamplingConfig(temperature=0.7, top_k=4, top_p=0.9)]
+from helpers import N_SAMPLES, SAMPLING_VOCAB, chi_square_p_value, exact_distribution, sample_counts
+from helpers import SAMPLING_CONFIGS as CONFIGS
 
 
 @pytest.fixture(scope="module")
 def model():
-    model = tiny_llama(V, seed=3)
+    model = tiny_llama(SAMPLING_VOCAB, seed=3)
     with torch.no_grad():  # a peaked distribution, far from uniform, so lossy rules show
         model.lm_head.weight.mul_(8.0)
     return model
-
-
-@torch.no_grad()
-def exact_distribution(model, config, steps=3):
-    """P(x1..x_steps | prompt) by enumeration."""
-    result = {}
-    for tokens in itertools.product(range(V), repeat=steps):
-        logits = model(torch.tensor([PROMPT + list(tokens[:-1])])).logits[0, len(PROMPT) - 1 :]
-        probs = config.probs(logits)
-        result[tokens] = float(torch.prod(torch.stack([probs[i, t] for i, t in enumerate(tokens)])))
-    return result
-
-
-def chi_square_p_value(counts, expected_probs, n):
-    """Pearson's test, cells with expected count < 5 pooled; p-value from the chi-square tail."""
-    stat, dof, pool_obs, pool_exp = 0.0, -1, 0, 0.0
-    for cell, prob in expected_probs.items():
-        expected, observed = prob * n, counts.get(cell, 0)
-        if expected < 5:
-            pool_obs, pool_exp = pool_obs + observed, pool_exp + expected
-            continue
-        stat += (observed - expected) ** 2 / expected
-        dof += 1
-    if pool_exp > 0:
-        stat += (pool_obs - pool_exp) ** 2 / max(pool_exp, 1e-9)
-        dof += 1
-    assert dof >= 2, "degenerate distribution: the test would have no power"
-    return float(torch.special.gammaincc(torch.tensor(dof / 2.0), torch.tensor(stat / 2.0)))
 
 
 class FixedTree(Drafter):
@@ -78,17 +43,6 @@ class SampledChain(Drafter):
     def propose(self, context):
         tokens = torch.multinomial(self.q, 2, replacement=True, generator=context.generator).tolist()
         return DraftTree.chain(tokens, self.q.repeat(2, 1))
-
-
-def sample_counts(model, drafter, config, seed, backends=None):
-    generator = torch.Generator().manual_seed(seed)
-    counts = Counter()
-    for _ in range(N_SAMPLES):
-        result = generate(
-            model, PROMPT, drafter, max_new_tokens=3, sampling=config, generator=generator, backends=backends
-        )
-        counts[tuple(result.tokens)] += 1
-    return counts
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from conftest import SHARED_DATA, tiny_llama, write_jsonl
-from decoding_helpers import hf_greedy
 from draftsmith.core.drafting import DraftContext
 from draftsmith.core.target import TargetError
 from draftsmith.core.tree import DraftTree
@@ -23,6 +22,7 @@ from draftsmith.inference.methods.spectra_retrieval import (
     write_index,
 )
 from draftsmith.inference.runtime import generate
+from helpers import hf_greedy
 
 VOCAB = 97
 EOS = [2]  # the tiny Llama's EOS: HF generate stops there, so the runtime must too

@@ -10,63 +10,40 @@ import pytest
 import torch
 import yaml
 from safetensors.torch import load_file
-from transformers import DynamicCache, LlamaForCausalLM
+from transformers import DynamicCache
 
 from conftest import tiny_llama
-from decoding_helpers import hf_greedy, prepare_arithmetic_chats, serve
-from decoding_helpers import random_prompts as _random_prompts
 from draftsmith.core.tree import DraftTree, best_first_tree, cartesian_tree, tree_attention_inputs
-from draftsmith.drafters.streaming import (
-    StreamingConfig,
-    StreamingConfigError,
-    StreamingModel,
-)
+from draftsmith.drafters.streaming import StreamingConfig, StreamingConfigError, StreamingModel
 from draftsmith.inference.runtime import generate
-from draftsmith.train.batch import TrainBatch
 from draftsmith.train.losses import streaming_loss
+from helpers import (
+    STREAMING_VOCAB,
+    TINY_EOS,
+    batch_of,
+    hf_greedy,
+    make_streaming,
+    prepare_arithmetic_chats,
+    serve,
+    streaming_target,
+    train_streams,
+)
+from helpers import random_prompts as _random_prompts
 
 REPO = Path(__file__).resolve().parents[1]
-VOCAB = 120
-EOS = 2
+VOCAB = STREAMING_VOCAB
+EOS = TINY_EOS
+make_target = streaming_target
 
 
 def random_prompts(n, seed):
     return _random_prompts(n, seed, VOCAB)
 
 
-def make_target(seed: int = 0) -> LlamaForCausalLM:
-    return tiny_llama(VOCAB, seed, num_hidden_layers=4, eos_token_id=EOS)
-
-
-def make_streaming(target, lora_noise: float = 0.05, seed: int = 1, **options) -> StreamingModel:
-    options = {"num_streams": 3, "num_stream_layers": 2, "lora_rank": 4, "lora_alpha": 8, **options}
-    torch.manual_seed(seed)
-    model = StreamingModel(StreamingConfig.for_target(target.config, **options))
-    with torch.no_grad():  # a non-zero adapter, so "adapted" and "original" differ
-        for pair in model.lora.values():
-            pair.B.weight.normal_(std=lora_noise)
-    model.attach_target(target)
-    return model.eval()
-
-
 @pytest.fixture()
 def pair():
     target = make_target()
     return target, make_streaming(target)
-
-
-def batch_of(seqs: list[list[int]], prompt_lengths: list[int] | None = None) -> TrainBatch:
-    """Right-padded; tokens after each prompt are the supervised (assistant) ones."""
-    length = max(map(len, seqs))
-    ids = torch.zeros(len(seqs), length, dtype=torch.long)
-    attention = torch.zeros_like(ids)
-    for row, seq in enumerate(seqs):
-        ids[row, : len(seq)] = torch.tensor(seq)
-        attention[row, : len(seq)] = 1
-    loss_mask = attention.float()
-    for row, prompt_length in enumerate(prompt_lengths or []):
-        loss_mask[row, :prompt_length] = 0
-    return TrainBatch(ids, loss_mask, attention)
 
 
 # ---- the model ------------------------------------------------------------------------------------
@@ -306,20 +283,6 @@ def test_chunked_ce_keeps_no_chunk_logits_for_the_backward():
     assert sorted(calls) == sorted([7, 7, 7, 2] * 2)  # the backward recomputed every chunk
     torch.testing.assert_close(ce, torch.nn.functional.cross_entropy(head(hidden), labels))
     assert torch.equal(hits, head(hidden).argmax(-1) == labels)
-
-
-def train_streams(target, model, prompts, seqs, steps, lr=1e-2):
-    model.train()
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
-    batch = batch_of(seqs, [len(p) for p in prompts])
-    history = []
-    for _ in range(steps):
-        out = streaming_loss(model, batch, None)
-        optimizer.zero_grad()
-        out.loss.backward()
-        optimizer.step()
-        history.append(out)
-    return model.eval(), history
 
 
 def test_overfits_one_batch(pair):

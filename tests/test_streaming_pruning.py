@@ -9,17 +9,34 @@ import pytest
 import torch
 import yaml
 from safetensors.torch import load_file
-from test_streaming import EOS, VOCAB, batch_of, make_streaming, make_target, random_prompts, train_streams
 from transformers import DynamicCache
 
-from decoding_helpers import hf_greedy, prepare_arithmetic_chats, serve
 from draftsmith.core.tree import DraftTree, tree_attention_inputs
 from draftsmith.drafters.streaming import StreamingConfigError, StreamingModel
 from draftsmith.drafters.tree_pruning import TreePruning, surviving_rows, transition_probabilities, tree_parents
 from draftsmith.inference.runtime import generate
 from draftsmith.train.losses import streaming_loss
+from helpers import (
+    STREAMING_VOCAB,
+    TINY_EOS,
+    batch_of,
+    hf_greedy,
+    make_streaming,
+    prepare_arithmetic_chats,
+    serve,
+    streaming_target,
+    train_streams,
+)
+from helpers import random_prompts as _random_prompts
 
 H = 64  # the tiny target's hidden size
+VOCAB = STREAMING_VOCAB
+EOS = TINY_EOS
+make_target = streaming_target
+
+
+def random_prompts(n, seed):
+    return _random_prompts(n, seed, VOCAB)
 
 
 def pruned_model(seed: int = 0, **options) -> StreamingModel:
@@ -176,7 +193,7 @@ def test_greedy_decoding_with_pruning_is_lossless_and_verifies_fewer_rows(traine
 
 
 def test_sampled_decoding_with_pruning_is_reproducible(trained):
-    from decoding_helpers import sampled_twice
+    from helpers import sampled_twice
 
     target, model = trained
     first, second = sampled_twice(target, serve(model, target, prune=0.1), random_prompts(1, seed=7)[0])

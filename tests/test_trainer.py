@@ -16,7 +16,6 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from conftest import sharegpt, write_jsonl
 from draftsmith.core.target import load_target
 from draftsmith.data.features import CacheSettings, FeatureCacheError, build_feature_cache
 from draftsmith.data.prepared import PreparedDataError, PreparedDataset
@@ -26,45 +25,9 @@ from draftsmith.train.cli import main
 from draftsmith.train.recipe import load_train_recipe
 from draftsmith.train.recipe_loader import RecipeError
 from draftsmith.train.trainer import Trainer, train
+from helpers import interrupt_at, losses, write_recipe
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def prepared_dir(tmp_path_factory, tiny_target_dir) -> Path:
-    """Sixteen short conversations tokenised by the real `draftsmith data prepare` path."""
-    root = tmp_path_factory.mktemp("trainer-data")
-    records = [
-        sharegpt(("human", f"Question number {i}: what is {i} plus {i}?"), ("gpt", f"It is {2 * i}. " * (1 + i % 3)))
-        for i in range(16)
-    ]
-    data = write_jsonl(root / "chats.jsonl", records)
-    out = root / "prepared"
-    main(["data", "prepare", str(data), "--out", str(out), "--target", str(tiny_target_dir), "--max-length", "256"])
-    return out
-
-
-def write_recipe(tmp_path: Path, target: Path, prepared: Path, **sections) -> Path:
-    tree = {
-        "target": {"name": str(target)},
-        "output_dir": str(tmp_path / "run"),
-        "data": {"prepared": str(prepared)},
-        "drafter": {"family": "fspad"},
-        "loss": {"metric_steps": 2},
-        "train": {"lr": 1e-3, "batch_size": 2, "max_steps": 4, "save_every": 2, "log_every": 1, "warmup_steps": 1},
-        "tracking": {"wandb": False},
-    }
-    for name, values in sections.items():
-        tree[name] = {**tree.get(name, {}), **values} if isinstance(values, dict) else values
-    tmp_path.mkdir(parents=True, exist_ok=True)
-    path = tmp_path / "recipe.yaml"
-    path.write_text(yaml.safe_dump(tree))
-    return path
-
-
-def losses(run_dir: Path) -> dict[int, float]:
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in records if "loss" in r}
 
 
 @pytest.fixture()
@@ -109,17 +72,6 @@ def test_gradients_reach_only_the_drafter_and_data_shapes_the_draft_vocab(tmp_pa
     assert torch.equal(embed, trainer.frozen.embed_tokens.weight)
     assert not any(p.requires_grad for p in trainer.target.model.parameters())
     assert not any(k.startswith(("embed_tokens", "lm_head")) for k in after)  # the target is never saved
-
-
-def interrupt_at(monkeypatch, step_index: int) -> None:
-    original = Trainer.train_step
-
-    def train_step(self, step):
-        if step == step_index:
-            raise KeyboardInterrupt
-        return original(self, step)
-
-    monkeypatch.setattr(Trainer, "train_step", train_step)
 
 
 def test_resume_continues_exactly(tmp_path, tiny_target_dir, prepared_dir, monkeypatch):

@@ -6,7 +6,6 @@ import json
 import pytest
 import torch
 
-from decoding_helpers import fit, hf_greedy, random_prompts, self_distilled_batch
 from draftsmith.core.io import FILES_MANIFEST, file_problems
 from draftsmith.core.target import load_target
 from draftsmith.drafters.base import FrozenTarget
@@ -35,6 +34,7 @@ from draftsmith.inference.methods.tuned_trees import (
 from draftsmith.inference.runtime import generate
 from draftsmith.train.cli import main
 from draftsmith.train.losses import family_loss, medusa2_loss, medusa_loss
+from helpers import fit, hf_greedy, random_prompts, self_distilled_batch
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ from draftsmith.drafters.registry import get_family
 from draftsmith.inference.runtime import generate
 from draftsmith.train.losses import check_loss_options, family_loss
 from draftsmith.train.recipe_loader import RecipeError
-from helpers import fit, hf_greedy, sampled_twice, self_distilled_batch, serve
+from helpers import fit, hf_greedy, self_distilled_batch, serve
 from helpers import random_prompts as _random_prompts
 
 VOCAB = 97
@@ -125,7 +125,7 @@ def test_outputs_at_the_read_rows_only_equal_the_whole_forward(target, family):
         assert not torch.allclose(getattr(partial, name)[~rows], getattr(whole, name)[~rows])
 
 
-def test_export_and_load_round_trip(target, tmp_path, trained_fspad):
+def test_an_exported_fspad_computes_what_the_trained_one_does(target, tmp_path, trained_fspad):
     export_drafter(
         trained_fspad, {"name": "t", "revision": "r", "config_hash": "c", "tokenizer_hash": "k"}, tmp_path / "d"
     )
@@ -133,11 +133,6 @@ def test_export_and_load_round_trip(target, tmp_path, trained_fspad):
     assert loaded.config.drafter_family == "fspad" and loaded.config.target_identity["name"] == "t"
     args = (torch.randn(1, 6, 64), torch.randn(1, 6, 64), torch.arange(6)[None])
     torch.testing.assert_close(loaded(*args).next_features, trained_fspad(*args).next_features)
-    with pytest.raises(FileExistsError):
-        export_drafter(trained_fspad, {}, tmp_path / "d")
-    (tmp_path / "d" / "model.safetensors").unlink()
-    with pytest.raises(DrafterCheckpointError, match="model.safetensors is missing"):
-        EagleModel.from_pretrained(tmp_path / "d")
 
 
 def _context(target, prompt, extra):
@@ -182,7 +177,7 @@ def test_chain_expansion_equals_running_the_drafter_on_its_own_path(target, trai
     assert drafter._cache.layers[0].keys.shape[-2] == len(context.tokens) - 1  # tree KV dropped
 
 
-def test_greedy_decoding_is_lossless(target, trained_fspad):
+def test_a_trained_fspads_trees_are_accepted_losslessly(target, trained_fspad):
     random_eagle = get_family("eagle").build(target.config, {}).eval()
     taus = {}
     for name, model in (("random", random_eagle), ("trained", trained_fspad)):
@@ -212,12 +207,6 @@ def test_draft_vocabulary_limits_proposals_and_stays_lossless(target):
         )
 
 
-def test_sampled_decoding_is_reproducible(target, trained_fspad):
-    drafter = serve(trained_fspad, target)
-    runs = sampled_twice(target, drafter, random_prompts(1, seed=3)[0])
-    assert runs[0] == runs[1] and len(runs[0]) > 0
-
-
 def test_config_follows_target_shape(target):
     config = EagleConfig.for_target(target.config)
     assert config.layer["hidden_size"] == 64 and config.layer["num_key_value_heads"] == 2
@@ -226,7 +215,6 @@ def test_config_follows_target_shape(target):
 
 def test_loading_checks_the_target(tiny_target_dir, other_target_dir, tmp_path):
     from draftsmith.core.target import TargetError, load_target
-    from draftsmith.drafters.io import DrafterCheckpointError
     from draftsmith.inference.methods.table import build_drafter
 
     tiny, other = load_target(str(tiny_target_dir)), load_target(str(other_target_dir))

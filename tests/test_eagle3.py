@@ -192,7 +192,7 @@ def test_runtime_chain_is_the_training_time_test(target, trained_eagle3):
 
 
 @pytest.mark.parametrize("family", ["eagle3", "fspad3"])
-def test_greedy_decoding_is_lossless(target, trained_eagle3, family):
+def test_a_reduced_draft_vocabulary_and_a_trained_eagle3_decode_losslessly(target, trained_eagle3, family):
     models = {
         "random": get_family(family).build(target.config, {"aux_layer_ids": LAYERS, "draft_vocab_size": 40}).eval()
     }
@@ -210,7 +210,7 @@ def test_greedy_decoding_is_lossless(target, trained_eagle3, family):
             assert tau > 1.3  # its trees really get accepted
 
 
-def test_export_and_load_round_trip(target, tmp_path, trained_eagle3):
+def test_an_exported_eagle3_reads_the_target_alike_without_its_embedding(target, tmp_path, trained_eagle3):
     export_drafter(
         trained_eagle3, {"name": "t", "revision": "r", "config_hash": "c", "tokenizer_hash": "k"}, tmp_path / "d"
     )

@@ -27,7 +27,7 @@ from draftsmith.inference.runtime import generate
 from draftsmith.train.batch import TrainBatch
 from draftsmith.train.losses import check_loss_options, medusa_loss
 from draftsmith.train.recipe_loader import RecipeError
-from helpers import fit, hf_greedy, prepare_arithmetic_chats, sampled_twice, self_distilled_batch, serve
+from helpers import fit, hf_greedy, prepare_arithmetic_chats, self_distilled_batch, serve
 from helpers import random_prompts as _random_prompts
 
 VOCAB = 97
@@ -316,7 +316,7 @@ def test_held_out_split_is_the_trainers():
 
 
 @pytest.mark.parametrize("which", ["random", "trained"])
-def test_greedy_decoding_is_lossless(target, trained, which):
+def test_static_and_dynamic_trees_decode_losslessly(target, trained, which):
     model = trained if which == "trained" else get_family("medusa").build(target.config, {})  # random heads
     taus = []
     for tree in ("medusa-16", "dynamic"):
@@ -331,7 +331,7 @@ def test_greedy_decoding_is_lossless(target, trained, which):
         assert min(taus) > 1.3
 
 
-def test_export_and_load_round_trip(target, trained, tmp_path):
+def test_an_exported_medusa_keeps_its_tree_and_the_engines_tensor_names(target, trained, tmp_path):
     identity = {"name": "t", "revision": "r", "config_hash": "c", "tokenizer_hash": "k"}
     export_drafter(trained, identity, tmp_path / "m")
     loaded = MedusaHeads.from_pretrained(tmp_path / "m").eval()
@@ -467,12 +467,6 @@ def test_calibrate_refuses_other_families(medusa_export, tiny_target_dir, tmp_pa
     with pytest.raises(SystemExit):
         main(["medusa", "calibrate", str(tmp_path / "e"), "--data", str(medusa_export / "prepared"), "--nodes", "4"])
     assert "holds a 'eagle' drafter; calibrate works on medusa" in capsys.readouterr().err
-
-
-def test_sampled_decoding_is_reproducible(target, trained):
-    drafter = serve(trained, target)
-    runs = sampled_twice(target, drafter, random_prompts(1, seed=3)[0])
-    assert runs[0] == runs[1] and len(runs[0]) > 0
 
 
 def test_the_trainer_starts_heads_from_lm_head(medusa_export, tiny_target_dir):

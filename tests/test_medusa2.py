@@ -1,5 +1,5 @@
 """Medusa-2: heads trained jointly with a LoRA on a tiny random Llama. The loss's self-distillation KL and
-head terms, the trainer (steps and exact resume), export in peft format and its round trip, and
+head terms, the trainer (its parameter groups), export in peft format and its round trip, and
 lossless decoding with respect to the adapted model it serves."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from draftsmith.inference.backends import Backends
 from draftsmith.inference.runtime import generate
 from draftsmith.train.batch import TrainBatch
 from draftsmith.train.losses import medusa2_loss, medusa_loss
-from helpers import hf_greedy, padded, prepare_arithmetic_chats, sampled_twice, serve
+from helpers import hf_greedy, padded, prepare_arithmetic_chats, serve
 from helpers import random_prompts as _random_prompts
 
 REPO = Path(__file__).resolve().parents[1]
@@ -213,12 +213,6 @@ def test_a_target_dispatched_by_accelerate_is_served_through_peft():
         assert generate(target, prompt, drafter, max_new_tokens=20, eos_token_ids=[EOS]).tokens == reference
 
 
-def test_sampled_decoding_is_reproducible(trained):
-    target, model = trained
-    runs = sampled_twice(target, serve(model, target), random_prompts(1, seed=3)[0])
-    assert runs[0] == runs[1] and len(runs[0]) > 0
-
-
 # ---- trainer, recipe, export, loading -------------------------------------------------------------
 def tiny_recipe(root: Path, target_dir: Path, prepared: Path) -> Path:
     """The shipped Medusa-2 recipe's shape, sized for the tiny target."""
@@ -237,31 +231,24 @@ def tiny_recipe(root: Path, target_dir: Path, prepared: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def medusa2_run(tmp_path_factory, tiny_target_dir):
-    """Three trainer steps in one go, and two steps then a resume to three; the first is exported."""
+    """Three trainer steps, exported (exact resume is the conformance suite's, for every family)."""
     from draftsmith.train.cli import main
 
     root = tmp_path_factory.mktemp("medusa2-run")
     prepare_arithmetic_chats(root / "prepared", tiny_target_dir, 10)
     straight = tiny_recipe(root / "a", tiny_target_dir, root / "prepared")
     main(["train", str(straight), "train.max_steps=3"])
-    resumed = tiny_recipe(root / "b", tiny_target_dir, root / "prepared")
-    main(["train", str(resumed), "train.max_steps=2"])
-    main(["train", str(resumed), "train.max_steps=3", "--resume"])
     main(["export", str(root / "a/run"), "--out", str(root / "export")])
     return root
 
 
-def test_trainer_steps_and_resume_exactly(medusa2_run):
+def test_a_run_trains_heads_and_lora_at_their_scaled_rates(medusa2_run):
     info = json.loads((medusa2_run / "a/run/run_info.json").read_text())
     assert info["family"] == "medusa2" and info["features"] == "online"
     a = load_file(str(medusa2_run / "a/run/checkpoints/step-3/drafter/model.safetensors"))
-    b = load_file(str(medusa2_run / "b/run/checkpoints/step-3/drafter/model.safetensors"))
     assert any(k.startswith("heads.medusa_head.") for k in a) and any(k.startswith("lora.layers_") for k in a)
     assert sum(t.numel() for k, t in a.items() if t.is_floating_point()) == info["trainable_parameters"]
-    assert set(a) == set(b)
-    for key in a:
-        torch.testing.assert_close(a[key], b[key], rtol=1e-6, atol=1e-7)
-    records = [json.loads(line) for line in (medusa2_run / "b/run/metrics.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in (medusa2_run / "a/run/metrics.jsonl").read_text().splitlines()]
     rates = [(r["lr/heads"], r["lr/lora"]) for r in records if "loss" in r]
     assert len(rates) == 3 and all(lora == pytest.approx(0.1 * heads) and heads == 1e-3 for heads, lora in rates)
 

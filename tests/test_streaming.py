@@ -385,26 +385,6 @@ def test_the_shared_target_keeps_its_direct_forward_for_other_methods():
     handle.remove()
 
 
-def test_sampled_decoding_is_reproducible(trained):
-    from draftsmith.core.verify import SamplingConfig
-
-    target, model = trained
-    drafter = serve(model, target)
-    prompt = random_prompts(1, seed=7)[0]
-    runs = [
-        generate(
-            target,
-            prompt,
-            drafter,
-            max_new_tokens=20,
-            sampling=SamplingConfig(0.8, top_k=20),
-            generator=torch.Generator().manual_seed(3),
-        ).tokens
-        for _ in range(2)
-    ]
-    assert runs[0] == runs[1] and len(runs[0]) > 0
-
-
 # ---- trainer, recipe, export, loading -------------------------------------------------------------
 def test_shipped_recipe_validates():
     from draftsmith.train.recipe import load_train_recipe

@@ -8,7 +8,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from conftest import tiny_llama
+from conftest import tiny_gemma3, tiny_llama
 from draftsmith.core.cache import (
     PreallocatedCache,
     PreallocatedLayer,
@@ -153,10 +153,28 @@ def test_generic_assignment_and_crop_keep_working():
     assert_same_rows(ours, reference)
 
 
-def test_only_full_attention_models_get_a_preallocated_cache(model):
+def test_a_window_over_every_layer_alike_gets_no_preallocated_cache(model):
+    """A model that windows every layer with one mask (no declared layer types) needs transformers' own
+    sliding layers; full-attention models and Gemma-3's declared sliding layers keep every row."""
     assert isinstance(preallocated_cache_for(model.config, 16), PreallocatedCache)
     sliding = type(model.config)(**{**model.config.to_dict(), "sliding_window": 8})
     assert type(preallocated_cache_for(sliding, 16)) is DynamicCache
+    assert isinstance(preallocated_cache_for(tiny_gemma3(32).config, 16), PreallocatedCache)
+
+
+def test_sliding_layers_get_their_own_tree_mask_and_full_layers_the_plain_one(model):
+    from draftsmith.core.tree import masks_per_layer_type
+
+    tree, past = DraftTree.from_paths([[5, 6], [7]]), 10
+    mask, positions = tree_attention_inputs(tree, past, torch.float32)
+    assert masks_per_layer_type(model.config, mask, positions) is mask
+    gemma = tiny_gemma3(32, sliding_window=4).config
+    masks = masks_per_layer_type(gemma, mask, positions)
+    assert masks["full_attention"] is mask
+    seen = masks["sliding_attention"][0, 0] == 0
+    # the root (position 10) sees 7..10; node [5, 6]'s 6 (position 12) sees 9, 10 and its ancestors
+    assert seen[0].nonzero().flatten().tolist() == [7, 8, 9, 10]
+    assert seen[2].nonzero().flatten().tolist() == [9, 10, 11, 12]
 
 
 def test_vectorised_ancestry_equals_the_per_node_loop():

@@ -284,6 +284,10 @@ def streaming_target(seed: int = 0):
     return tiny_llama(STREAMING_VOCAB, seed, num_hidden_layers=4, eos_token_id=TINY_EOS)
 
 
+def streaming_prompts(n: int, seed: int) -> list[list[int]]:
+    return random_prompts(n, seed, STREAMING_VOCAB)
+
+
 def make_streaming(target, lora_noise: float = 0.05, seed: int = 1, **options) -> StreamingModel:
     """A streaming model attached to ``target``, its adapter non-zero so "adapted" and "original" differ."""
     options = {"num_streams": 3, "num_stream_layers": 2, "lora_rank": 4, "lora_alpha": 8, **options}

@@ -17,27 +17,20 @@ from draftsmith.core.tree import DraftTree, best_first_tree, cartesian_tree, tre
 from draftsmith.drafters.streaming import StreamingConfig, StreamingConfigError, StreamingModel
 from draftsmith.inference.runtime import generate
 from draftsmith.train.losses import streaming_loss
+from helpers import STREAMING_VOCAB as VOCAB
+from helpers import TINY_EOS as EOS
 from helpers import (
-    STREAMING_VOCAB,
-    TINY_EOS,
     batch_of,
     hf_greedy,
     make_streaming,
     prepare_arithmetic_chats,
     serve,
-    streaming_target,
+    streaming_prompts,
     train_streams,
 )
-from helpers import random_prompts as _random_prompts
+from helpers import streaming_target as make_target
 
 REPO = Path(__file__).resolve().parents[1]
-VOCAB = STREAMING_VOCAB
-EOS = TINY_EOS
-make_target = streaming_target
-
-
-def random_prompts(n, seed):
-    return _random_prompts(n, seed, VOCAB)
 
 
 @pytest.fixture()
@@ -287,7 +280,7 @@ def test_chunked_ce_keeps_no_chunk_logits_for_the_backward():
 
 def test_overfits_one_batch(pair):
     target, model = pair
-    prompts = random_prompts(4, seed=3)
+    prompts = streaming_prompts(4, seed=3)
     seqs = [p + hf_greedy(target, p, 12) for p in prompts]
     _, history = train_streams(target, model, prompts, seqs, steps=60)
     first, last = history[0].metrics, history[-1].metrics
@@ -341,7 +334,7 @@ def trained():
     target = make_target(seed=4)
     model = make_streaming(target, num_streams=3, num_stream_layers=2, lora_noise=0.02)
     with model.adapted() as adapted:
-        prompts = random_prompts(12, seed=5)
+        prompts = streaming_prompts(12, seed=5)
         seqs = [p + hf_greedy(adapted, p, 30) for p in prompts]
     model, _ = train_streams(target, model, prompts, seqs, steps=150)
     return target, model
@@ -351,7 +344,7 @@ def test_greedy_decoding_is_lossless_for_the_adapted_model(trained):
     target, model = trained
     drafter = serve(model, target, top_k=3, total_tokens=10)
     taus, differs = [], 0
-    for prompt in random_prompts(12, seed=5) + random_prompts(12, seed=99):
+    for prompt in streaming_prompts(12, seed=5) + streaming_prompts(12, seed=99):
         with model.adapted() as adapted:
             reference = hf_greedy(adapted, prompt, 30)
         differs += reference != hf_greedy(target, prompt, 30)
@@ -374,7 +367,7 @@ def test_the_shared_target_keeps_its_direct_forward_for_other_methods():
     hooked = target.model.layers[-1]
     assert hooked._forward_hooks and hooked._forward_pre_hooks
     assert direct_forward_for(target) is not None
-    prompt = random_prompts(1, seed=7)[0]
+    prompt = streaming_prompts(1, seed=7)[0]
     plain = generate(target, prompt, None, max_new_tokens=20, eos_token_ids=[EOS])
     assert plain.tokens == hf_greedy(target, prompt, 20)
     with model.adapted() as adapted:

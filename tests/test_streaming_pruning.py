@@ -16,27 +16,19 @@ from draftsmith.drafters.streaming import StreamingConfigError, StreamingModel
 from draftsmith.drafters.tree_pruning import TreePruning, surviving_rows, transition_probabilities, tree_parents
 from draftsmith.inference.runtime import generate
 from draftsmith.train.losses import streaming_loss
+from helpers import STREAMING_VOCAB as VOCAB
+from helpers import TINY_EOS as EOS
 from helpers import (
-    STREAMING_VOCAB,
-    TINY_EOS,
     batch_of,
     hf_greedy,
     make_streaming,
-    prepare_arithmetic_chats,
     serve,
-    streaming_target,
+    streaming_prompts,
     train_streams,
 )
-from helpers import random_prompts as _random_prompts
+from helpers import streaming_target as make_target
 
 H = 64  # the tiny target's hidden size
-VOCAB = STREAMING_VOCAB
-EOS = TINY_EOS
-make_target = streaming_target
-
-
-def random_prompts(n, seed):
-    return _random_prompts(n, seed, VOCAB)
 
 
 def pruned_model(seed: int = 0, **options) -> StreamingModel:
@@ -160,7 +152,7 @@ def trained():
     target = make_target(seed=4)
     model = make_streaming(target, lora_noise=0.02, pruning_rank=8)
     with model.adapted() as adapted:
-        prompts = random_prompts(12, seed=5)
+        prompts = streaming_prompts(12, seed=5)
         seqs = [p + hf_greedy(adapted, p, 30) for p in prompts]
     model, history = train_streams(target, model, prompts, seqs, steps=150)
     assert history[-1].metrics["acc/pruning"] > history[0].metrics["acc/pruning"] + 0.3
@@ -181,7 +173,7 @@ def test_greedy_decoding_with_pruning_is_lossless_and_verifies_fewer_rows(traine
 
     drafter.verifier.forward = counting_forward
     taus = []
-    for prompt in random_prompts(12, seed=5) + random_prompts(8, seed=99):
+    for prompt in streaming_prompts(12, seed=5) + streaming_prompts(8, seed=99):
         with model.adapted() as adapted:
             reference = hf_greedy(adapted, prompt, 30)
         result = generate(target, prompt, drafter, max_new_tokens=30, eos_token_ids=[EOS])
@@ -196,7 +188,7 @@ def test_sampled_decoding_with_pruning_is_reproducible(trained):
     from helpers import sampled_twice
 
     target, model = trained
-    first, second = sampled_twice(target, serve(model, target, prune=0.1), random_prompts(1, seed=7)[0])
+    first, second = sampled_twice(target, serve(model, target, prune=0.1), streaming_prompts(1, seed=7)[0])
     assert first == second and len(first) > 0
 
 
@@ -241,6 +233,7 @@ def test_joint_then_afterwards_training_export_and_decode(tmp_path, tiny_target_
     from draftsmith.core.target import load_target
     from draftsmith.inference.methods.table import build_drafter
     from draftsmith.train.cli import main
+    from helpers import prepare_arithmetic_chats
 
     prepare_arithmetic_chats(tmp_path / "prep", tiny_target_dir, 10)
     # jointly: the adapter trains in the streams' run

@@ -54,7 +54,7 @@ TWO_STEPS = [
 NEW_TOKENS = 16
 # Top-3 sampling keeps the enumeration of the first three tokens at 27 sequences on any vocabulary.
 SAMPLING = SamplingConfig(temperature=1.0, top_k=3)
-SAMPLED_TOKENS, SAMPLES = 3, 1000
+SAMPLED_TOKENS, SAMPLES = 3, 600
 
 # (family, architecture) pairs that do not work yet, each with the one-line reason; strict, so a fix shows.
 NOT_YET: dict[tuple[str, str], str] = {
@@ -70,14 +70,6 @@ def architecture(request) -> str:
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def family(request) -> str:
     return request.param
-
-
-@pytest.fixture(autouse=True)
-def not_yet_supported(request, family, architecture) -> None:
-    """Marks each test of a :data:`NOT_YET` pair an expected failure (its shared runs fail to set up)."""
-    reason = NOT_YET.get((family, architecture))
-    if reason:
-        request.node.add_marker(pytest.mark.xfail(strict=True, reason=reason))
 
 
 @pytest.fixture(scope="module")
@@ -111,10 +103,24 @@ class Runs:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, family, target_dir, prepared) -> Runs:
+def runs(tmp_path_factory, family, architecture, target_dir, prepared) -> Runs:
+    """The runs of ``family`` on ``architecture``; for a :data:`NOT_YET` pair, each of its tests an
+    expected failure, and a failure once the pair works (strict)."""
+    reason = NOT_YET.get((family, architecture))
+    try:
+        made = train_resume_and_export(tmp_path_factory.mktemp(f"conformance-{family}"), family, target_dir, prepared)
+    except Exception:
+        if reason:
+            pytest.xfail(reason)
+        raise
+    if reason:
+        pytest.fail(f"{family} on {architecture} works now: take it out of NOT_YET")
+    return made
+
+
+def train_resume_and_export(root: Path, family: str, target_dir: Path, prepared: Path) -> Runs:
     from draftsmith.train.export import export_run
 
-    root = tmp_path_factory.mktemp(f"conformance-{family}")
     made = Runs(root / "straight", root / "resumed", root / "export")
 
     def recipe(run: Path):
@@ -131,6 +137,12 @@ def runs(tmp_path_factory, family, target_dir, prepared) -> Runs:
     train(recipe(made.resumed), resume=True)
     export_run(made.straight, made.export)
     return made
+
+
+@pytest.fixture(scope="module")
+def drafter(runs, target):
+    """The export served on the target, loaded once (a LoRA family's adapter goes on the target once)."""
+    return build_drafter(str(runs.export), target)
 
 
 def test_a_training_step_trains_the_drafter(runs):
@@ -166,14 +178,12 @@ def test_the_export_round_trips(runs, family):
         FAMILIES[family].model_class.from_pretrained(broken)
 
 
-def test_greedy_decoding_is_token_identical_to_plain_decoding(runs, family, target):
-    drafter = build_drafter(str(runs.export), target)
+def test_greedy_decoding_is_token_identical_to_plain_decoding(drafter, family, target):
     assert drafter.name == family
     assert_decodes_like_plain_greedy(target, drafter, NEW_TOKENS)
 
 
-def test_sampled_decoding_is_reproducible_and_draws_the_exact_distribution(runs, target):
-    drafter = build_drafter(str(runs.export), target)
+def test_sampled_decoding_is_reproducible_and_draws_the_exact_distribution(drafter, target):
     prompt = target.encode_chat([{"role": "user", "content": "Explain how a rainbow forms."}])
     twice = sampled_twice(target.model, drafter, prompt)
     assert twice[0] == twice[1] and len(twice[0]) > 0  # the drafter adds no randomness of its own

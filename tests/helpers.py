@@ -177,10 +177,8 @@ def sample_counts(
     model, drafter, config, seed, backends=None, prompt=SAMPLING_PROMPT, n: int = N_SAMPLES, steps: int = 3
 ) -> Counter:
     """How often each sequence of the first ``steps`` tokens comes out of ``n`` sampled generations."""
-    from draftsmith.inference.backends import Backends
     from draftsmith.inference.runtime import generate
 
-    backends = backends or Backends()  # one set of kernels for every sample, built once
     generator = torch.Generator().manual_seed(seed)
     counts = Counter()
     for _ in range(n):

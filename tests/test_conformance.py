@@ -24,6 +24,7 @@ from draftsmith.core.target import Target, load_target
 from draftsmith.core.verify import SamplingConfig
 from draftsmith.drafters.io import DrafterCheckpointError, export_drafter
 from draftsmith.drafters.registry import FAMILIES
+from draftsmith.inference.backends import Backends
 from draftsmith.inference.methods.table import build_drafter
 from draftsmith.train.recipe import load_train_recipe
 from draftsmith.train.trainer import train
@@ -187,7 +188,9 @@ def test_sampled_decoding_is_reproducible_and_draws_the_exact_distribution(draft
     prompt = target.encode_chat([{"role": "user", "content": "Explain how a rainbow forms."}])
     twice = sampled_twice(target.model, drafter, prompt)
     assert twice[0] == twice[1] and len(twice[0]) > 0  # the drafter adds no randomness of its own
-    counts = sample_counts(target.model, drafter, SAMPLING, seed=5, prompt=prompt, n=SAMPLES, steps=SAMPLED_TOKENS)
+    counts = sample_counts(
+        target.model, drafter, SAMPLING, 5, Backends(), prompt=prompt, n=SAMPLES, steps=SAMPLED_TOKENS
+    )  # one set of kernels for every sample: built per generation they cost more than the sample
     with served_model(drafter, target.model) as served:
         exact = exact_distribution(served, SAMPLING, prompt, SAMPLED_TOKENS)
     assert chi_square_p_value(counts, exact, SAMPLES) > 1e-3

@@ -103,4 +103,4 @@ def add_quickstart_command(subparsers: Any, build_parser: Callable[[], argparse.
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=None, help="torch threads for the bench (default: torch's choice)")
     p.add_argument("--wandb", action="store_true", help="also log to W&B (offline without network: WANDB_MODE=offline)")
-    p.set_defaults(func=cmd_quickstart, build_parser=build_parser)
+    p.set_defaults(func=cmd_quickstart, build_parser=build_parser, output_args=("out",))

@@ -144,7 +144,8 @@ def is_bench_results(path: Path) -> bool:
 
 def bench_output_rules(keep: tuple[tuple[str, Path], ...] = ()) -> OutputRules:
     """``bench --out`` replaces only earlier bench results, never one of ``keep`` (its inputs)."""
-    return OutputRules("bench results written by `draftsmith bench`", is_bench_results, keep)
+    writes = ("results.json", "results.md", "chart.png", PROGRESS)
+    return OutputRules("bench results written by `draftsmith bench`", is_bench_results, keep, writes)
 
 
 def write_results(

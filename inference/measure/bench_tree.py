@@ -25,7 +25,7 @@ import torch
 from tqdm.auto import tqdm
 
 from draftsmith.core.cache import keep_positions
-from draftsmith.core.io import atomic_write_bytes, atomic_write_json
+from draftsmith.core.io import OutputRules, atomic_directory, atomic_write_bytes, atomic_write_json
 from draftsmith.core.target import Target
 from draftsmith.core.tree import DraftTree
 from draftsmith.inference.backends import DEFAULT_TREE_ROOM, Backends
@@ -168,7 +168,20 @@ def tree_markdown(results: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_tree_results(results: dict[str, Any], out: Path) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(out / "bench_tree.json", results)
-    atomic_write_bytes(out / "bench_tree.md", tree_markdown(results).encode())
+TREE_RESULTS = ("bench_tree.json", "bench_tree.md")
+
+
+def is_tree_results(path: Path) -> bool:
+    return (Path(path) / TREE_RESULTS[0]).is_file()
+
+
+def tree_output_rules() -> OutputRules:
+    """``bench-tree --out`` replaces only the results an earlier bench-tree wrote."""
+    return OutputRules("results written by `draftsmith bench-tree`", is_tree_results, writes=TREE_RESULTS)
+
+
+def write_tree_results(results: dict[str, Any], out: Path, overwrite: bool = False) -> None:
+    """bench_tree.json and bench_tree.md, both or neither, replacing ``out`` as :func:`tree_output_rules` allow."""
+    with atomic_directory(Path(out), overwrite, tree_output_rules()) as staging:
+        atomic_write_json(staging / TREE_RESULTS[0], results)
+        atomic_write_bytes(staging / TREE_RESULTS[1], tree_markdown(results).encode())

@@ -22,9 +22,8 @@ import torch
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.io import FILES_MANIFEST, atomic_write_json, record_rewritten_file, sha256_file
 from draftsmith.drafters.base import TreeOptions
-from draftsmith.drafters.io import WEIGHTS_NAME
+from draftsmith.drafters.io import TUNED_TREES, WEIGHTS_NAME
 
-TUNED_TREES = "tuned_trees.json"
 TUNED_FORMAT = "draftsmith.tuned_trees/1"
 
 

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from draftsmith.core.arguments import non_negative_int, positive_int
+from draftsmith.core.arguments import add_sampling_arguments, non_negative_int, positive_int, thread_count
 from draftsmith.core.errors import DraftsmithError
 
 DEFAULT_DATASET_HELP = "the bundled default dataset (see README)"
@@ -386,10 +386,7 @@ def add_data_commands(subparsers: Any, recipe_layers: Callable[[str, Any], tuple
         help="regenerate only the first N user turns of each conversation (default: all); 1 spends the time "
         "on more conversations",
     )
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=0)
+    add_sampling_arguments(p)
     p.add_argument(
         "--limit",
         type=positive_int,
@@ -407,7 +404,7 @@ def add_data_commands(subparsers: Any, recipe_layers: Callable[[str, Any], tuple
     )
     p.add_argument(
         "--threads",
-        type=positive_int,
+        type=thread_count,
         default=None,
         help="CPU threads torch uses (default: torch's choice, one per core); when other jobs keep the cores "
         "busy, 1 avoids threads waiting on each other and can be many times faster. With --engine vllm, "

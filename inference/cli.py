@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from draftsmith.core.arguments import positive_int
+from draftsmith.core.arguments import add_sampling_arguments, positive_int, thread_count
 
 
 def _stream_printer(tokenizer) -> Any:
@@ -225,7 +225,9 @@ def _kernel_parent(compile: bool) -> argparse.ArgumentParser:
     and the switches of the runtime's float32 CPU kernels (the same tokens either way); ``compile``: also
     ``--compile`` (commands without it decode eagerly)."""
     p = argparse.ArgumentParser(add_help=False)
-    p.add_argument("--threads", type=positive_int, default=None, help="torch threads, >= 1 (default: torch's choice)")
+    p.add_argument(
+        "--threads", type=thread_count, default=None, help="torch threads, 1 to the cores (default: torch's choice)"
+    )
     if compile:
         p.add_argument(
             "--compile",
@@ -280,10 +282,7 @@ def _add_generate_parser(subparsers: Any) -> None:
     _add_target_arguments(p)
     p.add_argument("--max-new-tokens", type=positive_int, default=256, help="at most this many tokens (>= 1)")
     p.add_argument("--raw", action="store_true", help="use the prompt as raw text, without the chat template")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples, losslessly")
-    p.add_argument("--top-k", type=int, default=0, help="with sampling: keep the k most likely tokens (0 = all)")
-    p.add_argument("--top-p", type=float, default=1.0, help="with sampling: nucleus mass to keep")
-    p.add_argument("--seed", type=int, default=0, help="with sampling: random seed")
+    add_sampling_arguments(p)
     p.set_defaults(func=cmd_generate)
 
 

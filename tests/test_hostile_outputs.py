@@ -290,3 +290,45 @@ def test_tuned_trees_are_dropped_when_the_weights_change(runs, tmp_path):
     write_files_manifest(checkpoint)  # as if training had gone on: other weights, the same run
     main(["export", str(runs / "run"), "--out", str(exported), "--overwrite"])
     assert not (exported / "tuned_trees.json").exists()  # fitted for weights that are gone
+
+
+# ---- numbers and recipes as data ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "option, value, message",
+    [
+        ("--temperature", "-1", "temperature must be 0 (greedy) or at least 1e-4"),
+        ("--temperature", "inf", "temperature must be a finite number"),
+        ("--temperature", "nan", "temperature must be a finite number"),
+        ("--temperature", "1e-300", "temperature must be 0 (greedy) or at least 1e-4"),
+        ("--top-p", "2", "top-p must be in (0, 1]"),
+        ("--top-p", "0", "top-p must be in (0, 1]"),
+        ("--top-k", "-1", "must be an integer >= 0"),
+        ("--seed", str(10**30), "seed must be at most"),
+        ("--threads", "10000", "(the cores available)"),
+    ],
+)
+@pytest.mark.parametrize("command", ["generate", "regenerate"])
+def test_decoding_options_are_checked_once_for_every_command(command, option, value, message, no_model_loads, capsys):
+    argv = ["generate", "hello"] if command == "generate" else ["data", "regenerate", "x.jsonl", "--out", "y.jsonl"]
+    line = refused([*argv, option, value], capsys)
+    assert message in line and option in line
+
+
+def test_a_recipe_with_a_repeated_key_or_section_is_refused(
+    tmp_path, tiny_target_dir, prepared_dir, no_model_loads, capsys
+):
+    recipe = write_recipe(tmp_path, tiny_target_dir, prepared_dir)
+    text = recipe.read_text()
+    recipe.write_text(text + "train:\n  epochs: 1\n")  # a second train: section would replace the first
+    assert "key 'train' appears twice" in refused(["train", recipe], capsys)
+    recipe.write_text(text.replace("warmup_steps: 1", "warmup_steps: 1\n  warmup_steps: 0"))
+    assert "key 'warmup_steps' appears twice" in refused(["train", recipe], capsys)
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("override", ["train.weight_decay=nan", "train.lr=.inf"])
+def test_recipe_numbers_must_be_finite(tmp_path, tiny_target_dir, prepared_dir, no_model_loads, capsys, override):
+    recipe = write_recipe(tmp_path, tiny_target_dir, prepared_dir)
+    assert "must be a finite number" in refused(["train", recipe, override], capsys)

@@ -548,7 +548,10 @@ def run_tune(
             "plain_tokens_per_s": plain.tokens_per_s,
         },
         "weights_sha256": weights_sha256(directory),
-        "kernels": {flag: bool(bench[flag]) for flag in ("native", "packed_gemm", "greedy_head")},
+        "kernels": {
+            **{flag: bool(bench[flag]) for flag in ("native", "greedy_head")},
+            "linear": bench["linear"]["kernel"],
+        },
         "calibration": {
             "prompts": len(prompts),
             "questions": str(questions) if questions else "default held-out prompts",

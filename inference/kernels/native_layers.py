@@ -94,6 +94,7 @@ def native_decoder_layers(
         return None
     rows = x.shape[1]
     packs = [_active_pack(linear, rows) for linear in plan.linears]
+    onednn = [_onednn(linear) for linear in plan.linears]  # per projection: a replaced module has no pack
     rooms = [layer.append_rows(rows) for layer in cache_layers]
     return extension.decoder_layers(
         x,
@@ -111,7 +112,7 @@ def native_decoder_layers(
         plan.head_dim,
         plan.scaling,
         grouped,
-        _onednn(plan.linears[0]),
+        onednn,
     )
 
 

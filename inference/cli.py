@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from draftsmith.core.arguments import add_sampling_arguments, positive_int, thread_count
+from draftsmith.inference.kernels import LINEAR_KERNELS
 
 
 def _stream_printer(tokenizer) -> Any:
@@ -75,7 +76,7 @@ def _backends(args: argparse.Namespace):
 
     options = KernelOptions(
         compiled=args.compile,
-        packed_gemm=not args.no_packed_gemm,
+        linear=args.linear,
         greedy_head=not args.no_greedy_head,
         native=not args.no_native,
         threads=args.threads,
@@ -237,10 +238,16 @@ def _kernel_parent(compile: bool) -> argparse.ArgumentParser:
         )
     else:
         p.set_defaults(compile=False)
+    p.add_argument(
+        "--linear",
+        choices=LINEAR_KERNELS,
+        default="onednn",
+        help="the target's linears in the runtime's forwards (float32 on CPU): onednn = oneDNN's prepacked "
+        "linear for every forward (default; one extra copy of the weights; a few rows cost about one row), "
+        "mkl = MKL's packed GEMM for tree verifications padded to row buckets (a copy per bucket used), "
+        "default = PyTorch's matrix multiply; where one is missing from this PyTorch build, the next serves",
+    )
     switches = {
-        "--no-packed-gemm": "verify trees with PyTorch's default matrix multiply instead of MKL's packed GEMM "
-        "(the packed one makes a few-row forward cost little more than one row, at one extra copy of the weights "
-        "per row bucket used)",
         "--no-greedy-head": "in greedy verification, compute the target's full logits instead of its argmax through "
         "a screened int8 copy of the head with a proof (the screen reads a quarter of the head's bytes)",
         "--no-native": "run verification forwards through the Python loop instead of the runtime's C++ decoder "

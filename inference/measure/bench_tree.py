@@ -30,6 +30,7 @@ from draftsmith.core.target import Target
 from draftsmith.core.tree import DraftTree
 from draftsmith.inference.backends import DEFAULT_TREE_ROOM, Backends
 from draftsmith.inference.kernels.options import KernelOptions
+from draftsmith.inference.measure.bench_report import linear_note
 from draftsmith.inference.measure.errors import BenchError
 from draftsmith.inference.runtime import PlainDecoding
 
@@ -141,7 +142,7 @@ def run_tree_bench(
         "threads": torch.get_num_threads(),
         "device": str(forward.device),
         "dtype": str(forward.dtype).removeprefix("torch."),
-        "packed_gemm": forward.kernels.gemm is not None,
+        "linear": forward.kernels.linear_record(),
         "greedy_head": forward.kernels.greedy_head() is not None,
         "native": forward.kernels.direct() is not None and forward.kernels.direct().native,
         "rows": rows,
@@ -152,7 +153,7 @@ def tree_markdown(results: dict[str, Any]) -> str:
     lines = [
         f"One verification forward on a {results['prefix']}-token cached prefix, {results['shape']} tree, "
         f"{results['threads']} threads, {results['dtype']} on {results['device']}"
-        f"{', MKL packed GEMM (padded to row buckets)' if results.get('packed_gemm') else ''}"
+        f"{', ' + linear_note(results['linear']) if results.get('linear') else ''}"
         f"{', greedy tokens through the screened head' if results.get('greedy_head') else ''}"
         f"{', decoder layers and contender search in C++' if results.get('native') else ''}; median of "
         f"{results['repeats']}; size = query tokens (root + draft nodes).",

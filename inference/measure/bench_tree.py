@@ -2,11 +2,12 @@
 
 A tree method trades target forwards for wider forwards; this measures the price. For each size S
 the target runs the runtime's own verification forward (4D tree mask, depth positions, a
-preallocated cache and, on a float32 CPU, packed GEMM padded to a row bucket) over S query tokens,
+preallocated cache and, on a float32 CPU, the prepacked linears of ``--linear``) over S query tokens,
 the root plus S - 1 draft nodes, on top of a KV cache that holds a ``prefix``-token context, and the
 median over repeats is reported relative to S = 1 (a plain decoding step). Sizes are timed
 interleaved, repeat by repeat, so machine noise hits all of them alike; the cache is cut back to the
-prefix after each forward, outside the timed region.
+prefix after each forward, outside the timed region. Every size is also shown against the floor of
+a step on this machine (:mod:`floor`: the weights' bytes over the measured read speed).
 
 Tree shapes: ``random`` (each node's parent drawn uniformly among the root and the earlier nodes, a
 fixed seed; a bushy tree like EAGLE-2's) or ``chain`` (a draft-model or prompt-lookup chain). For the
@@ -32,6 +33,7 @@ from draftsmith.inference.backends import DEFAULT_TREE_ROOM, Backends
 from draftsmith.inference.kernels.options import KernelOptions
 from draftsmith.inference.measure.bench_report import linear_note
 from draftsmith.inference.measure.errors import BenchError
+from draftsmith.inference.measure.floor import floor_note, step_floor
 from draftsmith.inference.runtime import PlainDecoding
 
 SHAPES = ("random", "chain")
@@ -145,6 +147,7 @@ def run_tree_bench(
         "linear": forward.kernels.linear_record(),
         "greedy_head": forward.kernels.greedy_head() is not None,
         "native": forward.kernels.direct() is not None and forward.kernels.direct().native,
+        "floor": step_floor(target.model, forward.kernels.greedy_head()),
         "rows": rows,
     }
 
@@ -157,14 +160,17 @@ def tree_markdown(results: dict[str, Any]) -> str:
         f"{', greedy tokens through the screened head' if results.get('greedy_head') else ''}"
         f"{', decoder layers and contender search in C++' if results.get('native') else ''}; median of "
         f"{results['repeats']}; size = query tokens (root + draft nodes).",
+        *([floor_note(results["floor"])] if results.get("floor") else []),
         "",
-        "| size | draft nodes | depth | median ms | relative to 1 token |",
-        "| --- | --- | --- | --- | --- |",
+        "| size | draft nodes | depth | median ms | relative to 1 token | relative to the floor |",
+        "| --- | --- | --- | --- | --- | --- |",
     ]
+    floor_ms = results.get("floor", {}).get("floor_ms")
     for row in results["rows"]:
+        to_floor = f"{row['median_ms'] / floor_ms:.2f}x" if floor_ms else "-"
         lines.append(
             f"| {row['size']} | {row['draft_nodes']} | {row['max_depth']} | {row['median_ms']:.2f} | "
-            f"{row['relative']:.2f}x |"
+            f"{row['relative']:.2f}x | {to_floor} |"
         )
     return "\n".join(lines) + "\n"
 

@@ -27,8 +27,8 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from draftsmith.core import target as targets
 from draftsmith.core.io import atomic_write_json, check_output_file, record_rewritten_file
-from draftsmith.core.target import load_target
 from draftsmith.data.features import CACHE_FORMAT, FeatureCache, target_features
 from draftsmith.data.prepared import PreparedDataset
 from draftsmith.drafters.base import TreeOptions
@@ -155,7 +155,7 @@ def calibrate(
     calibrated = [name for name, entry in FAMILIES.items() if entry.calibrated_tree]
     if family not in calibrated:
         raise MedusaTreeError(f"{directory} holds a {family!r} drafter; calibrate works on {' and '.join(calibrated)}")
-    target = load_target(target_name)
+    target = targets.load_target(target_name)
     check_drafter_target(config, target, directory)
     model = get_family(family).model_class.from_pretrained(directory).to(target.model.device, target.model.dtype)
     drafter = model.eval().runtime_drafter(target.model, TreeOptions())

@@ -4,6 +4,8 @@ file is read or any model is loaded, with the option's allowed range in the mess
 from __future__ import annotations
 
 import argparse
+import math
+import os
 from collections.abc import Callable
 
 
@@ -25,3 +27,59 @@ def int_at_least(minimum: int) -> Callable[[str], int]:
 
 positive_int = int_at_least(1)
 non_negative_int = int_at_least(0)
+
+
+# torch.manual_seed takes any 64-bit integer; a seed is recorded and compared, so keep it non-negative
+MAX_SEED = 2**63 - 1
+
+
+def _float(text: str, option: str, allowed: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{option} must be a number {allowed}, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{option} must be a finite number {allowed}, got {text!r}")
+    return value
+
+
+def temperature(text: str) -> float:
+    """0 decodes greedily; a positive temperature samples. Negative, NaN and infinite ones are refused
+    (they decoded greedily, or sampled uniform noise, without a word)."""
+    value = _float(text, "temperature", ">= 0 (0 = greedy)")
+    if value < 0 or 0 < value < 1e-4:  # a vanishing temperature overflows the logits it divides
+        raise argparse.ArgumentTypeError(f"temperature must be 0 (greedy) or at least 1e-4, got {text!r}")
+    return value
+
+
+def top_p(text: str) -> float:
+    value = _float(text, "top-p", "in (0, 1]")
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"top-p must be in (0, 1] (1 keeps every token), got {text!r}")
+    return value
+
+
+def seed(text: str) -> int:
+    value = int_at_least(0)(text)
+    if value > MAX_SEED:
+        raise argparse.ArgumentTypeError(f"seed must be at most {MAX_SEED}, got {text}")
+    return value
+
+
+def thread_count(text: str) -> int:
+    """1 up to the cores this process may use: more threads than cores only wait on each other."""
+    value = positive_int(text)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if value > cores:
+        raise argparse.ArgumentTypeError(f"must be from 1 to {cores} (the cores available), got {value}")
+    return value
+
+
+def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
+    """--temperature, --top-k, --top-p and --seed, checked the same way by every command that decodes."""
+    parser.add_argument("--temperature", type=temperature, default=0.0, help="0 = greedy (default); > 0 samples")
+    parser.add_argument(
+        "--top-k", type=non_negative_int, default=0, help="with sampling: keep the k most likely tokens (0 = all)"
+    )
+    parser.add_argument("--top-p", type=top_p, default=1.0, help="with sampling: nucleus mass to keep, in (0, 1]")
+    parser.add_argument("--seed", type=seed, default=0, help=f"with sampling: random seed, 0..{MAX_SEED}")

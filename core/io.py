@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import fnmatch
 import hashlib
 import json
 import os
@@ -11,7 +12,7 @@ import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from draftsmith.core.errors import DraftsmithError
@@ -30,9 +31,12 @@ class OutputRules:
     what: str  # e.g. "a prepared dataset written by `draftsmith data prepare`"
     is_own: Callable[[Path], bool]
     keep: tuple[tuple[str, Path], ...] = ()  # (what it is, path), e.g. ("the input", Path("d.jsonl"))
+    # the files (fnmatch patterns, relative) the command writes, beside those its files.json records: an
+    # output written before files were recorded, or one (bench results) that records none
+    writes: tuple[str, ...] = ()
 
 
-def _overlap(dest: Path, kept: Path) -> str | None:
+def overlap(dest: Path, kept: Path) -> str | None:
     """How ``dest`` overlaps ``kept`` ("is", "contains", "lies inside"), compared by resolved path."""
     dest, kept = dest.resolve(), kept.resolve()
     if dest == kept:
@@ -44,15 +48,21 @@ def _overlap(dest: Path, kept: Path) -> str | None:
     return None
 
 
+def check_apart_from_inputs(dest: Path, keep: tuple[tuple[str, Path], ...], option: str = "--out") -> None:
+    """Refuse an output that is, contains or lies inside one of ``keep`` (what it is, path): writing it
+    would replace or bury the command's own input."""
+    for what, kept in keep:
+        relation = overlap(Path(dest), Path(kept))
+        if relation:
+            raise OutputDirectoryError(f"{option} {dest} {relation} {what} {kept}; choose an {option} outside it")
+
+
 def check_output_directory(dest: Path, overwrite: bool, rules: OutputRules | None = None) -> None:
     """Refuse, before any work, an ``--out`` whose replacement would delete what this command did not
     write: an input or run (always), a file, a non-empty directory without ``overwrite``, and with it
     one that does not look like this command's own output. ``rules=None`` replaces only empty ones."""
     dest = Path(dest)
-    for what, kept in rules.keep if rules else ():
-        relation = _overlap(dest, Path(kept))
-        if relation:
-            raise OutputDirectoryError(f"--out {dest} {relation} {what} {kept}; choose an --out outside it")
+    check_apart_from_inputs(dest, rules.keep if rules else ())
     if not dest.exists():
         return
     if not dest.is_dir():
@@ -64,10 +74,68 @@ def check_output_directory(dest: Path, overwrite: bool, rules: OutputRules | Non
             f"--out {dest} is not empty and is not {rules.what}; choose another --out "
             "(--overwrite never deletes what the command did not write)"
         )
+    foreign = files_not_written_by(dest, rules) if rules is not None else []
+    if foreign:  # replacing the directory would delete them: the user's notes kept beside the results
+        shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+        raise OutputDirectoryError(
+            f"--out {dest} holds files that are not part of {rules.what} ({shown}); move them out of it or "
+            "choose another --out (--overwrite never deletes what the command did not write)"
+        )
     if not overwrite:
         raise OutputDirectoryError(f"{dest} already exists and is not empty; choose another --out or pass --overwrite")
     if rules is None:
         raise OutputDirectoryError(f"{dest} already exists and is not empty; choose another --out")
+
+
+def check_output_file(
+    dest: Path,
+    overwrite: bool,
+    what: str,
+    is_own: Callable[[Path], bool],
+    keep: tuple[tuple[str, Path], ...] = (),
+    option: str = "--out",
+) -> None:
+    """The rule of :func:`check_output_directory` for a command that writes one file (an index, a tree):
+    never an input; an existing file only with ``overwrite`` and only if it is ``what`` (``is_own``)."""
+    dest = Path(dest)
+    check_apart_from_inputs(dest, keep, option)
+    if not dest.exists() and not dest.is_symlink():
+        return
+    if dest.is_dir():
+        raise OutputDirectoryError(f"{option} {dest} is a directory; name the file to write, e.g. {dest}/out")
+    if not dest.is_file():
+        raise OutputDirectoryError(f"{option} {dest} is not a regular file (a pipe?); choose another {option}")
+    if not is_own(dest):  # checked first, so the fix offered is never --overwrite
+        raise OutputDirectoryError(
+            f"{option} {dest} exists and is not {what}; choose another {option} "
+            "(--overwrite never replaces what the command did not write)"
+        )
+    if not overwrite:
+        raise OutputDirectoryError(f"{dest} already exists; choose another {option} or pass --overwrite")
+
+
+def files_not_written_by(dest: Path, rules: OutputRules) -> list[str]:
+    """The entries under ``dest`` (relative paths; an empty folder ends in ``/``) that are neither in its
+    files.json nor one of the files ``rules`` says the command writes: what replacing ``dest`` would lose."""
+    dest = Path(dest)
+    try:
+        own = set(recorded_files(dest) or ()) | {FILES_MANIFEST}
+    except IntegrityError:  # a damaged record vouches for nothing: only the command's own names count
+        own = {FILES_MANIFEST}
+    foreign = []
+    for path in sorted(dest.rglob("*")):
+        name = path.relative_to(dest).as_posix()
+        if path.is_dir() and not path.is_symlink():
+            if not any(path.iterdir()):
+                foreign.append(name + "/")
+        elif name not in own and not any(_names(name, pattern) for pattern in rules.writes):
+            foreign.append(name)
+    return foreign
+
+
+def _names(name: str, pattern: str) -> bool:
+    """Whether ``pattern`` names the relative path ``name``, folder by folder (``*`` never spans a ``/``)."""
+    return name.count("/") == pattern.count("/") and fnmatch.fnmatchcase(name, pattern)
 
 
 def check_creatable_directory(dest: Path, inside: bool = False, option: str = "--out") -> None:
@@ -212,6 +280,36 @@ def write_files_manifest(root: Path) -> None:
     atomic_write_json(Path(root) / FILES_MANIFEST, {"format": FILES_FORMAT, "files": describe_files(root)})
 
 
+def is_plain_relative_name(root: Path, name: str) -> bool:
+    """Whether a recorded file name names a file inside ``root``: relative, no ``..``, no ``\\``, and not
+    leading out through a symbolic link (a hostile files.json must not make us read /etc/passwd)."""
+    parts = PurePosixPath(name).parts
+    if not name or "\\" in name or "\0" in name or PurePosixPath(name).is_absolute():
+        return False
+    if any(part in ("..", ".") for part in parts):
+        return False
+    root = Path(root).resolve()
+    return (root / name).resolve().is_relative_to(root)
+
+
+def recorded_files(root: Path) -> dict[str, tuple[int, str]] | None:
+    """The (size, sha256) :data:`FILES_MANIFEST` records for each file of ``root``, or None when it
+    records nothing (an artifact from before files were recorded). :class:`IntegrityError` when the
+    manifest is damaged or names a file outside ``root``."""
+    manifest_path = Path(root) / FILES_MANIFEST
+    if not manifest_path.is_file():
+        return None
+    try:
+        recorded = json.loads(manifest_path.read_text(encoding="utf-8"))["files"]
+        entries = {str(name): (int(entry["size"]), str(entry["sha256"])) for name, entry in recorded.items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        raise IntegrityError(f"{manifest_path} is damaged") from None
+    outside = next((name for name in entries if not is_plain_relative_name(root, name)), None)
+    if outside is not None:
+        raise IntegrityError(f"{manifest_path} names {outside!r}, which is not a file inside {root} (edited?)")
+    return entries
+
+
 def record_rewritten_file(root: Path, name: str) -> None:
     """After a command rewrote ``root/name`` in place (e.g. a calibrated tree in an export's config),
     record its new size and sha256, so the directory still verifies."""
@@ -224,19 +322,19 @@ def record_rewritten_file(root: Path, name: str) -> None:
     atomic_write_json(manifest_path, manifest)
 
 
-def file_problems(root: Path, hashes: bool = True) -> dict[str, str]:
+def file_problems(root: Path, hashes: bool = True, required: bool = False) -> dict[str, str]:
     """What is wrong with each recorded file of ``root`` (by relative path): missing, another size, or
-    (with ``hashes``) other bytes. Empty when all is well or nothing was recorded (an artifact written
-    before files were recorded is read as it is)."""
+    (with ``hashes``) other bytes. Empty when all is well, or when nothing was recorded and the record is
+    not ``required`` (an artifact written before files were recorded is read as it is)."""
     root = Path(root)
-    manifest_path = root / FILES_MANIFEST
-    if not manifest_path.is_file():
-        return {}
     try:
-        recorded = json.loads(manifest_path.read_text())["files"]
-        entries = {str(name): (int(entry["size"]), str(entry["sha256"])) for name, entry in recorded.items()}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return {FILES_MANIFEST: f"{manifest_path} is damaged"}
+        entries = recorded_files(root)
+    except IntegrityError as error:
+        return {FILES_MANIFEST: str(error)}
+    if entries is None and required:
+        return {FILES_MANIFEST: f"{root / FILES_MANIFEST} is missing, so none of its files can be checked"}
+    if entries is None:
+        return {}
     problems = {}
     for name, (size, digest) in entries.items():
         path = root / name
@@ -249,8 +347,14 @@ def file_problems(root: Path, hashes: bool = True) -> dict[str, str]:
     return problems
 
 
-def verify_files(root: Path, rebuild: str, hashes: bool = True, error: type[DraftsmithError] = IntegrityError) -> None:
+def verify_files(
+    root: Path,
+    rebuild: str,
+    hashes: bool = True,
+    error: type[DraftsmithError] = IntegrityError,
+    required: bool = False,
+) -> None:
     """Raise ``error`` naming the first damaged file of ``root`` and ``rebuild``, the fix."""
-    problems = file_problems(root, hashes)
+    problems = file_problems(root, hashes, required)
     if problems:
         raise error(f"{next(iter(problems.values()))}; {rebuild}")

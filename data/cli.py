@@ -8,7 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from draftsmith.core.arguments import non_negative_int, positive_int
+from draftsmith.core.arguments import add_sampling_arguments, non_negative_int, positive_int, thread_count
 from draftsmith.core.errors import DraftsmithError
 
 DEFAULT_DATASET_HELP = "the bundled default dataset (see README)"
@@ -154,11 +154,14 @@ def cmd_show(args: argparse.Namespace) -> None:
 def cmd_regenerate(args: argparse.Namespace) -> None:
     from contextlib import ExitStack
 
+    from draftsmith.core.io import check_apart_from_inputs
     from draftsmith.core.target import load_target
     from draftsmith.data.formats import check_source_available
     from draftsmith.data.regenerate import RegenerateSettings, regenerate
 
     check_source_available(_source(args.input))
+    if Path(_source(args.input)).exists():  # answers written over their own questions would lose both
+        check_apart_from_inputs(Path(args.out), (("the input", Path(_source(args.input))),))
     vllm = _vllm_for_regeneration(args) if args.engine == "vllm" else None
     if args.threads is not None:
         import torch
@@ -241,7 +244,7 @@ def _parse_layers(text: str) -> tuple[int, ...]:
 def cmd_cache_features(args: argparse.Namespace) -> None:
     from draftsmith.core.io import check_creatable_directory
     from draftsmith.core.target import load_target
-    from draftsmith.data.features import CacheSettings, FeatureCache, build_feature_cache
+    from draftsmith.data.features import CacheSettings, FeatureCache, build_feature_cache, check_cache_output
     from draftsmith.data.prepared import PreparedDataset
 
     if args.verify:
@@ -254,6 +257,7 @@ def cmd_cache_features(args: argparse.Namespace) -> None:
         return
     if args.prepared is None:
         raise DataOptionError("give the prepared dataset directory (from `draftsmith data prepare`)")
+    check_cache_output(Path(args.out), Path(args.prepared))
     dataset = PreparedDataset(Path(args.prepared))
     check_creatable_directory(Path(args.out), inside=True)  # shards are written in place, resumably
     target = load_target(args.target, dtype=args.model_dtype, device=args.device)
@@ -324,7 +328,7 @@ def add_data_commands(subparsers: Any, recipe_layers: Callable[[str, Any], tuple
         action="store_true",
         help="replace an existing prepared dataset (never a directory prepare did not write, nor the input)",
     )
-    p.set_defaults(func=cmd_prepare)
+    p.set_defaults(func=cmd_prepare, output_args=("out",))
 
     p = commands.add_parser(
         "show",
@@ -382,10 +386,7 @@ def add_data_commands(subparsers: Any, recipe_layers: Callable[[str, Any], tuple
         help="regenerate only the first N user turns of each conversation (default: all); 1 spends the time "
         "on more conversations",
     )
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=0)
+    add_sampling_arguments(p)
     p.add_argument(
         "--limit",
         type=positive_int,
@@ -403,7 +404,7 @@ def add_data_commands(subparsers: Any, recipe_layers: Callable[[str, Any], tuple
     )
     p.add_argument(
         "--threads",
-        type=positive_int,
+        type=thread_count,
         default=None,
         help="CPU threads torch uses (default: torch's choice, one per core); when other jobs keep the cores "
         "busy, 1 avoids threads waiting on each other and can be many times faster. With --engine vllm, "
@@ -411,7 +412,7 @@ def add_data_commands(subparsers: Any, recipe_layers: Callable[[str, Any], tuple
     )
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", help="model dtype (float32, bfloat16, float16)")
-    p.set_defaults(func=cmd_regenerate)
+    p.set_defaults(func=cmd_regenerate, output_args=("out",))
 
     p = commands.add_parser(
         "cache-features",
@@ -437,4 +438,4 @@ def add_data_commands(subparsers: Any, recipe_layers: Callable[[str, Any], tuple
     p.add_argument("--model-dtype", default="float32", help="dtype the target runs in")
     p.add_argument("--overwrite", action="store_true", help="rebuild from scratch")
     p.add_argument("--verify", action="store_true", help="only check every shard of an existing cache")
-    p.set_defaults(func=cmd_cache_features)
+    p.set_defaults(func=cmd_cache_features, output_args=("out",))

@@ -28,7 +28,7 @@ from safetensors.torch import save as save_safetensors
 from tqdm.auto import tqdm
 
 from draftsmith.core.errors import DraftsmithError
-from draftsmith.core.io import atomic_write_bytes, atomic_write_json
+from draftsmith.core.io import atomic_write_bytes, atomic_write_json, check_apart_from_inputs
 from draftsmith.core.target import Target, TargetIdentity
 from draftsmith.data.prepared import PreparedDataset
 
@@ -167,6 +167,26 @@ def _check_resumable(manifest: dict[str, Any], fresh: dict[str, Any], out: Path)
                 f"{out} holds a feature cache for another {what}; "
                 "choose another --out or pass --overwrite to rebuild it"
             )
+
+
+def is_feature_cache(path: Path) -> bool:
+    """Whether ``path`` holds a (possibly partial) cache :func:`build_feature_cache` wrote."""
+    try:
+        return json.loads((Path(path) / MANIFEST).read_text(encoding="utf-8")).get("format") == CACHE_FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def check_cache_output(out: Path, prepared: Path) -> None:
+    """Before the target loads: ``--out`` is never the prepared dataset (or around or inside it), and a
+    non-empty one must be a feature cache (it is resumed, or with --overwrite rebuilt, in place)."""
+    out = Path(out)
+    check_apart_from_inputs(out, (("the prepared dataset", Path(prepared)),))
+    if out.is_dir() and any(out.iterdir()) and not is_feature_cache(out):
+        raise FeatureCacheError(
+            f"--out {out} is not empty and is not a feature cache written by `draftsmith data cache-features`; "
+            "choose another --out (--overwrite never deletes what the command did not write)"
+        )
 
 
 def build_feature_cache(

@@ -46,7 +46,8 @@ def is_prepared_directory(path: Path) -> bool:
 def prepared_output_rules(source: str) -> OutputRules:
     """``--out`` of ``data prepare`` replaces only a prepared dataset, and never holds its input."""
     keep = (("the input", Path(source)),) if Path(source).exists() else ()
-    return OutputRules("a prepared dataset written by `draftsmith data prepare`", is_prepared_directory, keep)
+    what = "a prepared dataset written by `draftsmith data prepare`"
+    return OutputRules(what, is_prepared_directory, keep, writes=(MANIFEST, TOKENS))
 
 
 def template_hash(chat_template: str) -> str:

@@ -8,6 +8,8 @@ checkpoints, ``draftsmith export`` and the runtime's loader alike.
 from __future__ import annotations
 
 import json
+import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -16,11 +18,12 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from draftsmith.core.errors import DraftsmithError
-from draftsmith.core.io import OutputRules, atomic_directory, verify_files
+from draftsmith.core.io import FILES_MANIFEST, OutputRules, atomic_directory, sha256_file, verify_files
 from draftsmith.core.target import Target, TargetError, TargetIdentity
 from draftsmith.drafters.engine_layouts import Verifier, check_engine_export
 
 WEIGHTS_NAME = "model.safetensors"
+TUNED_TREES = "tuned_trees.json"  # the trees `draftsmith tune` fitted to devices, inside an export
 
 
 class DrafterCheckpointError(DraftsmithError, ValueError):
@@ -32,12 +35,28 @@ def rebuild_export(directory: str | Path) -> str:
 
 
 def load_weights_file(path: str | Path) -> dict[str, torch.Tensor]:
-    """A safetensors file's tensors; a truncated or garbled file is one line, not a SafetensorError."""
+    """A safetensors file's tensors, all finite; a truncated or garbled file is one line, not a
+    SafetensorError."""
     try:
-        return load_file(str(path))
+        tensors = load_file(str(path))
     except Exception as exc:  # safetensors raises its own error types (and OSError) for damaged files
         detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise DrafterCheckpointError(f"{path} is damaged ({detail}); {rebuild_export(Path(path).parent)}") from None
+    check_finite_weights(tensors, str(path), rebuild_export(Path(path).parent))
+    return tensors
+
+
+def check_finite_weights(
+    tensors: dict[str, torch.Tensor],
+    where: str,
+    fix: str,
+    error: type[DraftsmithError] = DrafterCheckpointError,
+) -> None:
+    """Refuse weights holding NaN or infinity (a diverged run, a damaged file): a drafter with them
+    proposes garbage, or nothing, without a word."""
+    for name, tensor in tensors.items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise error(f"{where} holds non-finite weights ({name} has NaN or infinity); {fix}")
 
 
 def check_vocabulary_indices(model: nn.Module, vocab_size: int, directory: str | Path) -> None:
@@ -119,6 +138,11 @@ def read_drafter_config(directory: str | Path) -> dict[str, Any]:
             f"{directory} is not an exported drafter (no config.json); make one with `draftsmith export`"
         )
     verify_files(Path(directory), rebuild_export(directory))
+    if not (Path(directory) / FILES_MANIFEST).is_file():
+        _warn_once(
+            f"{directory} records no {FILES_MANIFEST} (exported before files were recorded), so its files are not "
+            f"checked; {rebuild_export(directory)}"
+        )
     try:
         config = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
@@ -126,6 +150,16 @@ def read_drafter_config(directory: str | Path) -> dict[str, Any]:
     if not isinstance(config, dict) or "drafter_family" not in config:
         raise DrafterCheckpointError(f"{path} names no drafter_family; it was not written by `draftsmith export`")
     return config
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    """One warning line per process, however often the drafter is loaded (bench loads it per method)."""
+    if message not in _warned:
+        _warned.add(message)
+        print(f"draftsmith: warning: {message}", file=sys.stderr)
 
 
 def check_drafter_target(config: dict[str, Any], target: Target, directory: str | Path) -> None:
@@ -153,9 +187,14 @@ def is_exported_drafter(path: Path) -> bool:
     )
 
 
+# What an export (of any family or format) writes, for one made before its files were recorded; `tune`
+# adds tuned_trees.json.
+EXPORT_WRITES = ("config.json", "*.safetensors", "adapter_config.json", "generation_config.json", TUNED_TREES)
+
+
 def drafter_output_rules(keep: tuple[tuple[str, Path], ...] = ()) -> OutputRules:
     """``--out`` of ``draftsmith export`` replaces only an exported drafter, never one of ``keep``."""
-    return OutputRules("a drafter written by `draftsmith export`", is_exported_drafter, keep)
+    return OutputRules("a drafter written by `draftsmith export`", is_exported_drafter, keep, EXPORT_WRITES)
 
 
 def export_drafter(
@@ -170,7 +209,18 @@ def export_drafter(
     model.config.target_identity = dict(target_identity)
     with atomic_directory(Path(out), overwrite, drafter_output_rules(keep), record_files=True) as staging:
         model.save_pretrained(staging)
+        keep_tuned_trees(Path(out), staging)
     return Path(out)
+
+
+def keep_tuned_trees(earlier: Path, staging: Path) -> None:
+    """Carry the earlier export's tuned_trees.json into its replacement when the weights it was fitted
+    for are the same bytes (an export run again of the same checkpoint): the trees still hold, and
+    fitting them again takes minutes."""
+    fitted = earlier / TUNED_TREES
+    old, new = earlier / WEIGHTS_NAME, staging / WEIGHTS_NAME
+    if fitted.is_file() and old.is_file() and new.is_file() and sha256_file(old) == sha256_file(new):
+        shutil.copy2(fitted, staging / TUNED_TREES)
 
 
 ENGINE_EXPORT_KEY = "draftsmith_export"  # config.json key of engine exports: family, format, target identity

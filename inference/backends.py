@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,8 +66,8 @@ def verification_forward(
     per-call machinery, bitwise the same (``direct_forward.py``); adding ``greedy`` (the model's head),
     it returns a :class:`GreedyForward`: the float32 head's argmax per row, without its logits."""
     device = tree_inputs.device
+    rows = gemm.padded_rows(1 + len(tree)) if gemm is not None else 0  # (makes the packs a forward uses)
     if len(tree):
-        rows = gemm.padded_rows(1 + len(tree)) if gemm is not None else 0
         mask, positions = tree_inputs.build(tree, past, rows)
         if direct is None:  # the direct forward serves full-attention Llamas only
             mask = masks_per_layer_type(model.config, mask, positions)
@@ -178,7 +178,8 @@ class EagerBackend(_Backend):
         return EagerCache(kv, TreeInputBuffers(DEFAULT_TREE_ROOM, capacity, self.dtype, self.device))
 
     def prefill(self, cache: EagerCache, prompt_ids: list[int], hidden: bool):
-        return super().prefill(cache.kv, prompt_ids, hidden)
+        with self._gemm.model_forwards() if self._gemm is not None else nullcontext():
+            return super().prefill(cache.kv, prompt_ids, hidden)
 
     def verify(self, cache: EagerCache, root: int, tree: DraftTree, past: int, hidden: bool):
         return verification_forward(
@@ -254,6 +255,15 @@ class Backends:
         if self._compiled is None or self._compiled.model is not model:
             self._compiled = CompiledTarget(model, backend=self._compile_backend)
         return self._compiled
+
+    def reference_forwards(self, model: nn.Module) -> AbstractContextManager[None]:
+        """The context that makes ``model``'s own forwards outside the runtime (the reference ``generate``
+        of ``bench`` and the tests) the runtime's numerical model: its linears through the same packs
+        where the runtime's plain steps use them (:meth:`PackedGemm.model_forwards`)."""
+        if self.options.compiled:
+            return nullcontext()
+        gemm = self.kernels(model).gemm
+        return gemm.model_forwards() if gemm is not None else nullcontext()
 
     def prepare(self, model: nn.Module) -> None:
         """Build what decoding on ``model`` will use (compiled target; direct forward, C++ layers and

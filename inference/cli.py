@@ -7,7 +7,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from draftsmith.core.arguments import positive_int
+from draftsmith.core.arguments import add_sampling_arguments, positive_int, thread_count
+from draftsmith.inference.kernels import LINEAR_KERNELS
 
 
 def _stream_printer(tokenizer) -> Any:
@@ -75,7 +76,7 @@ def _backends(args: argparse.Namespace):
 
     options = KernelOptions(
         compiled=args.compile,
-        packed_gemm=not args.no_packed_gemm,
+        linear=args.linear,
         greedy_head=not args.no_greedy_head,
         native=not args.no_native,
         threads=args.threads,
@@ -121,8 +122,8 @@ def cmd_bench(args: argparse.Namespace) -> None:
             f"{out} holds an unfinished bench ({len(finished)} questions done); --resume continues it, "
             "--overwrite starts over"
         )
-    if not args.resume:
-        check_output_directory(out, args.overwrite, rules)
+    # a resumed bench replaces --out at the end as --overwrite does: the user's files there are refused now
+    check_output_directory(out, args.overwrite or args.resume, rules)
     check_creatable_directory(out)
     target = _load_target(args)
     target_dir = safetensors_directory(args.target) if any(is_vllm_method(m) for m in methods) else None
@@ -146,15 +147,25 @@ def cmd_bench(args: argparse.Namespace) -> None:
 
 
 def cmd_bench_tree(args: argparse.Namespace) -> None:
-    from draftsmith.inference.measure.bench_tree import parse_sizes, run_tree_bench, tree_markdown, write_tree_results
+    from draftsmith.core.io import check_creatable_directory, check_output_directory
+    from draftsmith.inference.measure.bench_tree import (
+        parse_sizes,
+        run_tree_bench,
+        tree_markdown,
+        tree_output_rules,
+        write_tree_results,
+    )
 
     backends = _backends(args)
     sizes = parse_sizes(args.sizes)
+    if args.out:  # before the timings: they must not be lost to an --out that cannot take them
+        check_output_directory(Path(args.out), args.overwrite, tree_output_rules())
+        check_creatable_directory(Path(args.out))
     target = _load_target(args)
     results = run_tree_bench(target, sizes, args.prefix, args.repeats, args.shape, backends=backends)
     print(tree_markdown(results))
     if args.out:
-        write_tree_results(results, Path(args.out))
+        write_tree_results(results, Path(args.out), args.overwrite)
         print(f"results in {args.out}/bench_tree.json, bench_tree.md")
 
 
@@ -182,7 +193,14 @@ def cmd_spectra_index(args: argparse.Namespace) -> None:
     from draftsmith.inference.methods.spectra_retrieval import build_index
 
     meta = build_index(
-        Path(args.corpus), Path(args.out), args.target, args.keep, args.max_length, args.batch_size, args.limit
+        Path(args.corpus),
+        Path(args.out),
+        args.target,
+        args.keep,
+        args.max_length,
+        args.batch_size,
+        args.limit,
+        overwrite=args.overwrite,
     )
     print(
         f"kept {meta['kept']}/{meta['documents']} documents (perplexity <= {meta['perplexity_threshold']:.2f}), "
@@ -208,7 +226,9 @@ def _kernel_parent(compile: bool) -> argparse.ArgumentParser:
     and the switches of the runtime's float32 CPU kernels (the same tokens either way); ``compile``: also
     ``--compile`` (commands without it decode eagerly)."""
     p = argparse.ArgumentParser(add_help=False)
-    p.add_argument("--threads", type=positive_int, default=None, help="torch threads, >= 1 (default: torch's choice)")
+    p.add_argument(
+        "--threads", type=thread_count, default=None, help="torch threads, 1 to the cores (default: torch's choice)"
+    )
     if compile:
         p.add_argument(
             "--compile",
@@ -218,10 +238,16 @@ def _kernel_parent(compile: bool) -> argparse.ArgumentParser:
         )
     else:
         p.set_defaults(compile=False)
+    p.add_argument(
+        "--linear",
+        choices=LINEAR_KERNELS,
+        default="onednn",
+        help="the target's linears in the runtime's forwards (float32 on CPU): onednn = oneDNN's prepacked "
+        "linear for every forward (default; one extra copy of the weights; a few rows cost about one row), "
+        "mkl = MKL's packed GEMM for tree verifications padded to row buckets (a copy per bucket used), "
+        "default = PyTorch's matrix multiply; where one is missing from this PyTorch build, the next serves",
+    )
     switches = {
-        "--no-packed-gemm": "verify trees with PyTorch's default matrix multiply instead of MKL's packed GEMM "
-        "(the packed one makes a few-row forward cost little more than one row, at one extra copy of the weights "
-        "per row bucket used)",
         "--no-greedy-head": "in greedy verification, compute the target's full logits instead of its argmax through "
         "a screened int8 copy of the head with a proof (the screen reads a quarter of the head's bytes)",
         "--no-native": "run verification forwards through the Python loop instead of the runtime's C++ decoder "
@@ -263,10 +289,7 @@ def _add_generate_parser(subparsers: Any) -> None:
     _add_target_arguments(p)
     p.add_argument("--max-new-tokens", type=positive_int, default=256, help="at most this many tokens (>= 1)")
     p.add_argument("--raw", action="store_true", help="use the prompt as raw text, without the chat template")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples, losslessly")
-    p.add_argument("--top-k", type=int, default=0, help="with sampling: keep the k most likely tokens (0 = all)")
-    p.add_argument("--top-p", type=float, default=1.0, help="with sampling: nucleus mass to keep")
-    p.add_argument("--seed", type=int, default=0, help="with sampling: random seed")
+    add_sampling_arguments(p)
     p.set_defaults(func=cmd_generate)
 
 
@@ -310,7 +333,7 @@ def _add_bench_parser(subparsers: Any) -> None:
         help="continue the bench that stopped in --out (its progress.jsonl holds each finished question) with "
         "the same options, instead of starting over",
     )
-    p.set_defaults(func=cmd_bench)
+    p.set_defaults(func=cmd_bench, output_args=("out",))
 
 
 def _add_spectra_index_parser(subparsers: Any) -> None:
@@ -329,7 +352,8 @@ def _add_spectra_index_parser(subparsers: Any) -> None:
     p.add_argument("--max-length", type=int, default=512, help="tokens per document (longer ones are cut)")
     p.add_argument("--batch-size", type=int, default=4, help="documents per perplexity forward")
     p.add_argument("--limit", type=int, default=None, help="only the first N documents of the corpus")
-    p.set_defaults(func=cmd_spectra_index)
+    p.add_argument("--overwrite", action="store_true", help="replace an index an earlier spectra-index wrote at --out")
+    p.set_defaults(func=cmd_spectra_index, output_args=("out",))
 
 
 def _add_bench_tree_parser(subparsers: Any) -> None:
@@ -348,7 +372,8 @@ def _add_bench_tree_parser(subparsers: Any) -> None:
     p.add_argument("--repeats", type=int, default=7, help="timed forwards per size; the median is reported")
     p.add_argument("--shape", choices=["random", "chain"], default="random", help="tree shape (seeded random tree)")
     p.add_argument("--out", default=None, help="also write bench_tree.json and bench_tree.md to this directory")
-    p.set_defaults(func=cmd_bench_tree)
+    p.add_argument("--overwrite", action="store_true", help="replace the results an earlier bench-tree wrote at --out")
+    p.set_defaults(func=cmd_bench_tree, output_args=("out",))
 
 
 def _add_tune_parser(subparsers: Any) -> None:
@@ -383,7 +408,7 @@ def _add_tune_parser(subparsers: Any) -> None:
     )
     p.add_argument("--repeats", type=positive_int, default=5, help="timed verification forwards per tree size")
     _add_target_arguments(p)
-    p.set_defaults(func=cmd_tune)
+    p.set_defaults(func=cmd_tune, output_args=("export",))
 
 
 def add_inference_commands(subparsers: Any) -> None:

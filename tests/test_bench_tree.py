@@ -23,6 +23,25 @@ def test_bench_tree_writes_json_and_markdown(tmp_path, tiny_target_dir, capsys):
     table = (out / "bench_tree.md").read_text()
     assert table.count("\n| 1 |") == 1 and table.count("\n| 4 |") == 1
     assert "| size |" in capsys.readouterr().out
+    floor = results["floor"]
+    assert floor["read_gb_per_s"] > 0 and floor["floor_ms"] > 0 and "no step can take less than" in table
+    assert results["linear"]["kernel"] in ("onednn", "mkl", "default")
+
+
+def test_a_step_reads_the_decoder_once_and_the_head_as_the_runtime_reads_it():
+    from conftest import tiny_llama
+    from draftsmith.inference.kernels.greedy_head import GreedyHead
+    from draftsmith.inference.measure.floor import step_weight_bytes
+
+    model = tiny_llama(97, seed=0)
+    hidden = model.config.hidden_size
+    head = model.lm_head.weight
+    decoder = sum(p.numel() * 4 for name, p in model.model.named_parameters() if "embed_tokens" not in name)
+    fp32_head = head.numel() * 4
+    assert step_weight_bytes(model, None) == decoder + fp32_head + hidden * 4
+    screened = GreedyHead(model.lm_head)
+    screen_bytes = screened.quantized.numel() + screened.scales.numel() * 2
+    assert step_weight_bytes(model, screened) == decoder + screen_bytes + hidden * 4
 
 
 def test_tree_shapes_and_sizes():

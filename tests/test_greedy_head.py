@@ -60,6 +60,23 @@ def test_the_screened_head_returns_the_float32_argmax(batch, native):
     assert greedy.fallback_rows < len(x) // 10  # the proof settles nearly every row by itself
 
 
+def test_from_full_head_from_rows_on_the_float32_head_takes_over():
+    """Forwards of ``full_head_from`` rows or more take the float32 head's argmax (no screen): the same
+    tokens; fewer rows keep the screen."""
+    layer = head(4)
+    greedy = GreedyHead(layer, full_head_from=4)
+    x = rows(64, 5)
+    screened_before = greedy.fallback_rows
+    got = torch.cat([greedy(x[i : i + 8]) for i in range(0, len(x), 8)] + [greedy(x[:3])])
+    assert torch.equal(got, float32_argmax(layer, torch.cat([x, x[:3]])))
+    assert greedy.rows == len(x) + 3
+    calls = []
+    greedy.head = lambda rows: calls.append(rows.shape[0]) or layer(rows)
+    greedy(x[:8]), greedy(x[:2])
+    assert calls == [8]  # 2 rows went through the screen (and, with a clear winner, no fallback)
+    assert greedy.fallback_rows == screened_before
+
+
 def test_a_leading_dimension_is_kept():
     layer = head(2)
     x = rows(6, 3).reshape(2, 3, HIDDEN)

@@ -18,7 +18,7 @@ from draftsmith.inference.backends import Backends, verification_forward
 from draftsmith.inference.kernels import native_layers
 from draftsmith.inference.kernels.direct_forward import direct_forward_for
 from draftsmith.inference.kernels.options import KernelOptions
-from draftsmith.inference.kernels.packed_gemm import PackedGemm
+from draftsmith.inference.kernels.packed_gemm import PackedGemm, linear_kernel_available
 from draftsmith.inference.methods.pld import PromptLookupDrafter
 from draftsmith.inference.runtime import generate
 from helpers import hf_greedy, seeded_random_tree
@@ -73,14 +73,14 @@ def test_the_native_layers_are_bitwise_the_python_loop_and_the_model(config):
     assert_same_steps(ours, decode_steps(model, None))
 
 
-@pytest.mark.parametrize("packed", [False, True])
-@pytest.mark.parametrize("nodes", [1, 3, 6])
+@pytest.mark.parametrize("packed", [None, "mkl", "onednn"])
+@pytest.mark.parametrize("nodes", [0, 1, 3, 6])
 def test_tree_forwards_through_the_native_layers_are_bitwise_the_models(nodes, packed, monkeypatch):
     """The runtime's tree verification (its grouped-K/V switch on, padded to a packed row bucket or
     not): logits, hidden states and cache as the model's own forward computes them, and the C++ layers
     did run."""
-    if packed and not torch.backends.mkl.is_available():
-        pytest.skip("PyTorch built without MKL")
+    if packed and not linear_kernel_available(packed):
+        pytest.skip(f"PyTorch built without {packed}")
     calls = []
     real = native_layers.native_decoder_layers
     monkeypatch.setattr(native_layers, "native_decoder_layers", lambda *a: calls.append(a[2].shape[1]) or real(*a))
@@ -88,7 +88,7 @@ def test_tree_forwards_through_the_native_layers_are_bitwise_the_models(nodes, p
         "draftsmith.inference.kernels.direct_forward.native_decoder_layers", native_layers.native_decoder_layers
     )
     model = tiny_llama(VOCAB, seed=nodes)
-    gemm = PackedGemm(model) if packed else None
+    gemm = PackedGemm(model, packed) if packed else None
     tree = seeded_random_tree(nodes, nodes, VOCAB)
     results = []
     for direct in (None, direct_forward_for(model)):

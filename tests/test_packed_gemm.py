@@ -1,5 +1,6 @@
-"""MKL packed GEMM for the runtime's verification forwards: padded row buckets that change no real
-row, linears that behave as before outside the runtime, and the memory guard."""
+"""Prepacked linears for the runtime's forwards: MKL's padded row buckets that change no real row,
+oneDNN's one pack for every forward (row invariance checked, the reference on the same kernel), linears
+that behave as before outside the runtime, and the memory guard."""
 
 import os
 import random
@@ -15,13 +16,13 @@ from draftsmith.inference.backends import Backends, verification_forward
 from draftsmith.inference.kernels import packed_gemm
 from draftsmith.inference.kernels.context import KernelContext
 from draftsmith.inference.kernels.options import KernelOptions
-from draftsmith.inference.kernels.packed_gemm import PackedGemm, PackedLinear, row_bucket
+from draftsmith.inference.kernels.packed_gemm import PackedGemm, PackedLinear, linear_kernel_available, row_bucket
 from draftsmith.inference.methods.pld import PromptLookupDrafter
 from draftsmith.inference.runtime import generate
 from helpers import TINY_EOS, hf_greedy, seeded_random_tree
 
 VOCAB = 97
-pytestmark = pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="PyTorch built without MKL")
+mkl = pytest.mark.skipif(not linear_kernel_available("mkl"), reason="PyTorch built without MKL")
 
 
 def fresh_model(seed=0):
@@ -41,6 +42,7 @@ def test_row_buckets():
     assert [row_bucket(r) for r in (1, 2, 3, 4, 5, 9, 32, 33)] == [None, 2, 4, 4, 8, 16, 32, None]
 
 
+@mkl
 @pytest.mark.parametrize("nodes", [1, 2, 4, 6, 13])
 def test_padded_packed_forward_keeps_every_real_row(nodes):
     """Real rows of the padded, packed forward equal the plain forward's (up to float32 rounding); a
@@ -63,10 +65,11 @@ def test_padded_packed_forward_keeps_every_real_row(nodes):
         torch.testing.assert_close(packed_layer.keys[:, :, : past + rows], plain_layer.keys, rtol=1e-4, atol=1e-4)
 
 
+@mkl
 def test_greedy_identity_with_packed_gemm():
     model = fresh_model(seed=1)
     rng = random.Random(3)
-    backends = Backends()
+    backends = Backends(KernelOptions(linear="mkl"))
     for _ in range(4):
         base = [rng.randrange(4, VOCAB) for _ in range(rng.randint(3, 8))]
         prompt = base * 3
@@ -77,6 +80,7 @@ def test_greedy_identity_with_packed_gemm():
     assert backends.kernels(model).gemm.buckets, "the prompt-lookup trees should have used packed buckets"
 
 
+@mkl
 def test_linears_are_unchanged_outside_the_runtime():
     model = fresh_model(seed=2)
     before = {k: v.clone() for k, v in model.state_dict().items()}
@@ -96,6 +100,7 @@ def test_linears_are_unchanged_outside_the_runtime():
     assert linear._owner is again and again.buckets == [] and gemm.buckets == []
 
 
+@mkl
 def test_packs_of_a_changed_weight_are_remade():
     """A pack copies the weight: after an in-place change or a replaced weight, the packed forward must
     multiply by the new values, not the packed old ones."""
@@ -116,6 +121,7 @@ def test_packs_of_a_changed_weight_are_remade():
             torch.testing.assert_close(linear(x), torch.nn.functional.linear(x, linear.weight), rtol=1e-5, atol=1e-5)
 
 
+@mkl
 def test_memory_guard_refuses_a_bucket(monkeypatch):
     model = fresh_model(seed=3)
     monkeypatch.setattr(packed_gemm, "_available_bytes", lambda: 1024)
@@ -149,3 +155,64 @@ def test_tree_forwards_read_grouped_kv_heads_without_copies(monkeypatch):
     grouped, _ = verify_once(model, prompt, tree, None)
     assert torch.equal(grouped.logits, copied.logits)
     assert "TRANSFORMERS_SDPA_FORCE_GQA" not in os.environ
+
+
+onednn = pytest.mark.skipif(not linear_kernel_available("onednn"), reason="PyTorch built without oneDNN")
+
+
+@onednn
+def test_one_onednn_pack_serves_every_row_count_and_the_models_own_forwards():
+    model = fresh_model(seed=6)
+    gemm = PackedGemm(model, "onednn")
+    linear = model.model.layers[0].self_attn.q_proj
+    assert gemm.padded_rows(5) == 5 and gemm.buckets == [packed_gemm.ANY_ROWS]  # unpadded, one pack
+    x = torch.randn(3, model.config.hidden_size)
+    with torch.no_grad():
+        assert linear.active_pack(1) is None  # outside the runtime: the default kernel
+        with gemm.model_forwards():
+            assert all(linear.active_pack(rows) is not None for rows in (1, 2, 7, 300))
+            torch.testing.assert_close(linear(x), torch.nn.functional.linear(x, linear.weight), rtol=1e-5, atol=1e-5)
+        assert linear.active_pack(1) is None
+
+
+@onednn
+def test_row_invariance_is_checked_not_assumed(monkeypatch):
+    """``row_invariant`` says whether a row's product is the same alone and among others, as measured:
+    a kernel whose rounding depends on the row count is caught."""
+    model = fresh_model(seed=7)
+    gemm = PackedGemm(model, "onednn")
+    linear = model.model.layers[0].self_attn.q_proj
+    rows = torch.randn(8, linear.in_features)
+    with torch.no_grad(), gemm.model_forwards():
+        measured = torch.equal(linear(rows), torch.cat([linear(rows[i : i + 1]) for i in range(8)]))
+    assert gemm.row_invariant() == measured
+    real = PackedLinear.forward
+    monkeypatch.setattr(PackedLinear, "forward", lambda self, x: real(self, x) * (1 + 1e-6 * (x.shape[0] > 1)))
+    assert not gemm.row_invariant()
+
+
+@onednn
+def test_greedy_identity_with_onednn_and_the_reference_on_the_same_kernel():
+    """Plain and speculative decoding through oneDNN's linears equal HF ``generate`` run on the same
+    kernel (``Backends.reference_forwards``: bench's reference), for trees of any size."""
+    model = fresh_model(seed=8)
+    backends = Backends(KernelOptions(linear="onednn"))
+    rng = random.Random(4)
+    for _ in range(3):
+        base = [rng.randrange(4, VOCAB) for _ in range(rng.randint(3, 8))]
+        prompt = base * 3
+        with backends.reference_forwards(model):
+            expected = hf_greedy(model, prompt, 24)
+        for drafter in (None, PromptLookupDrafter(num_draft=6)):
+            result = generate(model, prompt, drafter, max_new_tokens=24, eos_token_ids=[TINY_EOS], backends=backends)
+            assert result.tokens == expected
+    assert backends.kernels(model).linear == "onednn"
+
+
+def test_a_kernel_this_build_lacks_falls_to_the_next(monkeypatch):
+    model = fresh_model(seed=9)
+    monkeypatch.setattr(packed_gemm, "linear_kernel_available", lambda kernel: kernel != "onednn")
+    assert packed_gemm.linear_kernel_for(model, "onednn") == "mkl"
+    assert packed_gemm.linear_kernel_for(model.to(torch.bfloat16), "onednn") == "default"
+    with pytest.raises(ValueError, match="unknown linear kernel"):
+        packed_gemm.linear_kernel_for(model, "fast")

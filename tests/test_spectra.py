@@ -316,7 +316,8 @@ def test_an_index_for_another_target_is_refused_in_one_line(tmp_path, tiny_targe
     assert info.value.code == 2 and len(errors) == 1 and "built for another target" in errors[0]
     assert "Traceback" not in err
     with pytest.raises(SystemExit):
-        main(["spectra-index", str(tmp_path / "missing.jsonl"), "--out", str(out), "--target", str(tiny_target_dir)])
+        fresh = tmp_path / "fresh.safetensors"
+        main(["spectra-index", str(tmp_path / "missing.jsonl"), "--out", str(fresh), "--target", str(tiny_target_dir)])
     assert "does not exist" in capsys.readouterr().err
 
 

@@ -104,7 +104,7 @@ def test_tune_writes_a_tree_the_export_still_verifies_and_generate_uses(
     chosen = entry["tree"]
     assert chosen["depth"] <= 3 and chosen["top_k"] in (1, 2) and chosen["total_tokens"] in (1, 2, 4, 8)
     assert entry["measured"]["prompts"] == 2 and entry["threads"] == torch.get_num_threads()
-    assert set(entry["kernels"]) == {"native", "packed_gemm", "greedy_head"}  # what bench-tree timed with
+    assert set(entry["kernels"]) == {"native", "linear", "greedy_head"}  # what bench-tree timed with
 
     # generate and bench build drafters through build_drafter: the fitted tree, said in one line
     drafter = build_drafter(f"fspad={export}", tiny)
@@ -153,9 +153,11 @@ def test_an_entry_without_its_kernels_is_stale(tiny, trained_export, tmp_path, c
     write_tuned_tree(export, key, entry)
     stale = fitted_tree(export, key)
     assert stale.tree is None and "before the runtime's kernels were recorded" in stale.note
-    write_tuned_tree(export, key, {**entry, "kernels": {"native": True, "packed_gemm": True}})
+    write_tuned_tree(export, key, {**entry, "kernels": {"native": True, "packed_gemm": True}})  # before "linear"
     used = fitted_tree(export, key)
     assert used.tree.depth == 1 and "timed with C++ decoder layers, packed GEMM" in used.note
+    write_tuned_tree(export, key, {**entry, "kernels": {"native": True, "linear": "onednn"}})
+    assert "timed with C++ decoder layers, oneDNN linears" in fitted_tree(export, key).note
 
 
 @pytest.fixture(scope="module")
@@ -287,7 +289,7 @@ def test_run_tune_says_when_plain_decoding_wins(tiny, tmp_path, monkeypatch):
 
     def cost_curve(target, sizes, prefix, repeats, backends):
         rows = [{"size": size, "median_ms": 10.0 + size} for size in sizes]
-        return {"rows": rows, "native": False, "packed_gemm": False, "greedy_head": False}
+        return {"rows": rows, "native": False, "linear": {"kernel": "default"}, "greedy_head": False}
 
     monkeypatch.setattr(tune, "run_tree_bench", cost_curve)
     model = get_family("fspad").build(tiny.model.config, {})

@@ -192,8 +192,9 @@ def incomplete_checkpoints(output_dir: Path) -> list[str]:
 
 def damaged_files(checkpoint: Path) -> dict[str, str]:
     """The checkpoint's files that differ from what :data:`FILES_MANIFEST` recorded at save (size and
-    sha256), by relative path; empty for an intact one (or one saved before files were recorded)."""
-    return file_problems(checkpoint, hashes=True)
+    sha256), by relative path; empty for an intact one. Every checkpoint records its files just before
+    it is marked complete, so one without the record was tampered with: nothing in it is vouched for."""
+    return file_problems(checkpoint, hashes=True, required=True)
 
 
 def is_rng_state(name: str) -> bool:

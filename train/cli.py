@@ -6,6 +6,8 @@ import argparse
 import shlex
 import sys
 from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
+from pathlib import Path
 from typing import NoReturn
 
 from draftsmith.core.errors import DraftsmithError
@@ -60,7 +62,8 @@ def main(argv: Sequence[str] | None = None) -> None:
 def run_command(args: argparse.Namespace) -> None:
     """Run a parsed command; a user's mistake becomes one line on stderr and exit status 2."""
     try:
-        args.func(args)
+        with _exclusive_output(args):
+            args.func(args)
     except USER_ERRORS as error:
         print(f"draftsmith: error: {error}", file=sys.stderr)
         raise SystemExit(2) from None
@@ -76,6 +79,18 @@ def run_command(args: argparse.Namespace) -> None:
     except KeyboardInterrupt:
         print("draftsmith: interrupted; rerun the same command to resume where supported", file=sys.stderr)
         raise SystemExit(130) from None
+
+
+def _exclusive_output(args: argparse.Namespace) -> AbstractContextManager[None]:
+    """The lock of what the command writes: the first of its ``output_args`` (set by its parser) that was
+    given, so that two commands never write one output at once. ``train`` locks its output_dir itself."""
+    from draftsmith.core.lock import exclusive_output
+
+    for name in getattr(args, "output_args", ()):
+        value = getattr(args, name, None)
+        if value:
+            return exclusive_output(Path(value), "--out" if name == "out" else name.upper())
+    return nullcontext()
 
 
 if __name__ == "__main__":

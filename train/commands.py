@@ -30,11 +30,11 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
 
 def cmd_train(args: argparse.Namespace) -> None:
     from draftsmith.train.recipe import load_train_recipe
-    from draftsmith.train.trainer import train
+    from draftsmith.train.trainer import is_launch_main_process, train
 
     recipe = load_train_recipe(Path(args.recipe), args.overrides)
     result = train(recipe, resume=args.resume, resume_inexact=args.resume_inexact)
-    if result.checkpoint is not None and _is_main_process():
+    if result.checkpoint is not None and is_launch_main_process():
         print(
             f"trained {result.step} steps; last checkpoint {result.checkpoint}; export it with "
             f"`draftsmith export {result.output_dir} --out DIR`"
@@ -80,12 +80,6 @@ def cmd_export(args: argparse.Namespace) -> None:
         f"exported to {out}; decode with `draftsmith generate --method {method}={out}` or compare with "
         f"`draftsmith bench --methods {method}={out}`"
     )
-
-
-def _is_main_process() -> bool:
-    import os
-
-    return os.environ.get("RANK", "0") == "0"
 
 
 def add_train_commands(subparsers: Any) -> None:
@@ -135,4 +129,4 @@ def add_train_commands(subparsers: Any) -> None:
         default=None,
         help="speculators format: tokens proposed per step by default (default: the drafter's tree depth)",
     )
-    p.set_defaults(func=cmd_export)
+    p.set_defaults(func=cmd_export, output_args=("out",))

@@ -18,7 +18,13 @@ from safetensors import safe_open
 from draftsmith.core.io import check_creatable_directory, check_output_directory, verify_files
 from draftsmith.core.target import TargetIdentity, load_tokenizer, safetensors_directory
 from draftsmith.drafters.engine_layouts import ENGINE_FORMATS, EngineLayoutError, Verifier
-from draftsmith.drafters.io import drafter_output_rules, export_drafter, export_for_engine, read_drafter_config
+from draftsmith.drafters.io import (
+    check_finite_weights,
+    drafter_output_rules,
+    export_drafter,
+    export_for_engine,
+    read_drafter_config,
+)
 from draftsmith.drafters.registry import get_family
 from draftsmith.train.checkpoint import (
     DRAFTER_DIR,
@@ -68,11 +74,13 @@ def export_run(
         raise CheckpointError("give --checkpoint or --best, not both")
     source = find_best_checkpoint(run_dir) if best else find_checkpoint(run_dir, checkpoint)
     others = ", ".join(p.name for p in complete_checkpoints(run_dir) if p != source) or "none"
-    verify_files(source, f"export another checkpoint with --checkpoint NAME (complete ones: {others})")
+    rebuild = f"export another checkpoint with --checkpoint NAME (complete ones: {others})"
+    verify_files(source, rebuild, required=True)
     state = read_state(source)
     family = get_family(state.get("family", recipe.family_name))
     model = family.model_class.from_pretrained(str(source / DRAFTER_DIR))
     model.config.drafter_family = family.name
+    check_finite_weights(model.state_dict(), f"{source.name} of {run_dir}", rebuild, CheckpointError)
     if fmt == "draftsmith":
         return export_drafter(model, state["target_identity"], out, overwrite=overwrite, keep=keep)
     try:

@@ -27,8 +27,8 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from draftsmith.core.io import atomic_write_json, record_rewritten_file
-from draftsmith.core.target import load_target
+from draftsmith.core import target as targets
+from draftsmith.core.io import atomic_write_json, check_output_file, record_rewritten_file
 from draftsmith.data.features import CACHE_FORMAT, FeatureCache, target_features
 from draftsmith.data.prepared import PreparedDataset
 from draftsmith.drafters.base import TreeOptions
@@ -38,6 +38,14 @@ from draftsmith.drafters.registry import FAMILIES, get_family
 from draftsmith.train.loader import EVAL_SPLIT_SEED
 
 TREE_FORMAT = "draftsmith.medusa_tree/1"
+
+
+def is_tree_file(path: Path) -> bool:
+    """Whether ``path`` holds a tree file that ``calibrate`` wrote."""
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8")).get("format") == TREE_FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def held_out_indices(n_samples: int, count: int) -> list[int]:
@@ -130,18 +138,24 @@ def calibrate(
     samples: int = 64,
     max_rank: int = 10,
     out: Path | None = None,
+    overwrite: bool = False,
 ) -> dict[str, Any]:
     """Measure, build the tree and write it: into ``directory/config.json`` (what ``--method medusa=DIR``
-    reads), or to ``out`` as a tree file when given. Returns the written record."""
+    reads), or to ``out`` as a tree file when given (replacing an earlier one only with ``overwrite``).
+    Returns the written record."""
     if nodes < 1 or max_rank < 1:
         raise MedusaTreeError("--nodes and --max-rank must be >= 1")
     directory = Path(directory)
+    if out is not None:
+        inputs = (("the drafter", directory), ("the data", Path(data_dir)))
+        what = "a tree file written by `draftsmith medusa calibrate`"
+        check_output_file(Path(out), overwrite, what, is_tree_file, inputs)
     config = read_drafter_config(directory)
     family = config["drafter_family"]
     calibrated = [name for name, entry in FAMILIES.items() if entry.calibrated_tree]
     if family not in calibrated:
         raise MedusaTreeError(f"{directory} holds a {family!r} drafter; calibrate works on {' and '.join(calibrated)}")
-    target = load_target(target_name)
+    target = targets.load_target(target_name)
     check_drafter_target(config, target, directory)
     model = get_family(family).model_class.from_pretrained(directory).to(target.model.device, target.model.dtype)
     drafter = model.eval().runtime_drafter(target.model, TreeOptions())

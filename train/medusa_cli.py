@@ -12,7 +12,9 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
     from draftsmith.train.medusa_calibrate import calibrate
 
     out = Path(args.out) if args.out else None
-    result = calibrate(Path(args.drafter), Path(args.data), args.nodes, args.target, args.samples, args.max_rank, out)
+    result = calibrate(
+        Path(args.drafter), Path(args.data), args.nodes, args.target, args.samples, args.max_rank, out, args.overwrite
+    )
     top1 = ", ".join(f"head{k} {row[0]:.2f}" for k, row in enumerate(result["head_accuracy"], start=1))
     where = f"tree file {out}" if out else f"{args.drafter}/config.json (used by --method medusa={args.drafter})"
     print(f"top-1 accuracy: {top1}")
@@ -48,4 +50,5 @@ def add_medusa_commands(subparsers: Any) -> None:
     )
     c.add_argument("--max-rank", type=int, default=10, help="candidates per head to measure")
     c.add_argument("--out", default=None, help="write a tree file here instead of into the drafter's config.json")
-    c.set_defaults(func=cmd_calibrate)
+    c.add_argument("--overwrite", action="store_true", help="replace a tree file an earlier calibrate wrote at --out")
+    c.set_defaults(func=cmd_calibrate, output_args=("out", "drafter"))

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from draftsmith.core.arguments import thread_count
 from draftsmith.core.io import atomic_write_bytes
 from draftsmith.data.default_prompts import held_out_questions
 
@@ -101,6 +102,6 @@ def add_quickstart_command(subparsers: Any, build_parser: Callable[[], argparse.
     p.add_argument("--steps", type=int, default=120, help="training steps (default 120, ~1.5 minutes on 2 cores)")
     p.add_argument("--questions-per-category", type=int, default=1, help="held-out bench prompts per category")
     p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--threads", type=int, default=None, help="torch threads for the bench (default: torch's choice)")
+    p.add_argument("--threads", type=thread_count, default=None, help="torch threads for the bench, 1 to the cores")
     p.add_argument("--wandb", action="store_true", help="also log to W&B (offline without network: WANDB_MODE=offline)")
-    p.set_defaults(func=cmd_quickstart, build_parser=build_parser)
+    p.set_defaults(func=cmd_quickstart, build_parser=build_parser, output_args=("out",))

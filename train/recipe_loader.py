@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from collections.abc import Sequence
@@ -115,15 +116,39 @@ def _convert(value: Any, tp: Any, where: str) -> Any:
         value_type = args[1] if len(args) == 2 else Any
         return {key: _convert(item, value_type, f"{where}.{key}") for key, item in value.items()}
     if tp is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
+        return _finite(float(value), where)
     if tp is float and isinstance(value, str):  # YAML 1.1 reads "5e-5" as a string
         try:
-            return float(value)
+            number = float(value)
         except ValueError:
-            pass
+            number = None
+        if number is not None:
+            return _finite(number, where)
     if tp in (int, str, bool, float) and (type(value) is not tp):
         raise RecipeError(f"{where} must be {_type_name(tp)}, got {value!r}")
     return value
+
+
+def _finite(value: float, where: str) -> float:
+    """A recipe number must be one: NaN or infinity in a weight or rate trains garbage without a word."""
+    if not math.isfinite(value):
+        raise RecipeError(f"{where} must be a finite number, got {value!r}")
+    return value
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML whose mappings refuse a repeated key: PyYAML keeps the last one silently, so a recipe with two
+    ``train:`` sections (or two ``warmup_steps:``) would train with half of what it says."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                mark = key_node.start_mark
+                raise RecipeError(f"key {key!r} appears twice (again at line {mark.line + 1}); keep one of them")
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
 
 
 def build(cls: type[T], data: dict[str, Any], where: str = "") -> T:
@@ -150,9 +175,13 @@ def load_recipe(path: Path, schema: type[T], overrides: Sequence[str] = ()) -> T
     """Read a YAML recipe, apply overrides and build the typed recipe."""
     path = Path(path)
     try:
-        tree = yaml.safe_load(path.read_text()) or {}
+        tree = yaml.load(path.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader) or {}
     except FileNotFoundError:
         raise RecipeError(f"recipe {path} does not exist") from None
+    except UnicodeDecodeError as exc:
+        raise RecipeError(f"recipe {path} is not UTF-8 text (byte {exc.start}); save it as UTF-8") from None
+    except RecipeError as exc:
+        raise RecipeError(f"recipe {path}: {exc}") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""

@@ -15,7 +15,7 @@ import sys
 import time
 from collections import defaultdict
 from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,7 +26,8 @@ import yaml
 from tqdm.auto import tqdm
 
 from draftsmith.core.errors import DraftsmithError
-from draftsmith.core.io import atomic_write_json, check_creatable_directory
+from draftsmith.core.io import atomic_write_json, check_apart_from_inputs, check_creatable_directory
+from draftsmith.core.lock import exclusive_output
 from draftsmith.core.target import TargetIdentity, load_target
 from draftsmith.core.versions import warn_about_untested_versions
 from draftsmith.drafters.base import DrafterModel, FrozenTarget
@@ -625,12 +626,61 @@ class Trainer:
         return float(self.accelerator.reduce(flag, reduction="sum")) > 0
 
 
+def is_launch_main_process() -> bool:
+    """Whether this process is rank 0 of its launch (``accelerate launch`` sets RANK in every process it
+    starts; a plain ``draftsmith train`` is rank 0 alone), known before the accelerator is built."""
+    return os.environ.get("RANK", "0") == "0"
+
+
+def check_run_directory(recipe: TrainRecipe) -> None:
+    """Refuse, before anything is written, an output_dir that is, holds or lies inside one of the run's
+    inputs, or a folder that is not a run (a prepared dataset, a feature cache, an export, the user's
+    files): checkpoints written into it would mix with them, and cleaning either would lose the other."""
+    output_dir = Path(recipe.output_dir)
+    inputs = [("the prepared dataset", recipe.data.prepared), ("the feature cache", recipe.data.features)]
+    inputs += [("the target", recipe.target.name), ("train.init_from", recipe.train.init_from)]
+    check_apart_from_inputs(
+        output_dir, tuple((what, Path(path)) for what, path in inputs if path and Path(path).exists()), "output_dir"
+    )
+    if not output_dir.is_dir() or not any(output_dir.iterdir()) or is_training_run(output_dir):
+        return
+    raise TrainingError(
+        f"output_dir {output_dir} is {_what_folder_holds(output_dir)}, not a training run; choose a new or empty "
+        "output_dir"
+    )
+
+
+def is_training_run(path: Path) -> bool:
+    return (path / RESOLVED_RECIPE).is_file() or checkpoints_dir(path).is_dir()
+
+
+def _what_folder_holds(path: Path) -> str:
+    from draftsmith.data.features import is_feature_cache
+    from draftsmith.data.prepared import is_prepared_directory
+    from draftsmith.drafters.io import is_exported_drafter
+
+    for is_kind, kind in (
+        (is_prepared_directory, "a prepared dataset"),
+        (is_feature_cache, "a feature cache"),
+        (is_exported_drafter, "an exported drafter"),
+    ):
+        if is_kind(path):
+            return kind
+    names = sorted(entry.name for entry in path.iterdir())
+    return f"a folder holding other files ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})"
+
+
 def train(recipe: TrainRecipe, resume: bool = False, resume_inexact: bool = False) -> TrainResult:
-    """Train ``recipe`` (in this process, or in each process of ``accelerate launch``)."""
-    trainer = Trainer(recipe, resume=resume, resume_inexact=resume_inexact)
-    try:
-        return trainer.run()
-    finally:
-        # A process that exits with its gloo group alive can abort in the group's threads at interpreter exit
-        # ("terminate called without an active exception"), failing a run whose every step succeeded.
-        trainer.accelerator.end_training()
+    """Train ``recipe`` (in this process, or in each process of ``accelerate launch``). Rank 0 holds the
+    output_dir's lock for the whole run: the ranks of one run share it, a second run is refused."""
+    with ExitStack() as lock:
+        if is_launch_main_process():
+            lock.enter_context(exclusive_output(Path(recipe.output_dir), "output_dir"))
+        check_run_directory(recipe)
+        trainer = Trainer(recipe, resume=resume, resume_inexact=resume_inexact)
+        try:
+            return trainer.run()
+        finally:
+            # A process that exits with its gloo group alive can abort in the group's threads at interpreter
+            # exit ("terminate called without an active exception"), failing a run whose every step succeeded.
+            trainer.accelerator.end_training()

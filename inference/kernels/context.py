@@ -5,18 +5,21 @@ figures; a caller that decodes many prompts keeps one context per model and pays
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
+import torch
 from torch import nn
 
 from draftsmith.inference.kernels.direct_forward import DirectForward, direct_forward_supported
 from draftsmith.inference.kernels.greedy_head import GreedyHead, greedy_head_supported
 from draftsmith.inference.kernels.options import KernelOptions
-from draftsmith.inference.kernels.packed_gemm import PackedGemm, packed_gemm_supported
+from draftsmith.inference.kernels.packed_gemm import PackedGemm, linear_kernel_for
 
 T = TypeVar("T")
+FULL_HEAD_CANDIDATES = (2, 4, 8, 16, 32)  # verification row counts at which the screen and the full head are timed
 
 
 class KernelContext:
@@ -25,7 +28,8 @@ class KernelContext:
 
     def __init__(self, model: nn.Module, options: KernelOptions) -> None:
         self.model, self.options = model, options
-        self.gemm = PackedGemm(model) if options.packed_gemm and packed_gemm_supported(model) else None
+        self.linear = linear_kernel_for(model, options.linear)  # what the options ask, where it serves the model
+        self.gemm = PackedGemm(model, self.linear) if self.linear != "default" else None
         self._direct: DirectForward | None = None
         self._head: GreedyHead | None = None
         self._built_seconds = 0.0
@@ -49,11 +53,60 @@ class KernelContext:
         if not self.options.greedy_head or self.direct() is None or not greedy_head_supported(self.model):
             return None
         if self._head is None or not self._head.source.still(self.model.lm_head.weight):
-            self._head = self._timed(lambda: GreedyHead(self.model.lm_head))
+            self._head = self._timed(self._screened_head)
         return self._head
+
+    def _screened_head(self) -> GreedyHead:
+        head = GreedyHead(self.model.lm_head)
+        head.full_head_from = self._full_head_from(head)
+        return head
+
+    def _full_head_from(self, screened: GreedyHead) -> int | None:
+        """The row count from which the float32 head through a row-invariant oneDNN pack beats the
+        screen's int8 product on this machine (timed once per head); None where the kernel is not
+        row-invariant or the screen always wins."""
+        if self.gemm is None or not self.gemm.row_invariant():
+            return None
+        head, quantized, scales = self.model.lm_head, screened.quantized, screened.scales
+        faster = []
+        with torch.no_grad(), self.gemm.rows():
+            for rows in FULL_HEAD_CANDIDATES:
+                x = torch.randn(rows, head.in_features, generator=torch.Generator().manual_seed(rows))
+                screen = _median_seconds(lambda: torch._weight_int8pack_mm(x.to(torch.bfloat16), quantized, scales))
+                full = _median_seconds(lambda: head(x).argmax(dim=-1))
+                faster.append(full < screen)
+        return next((rows for i, rows in enumerate(FULL_HEAD_CANDIDATES) if all(faster[i:])), None)
+
+    def linear_record(self) -> dict[str, Any]:
+        """Which kernel ran the target's linears, as ``bench`` and ``bench-tree`` record it: oneDNN's
+        (every forward; whether its rows are bitwise row-invariant on this machine, and from how many
+        rows greedy verification took the float32 head), MKL's packed GEMM (its row buckets) or
+        PyTorch's default; and the seconds spent packing (kept out of every speed figure)."""
+        gemm = self.gemm
+        if gemm is None:
+            return {"kernel": "default"}
+        record: dict[str, Any] = {"kernel": gemm.kernel, "pack_seconds": round(gemm.pack_seconds, 1)}
+        if gemm.kernel == "onednn":
+            return {**record, "row_invariant": gemm.row_invariant(), "full_head_from": self.full_head_from}
+        return {**record, "buckets": gemm.buckets}
+
+    @property
+    def full_head_from(self) -> int | None:
+        """Where the screened head hands over to the float32 head (None: never, or not built yet)."""
+        return self._head.full_head_from if self._head is not None else None
 
     def _timed(self, build: Callable[[], T]) -> T:
         start = time.perf_counter()
         made = build()
         self._built_seconds += time.perf_counter() - start
         return made
+
+
+def _median_seconds(run: Callable[[], object], repeats: int = 5) -> float:
+    run()  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)

@@ -52,6 +52,7 @@ from draftsmith.inference.kernels.native_layers import (
     native_layers_supported,
     native_plan,
 )
+from draftsmith.inference.kernels.packed_gemm import active_pack
 
 
 class DirectForward:
@@ -292,9 +293,9 @@ def _rotary_factors(position_embeddings: tuple[torch.Tensor, torch.Tensor]) -> t
 
 
 def _projectors(step: _LeanLayer, rows: int) -> tuple[Callable[[torch.Tensor], torch.Tensor], ...]:
-    """One row: the prepared products. More: each module's ``forward``, looked up now, since
-    :mod:`packed_gemm` may have turned the module into a packed linear after the plan was made."""
-    if rows == 1:
+    """One row without a pack: the prepared products. Otherwise each module's ``forward``, looked up
+    now, since :mod:`packed_gemm` may have turned the module into a packed linear after the plan was made."""
+    if rows == 1 and active_pack(step.projections[0], 1) is None:
         return step.one_row
     return tuple(linear.forward for linear in step.projections)
 

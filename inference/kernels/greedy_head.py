@@ -19,7 +19,13 @@ an int8 copy of the head (a bfloat16 scale per row; a quarter of the bytes) and 
    bound ``B_i = gamma_K sum_k |x_k W_ik|``. If the best one beats every other candidate by more than
    both bounds, it is the float32 argmax, strictly: no tie, no rounding, no summation order changes it.
 4. **Fallback.** Otherwise (a near tie, rare on real text; ``bench`` reports how many rows) the row
-   takes the float32 head, one row, as plain decoding computes it.
+   takes the float32 head, one row, as plain decoding computes it (the head module itself: through the
+   runtime's prepacked linear where that is active).
+
+The screen's int8 product reads its weights once per row, not once per forward, so past a few rows the
+float32 head through a row-invariant prepacked kernel (oneDNN: every row's logits bitwise what one row
+gets, so its argmax is what plain decoding takes, proof or fallback) is faster: with
+``full_head_from``, forwards of that many rows or more take it.
 
 So the tokens are those of plain greedy decoding (``tests/test_greedy_head.py`` checks random rows,
 forced near ties, that the bound holds for every token of this machine's kernel, and that the screen
@@ -37,7 +43,6 @@ import time
 from types import ModuleType
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from draftsmith.core.weight_copies import CopySource
@@ -59,9 +64,11 @@ def _gamma(terms: int, unit: float) -> float:
 class GreedyHead:
     """The exact greedy argmax of one float32 ``lm_head`` (see the module docstring)."""
 
-    def __init__(self, head: nn.Linear) -> None:
+    def __init__(self, head: nn.Linear, full_head_from: int | None = None) -> None:
+        """``full_head_from``: see the module docstring (the kernel context times it per machine)."""
         start = time.perf_counter()
         self.source = CopySource(head.weight)
+        self.head, self.full_head_from = head, full_head_from
         weight = head.weight.detach()
         self.weight = weight
         self.scales, self.quantized = _int8_rows(weight)
@@ -105,6 +112,9 @@ class GreedyHead:
         ``x.shape[:-1]``. ``native``: the runtime's C++ extension (:mod:`native`), which finds the
         contenders in two passes over the vocabulary."""
         rows = x.reshape(-1, x.shape[-1]).contiguous()
+        if self.full_head_from is not None and rows.shape[0] >= self.full_head_from:
+            self.rows += rows.shape[0]
+            return self.head(rows).argmax(dim=-1).reshape(x.shape[:-1])
         screen_input = rows.to(torch.bfloat16)
         screen = torch._weight_int8pack_mm(screen_input, self.quantized, self.scales)
         floors, contenders = self._contenders(rows, screen_input, screen, native)
@@ -148,7 +158,7 @@ class GreedyHead:
 
     def _fallback(self, x: torch.Tensor) -> int:
         self.fallback_rows += 1
-        return int(F.linear(x[None], self.weight).argmax())
+        return int(self.head(x[None]).argmax())
 
 
 def _int8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

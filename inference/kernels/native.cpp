@@ -31,8 +31,8 @@ at::Tensor rotate(const at::Tensor& q, const at::Tensor& cos, const at::Tensor& 
   return (q * cos) + (at::roll(q, {half}, {-1}) * signed_sin);
 }
 
-// PackedLinear.forward while its pack for these rows is active: MKL's packed GEMM.
-at::Tensor packed_linear(const at::Tensor& rows, const at::Tensor& pack, const at::Tensor& weight) {
+// PackedLinear.forward while its MKL pack for these rows is active: MKL's packed GEMM.
+at::Tensor mkl_packed_linear(const at::Tensor& rows, const at::Tensor& pack, const at::Tensor& weight) {
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("mkl::_mkl_linear", "")
                        .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
@@ -40,11 +40,22 @@ at::Tensor packed_linear(const at::Tensor& rows, const at::Tensor& pack, const a
   return op.call(rows, pack, weight, std::nullopt, rows.size(0));
 }
 
-// One projection of `rows` (rows, width): through its pack where one is given (non-empty), else
-// F.linear's product for a bias-free input (mm with the transposed weight).
-at::Tensor project(const at::Tensor& rows, const at::Tensor& transposed, const at::Tensor& pack) {
+// PackedLinear.forward while its oneDNN pack is active: oneDNN's prepacked linear, bias-free.
+at::Tensor onednn_packed_linear(const at::Tensor& rows, const at::Tensor& pack) {
+  static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  torch::jit::Stack stack{rows, pack, c10::IValue(), std::string("none"),
+                          c10::List<std::optional<at::Scalar>>(), std::string("")};
+  op.callBoxed(&stack);
+  return stack[0].toTensor();
+}
+
+// One projection of `rows` (rows, width): through its pack where one is given (non-empty; oneDNN's or
+// MKL's as `onednn` says: both are mkldnn-layout tensors), else F.linear's product for a bias-free input
+// (mm with the transposed weight).
+at::Tensor project(const at::Tensor& rows, const at::Tensor& transposed, const at::Tensor& pack, bool onednn) {
   if (pack.numel() == 0) return at::mm(rows, transposed);
-  return packed_linear(rows, pack, transposed.t());
+  if (onednn) return onednn_packed_linear(rows, pack);
+  return mkl_packed_linear(rows, pack, transposed.t());
 }
 
 }  // namespace
@@ -52,17 +63,18 @@ at::Tensor project(const at::Tensor& rows, const at::Tensor& transposed, const a
 // Runs every layer on x (1, rows, width) whose rows sit at cache rows [start, start + rows): each layer's
 // key and value rows are written into its preallocated buffer (1, kv_heads, capacity, head_dim) there,
 // and attention reads rows [0, start + rows) under `mask` (none: every row is seen; one-token steps).
-// `packs` holds kProjections tensors per layer, empty where the projection is not packed. Returns each
-// layer's output.
+// `packs` holds kProjections tensors per layer, empty where the projection is not packed, and `onednn`
+// says per projection whether its pack is oneDNN's (else MKL's). Returns each layer's output.
 std::vector<at::Tensor> decoder_layers(
     at::Tensor x, const std::vector<at::Tensor>& weights, const std::vector<at::Tensor>& packs,
     const std::vector<double>& norm_eps, const at::Tensor& cos, const at::Tensor& signed_sin,
     const std::optional<at::Tensor>& mask, const std::vector<at::Tensor>& key_buffers,
     const std::vector<at::Tensor>& value_buffers, int64_t start, int64_t heads, int64_t kv_heads,
-    int64_t head_dim, double scaling, bool grouped) {
+    int64_t head_dim, double scaling, bool grouped, const std::vector<bool>& onednn) {
   const int64_t layers = static_cast<int64_t>(key_buffers.size());
   TORCH_CHECK(weights.size() == static_cast<size_t>(layers * kWeightsPerLayer), "decoder_layers: weights");
   TORCH_CHECK(packs.size() == static_cast<size_t>(layers * kProjections), "decoder_layers: packs");
+  TORCH_CHECK(onednn.size() == packs.size(), "decoder_layers: onednn");
   TORCH_CHECK(norm_eps.size() == static_cast<size_t>(layers * 2), "decoder_layers: norm_eps");
   const int64_t rows = x.size(1);
   const int64_t width = x.size(2);
@@ -72,10 +84,11 @@ std::vector<at::Tensor> decoder_layers(
   for (int64_t i = 0; i < layers; ++i) {
     const at::Tensor* w = &weights[i * kWeightsPerLayer];
     auto p = [&](Weight projection) -> const at::Tensor& { return packs[i * kProjections + projection - kQuery]; };
+    auto dnn = [&](Weight projection) -> bool { return onednn[i * kProjections + projection - kQuery]; };
     at::Tensor normed = rms_norm(x, w[kInputNorm], norm_eps[2 * i]).view({rows, width});
-    at::Tensor query = project(normed, w[kQuery], p(kQuery)).view({1, rows, heads, head_dim}).transpose(1, 2);
-    at::Tensor key = project(normed, w[kKey], p(kKey)).view({1, rows, kv_heads, head_dim}).transpose(1, 2);
-    at::Tensor value = project(normed, w[kValue], p(kValue)).view({1, rows, kv_heads, head_dim}).transpose(1, 2);
+    at::Tensor query = project(normed, w[kQuery], p(kQuery), dnn(kQuery)).view({1, rows, heads, head_dim}).transpose(1, 2);
+    at::Tensor key = project(normed, w[kKey], p(kKey), dnn(kKey)).view({1, rows, kv_heads, head_dim}).transpose(1, 2);
+    at::Tensor value = project(normed, w[kValue], p(kValue), dnn(kValue)).view({1, rows, kv_heads, head_dim}).transpose(1, 2);
     query = rotate(query, cos, signed_sin, half);
     key = rotate(key, cos, signed_sin, half);
     key_buffers[i].narrow(2, start, rows).copy_(key);
@@ -85,10 +98,10 @@ std::vector<at::Tensor> decoder_layers(
     at::Tensor attended = at::scaled_dot_product_attention(
         query, keys, values, mask, /*dropout_p=*/0.0, /*is_causal=*/false, scaling, grouped);
     attended = attended.transpose(1, 2).contiguous();
-    x = x + project(attended.view({rows, -1}), w[kOutput], p(kOutput));
+    x = x + project(attended.view({rows, -1}), w[kOutput], p(kOutput), dnn(kOutput));
     normed = rms_norm(x, w[kPostNorm], norm_eps[2 * i + 1]).view({rows, width});
-    at::Tensor gated = at::silu(project(normed, w[kGate], p(kGate))) * project(normed, w[kUp], p(kUp));
-    x = x + project(gated, w[kDown], p(kDown));
+    at::Tensor gated = at::silu(project(normed, w[kGate], p(kGate), dnn(kGate))) * project(normed, w[kUp], p(kUp), dnn(kUp));
+    x = x + project(gated, w[kDown], p(kDown), dnn(kDown));
     outputs.push_back(x);
   }
   return outputs;

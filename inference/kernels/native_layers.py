@@ -2,7 +2,7 @@
 
 The lean Python loop (:func:`direct_forward._lean_layers`) makes ~1,000 small ATen calls per forward,
 and on a CPU the interpreter's time between them is a visible share of a small model's step.
-``native.cpp``'s ``decoder_layers`` makes the same ATen calls (MKL's packed GEMM where
+``native.cpp``'s ``decoder_layers`` makes the same ATen calls (oneDNN's or MKL's prepacked linear where
 :mod:`packed_gemm`'s pack for the rows is active) on the same values in the same order from C++, so the
 results are bitwise those of the Python loop (``tests/test_native_layers.py`` checks logits, every
 hidden state and the cache).
@@ -23,7 +23,7 @@ from transformers.activations import SiLUActivation
 from transformers.integrations.sdpa_attention import use_gqa_in_sdpa
 
 from draftsmith.core.cache import PreallocatedLayer
-from draftsmith.inference.kernels.packed_gemm import PackedLinear
+from draftsmith.inference.kernels.packed_gemm import PackedLinear, active_pack
 
 _WEIGHTS_PER_LAYER = 9  # the order of native.cpp's Weight enum
 
@@ -94,6 +94,7 @@ def native_decoder_layers(
         return None
     rows = x.shape[1]
     packs = [_active_pack(linear, rows) for linear in plan.linears]
+    onednn = [_onednn(linear) for linear in plan.linears]  # per projection: a replaced module has no pack
     rooms = [layer.append_rows(rows) for layer in cache_layers]
     return extension.decoder_layers(
         x,
@@ -111,6 +112,7 @@ def native_decoder_layers(
         plan.head_dim,
         plan.scaling,
         grouped,
+        onednn,
     )
 
 
@@ -118,8 +120,13 @@ _NO_PACK = torch.empty(0)  # the extension's "not packed"
 
 
 def _active_pack(linear: nn.Module, rows: int) -> torch.Tensor:
-    pack = linear.active_pack(rows) if isinstance(linear, PackedLinear) else None
+    pack = active_pack(linear, rows)
     return _NO_PACK if pack is None else pack
+
+
+def _onednn(linear: nn.Module) -> bool:
+    """Whether ``linear``'s packs are oneDNN's (else MKL's, or none)."""
+    return isinstance(linear, PackedLinear) and linear._owner.kernel == "onednn"
 
 
 def _projections(layer: nn.Module) -> tuple[nn.Module, ...]:

@@ -1,21 +1,29 @@
-"""Verification forwards through MKL's packed GEMM: wide forwards that cost little more than one token.
+"""Weights-once linears for the runtime's forwards: a forward over a few rows should cost about what one
+row costs, since on a CPU the weights are read once either way.
 
-On a CPU, a verification forward over a few rows should cost about what one token costs: the weights
-are read once either way. PyTorch's default fp32 ``linear`` (MKL ``sgemm``) falls well short of that
-for small row counts, so trees barely pay; MKL's packed GEMM (``cblas_sgemm_pack`` / ``compute``,
-exposed as ``torch.ops.mkl._mkl_linear``; inductor's ``freezing`` uses it too) gets much closer
-(``draftsmith bench-tree`` measures both on a machine).
+PyTorch's default fp32 ``linear`` (MKL ``sgemm``) falls well short of that for small row counts and, on
+some CPUs, of the memory's read speed even for one row. Two prepacked kernels do better; ``draftsmith
+bench-tree --linear ...`` measures each on a machine:
 
-A pack is made for one row count, so a verification forward's rows are padded up to a **row bucket**
-(2, 4, 8, 16, 32): padding rows repeat the root token, attend only to committed tokens and themselves,
-and no real row attends to them, so they change no real row's output; their keys land past the rows
-the commit keeps. One-row forwards (plain decoding) and larger trees use the default kernel.
+- ``onednn``: oneDNN's prepacked linear (``torch.ops.mkldnn._reorder_linear_weight`` once, then
+  ``_linear_pointwise``; what inductor's ``freezing`` uses on a CPU). One pack per weight serves every
+  row count, one row included, so plain decoding steps, tree verifications and the prompt's prefill
+  all run through it. Its rounding must not depend on the row count, or a tree's rows would differ from
+  the plain steps they stand for: :meth:`PackedGemm.row_invariant` checks that on the machine, and
+  ``bench`` reports it.
+- ``mkl``: MKL's packed GEMM (``cblas_sgemm_pack`` / ``compute``, ``torch.ops.mkl._mkl_linear``). A pack
+  is made for one row count, so a verification forward's rows are padded up to a **row bucket** (2, 4,
+  8, 16, 32): padding rows repeat the root token, attend only to committed tokens and themselves, and
+  no real row attends to them, so they change no real row's output; their keys land past the rows the
+  commit keeps. One-row forwards and larger trees use the default kernel.
 
-Packing copies every linear weight once per bucket (about the model's size: 0.5 GB for SmolLM2 in
-fp32). Buckets are packed when first needed, never past half of the memory then available. The
-packed kernel's rounding differs from the default one's by float32 noise, as the default kernel's
-own rounding already differs between one and several rows; greedy outputs stay token-identical to
-plain decoding (``bench`` checks every prompt).
+Either kind copies every linear weight (about the model's size: 0.5 GB for SmolLM2 in fp32; ``mkl``
+once per bucket). Packs are made when first needed, never past half of the memory then available.
+
+With ``onednn`` the runtime's numerical model is the target with oneDNN's linears: the reference that
+``bench`` checks every method against (HF ``generate``) runs through the same packs
+(:meth:`PackedGemm.model_forwards`). MKL's packed rows round differently from the default kernel's by
+float32 noise, as the default kernel's own rounding already differs between one and several rows.
 """
 
 from __future__ import annotations
@@ -23,28 +31,44 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from draftsmith.core.weight_copies import CopySource
+from draftsmith.inference.kernels import LINEAR_KERNELS
 
 ROW_BUCKETS = (2, 4, 8, 16, 32)
 MEMORY_SHARE = 0.5  # a bucket is packed only if its packs fit in this share of the available memory
+ANY_ROWS = 0  # the pack key of a kernel whose one pack serves every row count (oneDNN)
+
+
+def linear_kernel_available(kernel: str) -> bool:
+    """Whether this PyTorch build has ``kernel``."""
+    if kernel == "onednn":
+        return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    if kernel == "mkl":
+        return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
+    return kernel == "default"
+
+
+def linear_kernel_for(model: nn.Module, asked: str) -> str:
+    """The kernel ``model``'s linears run with when ``asked`` is wanted: a prepacked one needs float32
+    weights on the CPU and a build that has it; otherwise the next one in :data:`LINEAR_KERNELS`."""
+    if asked not in LINEAR_KERNELS:
+        raise ValueError(f"unknown linear kernel {asked!r}; choose one of {', '.join(LINEAR_KERNELS)}")
+    parameter = next(model.parameters(), None)
+    if parameter is None or parameter.device.type != "cpu" or parameter.dtype != torch.float32:
+        return "default"
+    candidates = LINEAR_KERNELS[LINEAR_KERNELS.index(asked) :]
+    return next(kernel for kernel in candidates if linear_kernel_available(kernel))
 
 
 def packed_gemm_supported(model: nn.Module) -> bool:
-    """Float32 weights on the CPU, with PyTorch built against MKL."""
-    parameter = next(model.parameters(), None)
-    return (
-        parameter is not None
-        and parameter.device.type == "cpu"
-        and parameter.dtype == torch.float32
-        and torch.backends.mkl.is_available()
-        and hasattr(torch.ops.mkl, "_mkl_linear")
-    )
+    """Float32 weights on the CPU, with a prepacked kernel in this PyTorch build."""
+    return linear_kernel_for(model, "onednn") != "default"
 
 
 def row_bucket(rows: int) -> int | None:
@@ -64,23 +88,36 @@ class PackedLinear(nn.Linear):
 
     def active_pack(self, rows: int) -> torch.Tensor | None:
         """The pack a ``rows``-row input multiplies through now, if any."""
-        return self._packs.get(rows) if self._owner.active and not torch.is_grad_enabled() else None
+        if not self._owner.active or torch.is_grad_enabled():
+            return None
+        return self._packs.get(self._owner.pack_key(rows))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
         pack = self.active_pack(rows)
         if pack is None:
             return F.linear(x, self.weight, self.bias)
+        if self._owner.kernel == "onednn":
+            return torch.ops.mkldnn._linear_pointwise(x, pack, self.bias, "none", [], "")
         out = torch.ops.mkl._mkl_linear(x.reshape(rows, x.shape[-1]), pack, self.weight, self.bias, rows)
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
-class PackedGemm:
-    """The packs of one target model, held by its kernel context (:mod:`kernels.context`). It turns the
-    model's ``nn.Linear`` modules into :class:`PackedLinear`, which behave exactly as before outside
-    :meth:`rows`' context; a later ``PackedGemm`` of the same model takes them over, with no packs yet."""
+def active_pack(linear: nn.Module, rows: int) -> torch.Tensor | None:
+    """The pack ``linear`` multiplies a ``rows``-row input through now (None: the default kernel)."""
+    return linear.active_pack(rows) if isinstance(linear, PackedLinear) else None
 
-    def __init__(self, model: nn.Module) -> None:
+
+class PackedGemm:
+    """The packs of one target model for ``kernel`` (``onednn`` or ``mkl``, see the module docstring),
+    held by its kernel context (:mod:`kernels.context`). It turns the model's ``nn.Linear`` modules into
+    :class:`PackedLinear`, which behave exactly as before outside :meth:`rows`' context; a later
+    ``PackedGemm`` of the same model takes them over, with no packs yet."""
+
+    def __init__(self, model: nn.Module, kernel: str = "mkl") -> None:
+        if kernel not in ("onednn", "mkl"):
+            raise ValueError(f"PackedGemm packs for 'onednn' or 'mkl', not {kernel!r}")
+        self.kernel = kernel
         self.active = False
         self._linears: list[PackedLinear] = []
         for module in model.modules():
@@ -94,17 +131,50 @@ class PackedGemm:
 
     @property
     def buckets(self) -> list[int]:
-        """The row counts packed so far."""
+        """The row counts packed so far (``[0]``: one pack for every row count, :data:`ANY_ROWS`)."""
         return sorted(self._linears[0]._packs) if self._linears else []
 
+    def pack_key(self, rows: int) -> int:
+        """The key of the pack a ``rows``-row input uses."""
+        return ANY_ROWS if self.kernel == "onednn" else rows
+
     def padded_rows(self, rows: int) -> int:
-        """How many rows a ``rows``-row verification forward should run with: its bucket when that
-        bucket is (or can be) packed, else ``rows`` itself."""
+        """How many rows a ``rows``-row verification forward should run with, its packs made: a MKL
+        bucket when that bucket is (or can be) packed, else ``rows`` itself."""
+        if not self._linears:
+            return rows
+        if self.kernel == "onednn":
+            self._drop_stale_packs()
+            self._ensure(ANY_ROWS)
+            return rows
         bucket = row_bucket(rows)
-        if bucket is None or not self._linears:
+        if bucket is None:
             return rows
         self._drop_stale_packs()
         return bucket if self._ensure(bucket) else rows
+
+    def model_forwards(self) -> AbstractContextManager[None]:
+        """The context for the model's own forwards (the prompt's prefill, a reference ``generate``) that
+        keeps them the runtime's numerical model: oneDNN's pack, which every runtime forward uses, serves
+        them too; MKL's buckets serve verification forwards alone."""
+        if self.kernel != "onednn" or not self._linears:
+            return nullcontext()
+        self.padded_rows(1)
+        return self.rows()
+
+    def row_invariant(self) -> bool:
+        """Whether a row's product is bitwise the same alone and among others (up to 32) on this machine:
+        what makes a tree verification compute exactly what plain steps compute. Checked on the first
+        linear's pack with random rows (MKL's buckets: only within one bucket, so False)."""
+        if self.kernel != "onednn" or not self._linears:
+            return False
+        self.padded_rows(1)
+        linear = self._linears[0]
+        rows = torch.randn(32, linear.in_features, generator=torch.Generator().manual_seed(0))
+        with torch.no_grad(), self.rows():
+            together = linear(rows)
+            alone = torch.cat([linear(rows[i : i + 1]) for i in range(rows.shape[0])])
+        return torch.equal(together, alone)
 
     def _drop_stale_packs(self) -> None:
         """A pack is a copy: after a weight is replaced or changed in place (an optimizer step,
@@ -132,10 +202,15 @@ class PackedGemm:
         start = time.perf_counter()
         with torch.no_grad():
             for module in missing:
-                module._packs[bucket] = torch.ops.mkl._mkl_reorder_linear_weight(module.weight.detach(), bucket)
+                module._packs[bucket] = self._pack(module.weight.detach(), bucket)
                 module._packed_from = CopySource(module.weight)
         self.pack_seconds += time.perf_counter() - start
         return True
+
+    def _pack(self, weight: torch.Tensor, bucket: int) -> torch.Tensor:
+        if self.kernel == "onednn":
+            return torch.ops.mkldnn._reorder_linear_weight(weight)  # no row hint: the pack is row-invariant
+        return torch.ops.mkl._mkl_reorder_linear_weight(weight, bucket)
 
 
 def _available_bytes() -> int:

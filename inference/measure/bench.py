@@ -1,8 +1,10 @@
 """``draftsmith bench``: every method against plain decoding on the same prompts, in one process.
 
 For each question turn, HF ``generate`` (greedy) runs first and defines both the reference output
-and the baseline time; then each method runs on the same prompt. Multi-turn questions ask the second
-turn after the model's own first answer (the reference one, so every method sees the same prompt).
+and the baseline time (its linears through the runtime's kernel, so the reference is the numerical
+model the runtime decodes: see ``kernels/packed_gemm.py``); then each method runs on the same prompt.
+Multi-turn questions ask the second turn after the model's own first answer (the reference one, so
+every method sees the same prompt).
 Methods run interleaved prompt by prompt, so machine noise hits all of them alike; ``vllm`` and
 ``vllm=DIR`` (vLLM in its own environment, see ``vllm_engine.py``) run afterwards on the same prompts.
 Each finished question is appended to ``OUT/progress.jsonl`` (:mod:`bench_resume`), so a bench that
@@ -15,6 +17,7 @@ import hashlib
 import json
 import time
 from collections import defaultdict
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -206,7 +209,7 @@ def hf_greedy(
     return tokens, time.perf_counter() - start
 
 
-def _served_reference(target: Target, drafter, prompt: list[int], max_new_tokens: int, eos: list[int]):
+def _served_reference(drafter, prompt: list[int], max_new_tokens: int, eos: list[int], backends: Backends):
     """For a drafter that serves an adapted model (:meth:`Drafter.reference_model`, e.g. Speculative
     Streaming's LoRA target), lossless means identical to *that* model's plain decoding, which is also
     its baseline: its HF greedy tokens and time; None for drafters that serve the target itself."""
@@ -214,7 +217,9 @@ def _served_reference(target: Target, drafter, prompt: list[int], max_new_tokens
     if reference is None:
         return None, 0.0
     with reference as model:
-        return hf_greedy(model, prompt, max_new_tokens, eos)
+        served = drafter.served_model() is model  # decoded through the runtime's kernels: same numerics
+        with backends.reference_forwards(model) if served else nullcontext():
+            return hf_greedy(model, prompt, max_new_tokens, eos)
 
 
 def _run_question(
@@ -235,7 +240,8 @@ def _run_question(
         messages.append({"role": "user", "content": turn})
         prompt = target.encode_chat(messages)
         check_fits_context(target.model, len(prompt), max_new_tokens, f"question {question.id} turn {turn_index + 1}")
-        reference, base_seconds = hf_greedy(target.model, prompt, max_new_tokens, eos)
+        with backends.reference_forwards(target.model):
+            reference, base_seconds = hf_greedy(target.model, prompt, max_new_tokens, eos)
         record: dict[str, Any] = {
             "where": f"{question.id}/{turn_index}",
             "prompt": prompt,
@@ -248,7 +254,7 @@ def _run_question(
             tokens, seconds = decode(prompt, max_new_tokens, eos)
             record["plain"][name] = {"tokens": tokens, "seconds": seconds}
         for name, drafter in drafters.items():
-            own_reference, own_seconds = _served_reference(target, drafter, prompt, max_new_tokens, eos)
+            own_reference, own_seconds = _served_reference(drafter, prompt, max_new_tokens, eos, backends)
             result = generate(
                 target.model, prompt, drafter, max_new_tokens=max_new_tokens, eos_token_ids=eos, backends=backends
             )
@@ -326,11 +332,11 @@ def run_bench(
     names = [BASELINE, *methods, *(m.name for m in engine_methods)]
     tallies: dict[str, dict[str, Tally]] = {name: defaultdict(Tally) for name in names}
     turns: list[Turn] = []
-    pack_seconds = 0.0
     backends.prepare(target.model)  # kernels built here, outside every timing
     kernels = None if backends.options.compiled else backends.kernels(target.model)
     head_before = _head_rows(kernels)
-    hf_greedy(target.model, target.encode_chat([{"role": "user", "content": "Hi"}]), 4, eos)  # warm-up
+    with backends.reference_forwards(target.model):
+        hf_greedy(target.model, target.encode_chat([{"role": "user", "content": "Hi"}]), 4, eos)  # warm-up
     finished = list(progress.records) if progress is not None else []  # from the run this one resumes
     for record, question in zip(finished, questions):
         if record.get("question") != question.id:
@@ -346,7 +352,6 @@ def run_bench(
             if progress is not None:
                 progress.append(record)
         turns += _tally_question(tallies, record, question.category)
-        pack_seconds += sum(m["pack_seconds"] for turn in record["turns"] for m in turn["methods"].values())
     bar.close()
     engine_info = _run_engines(engine_methods, turns, tallies, vllm_python, target_dir, max_new_tokens, eos)
     return {
@@ -357,7 +362,7 @@ def run_bench(
         "dtype": str(target.model.dtype).removeprefix("torch."),
         "questions": len(questions),
         **({"resumed_questions": len(finished)} if finished else {}),
-        **_kernel_summary(backends, target.model, kernels, head_before, pack_seconds),
+        **_kernel_summary(backends, target.model, kernels, head_before),
         **{f"{name}_compile_seconds": round(decode.compile_seconds, 1) for name, decode in plain.items()},
         "baseline": BASELINE,
         "methods": {name: {scope: t.summary() for scope, t in scopes.items()} for name, scopes in tallies.items()},
@@ -404,28 +409,21 @@ def _head_rows(kernels: KernelContext | None) -> tuple[int, int]:
 
 
 def _kernel_summary(
-    backends: Backends, model, kernels: KernelContext | None, head_before: tuple[int, int], pack_seconds: float
+    backends: Backends, model, kernels: KernelContext | None, head_before: tuple[int, int]
 ) -> dict[str, Any]:
     """How the runtime's forwards ran, for results.json: compiled (and how long compiling took), or
     which eager fast paths served the target."""
     if backends.options.compiled:
         compiled = {"compiled": True, "compile_seconds": round(backends.compiled(model).compile_seconds, 1)}
-        return {**compiled, "packed_gemm": None, "direct_forward": False, "native": False, "greedy_head": None}
+        return {**compiled, "linear": None, "direct_forward": False, "native": False, "greedy_head": None}
     direct = kernels.direct()
     return {
         "compiled": False,
-        "packed_gemm": _packed_gemm_summary(kernels, pack_seconds),
+        "linear": kernels.linear_record(),
         "direct_forward": direct is not None,
         "native": direct is not None and direct.native,
         "greedy_head": _greedy_head_summary(kernels, head_before),
     }
-
-
-def _packed_gemm_summary(kernels: KernelContext, pack_seconds: float) -> dict[str, Any] | None:
-    """The row buckets packed for the runtime's verification forwards, or None when none were."""
-    if kernels.gemm is None or not kernels.gemm.buckets:
-        return None
-    return {"buckets": kernels.gemm.buckets, "pack_seconds": round(pack_seconds, 1)}
 
 
 def _greedy_head_summary(kernels: KernelContext, before: tuple[int, int]) -> dict[str, int] | None:

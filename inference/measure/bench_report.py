@@ -58,13 +58,24 @@ def _forward_note(results: dict[str, Any]) -> str:
             f"greedy tokens through the screened int8 head, exact ({head['fallback_rows']} of {head['rows']} rows "
             "left to the float32 head by the proof)"
         )
-    packed = results.get("packed_gemm")
-    if packed:
-        notes.append(
-            f"tree forwards through MKL packed GEMM (row buckets {packed['buckets']}, {packed['pack_seconds']} s "
-            "packing, not counted)"
-        )
+    linear = results.get("linear")
+    if linear:
+        notes.append(linear_note(linear))
     return "".join(f"; {note}" for note in notes)
+
+
+def linear_note(linear: dict[str, Any]) -> str:
+    """How the target's linears ran (``bench``'s and ``bench-tree``'s ``linear`` record)."""
+    if linear["kernel"] == "onednn":
+        invariant = "bitwise row-invariant" if linear.get("row_invariant") else "NOT row-invariant on this machine"
+        handover = linear.get("full_head_from")
+        head = f"; greedy verification of {handover}+ rows through its float32 head" if handover else ""
+        packing = f", {linear['pack_seconds']} s packing, not counted"
+        return f"linears through oneDNN's prepacked kernel, every forward ({invariant}{head}{packing})"
+    if linear["kernel"] == "mkl":
+        packing = f", {linear['pack_seconds']} s packing, not counted"
+        return f"tree forwards through MKL packed GEMM (row buckets {linear.get('buckets')}{packing})"
+    return "linears through PyTorch's default matrix multiply"
 
 
 SHORT = 16  # characters a method name may have to stand in the chart's legend as it is
@@ -144,7 +155,8 @@ def is_bench_results(path: Path) -> bool:
 
 def bench_output_rules(keep: tuple[tuple[str, Path], ...] = ()) -> OutputRules:
     """``bench --out`` replaces only earlier bench results, never one of ``keep`` (its inputs)."""
-    return OutputRules("bench results written by `draftsmith bench`", is_bench_results, keep)
+    writes = ("results.json", "results.md", "chart.png", PROGRESS)
+    return OutputRules("bench results written by `draftsmith bench`", is_bench_results, keep, writes)
 
 
 def write_results(

@@ -2,11 +2,12 @@
 
 A tree method trades target forwards for wider forwards; this measures the price. For each size S
 the target runs the runtime's own verification forward (4D tree mask, depth positions, a
-preallocated cache and, on a float32 CPU, packed GEMM padded to a row bucket) over S query tokens,
+preallocated cache and, on a float32 CPU, the prepacked linears of ``--linear``) over S query tokens,
 the root plus S - 1 draft nodes, on top of a KV cache that holds a ``prefix``-token context, and the
 median over repeats is reported relative to S = 1 (a plain decoding step). Sizes are timed
 interleaved, repeat by repeat, so machine noise hits all of them alike; the cache is cut back to the
-prefix after each forward, outside the timed region.
+prefix after each forward, outside the timed region. Every size is also shown against the floor of
+a step on this machine (:mod:`floor`: the weights' bytes over the measured read speed).
 
 Tree shapes: ``random`` (each node's parent drawn uniformly among the root and the earlier nodes, a
 fixed seed; a bushy tree like EAGLE-2's) or ``chain`` (a draft-model or prompt-lookup chain). For the
@@ -25,12 +26,14 @@ import torch
 from tqdm.auto import tqdm
 
 from draftsmith.core.cache import keep_positions
-from draftsmith.core.io import atomic_write_bytes, atomic_write_json
+from draftsmith.core.io import OutputRules, atomic_directory, atomic_write_bytes, atomic_write_json
 from draftsmith.core.target import Target
 from draftsmith.core.tree import DraftTree
 from draftsmith.inference.backends import DEFAULT_TREE_ROOM, Backends
 from draftsmith.inference.kernels.options import KernelOptions
+from draftsmith.inference.measure.bench_report import linear_note
 from draftsmith.inference.measure.errors import BenchError
+from draftsmith.inference.measure.floor import floor_note, step_floor
 from draftsmith.inference.runtime import PlainDecoding
 
 SHAPES = ("random", "chain")
@@ -141,9 +144,10 @@ def run_tree_bench(
         "threads": torch.get_num_threads(),
         "device": str(forward.device),
         "dtype": str(forward.dtype).removeprefix("torch."),
-        "packed_gemm": forward.kernels.gemm is not None,
+        "linear": forward.kernels.linear_record(),
         "greedy_head": forward.kernels.greedy_head() is not None,
         "native": forward.kernels.direct() is not None and forward.kernels.direct().native,
+        "floor": step_floor(target.model, forward.kernels.greedy_head()),
         "rows": rows,
     }
 
@@ -152,23 +156,39 @@ def tree_markdown(results: dict[str, Any]) -> str:
     lines = [
         f"One verification forward on a {results['prefix']}-token cached prefix, {results['shape']} tree, "
         f"{results['threads']} threads, {results['dtype']} on {results['device']}"
-        f"{', MKL packed GEMM (padded to row buckets)' if results.get('packed_gemm') else ''}"
+        f"{', ' + linear_note(results['linear']) if results.get('linear') else ''}"
         f"{', greedy tokens through the screened head' if results.get('greedy_head') else ''}"
         f"{', decoder layers and contender search in C++' if results.get('native') else ''}; median of "
         f"{results['repeats']}; size = query tokens (root + draft nodes).",
+        *([floor_note(results["floor"])] if results.get("floor") else []),
         "",
-        "| size | draft nodes | depth | median ms | relative to 1 token |",
-        "| --- | --- | --- | --- | --- |",
+        "| size | draft nodes | depth | median ms | relative to 1 token | relative to the floor |",
+        "| --- | --- | --- | --- | --- | --- |",
     ]
+    floor_ms = results.get("floor", {}).get("floor_ms")
     for row in results["rows"]:
+        to_floor = f"{row['median_ms'] / floor_ms:.2f}x" if floor_ms else "-"
         lines.append(
             f"| {row['size']} | {row['draft_nodes']} | {row['max_depth']} | {row['median_ms']:.2f} | "
-            f"{row['relative']:.2f}x |"
+            f"{row['relative']:.2f}x | {to_floor} |"
         )
     return "\n".join(lines) + "\n"
 
 
-def write_tree_results(results: dict[str, Any], out: Path) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(out / "bench_tree.json", results)
-    atomic_write_bytes(out / "bench_tree.md", tree_markdown(results).encode())
+TREE_RESULTS = ("bench_tree.json", "bench_tree.md")
+
+
+def is_tree_results(path: Path) -> bool:
+    return (Path(path) / TREE_RESULTS[0]).is_file()
+
+
+def tree_output_rules() -> OutputRules:
+    """``bench-tree --out`` replaces only the results an earlier bench-tree wrote."""
+    return OutputRules("results written by `draftsmith bench-tree`", is_tree_results, writes=TREE_RESULTS)
+
+
+def write_tree_results(results: dict[str, Any], out: Path, overwrite: bool = False) -> None:
+    """bench_tree.json and bench_tree.md, both or neither, replacing ``out`` as :func:`tree_output_rules` allow."""
+    with atomic_directory(Path(out), overwrite, tree_output_rules()) as staging:
+        atomic_write_json(staging / TREE_RESULTS[0], results)
+        atomic_write_bytes(staging / TREE_RESULTS[1], tree_markdown(results).encode())

@@ -164,13 +164,14 @@ class _FeatureRecorder(Drafter):
 
 
 def greedy_continuation(
-    target: Target, prompt: list[int], tokens: int, feature_layers: tuple[int, ...]
+    target: Target, prompt: list[int], tokens: int, feature_layers: tuple[int, ...], backends: Backends | None = None
 ) -> tuple[list[int], torch.Tensor]:
     """Plain greedy decoding of ``tokens`` tokens past any EOS (a round can accept draft tokens past
     it before the runtime cuts), and the target's features at the prompt and every new token but the
-    last two."""
+    last two; through ``backends``' kernels (a caller decoding many prompts passes one, so its kernels
+    are built once)."""
     recorder = _FeatureRecorder(feature_layers)
-    result = generate(target.model, prompt, recorder, max_new_tokens=tokens, eos_token_ids=())
+    result = generate(target.model, prompt, recorder, max_new_tokens=tokens, eos_token_ids=(), backends=backends)
     return result.tokens, recorder.features
 
 
@@ -194,11 +195,17 @@ def chain_ranks(growth: TreeGrowth, spelled: Sequence[int], max_depth: int) -> l
 
 
 def record_prompt(
-    target: Target, drafters: dict[int, EagleTreeDrafter], prompt: list[int], max_new_tokens: int, max_depth: int
+    target: Target,
+    drafters: dict[int, EagleTreeDrafter],
+    prompt: list[int],
+    max_new_tokens: int,
+    max_depth: int,
+    backends: Backends | None = None,
 ) -> PromptRecord:
     """The greedy continuation and every top_k's candidate ranks at every round start."""
     any_drafter = next(iter(drafters.values()))
-    g, features = greedy_continuation(target, prompt, max_new_tokens + max_depth, any_drafter.feature_layers)
+    layers = any_drafter.feature_layers
+    g, features = greedy_continuation(target, prompt, max_new_tokens + max_depth, layers, backends)
     record = PromptRecord(prompt, g, features)
     for top_k, drafter in drafters.items():
         per_t: list[list[tuple[int, ...]]] = [[]]  # t = 0 never starts a round
@@ -251,11 +258,16 @@ def spelled_path(parents: Sequence[int], tokens: Sequence[int], spelled: Sequenc
 
 
 def record_counted_prompt(
-    target: Target, base: MedusaTreeDrafter, prompt: list[int], max_new_tokens: int, shapes: Sequence[Shape]
+    target: Target,
+    base: MedusaTreeDrafter,
+    prompt: list[int],
+    max_new_tokens: int,
+    shapes: Sequence[Shape],
+    backends: Backends | None = None,
 ) -> CountedRecord:
     """The greedy continuation, and every shape's accepted length at every round start."""
     depth = max(shape.depth for shape in shapes)
-    g, features = greedy_continuation(target, prompt, max_new_tokens + depth, base.feature_layers)
+    g, features = greedy_continuation(target, prompt, max_new_tokens + depth, base.feature_layers, backends)
     record = CountedRecord(prompt, g, features)
     for shape in shapes:
         drafter = base.model.runtime_drafter(target.model, shape.options())
@@ -399,11 +411,12 @@ def eagle_plan(
     max_depth: int,
     top_ks: Sequence[int],
     totals: Sequence[int],
+    backends: Backends,
 ) -> TunePlan:
     drafters = {k: eagle_growth(base, target, max_depth, k) for k in top_ks}
     return TunePlan(
         search_space(max_depth, top_ks, totals),
-        [record_prompt(target, drafters, prompt, max_new_tokens, max_depth) for prompt in prompts],
+        [record_prompt(target, drafters, prompt, max_new_tokens, max_depth, backends) for prompt in prompts],
         eagle_drafters_per_round_shape(base, target, range(1, max_depth + 1), top_ks),
         {"max_depth": max_depth, "top_k": list(top_ks), "total_tokens": list(totals)},
     )
@@ -416,13 +429,14 @@ def medusa_plan(
     max_new_tokens: int,
     top_ks: Sequence[int],
     totals: Sequence[int],
+    backends: Backends,
 ) -> TunePlan:
     heads = base.model.config.num_heads
     shapes = medusa_search_space(heads, top_ks, totals)
     costliest = {(shape.depth, shape.top_k): shape for shape in shapes}  # budgets ascend: the largest wins
     return TunePlan(
         shapes,
-        [record_counted_prompt(target, base, prompt, max_new_tokens, shapes) for prompt in prompts],
+        [record_counted_prompt(target, base, prompt, max_new_tokens, shapes, backends) for prompt in prompts],
         {key: base.model.runtime_drafter(target.model, shape.options()) for key, shape in costliest.items()},
         {"heads": heads, "top_k": list(top_ks), "total_tokens": list(totals)},
     )
@@ -434,7 +448,7 @@ class Search:
     tries (given ``--max-depth``) and the plan it measures."""
 
     deepest: Callable[[Drafter, int], int]
-    plan: Callable[..., TunePlan]  # (target, base, prompts, max_new_tokens, max_depth, top_ks, totals)
+    plan: Callable[..., TunePlan]  # (target, base, prompts, max_new_tokens, max_depth, top_ks, totals, backends)
 
 
 SEARCHES = {
@@ -442,8 +456,8 @@ SEARCHES = {
     # a Medusa tree is as deep as its heads: --max-depth does not apply
     TreeSearch.HEADS: Search(
         lambda base, max_depth: base.model.config.num_heads,
-        lambda target, base, prompts, tokens, max_depth, top_ks, totals: medusa_plan(
-            target, base, prompts, tokens, top_ks, totals
+        lambda target, base, prompts, tokens, max_depth, top_ks, totals, backends: medusa_plan(
+            target, base, prompts, tokens, top_ks, totals, backends
         ),
     ),
 }
@@ -521,7 +535,7 @@ def run_tune(
     for i, prompt in enumerate(prompts):
         check_fits_context(target.model, len(prompt), max_new_tokens + depth + max(totals), f"calibration prompt {i}")
     say(f"recording the drafter's candidates at every position of {len(prompts)} prompts ({max_new_tokens} tokens)")
-    plan = search.plan(target, base, prompts, max_new_tokens, max_depth, top_ks, totals)
+    plan = search.plan(target, base, prompts, max_new_tokens, max_depth, top_ks, totals, backends)
     shapes, records = plan.shapes, plan.records
     say("timing drafting rounds, and verification forwards per tree size (bench-tree)")
     draft_ms = drafting_ms(plan.round_drafters, records[0])
@@ -548,7 +562,10 @@ def run_tune(
             "plain_tokens_per_s": plain.tokens_per_s,
         },
         "weights_sha256": weights_sha256(directory),
-        "kernels": {flag: bool(bench[flag]) for flag in ("native", "packed_gemm", "greedy_head")},
+        "kernels": {
+            **{flag: bool(bench[flag]) for flag in ("native", "greedy_head")},
+            "linear": bench["linear"]["kernel"],
+        },
         "calibration": {
             "prompts": len(prompts),
             "questions": str(questions) if questions else "default held-out prompts",

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from draftsmith.core.io import atomic_write_bytes
+from draftsmith.core.io import atomic_write_bytes, check_output_file
 from draftsmith.core.target import TargetError, TargetIdentity
 from draftsmith.data.formats import DataError, ReadStats, read_conversations
 
@@ -151,6 +151,17 @@ def write_index(path: Path, documents: list[list[int]], meta: dict[str, Any]) ->
     atomic_write_bytes(path, save({"tokens": tokens, "suffixes": suffixes}, metadata=header))
 
 
+def is_spectra_index(path: Path) -> bool:
+    """Whether ``path`` is an index :func:`write_index` wrote (read from its header alone)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="np") as handle:
+            return (handle.metadata() or {}).get("format") == INDEX_FORMAT
+    except Exception:  # safetensors raises its own error types for a file that is not one of its own
+        return False
+
+
 class RetrievalIndex:
     """A loaded index: suffix-array lookups of the context's suffix."""
 
@@ -241,12 +252,16 @@ def build_index(
     max_length: int = 512,
     batch_size: int = 4,
     limit: int | None = None,
+    overwrite: bool = False,
 ) -> dict[str, Any]:
-    """Score, filter, tokenise and write the index; returns its meta (also stored in the file)."""
+    """Score, filter, tokenise and write the index (replacing an earlier index only with ``overwrite``);
+    returns its meta (also stored in the file)."""
     from draftsmith.core.target import load_target
 
     if not 0.0 < keep <= 1.0:
         raise DataError(f"--keep must be in (0, 1], got {keep}")
+    what = "a SPECTRA index written by `draftsmith spectra-index`"
+    check_output_file(Path(out), overwrite, what, is_spectra_index, (("the corpus", Path(corpus)),))
     documents = read_documents(Path(corpus), limit)
     target = load_target(target_name)
     tokenizer = target.tokenizer

@@ -22,9 +22,8 @@ import torch
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.io import FILES_MANIFEST, atomic_write_json, record_rewritten_file, sha256_file
 from draftsmith.drafters.base import TreeOptions
-from draftsmith.drafters.io import WEIGHTS_NAME
+from draftsmith.drafters.io import TUNED_TREES, WEIGHTS_NAME
 
-TUNED_TREES = "tuned_trees.json"
 TUNED_FORMAT = "draftsmith.tuned_trees/1"
 
 
@@ -143,10 +142,14 @@ def fitted_tree(directory: Path, key: DeviceKey) -> FittedTree:
 
 
 def kernels_text(kernels: dict[str, Any]) -> str:
-    """``{"native": true, "packed_gemm": true}`` -> "timed with C++ decoder layers, packed GEMM": a tree
-    fitted with other kernels than the serving run's (``--no-native``, ``--compile``) may not be the best."""
+    """``{"native": true, "linear": "onednn"}`` -> "timed with C++ decoder layers, oneDNN linears": a tree
+    fitted with other kernels than the serving run's (``--no-native``, ``--linear``, ``--compile``) may
+    not be the best. (Trees fitted before ``linear`` was recorded say ``packed_gemm``: MKL's.)"""
     names = [name for flag, name in _KERNEL_NAMES.items() if kernels.get(flag)]
+    linear = kernels.get("linear", "mkl" if kernels.get("packed_gemm") else "default")
+    names += [_LINEAR_NAMES[linear]] if linear in _LINEAR_NAMES else []
     return "timed with " + (", ".join(names) if names else "the Python forward")
 
 
-_KERNEL_NAMES = {"native": "C++ decoder layers", "packed_gemm": "packed GEMM", "greedy_head": "screened head"}
+_KERNEL_NAMES = {"native": "C++ decoder layers", "greedy_head": "screened head"}
+_LINEAR_NAMES = {"onednn": "oneDNN linears", "mkl": "packed GEMM"}

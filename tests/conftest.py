@@ -4,11 +4,13 @@ random Gemma-3 (the second architecture every family is tested on)."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 # ../shared beside the repository root: data every developer and CI run has, never part of the product.
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
@@ -253,3 +255,61 @@ def vllm_sized_llama(vocab_size: int):
     """A tiny Llama that vLLM's CPU attention takes (head_dim 32 and up; the suite's tiny Llama has 16)."""
     shape = {"hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 2, "num_key_value_heads": 1}
     return tiny_llama(vocab_size, num_hidden_layers=4, **shape)
+
+
+# ---- hostile inputs (test_hostile*.py) ----
+
+
+@pytest.fixture()
+def no_model_loads(monkeypatch):
+    """Fail the test if a target model or tokenizer is loaded: the refusal must come before."""
+
+    def loaded(*args, **kwargs):
+        raise AssertionError("a model was loaded before the bad argument was refused")
+
+    import draftsmith.train.trainer  # noqa: F401  (imported before the patch, or it would keep the patched name)
+
+    for module in ("draftsmith.core.target", "draftsmith.train.trainer"):
+        monkeypatch.setattr(f"{module}.load_target", loaded, raising=False)
+    monkeypatch.setattr("draftsmith.core.target.load_tokenizer", loaded)
+
+
+@pytest.fixture()
+def data_dir(tmp_path, chat_records) -> Path:
+    """A folder holding the user's dataset and an unrelated file of theirs."""
+    folder = tmp_path / "mydata"
+    folder.mkdir()
+    write_jsonl(folder / "mydata.jsonl", chat_records)
+    (folder / "notes.txt").write_text("my notes\n")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory, tiny_target_dir, prepared_dir) -> Path:
+    """A two-step training run beside a sibling folder, inside a parent the user owns; copied per test."""
+    from draftsmith.train.cli import main
+    from helpers import write_recipe
+
+    root = tmp_path_factory.mktemp("runs")
+    recipe = write_recipe(root, tiny_target_dir, prepared_dir, train={"max_steps": 2, "save_every": 2})
+    main(["train", str(recipe)])
+    (root / "sibling").mkdir()
+    (root / "sibling" / "keep.txt").write_text("another run's notes\n")
+    return root / "run"
+
+
+@pytest.fixture()
+def runs(tmp_path, finished_run) -> Path:
+    """This test's own copy of the parent folder holding ``run`` and ``sibling``, its recipes pointing
+    at the copy (as if it had been trained there), so no test can touch the shared run."""
+    root = shutil.copytree(finished_run.parent, tmp_path / "runs")
+    for recipe in (root / "recipe.yaml", root / "run" / "recipe.resolved.yaml"):
+        tree = yaml.safe_load(recipe.read_text())
+        recipe.write_text(yaml.safe_dump({**tree, "output_dir": str(root / "run")}))
+    return root
+
+
+@pytest.fixture()
+def questions(tmp_path) -> Path:
+    record = {"question_id": "q1", "category": "writing", "turns": ["Write a poem about snow."]}
+    return write_jsonl(tmp_path / "questions.jsonl", [record])

@@ -10,6 +10,7 @@ from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 
+import pytest
 import torch
 import yaml
 
@@ -322,3 +323,37 @@ def train_streams(target, model, prompts, seqs, steps, lr=1e-2):
         optimizer.step()
         history.append(out)
     return model.eval(), history
+
+
+# ---- hostile inputs (test_hostile*.py) ----
+
+
+def refused(argv: list[str], capsys: pytest.CaptureFixture) -> str:
+    """Run ``draftsmith argv``; assert it is refused as a user error; return its one error line."""
+    from draftsmith.train.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main([str(a) for a in argv])
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("draftsmith: error:")]
+    assert info.value.code == 2, err
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+def snapshot(root: Path) -> dict[str, bytes]:
+    """Every file under ``root`` with its bytes, to prove nothing was lost or changed."""
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def generate_argv(drafter: Path, target: Path) -> list:
+    return [
+        "generate",
+        "Write a poem about snow.",
+        "--target",
+        target,
+        "--method",
+        f"fspad={drafter}",
+        "--max-new-tokens",
+        "4",
+    ]

@@ -19,48 +19,9 @@ from conftest import sharegpt, write_jsonl
 from draftsmith.core.io import write_files_manifest
 from draftsmith.train.checkpoint import latest_checkpoint, rng_state_file
 from draftsmith.train.cli import main
-from helpers import losses, write_recipe
-
-
-def refused(argv: list[str], capsys: pytest.CaptureFixture) -> str:
-    """Run ``draftsmith argv``; assert it is refused as a user error; return its one error line."""
-    with pytest.raises(SystemExit) as info:
-        main([str(a) for a in argv])
-    err = capsys.readouterr().err
-    lines = [line for line in err.splitlines() if line.startswith("draftsmith: error:")]
-    assert info.value.code == 2, err
-    assert len(lines) == 1 and "Traceback" not in err, err
-    return lines[0]
-
-
-def snapshot(root: Path) -> dict[str, bytes]:
-    """Every file under ``root`` with its bytes, to prove nothing was lost or changed."""
-    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
-
-
-@pytest.fixture()
-def no_model_loads(monkeypatch):
-    """Fail the test if a target model or tokenizer is loaded: the refusal must come before."""
-
-    def loaded(*args, **kwargs):
-        raise AssertionError("a model was loaded before the bad argument was refused")
-
-    for module in ("draftsmith.core.target", "draftsmith.train.trainer"):
-        monkeypatch.setattr(f"{module}.load_target", loaded, raising=False)
-    monkeypatch.setattr("draftsmith.core.target.load_tokenizer", loaded)
-
+from helpers import generate_argv, losses, refused, snapshot, write_recipe
 
 # ---- data prepare --overwrite --------------------------------------------------------------------
-
-
-@pytest.fixture()
-def data_dir(tmp_path, chat_records) -> Path:
-    """A folder holding the user's dataset and an unrelated file of theirs."""
-    folder = tmp_path / "mydata"
-    folder.mkdir()
-    write_jsonl(folder / "mydata.jsonl", chat_records)
-    (folder / "notes.txt").write_text("my notes\n")
-    return folder
 
 
 @pytest.mark.parametrize(
@@ -104,28 +65,6 @@ def test_prepare_overwrite_replaces_its_own_output(tmp_path, data_dir, tiny_targ
 # ---- export --overwrite ---------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def finished_run(tmp_path_factory, tiny_target_dir, prepared_dir) -> Path:  # noqa: F811
-    """A two-step training run beside a sibling folder, inside a parent the user owns; copied per test."""
-    root = tmp_path_factory.mktemp("runs")
-    recipe = write_recipe(root, tiny_target_dir, prepared_dir, train={"max_steps": 2, "save_every": 2})
-    main(["train", str(recipe)])
-    (root / "sibling").mkdir()
-    (root / "sibling" / "keep.txt").write_text("another run's notes\n")
-    return root / "run"
-
-
-@pytest.fixture()
-def runs(tmp_path, finished_run) -> Path:
-    """This test's own copy of the parent folder holding ``run`` and ``sibling``, its recipes pointing
-    at the copy (as if it had been trained there), so no test can touch the shared run."""
-    root = shutil.copytree(finished_run.parent, tmp_path / "runs")
-    for recipe in (root / "recipe.yaml", root / "run" / "recipe.resolved.yaml"):
-        tree = yaml.safe_load(recipe.read_text())
-        recipe.write_text(yaml.safe_dump({**tree, "output_dir": str(root / "run")}))
-    return root
-
-
 @pytest.mark.parametrize(
     "out, flags, message",
     [
@@ -157,12 +96,6 @@ def test_export_overwrite_replaces_only_an_earlier_export(runs, tmp_path, capsys
 
 
 # ---- bench --out ------------------------------------------------------------------------------------
-
-
-@pytest.fixture()
-def questions(tmp_path) -> Path:
-    record = {"question_id": "q1", "category": "writing", "turns": ["Write a poem about snow."]}
-    return write_jsonl(tmp_path / "questions.jsonl", [record])
 
 
 def bench_argv(questions: Path, out: Path, target: Path, *extra: str) -> list:
@@ -586,19 +519,6 @@ def exported_with_vocab(tmp_path_factory, tiny_target_dir, prepared_dir) -> Path
 @pytest.fixture()
 def drafter_copy(tmp_path, exported_with_vocab) -> Path:
     return shutil.copytree(exported_with_vocab, tmp_path / "drafter")
-
-
-def generate_argv(drafter: Path, target: Path) -> list:
-    return [
-        "generate",
-        "Write a poem about snow.",
-        "--target",
-        target,
-        "--method",
-        f"fspad={drafter}",
-        "--max-new-tokens",
-        "4",
-    ]
 
 
 @pytest.mark.parametrize(

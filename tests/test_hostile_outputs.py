@@ -18,21 +18,11 @@ from pathlib import Path
 import pytest
 import yaml
 from safetensors.torch import load_file, save_file
-from test_hostile import (  # noqa: F401  (fixtures)
-    data_dir,
-    finished_run,
-    generate_argv,
-    no_model_loads,
-    questions,
-    refused,
-    runs,
-    snapshot,
-)
-from test_trainer import prepared_dir, write_recipe  # noqa: F401  (prepared_dir is a fixture)
 
 from draftsmith.core.io import write_files_manifest
 from draftsmith.core.lock import OutputInUseError, exclusive_output, lock_path
 from draftsmith.train.cli import main
+from helpers import generate_argv, refused, snapshot, write_recipe
 
 # ---- --overwrite replaces only what the command wrote ---------------------------------------------------
 

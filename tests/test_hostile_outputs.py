@@ -46,11 +46,18 @@ def test_prepare_overwrite_refuses_a_folder_holding_the_users_files(
     assert snapshot(out) == before
 
 
-def test_a_fake_manifest_does_not_make_a_folder_ours(tmp_path, data_dir, tiny_target_dir, no_model_loads, capsys):
-    folder = tmp_path / "mine"
+def folder_with(folder: Path, files: dict[str, str]) -> Path:
+    """A new folder holding ``files`` (name: text): a look-alike of a command's output beside the user's files."""
     folder.mkdir()
-    (folder / "manifest.json").write_text('{"format": "draftsmith.prepared/1"}')
-    (folder / "thesis.tex").write_text("years of work\n")
+    for name, text in files.items():
+        (folder / name).write_text(text)
+    return folder
+
+
+def test_a_fake_manifest_does_not_make_a_folder_ours(tmp_path, data_dir, tiny_target_dir, no_model_loads, capsys):
+    folder = folder_with(
+        tmp_path / "mine", {"manifest.json": '{"format": "draftsmith.prepared/1"}', "thesis.tex": "years of work\n"}
+    )
     before = snapshot(folder)
     argv = ["data", "prepare", data_dir / "mydata.jsonl", "--out", folder, "--target", tiny_target_dir, "--overwrite"]
     assert "thesis.tex" in refused(argv, capsys)
@@ -73,10 +80,7 @@ def test_export_overwrite_refuses_the_users_files_and_keeps_fitted_trees(runs, t
 
 
 def test_bench_overwrite_refuses_the_users_files(tmp_path, questions, tiny_target_dir, no_model_loads, capsys):
-    out = tmp_path / "bench"
-    out.mkdir()
-    (out / "results.json").write_text('{"methods": {}}')
-    (out / "analysis.tex").write_text("my analysis\n")
+    out = folder_with(tmp_path / "bench", {"results.json": '{"methods": {}}', "analysis.tex": "my analysis\n"})
     before = snapshot(out)
     argv = ["bench", "--questions", questions, "--out", out, "--target", tiny_target_dir, "--overwrite"]
     assert "analysis.tex" in refused(argv, capsys)

@@ -43,6 +43,13 @@ def _float(text: str, option: str, allowed: str) -> float:
     return value
 
 
+def positive_float(text: str) -> float:
+    value = _float(text, "the value", "> 0")
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text!r}")
+    return value
+
+
 def temperature(text: str) -> float:
     """0 decodes greedily; a positive temperature samples. Negative, NaN and infinite ones are refused
     (they decoded greedily, or sampled uniform noise, without a word)."""

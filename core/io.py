@@ -157,6 +157,12 @@ def check_creatable_directory(dest: Path, inside: bool = False, option: str = "-
         ) from None
 
 
+def jsonl_lines(text: str) -> list[str]:
+    """The lines of JSON Lines text. Only a newline ends a line: ``str.splitlines`` also cuts at
+    U+2028, U+0085 and the like, which JSON writers leave unescaped inside strings (``ensure_ascii=False``)."""
+    return [line.removesuffix("\r") for line in text.split("\n")]
+
+
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     """Write to a temporary file beside ``path``, fsync, then rename over it."""
     path = Path(path)

@@ -8,7 +8,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from draftsmith.core.arguments import add_sampling_arguments, non_negative_int, positive_int, thread_count
+from draftsmith.core.arguments import (
+    add_sampling_arguments,
+    non_negative_int,
+    positive_float,
+    positive_int,
+    thread_count,
+)
 from draftsmith.core.errors import DraftsmithError
 
 DEFAULT_DATASET_HELP = "the bundled default dataset (see README)"
@@ -157,7 +163,7 @@ def cmd_regenerate(args: argparse.Namespace) -> None:
     from draftsmith.core.io import check_apart_from_inputs
     from draftsmith.core.target import load_target
     from draftsmith.data.formats import check_source_available
-    from draftsmith.data.regenerate import RegenerateSettings, regenerate
+    from draftsmith.data.regenerate import RegenerateSettings, TransformersEngine, regenerate
 
     check_source_available(_source(args.input))
     if Path(_source(args.input)).exists():  # answers written over their own questions would lose both
@@ -186,8 +192,9 @@ def cmd_regenerate(args: argparse.Namespace) -> None:
             settings,
             limit=args.limit,
             shard=args.shard,
-            engine=engine,
+            engine=engine or TransformersEngine(target, settings, batch_tokens=args.batch_tokens),
             command=getattr(args, "command_line", None),
+            time_limit_s=args.time_limit * 60 if args.time_limit is not None else None,
         )
     print(report.stats.summary())
     print(
@@ -195,6 +202,8 @@ def cmd_regenerate(args: argparse.Namespace) -> None:
         f"{report.seconds:.1f} s ({report.tokens_per_s:.1f} tokens/s); {report.truncated_turns} turns stopped at "
         f"--max-new-tokens {args.max_new_tokens}; output {args.out}"
     )
+    if report.stopped_early:
+        print(f"stopped at --time-limit {args.time_limit:g} min; rerun the same command to go on")
 
 
 def _vllm_for_regeneration(args: argparse.Namespace) -> tuple[str, Path]:
@@ -409,6 +418,22 @@ def add_data_commands(subparsers: Any, recipe_layers: Callable[[str, Any], tuple
         help="CPU threads torch uses (default: torch's choice, one per core); when other jobs keep the cores "
         "busy, 1 avoids threads waiting on each other and can be many times faster. With --engine vllm, "
         "vLLM computes on the first N cores (default: vLLM's own binding, which keeps one core free)",
+    )
+    p.add_argument(
+        "--batch-tokens",
+        type=positive_int,
+        default=None,
+        help="transformers engine: split a batch in halves while its rows x (longest prompt + --max-new-tokens) "
+        "exceed this (default: no limit); on a GPU, e.g. 262144 keeps long prompts' prefill in memory. "
+        "Not part of the recorded settings: a resumed run may use another value",
+    )
+    p.add_argument(
+        "--time-limit",
+        type=positive_float,
+        default=None,
+        metavar="MINUTES",
+        help="start no new window of conversations after this many minutes (the window under way is finished "
+        "and written); rerun the same command to go on. For runs that must fit a lease, e.g. a GPU's",
     )
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", help="model dtype (float32, bfloat16, float16)")

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from draftsmith.core.errors import DraftsmithError
+from draftsmith.core.io import jsonl_lines
 
 SHAREGPT_ROLES = {
     "human": "user",
@@ -245,7 +246,7 @@ def _records_from_json(path: Path, text: str, stats: ReadStats) -> list[Any]:
 
 def _records_from_jsonl(path: Path, text: str) -> list[Any]:
     records = []
-    for number, line in enumerate(text.splitlines(), start=1):
+    for number, line in enumerate(jsonl_lines(text), start=1):
         if not line.strip():
             continue
         if len(line) > MAX_RECORD_CHARS:

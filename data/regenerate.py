@@ -32,7 +32,7 @@ import torch
 from tqdm.auto import tqdm
 
 from draftsmith.core.errors import DraftsmithError
-from draftsmith.core.io import atomic_write_json
+from draftsmith.core.io import atomic_write_json, jsonl_lines
 from draftsmith.core.target import Target
 from draftsmith.core.vllm_env import VllmServer
 from draftsmith.data.formats import Conversation, ReadStats, RecordError, RecordSample, read_conversations
@@ -70,6 +70,7 @@ class RegenerateReport:
     seconds: float = 0.0
     truncated_turns: int = 0
     skipped_ids: list[str] = field(default_factory=list)
+    stopped_early: bool = False  # the time limit came before the source's end
 
     @property
     def tokens_per_s(self) -> float:
@@ -105,12 +106,22 @@ class TransformersEngine:
 
     name = "transformers"
 
-    def __init__(self, target: Target, settings: RegenerateSettings) -> None:
+    def __init__(self, target: Target, settings: RegenerateSettings, batch_tokens: int | None = None) -> None:
         self.target, self.settings = target, settings
         self.prompts_per_call = settings.batch_size
+        self.batch_tokens = batch_tokens
+
+    def generate(self, prompts: list[list[int]]) -> list[tuple[list[int], bool]]:
+        """``prompts`` in one ``generate`` call, or in halves while they pad to more than ``batch_tokens``:
+        the prefill of long prompts holds an attention matrix per row, which can exhaust a GPU."""
+        padded = len(prompts) * (max(len(p) for p in prompts) + self.settings.max_new_tokens)
+        if self.batch_tokens and len(prompts) > 1 and padded > self.batch_tokens:
+            half = len(prompts) // 2
+            return self.generate(prompts[:half]) + self.generate(prompts[half:])
+        return self._generate(prompts)
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]]) -> list[tuple[list[int], bool]]:
+    def _generate(self, prompts: list[list[int]]) -> list[tuple[list[int], bool]]:
         tokenizer, model, settings = self.target.tokenizer, self.target.model, self.settings
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         width = max(len(p) for p in prompts)
@@ -180,7 +191,7 @@ def _read_done_ids(out: Path) -> set[str]:
         with open(out, "r+b") as handle:
             handle.truncate(good_end)
     done = set()
-    for number, line in enumerate(data[:good_end].decode("utf-8").splitlines(), start=1):
+    for number, line in enumerate(jsonl_lines(data[:good_end].decode("utf-8")), start=1):
         if line.strip():
             try:
                 done.add(str(json.loads(line)["id"]))
@@ -263,8 +274,23 @@ def _pending(
         yield conversation
 
 
-def _windows(pending: Iterator[Conversation], size: int, max_turns: int | None) -> Iterator[list[_InFlight]]:
-    while window := [_start(conversation, max_turns) for conversation in itertools.islice(pending, size)]:
+@dataclass
+class _Deadline:
+    at: float | None  # time.perf_counter() value; None = no limit
+    passed: bool = False
+
+    def reached(self) -> bool:
+        self.passed = self.passed or (self.at is not None and time.perf_counter() >= self.at)
+        return self.passed
+
+
+def _windows(
+    pending: Iterator[Conversation], size: int, max_turns: int | None, deadline: _Deadline
+) -> Iterator[list[_InFlight]]:
+    # Checked before a window is read, so every conversation read is also generated and written.
+    while not deadline.reached() and (
+        window := [_start(conversation, max_turns) for conversation in itertools.islice(pending, size)]
+    ):
         yield window
 
 
@@ -309,11 +335,13 @@ def regenerate(
     shard: tuple[int, int] = (0, 1),
     engine: TurnEngine | None = None,
     command: str | None = None,
+    time_limit_s: float | None = None,
 ) -> RegenerateReport:
     """Regenerate ``source`` into ``out`` (ShareGPT JSONL), resuming if ``out`` exists. ``limit`` and
     ``shard`` (index, count) pick a deterministic subset spread over the whole source (RecordSample).
     ``engine`` generates the turns (default: transformers on ``target``); ``command`` (the command
-    line, when there is one) is recorded in the ``.meta.json``."""
+    line, when there is one) is recorded in the ``.meta.json``. With ``time_limit_s`` no new window is
+    started once that many seconds have passed (``report.stopped_early``); a rerun goes on from there."""
     out = Path(out)
     engine = engine or TransformersEngine(target, settings)
     done = _read_done_ids(out)
@@ -339,9 +367,10 @@ def regenerate(
     pending = _pending(source, stats, done, report, sample)
     progress = tqdm(desc="regenerating", unit="conv", dynamic_ncols=True)
     start = time.perf_counter()
+    deadline = _Deadline(start + time_limit_s if time_limit_s is not None else None)
     room = context_length(target) - settings.max_new_tokens
     with open(out, "a", encoding="utf-8") as sink:
-        for jobs in _windows(pending, settings.batch_size * WINDOW_BATCHES, settings.max_turns):
+        for jobs in _windows(pending, settings.batch_size * WINDOW_BATCHES, settings.max_turns, deadline):
             while jobs:
                 for job in jobs:
                     job.prompt_ids = encode_prompt(target, _prompt(job))
@@ -360,6 +389,7 @@ def regenerate(
                 jobs = [job for job in jobs if job.slots]
     progress.close()
     report.seconds = time.perf_counter() - start
+    report.stopped_early = deadline.passed
     _final_check(out, report)
     return report
 
@@ -388,7 +418,7 @@ def _write(sink: Any, job: _InFlight, report: RegenerateReport) -> None:
 
 def _final_check(out: Path, report: RegenerateReport) -> None:
     report.stats.check()
-    lines = sum(1 for line in out.read_text(encoding="utf-8").splitlines() if line.strip())
+    lines = sum(1 for line in jsonl_lines(out.read_text(encoding="utf-8")) if line.strip())
     expected = report.previously_written + report.written
     if lines != expected:
         raise RegenerateError(

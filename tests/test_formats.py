@@ -33,6 +33,16 @@ def test_sharegpt_json_and_jsonl_read_the_same(tmp_path, chat_records):
     assert [t["role"] for t in a[1].turns] == ["system", "user", "assistant", "user", "assistant"]
 
 
+def test_unicode_line_separators_inside_strings_do_not_cut_a_jsonl_record(tmp_path):
+    # what json.dumps(ensure_ascii=False) writes, as regeneration does: U+2028, U+0085 and a form feed raw
+    text = "line one\u2028line two\x85three\x0cfour"
+    record = sharegpt(("human", text), ("gpt", "ok"), id="u")
+    path = tmp_path / "u.jsonl"
+    path.write_text(json.dumps(record, ensure_ascii=False) + "\n", encoding="utf-8")
+    conversations, stats = _read(path)
+    assert stats.n_skipped == 0 and conversations[0].turns[0]["content"] == text
+
+
 def test_gzipped_files_read_like_plain_ones_and_a_cut_one_is_one_line(tmp_path, chat_records):
     import gzip
 

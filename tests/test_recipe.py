@@ -45,6 +45,19 @@ def test_yaml_and_overrides_are_typed(tmp_path):
     assert recipe.output_dir == "runs/x" and recipe.train.precision == "fp32"
 
 
+def test_a_bare_no_is_the_word_where_the_choices_hold_it(tmp_path):
+    path = write(tmp_path, "target: smollm2\n")
+    assert load_recipe(path, Mixed, ["precision=no"]).precision == "no"  # YAML 1.1 reads a bare no as false
+    with pytest.raises(RecipeError, match="must be one of"):
+        load_recipe(path, Recipe, ["train.precision=no"])  # where "no" is no choice, false stays refused
+
+
+@dataclass
+class Mixed:
+    target: str
+    precision: Literal["auto", "no", "bf16"] = "auto"
+
+
 @pytest.mark.parametrize(
     "override, message",
     [

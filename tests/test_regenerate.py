@@ -90,6 +90,40 @@ def test_batched_generation_writes_every_conversation(tmp_path, source, tiny_tar
     assert report.written == 4 and len(read_out(out)) == 4 and report.new_tokens > 0
 
 
+def test_time_limit_stops_between_windows_and_a_rerun_goes_on(tmp_path, source, tiny_target, monkeypatch):
+    import draftsmith.data.regenerate as module
+
+    monkeypatch.setattr(module, "WINDOW_BATCHES", 1)  # one conversation per window
+    out = tmp_path / "timed.jsonl"
+    clock = iter(range(0, 10_000, 10))  # every reading of the clock is 10 s later
+    monkeypatch.setattr(module.time, "perf_counter", lambda: next(clock))
+    first = regenerate(str(source), out, tiny_target, SETTINGS, time_limit_s=25)
+    assert first.stopped_early and 1 <= first.written < 4
+    assert first.stats.used + first.stats.n_skipped == first.stats.read  # nothing read was left unwritten
+    rest = regenerate(str(source), out, tiny_target, SETTINGS)
+    assert not rest.stopped_early and rest.already_done == first.written
+    assert read_out(out) == read_out(regenerate_whole(tmp_path, source, tiny_target))
+
+
+def regenerate_whole(tmp_path, source, tiny_target):
+    whole = tmp_path / "whole.jsonl"
+    regenerate(str(source), whole, tiny_target, SETTINGS)
+    return whole
+
+
+def test_a_token_budget_splits_batches_into_the_calls_one_by_one_would_make(source, tiny_target):
+    settings = RegenerateSettings(max_new_tokens=4, batch_size=4)
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14]]
+    calls = []
+    split = TransformersEngine(tiny_target, settings, batch_tokens=8)  # one row of 4 prompt + 4 new tokens
+    original = split._generate
+    split._generate = lambda batch: calls.append(len(batch)) or original(batch)
+    rows = split.generate(prompts)
+    assert calls == [1, 1, 1, 1]
+    single = TransformersEngine(tiny_target, settings)
+    assert rows == [single.generate([prompt])[0] for prompt in prompts]
+
+
 def test_sampled_regeneration_is_reproducible_with_a_seed(tmp_path, source, tiny_target):
     sampled = RegenerateSettings(max_new_tokens=8, batch_size=1, temperature=1.0, seed=3)
     regenerate(str(source), tmp_path / "a.jsonl", tiny_target, sampled)

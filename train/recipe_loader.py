@@ -97,6 +97,8 @@ def _convert(value: Any, tp: Any, where: str) -> Any:
                 errors.append(str(error))
         raise RecipeError(errors[0])
     if origin is typing.Literal:
+        if isinstance(value, bool) and (spelled := "yes" if value else "no") in args:
+            value = spelled  # YAML 1.1 reads a bare `no` (as in `mixed_precision: no`) as false
         if value not in args:
             raise RecipeError(f"{where} must be one of {list(args)}, got {value!r}")
         return value

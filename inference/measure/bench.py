@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from draftsmith.core.io import jsonl_lines
 from draftsmith.core.target import Target
 from draftsmith.core.vllm_env import VllmError, find_vllm_python
 from draftsmith.inference.backends import Backends
@@ -158,7 +159,7 @@ class Tally:
 def read_questions(path: Path, categories: list[str] | None, limit: int | None) -> list[Question]:
     """Spec-Bench format: one JSON object per line with ``question_id``, ``category`` and ``turns``."""
     questions = []
-    for number, line in enumerate(Path(path).read_text().splitlines(), start=1):
+    for number, line in enumerate(jsonl_lines(Path(path).read_text(encoding="utf-8")), start=1):
         if not line.strip():
             continue
         try:

@@ -1,0 +1,327 @@
+"""The drafter pipeline at GPU scale, in one command that fits a time budget.
+
+    python recipes/gpu_pipeline.py --out gpu-results --regen-minutes 60 --train-minutes 120
+
+1. regenerate: ShareGPT shards answered by the target on the GPU (`draftsmith data regenerate`, vLLM
+   when this python has it, else transformers), each shard resumable, stopped at --regen-minutes;
+2. prepare: those shards plus the bundled self-distilled data, tokenised (`draftsmith data prepare`);
+3. train: the recipe's drafter with the target computing its features online (no feature cache on
+   disk), for as many optimizer steps as fit --train-minutes (timed on a short calibration run
+   first, so the learning-rate schedule ends where the budget does), then exported;
+4. bench: the export against plain decoding on held-out prompts, in float32 and in bfloat16.
+
+Everything lands in --out: the regenerated shards with their .meta.json, the export, the bench
+tables, every command's log (log.txt) and summary.json (each stage's command, seconds and outcome),
+so the folder alone says what was run. A stage that fails is recorded and the later stages that do
+not need it still run. Rerunning with the same --out resumes the regeneration and skips a finished
+training run. ``--device cpu`` with a tiny ``--target`` runs the same stages in seconds
+(tests/test_gpu_pipeline.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+BUNDLED_DATA = ("data/default/sharegpt_smollm2.jsonl.gz", "data/sharegpt_smollm2_v2/shard-0-of-8.jsonl.gz")
+CALIBRATION_STEPS = (5, 20)  # the optimizer steps timed between, after the start-up's slow first steps
+DRAFTSMITH = [
+    sys.executable,
+    "-c",
+    "import sys; from draftsmith.train.cli import main; sys.argv[0] = 'draftsmith'; main()",
+]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--out", required=True, type=Path, help="results folder (resumed when it exists)")
+    p.add_argument("--target", default="smollm2", help="the target (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--device", default="cuda", help="cuda (default), cuda:N, or cpu for a dry run")
+    p.add_argument("--source", default="sharegpt", help="the prompts regenerated (default: the ShareGPT V3 file)")
+    p.add_argument("--shards", default="1,2,3", help="which shards of --n-shards to regenerate, in order")
+    p.add_argument("--n-shards", type=int, default=8, help="as `data regenerate --shard I/N` (default 8)")
+    p.add_argument("--regen-minutes", type=float, default=30.0, help="regeneration stops starting new windows then")
+    p.add_argument("--regen-limit", type=int, default=None, help="records per shard (default: the whole shard)")
+    p.add_argument("--regen-batch-size", type=int, default=256, help="conversations per generate call")
+    p.add_argument(
+        "--regen-parallel",
+        type=int,
+        default=4,
+        help="shards regenerated at once, one process each (transformers' generate leaves a GPU idle while "
+        "Python launches its kernels; see docs/gpu.md for what was measured)",
+    )
+    p.add_argument(
+        "--regen-batch-tokens",
+        type=int,
+        default=1 << 18,
+        help="each process splits a batch while it pads to more tokens than this (long prompts' prefill "
+        "holds an attention matrix per row)",
+    )
+    p.add_argument("--max-new-tokens", type=int, default=256, help="tokens per regenerated answer")
+    p.add_argument("--max-turns", type=int, default=2, help="user turns answered per conversation")
+    p.add_argument("--regen-dtype", default="float32", help="dtype the target regenerates in (default float32)")
+    p.add_argument(
+        "--extra-data",
+        nargs="*",
+        default=list(BUNDLED_DATA),
+        help="ShareGPT JSONL(.gz) files trained on beside the regenerated shards (default: the bundled data)",
+    )
+    p.add_argument("--recipe", default=str(REPO / "recipes/eagle3-smollm2.yaml"), help="the training recipe")
+    p.add_argument("--train-minutes", type=float, default=60.0, help="time for the training run itself")
+    p.add_argument("--train-steps", type=int, default=None, help="optimizer steps (default: what fits the minutes)")
+    p.add_argument("--train-batch-size", type=int, default=32, help="samples per optimizer step")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a recipe override, e.g. --set train.lr=3e-4 (repeatable)",
+    )
+    p.add_argument("--bench-questions", default=None, help="Spec-Bench JSONL (default: held-out default prompts)")
+    p.add_argument("--bench-max-new-tokens", type=int, default=64)
+    p.add_argument("--bench-dtypes", default="float32,bfloat16", help="dtypes the export is benched in")
+    p.add_argument("--skip", default="", help="stages not to run, e.g. regenerate,bench")
+    return p.parse_args(argv)
+
+
+class Pipeline:
+    """Runs the stages as `draftsmith` commands, logging each and recording it in summary.json."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args, self.out = args, args.out
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.work = self.out / "work"  # what is not a result: prepared data, the training run
+        self.log = self.out / "log.txt"
+        self.summary_path = self.out / "summary.json"
+        earlier = json.loads(self.summary_path.read_text()) if self.summary_path.exists() else {}
+        self.summary: dict[str, Any] = {"argv": sys.argv[1:], "stages": {}, "earlier": earlier}
+        self.lock = threading.Lock()  # shards regenerate in threads
+
+    def record(self, stage: str, **fields: Any) -> None:
+        with self.lock:
+            self.summary["stages"].setdefault(stage, {}).update(fields)
+            staging = self.summary_path.with_suffix(".json.tmp")
+            staging.write_text(json.dumps(self.summary, indent=2) + "\n")
+            staging.replace(self.summary_path)
+
+    def draftsmith(self, stage: str, argv: list[str], timeout: float | None = None, log: Path | None = None) -> bool:
+        """One `draftsmith` command, its output appended to ``log`` (default log.txt); True when it succeeded."""
+        command = "draftsmith " + " ".join(argv)
+        start = time.monotonic()
+        with open(log or self.log, "a") as log:
+            log.write(f"\n$ {command}\n")
+            log.flush()
+            try:
+                code = subprocess.run(
+                    DRAFTSMITH + argv, stdout=log, stderr=subprocess.STDOUT, timeout=timeout
+                ).returncode
+            except subprocess.TimeoutExpired:
+                code = "timeout"
+        seconds = round(time.monotonic() - start, 1)
+        with self.lock:
+            self.summary["stages"].setdefault(stage, {}).setdefault("commands", []).append(
+                {"command": command, "seconds": seconds, "exit": code}
+            )
+        self.record(stage)
+        print(f"[{stage}] {command}: exit {code} after {seconds} s", flush=True)
+        return code == 0
+
+    # 1. regenerate
+    def shard_path(self, shard: int) -> Path:
+        return self.out / "data" / f"shard-{shard}-of-{self.args.n_shards}.jsonl"
+
+    def regenerate(self) -> None:
+        deadline = time.monotonic() + self.args.regen_minutes * 60
+        shards = [int(s) for s in self.args.shards.split(",") if s]
+        with ThreadPoolExecutor(max_workers=max(1, self.args.regen_parallel)) as pool:
+            list(pool.map(lambda shard: self.regenerate_shard(shard, deadline), shards))
+        self.record("regenerate", conversations={p.name: count_lines(p) for p in self.regenerated()})
+
+    def regenerate_shard(self, shard: int, deadline: float) -> None:
+        args = self.args
+        minutes_left = (deadline - time.monotonic()) / 60
+        if minutes_left <= 0:
+            return
+        path = self.shard_path(shard)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        argv = ["data", "regenerate", args.source, "--out", str(path), "--shard", f"{shard}/{args.n_shards}"]
+        argv += ["--target", args.target, "--device", args.device, "--dtype", args.regen_dtype]
+        argv += ["--engine", regeneration_engine(), "--batch-size", str(args.regen_batch_size)]
+        argv += ["--batch-tokens", str(args.regen_batch_tokens)] if regeneration_engine() == "transformers" else []
+        argv += ["--max-new-tokens", str(args.max_new_tokens), "--max-turns", str(args.max_turns)]
+        argv += ["--time-limit", f"{minutes_left:.2f}"]
+        argv += ["--limit", str(args.regen_limit)] if args.regen_limit else []
+        self.draftsmith("regenerate", argv, log=path.with_suffix(".log"))
+
+    def regenerated(self) -> list[Path]:
+        return sorted((self.out / "data").glob("shard-*.jsonl"))
+
+    # 2. prepare
+    def prepare(self) -> bool:
+        self.work.mkdir(exist_ok=True)
+        mixed = self.work / "train.jsonl"
+        sources = [
+            *self.regenerated(),
+            *(REPO / p if not Path(p).is_absolute() else Path(p) for p in self.args.extra_data),
+        ]
+        records = concatenate(sources, mixed)
+        self.record("prepare", sources=[str(p) for p in sources], records=records)
+        prepared = self.work / "prepared"
+        return self.draftsmith(
+            "prepare",
+            ["data", "prepare", str(mixed), "--out", str(prepared), "--target", self.args.target, "--overwrite"],
+        )
+
+    # 3. train
+    def recipe_overrides(self, output_dir: Path, steps: int, save_every: int) -> list[str]:
+        on_gpu = self.args.device.startswith("cuda")
+        return [
+            f"output_dir={output_dir}",
+            f"target.name={self.args.target}",
+            f"data.prepared={self.work / 'prepared'}",
+            "data.features=null",  # online: the target on the GPU is cheaper than a feature cache on disk
+            f"train.batch_size={self.args.train_batch_size}",
+            f"train.max_steps={steps}",
+            f"train.warmup_steps={max(1, min(100, steps // 20))}",
+            f"train.save_every={save_every}",
+            f"train.mixed_precision={'bf16' if on_gpu else 'no'}",
+            "tracking.wandb=false",
+            *self.args.overrides,
+        ]
+
+    def calibrate(self) -> int:
+        """Optimizer steps that fit --train-minutes, from a short run's seconds per step."""
+        run = self.work / "calibration"
+        shutil.rmtree(run, ignore_errors=True)
+        steps = CALIBRATION_STEPS[1]
+        argv = ["train", self.args.recipe, *self.recipe_overrides(run, steps, save_every=steps), "train.log_every=1"]
+        seconds_per_step = time_steps(DRAFTSMITH + argv, run / "metrics.jsonl", self.log)
+        steps = max(1, int(self.args.train_minutes * 60 / seconds_per_step))
+        self.record("train", seconds_per_step=round(seconds_per_step, 4), steps_planned=steps)
+        return steps
+
+    def train(self) -> bool:
+        run, export = self.work / "run", self.out / "drafter"
+        resuming = any(run.glob("checkpoints/step-*"))
+        try:
+            # a resumed run keeps the schedule it started with
+            steps = self.args.train_steps or (self.planned_steps() if resuming else self.calibrate())
+        except RuntimeError as exc:
+            self.record("train", error=str(exc))
+            return False
+        argv = ["train", self.args.recipe, *self.recipe_overrides(run, steps, save_every=max(1, min(500, steps // 10)))]
+        # past the budget the sitting ends with a checkpoint, which is exported (a rerun resumes it)
+        argv.append(f"train.max_minutes={self.args.train_minutes * 1.2:g}")
+        if resuming:
+            argv.append("--resume")
+        self.draftsmith("train", argv)
+        return self.draftsmith("train", ["export", str(run), "--out", str(export), "--overwrite"])
+
+    def planned_steps(self) -> int:
+        summary = self.summary
+        while summary:
+            if steps := summary.get("stages", {}).get("train", {}).get("steps_planned"):
+                self.record("train", steps_planned=steps)
+                return int(steps)
+            summary = summary.get("earlier")
+        raise RuntimeError(
+            f"{self.work / 'run'} holds checkpoints but summary.json no planned steps; pass --train-steps"
+        )
+
+    # 4. bench
+    def bench(self) -> None:
+        args, export = self.args, self.out / "drafter"
+        questions = args.bench_questions or str(self.write_held_out_questions())
+        family = json.loads((export / "config.json").read_text())["drafter_family"]
+        for dtype in args.bench_dtypes.split(","):
+            argv = ["bench", "--questions", questions, "--methods", f"{family}={export}", "--target", args.target]
+            argv += ["--device", args.device, "--dtype", dtype, "--max-new-tokens", str(args.bench_max_new_tokens)]
+            argv += ["--out", str(self.out / f"bench-{dtype}"), "--overwrite"]
+            self.draftsmith("bench", argv)
+
+    def write_held_out_questions(self) -> Path:
+        from draftsmith.data.default_prompts import held_out_questions
+
+        path = self.work / "questions.jsonl"
+        path.write_text("".join(json.dumps(q) + "\n" for q in held_out_questions(2)))
+        return path
+
+    def run(self) -> None:
+        skip = set(self.args.skip.split(","))
+        if "regenerate" not in skip:
+            self.regenerate()
+        trained = "train" not in skip and self.prepare() and self.train()
+        if "bench" not in skip and (trained or (self.out / "drafter/config.json").exists()):
+            self.bench()
+        print(f"results in {self.out} (summary.json, log.txt)")
+
+
+def regeneration_engine() -> str:
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        return "transformers"
+    return "vllm"
+
+
+def count_lines(path: Path) -> int:
+    with open(path, "rb") as handle:
+        return sum(1 for line in handle if line.strip())
+
+
+def concatenate(sources: list[Path], out: Path) -> int:
+    """ShareGPT JSONL(.gz) files into one JSONL; returns its records."""
+    records = 0
+    with open(out, "w", encoding="utf-8") as sink:
+        for source in sources:
+            opener = gzip.open if source.suffix == ".gz" else open
+            with opener(source, "rt", encoding="utf-8") as handle:
+                for line in handle:
+                    if line.strip():
+                        sink.write(line if line.endswith("\n") else line + "\n")
+                        records += 1
+    return records
+
+
+def time_steps(command: list[str], metrics: Path, log: Path) -> float:
+    """Seconds per optimizer step of a training run logging every step: the time between the rows of
+    CALIBRATION_STEPS as they appear in its metrics.jsonl (start-up and the first steps excluded)."""
+    first, last = CALIBRATION_STEPS
+    seen: dict[int, float] = {}
+    with open(log, "a") as handle:
+        handle.write(f"\n$ (calibration) {' '.join(command[3:])}\n")
+        handle.flush()
+        process = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT)
+        while process.poll() is None or not seen.get(last):
+            rows = count_lines(metrics) if metrics.exists() else 0
+            for step in (first, last):
+                if rows >= step and step not in seen:
+                    seen[step] = time.monotonic()
+            if process.poll() is not None:
+                break
+            time.sleep(0.05)
+    if process.returncode != 0 or len(seen) < 2:
+        raise RuntimeError(f"the calibration run failed (exit {process.returncode}); see {log}")
+    return (seen[last] - seen[first]) / (last - first)
+
+
+def main(argv: list[str] | None = None) -> None:
+    pipeline = Pipeline(parse_args(argv))
+    pipeline.run()
+
+
+if __name__ == "__main__":
+    main()

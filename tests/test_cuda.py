@@ -8,6 +8,7 @@ lent GPU machine with ``python -m pytest tests/test_cuda.py``.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from conftest import tiny_llama
 from draftsmith.drafters.base import FrozenTarget
 from draftsmith.drafters.registry import FAMILIES, get_family
 from draftsmith.inference.runtime import generate
+from draftsmith.train.loader import online_features
 from draftsmith.train.losses import family_loss
 from helpers import hf_greedy, random_prompts, self_distilled_batch, serve
 
@@ -56,8 +58,16 @@ def build_on_cuda(name: str, target) -> torch.nn.Module:
     return model
 
 
+def with_features_for(model: torch.nn.Module, batch, target):
+    """The batch with the target states this drafter reads (EAGLE-3's fused layers), as the trainer gives them."""
+    hidden, states = online_features(target, batch, tuple(model.config.feature_layers()))
+    return dataclasses.replace(batch, hidden_states=hidden, drafter_states=states)
+
+
 def train_bf16(name: str, model: torch.nn.Module, batch, target, steps: int) -> list[float]:
     family = get_family(name)
+    with torch.no_grad():
+        batch = with_features_for(model, batch, target)
     frozen = FrozenTarget.from_model(target)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3)
     losses = []

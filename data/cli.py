@@ -307,7 +307,13 @@ def add_data_commands(subparsers: Any, recipe_layers: Callable[[str, Any], tuple
         "regenerate answers with the target, cache its features.",
     )
     commands = data.add_subparsers(dest="data_command", required=True, metavar="COMMAND")
+    _add_prepare_command(commands)
+    _add_show_command(commands)
+    _add_regenerate_command(commands)
+    _add_cache_features_command(commands, recipe_layers)
 
+
+def _add_prepare_command(commands: Any) -> None:
     p = commands.add_parser(
         "prepare",
         help="tokenise a dataset with assistant-only loss masks",
@@ -339,6 +345,8 @@ def add_data_commands(subparsers: Any, recipe_layers: Callable[[str, Any], tuple
     )
     p.set_defaults(func=cmd_prepare, output_args=("out",))
 
+
+def _add_show_command(commands: Any) -> None:
     p = commands.add_parser(
         "show",
         help="print a conversation with its supervised tokens highlighted",
@@ -355,6 +363,8 @@ def add_data_commands(subparsers: Any, recipe_layers: Callable[[str, Any], tuple
     p.add_argument("--color", choices=["auto", "always", "never"], default="auto")
     p.set_defaults(func=cmd_show)
 
+
+def _add_regenerate_command(commands: Any) -> None:
     p = commands.add_parser(
         "regenerate",
         help="regenerate every assistant turn with the target (self-distillation)",
@@ -439,6 +449,8 @@ def add_data_commands(subparsers: Any, recipe_layers: Callable[[str, Any], tuple
     p.add_argument("--dtype", default="float32", help="model dtype (float32, bfloat16, float16)")
     p.set_defaults(func=cmd_regenerate, output_args=("out",))
 
+
+def _add_cache_features_command(commands: Any, recipe_layers: Callable[[str, Any], tuple[int, ...]] | None) -> None:
     p = commands.add_parser(
         "cache-features",
         help="store the target's features for offline training",

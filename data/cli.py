@@ -192,7 +192,8 @@ def cmd_regenerate(args: argparse.Namespace) -> None:
             settings,
             limit=args.limit,
             shard=args.shard,
-            engine=engine or TransformersEngine(target, settings, batch_tokens=args.batch_tokens),
+            engine=engine
+            or TransformersEngine(target, settings, batch_tokens=args.batch_tokens, static_cache=args.static_cache),
             command=getattr(args, "command_line", None),
             time_limit_s=args.time_limit * 60 if args.time_limit is not None else None,
         )
@@ -436,6 +437,12 @@ def _add_regenerate_command(commands: Any) -> None:
         help="transformers engine: split a batch in halves while its rows x (longest prompt + --max-new-tokens) "
         "exceed this (default: no limit); on a GPU, e.g. 262144 keeps long prompts' prefill in memory. "
         "Not part of the recorded settings: a resumed run may use another value",
+    )
+    p.add_argument(
+        "--static-cache",
+        action="store_true",
+        help="transformers engine: a KV cache allocated once per batch rather than grown token by token "
+        "(faster for large batches on a GPU; the same answers)",
     )
     p.add_argument(
         "--time-limit",

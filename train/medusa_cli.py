@@ -7,6 +7,8 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from draftsmith.core.arguments import add_target_argument
+
 
 def cmd_calibrate(args: argparse.Namespace) -> None:
     from draftsmith.train.medusa_calibrate import calibrate
@@ -41,7 +43,7 @@ def add_medusa_commands(subparsers: Any) -> None:
     )
     c.add_argument("--data", required=True, help="a prepared dataset or its feature cache")
     c.add_argument("--nodes", type=int, required=True, help="tree size (draft tokens verified per round)")
-    c.add_argument("--target", default=None, help="target model (default: the embedded SmolLM2)")
+    add_target_argument(c)
     c.add_argument(
         "--samples",
         type=int,

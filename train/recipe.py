@@ -23,7 +23,7 @@ from draftsmith.train.recipe_loader import RecipeError, check_keys, load_recipe
 
 @dataclass
 class TargetSection:
-    name: str = "smollm2"  # 'smollm2' (embedded default), a model directory, a .gguf file or a hub id
+    name: str = "smollm2"  # a named target ('smollm2' or 'gemma3'), a model directory, a .gguf file or a hub id
     dtype: str = "float32"  # dtype the frozen target runs in (online features); bfloat16 on GPUs
 
 

@@ -5,7 +5,9 @@ figures; a caller that decodes many prompts keeps one context per model and pays
 
 from __future__ import annotations
 
+import functools
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -13,7 +15,11 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from draftsmith.inference.kernels.direct_forward import DirectForward, direct_forward_supported
+from draftsmith.inference.kernels.direct_forward import (
+    DirectForward,
+    direct_forward_architecture,
+    direct_forward_supported,
+)
 from draftsmith.inference.kernels.greedy_head import GreedyHead, greedy_head_supported
 from draftsmith.inference.kernels.options import KernelOptions
 from draftsmith.inference.kernels.packed_gemm import PackedGemm, linear_kernel_for
@@ -41,7 +47,12 @@ class KernelContext:
     def direct(self) -> DirectForward | None:
         """The direct forward, or None where the model's own forward must run (not a supported Llama, in
         training mode, or carrying hooks: checked on every call, since a user may change that)."""
-        if not self.options.direct_forward or not direct_forward_supported(self.model):
+        if not self.options.direct_forward:
+            return None
+        if not direct_forward_architecture(self.model):
+            say_own_forward(self.model)
+            return None
+        if not direct_forward_supported(self.model):
             return None
         if self._direct is None:  # its first build loads (or compiles) the C++ extension
             self._direct = self._timed(lambda: DirectForward(self.model, self.options.native))
@@ -110,3 +121,21 @@ def _median_seconds(run: Callable[[], object], repeats: int = 5) -> float:
         run()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def say_own_forward(model: nn.Module) -> None:
+    """One line per process and architecture where the fast paths cannot serve a target, so a slower
+    decode of a new architecture is explained rather than silent. A wrapper around a Llama (a PEFT
+    model) is not another architecture and says nothing."""
+    config = getattr(model, "config", None)
+    if getattr(config, "model_type", None) != "llama":
+        _say_once(type(model).__name__)
+
+
+@functools.cache
+def _say_once(architecture: str) -> None:
+    print(
+        f"[runtime] the direct forward, its C++ layers and the screened head serve Llama only: {architecture} "
+        "decodes through its own forward (the same tokens, a slower step)",
+        file=sys.stderr,
+    )

@@ -319,9 +319,15 @@ def _sdpa(
     return out.transpose(1, 2).contiguous()
 
 
+def direct_forward_architecture(model: nn.Module) -> bool:
+    """Whether the direct forward can serve this model's architecture at all: it reimplements Llama's
+    decoder (other architectures differ in norms, masks and scaling it would not compute)."""
+    return type(model) is LlamaForCausalLM
+
+
 def direct_forward_supported(model: nn.Module) -> bool:
     """A plain Llama with SDPA attention in inference mode, whose modules carry no hooks."""
-    if type(model) is not LlamaForCausalLM or model.training:
+    if not direct_forward_architecture(model) or model.training:
         return False
     if getattr(model.config, "_attn_implementation", None) != "sdpa":
         return False

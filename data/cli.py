@@ -47,11 +47,14 @@ def _source(value: str | None) -> str:
 
 def _tokenizer_for(args: argparse.Namespace) -> tuple[Any, Any]:
     from draftsmith.core.target import load_tokenizer
-    from draftsmith.data.templates import check_tokenizer
+    from draftsmith.core.text import read_text_file
+    from draftsmith.data.templates import TemplateError, check_tokenizer
 
+    template_file = getattr(args, "chat_template", None)
+    template = read_text_file(Path(template_file), TemplateError) if template_file else None  # before the load
     tokenizer, identity = load_tokenizer(args.target)
-    if getattr(args, "chat_template", None):
-        tokenizer.chat_template = Path(args.chat_template).read_text()
+    if template is not None:
+        tokenizer.chat_template = template
     check_tokenizer(tokenizer)
     return tokenizer, identity
 

@@ -22,6 +22,7 @@ from typing import Any
 
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.io import jsonl_lines
+from draftsmith.core.text import check_json_surrogates, check_regular_file, decode_text, parse_json
 
 SHAREGPT_ROLES = {
     "human": "user",
@@ -225,7 +226,7 @@ def _too_deep(path: Path, line: int | None = None) -> DataError:
 
 def _records_from_json(path: Path, text: str, stats: ReadStats) -> list[Any]:
     try:
-        data = json.loads(text)
+        data = parse_json(text, path, DataError)
     except RecursionError:
         raise _too_deep(path) from None
     except json.JSONDecodeError as exc:
@@ -253,7 +254,7 @@ def _records_from_jsonl(path: Path, text: str) -> list[Any]:
             records.append(OversizedRecord(number, len(line)))
             continue
         try:
-            records.append(json.loads(line))
+            records.append(parse_json(line, path, DataError, number))
         except RecursionError:
             raise _too_deep(path, number) from None
         except json.JSONDecodeError as exc:
@@ -262,15 +263,16 @@ def _records_from_jsonl(path: Path, text: str) -> list[Any]:
 
 
 def _file_text(path: Path) -> tuple[str, str]:
-    """(the file's text, the suffix that names its format); ``X.jsonl.gz`` is read through gzip."""
+    """(the file's text, the suffix that names its format); ``X.jsonl.gz`` is read through gzip. The text
+    is strict UTF-8 without lone surrogate escapes (:mod:`draftsmith.core.text`)."""
     compressed = path.suffix == ".gz"
+    check_regular_file(path, DataError)
     try:
         data = gzip.decompress(path.read_bytes()) if compressed else path.read_bytes()
-        text = data.decode("utf-8")
     except (gzip.BadGzipFile, EOFError, zlib.error) as exc:
         raise DataError(f"{path} is not a complete gzip file ({exc}); recompress it or give the plain file") from None
-    except UnicodeDecodeError as exc:
-        raise DataError(f"{path} is not UTF-8 text (byte {exc.start}); expected a .json or .jsonl file") from None
+    text = decode_text(data, path, DataError)
+    check_json_surrogates(text, path, DataError)
     return text, Path(path.stem).suffix if compressed else path.suffix
 
 

@@ -353,6 +353,19 @@ def regenerate(
     engine = engine or TransformersEngine(target, settings)
     done = _read_done_ids(out)
     sample = _sample(limit, shard)
+    if not settings.greedy:
+        torch.manual_seed(settings.seed)
+    stats = ReadStats()
+    report = RegenerateReport(stats=stats, previously_written=len(done))
+    pending = _pending(source, stats, done, report, sample)
+    start = time.perf_counter()
+    deadline = _Deadline(start + time_limit_s if time_limit_s is not None else None)
+    room = context_length(target) - settings.max_new_tokens
+    windows = _windows(pending, settings.batch_size * WINDOW_BATCHES, settings.max_turns, deadline)
+    # The first window reads the whole source: a file that cannot be read is refused before `out` and its
+    # .meta.json exist (they would tie a rerun to the broken file).
+    first = next(windows, None)
+    progress = tqdm(desc="regenerating", unit="conv", dynamic_ncols=True)
     _check_meta(
         out,
         {
@@ -367,17 +380,8 @@ def regenerate(
         },
         resuming=out.is_file(),
     )
-    if not settings.greedy:
-        torch.manual_seed(settings.seed)
-    stats = ReadStats()
-    report = RegenerateReport(stats=stats, previously_written=len(done))
-    pending = _pending(source, stats, done, report, sample)
-    progress = tqdm(desc="regenerating", unit="conv", dynamic_ncols=True)
-    start = time.perf_counter()
-    deadline = _Deadline(start + time_limit_s if time_limit_s is not None else None)
-    room = context_length(target) - settings.max_new_tokens
     with open(out, "a", encoding="utf-8") as sink:
-        for jobs in _windows(pending, settings.batch_size * WINDOW_BATCHES, settings.max_turns, deadline):
+        for jobs in itertools.chain([first] if first else [], windows):
             while jobs:
                 for job in jobs:
                     job.prompt_ids = encode_prompt(target, _prompt(job))

@@ -36,11 +36,11 @@ def cmd_generate(args: argparse.Namespace) -> None:
     from draftsmith.inference.runtime import generate
 
     backends = _backends(args)
+    prompt = _prompt_text(args)
     target = _load_target(args)
     drafter = build_drafter(args.method, target)
     if backends.options.compiled:  # a target --compile cannot serve is refused before decoding
         backends.compiled(target.model)
-    prompt = args.prompt if args.prompt is not None else sys.stdin.read()
     if args.raw:
         ids = target.tokenizer(prompt, add_special_tokens=True)["input_ids"]
     else:
@@ -66,6 +66,20 @@ def cmd_generate(args: argparse.Namespace) -> None:
         f"tau {result.tau:.2f}, {len(result.tokens) / result.seconds:.1f} tokens/s",
         file=sys.stderr,
     )
+
+
+def _prompt_text(args: argparse.Namespace) -> str:
+    """The prompt, from the command line or standard input, as text a tokenizer takes: bytes that are not
+    UTF-8 reach Python as lone surrogates (or fail to decode), which the tokenizer rejects with a traceback."""
+    from draftsmith.core.text import TextFileError
+
+    source = "the prompt" if args.prompt is not None else "the prompt read from standard input"
+    try:
+        prompt = args.prompt if args.prompt is not None else sys.stdin.read()
+        prompt.encode("utf-8")
+    except UnicodeError:
+        raise TextFileError(f"{source} is not UTF-8 text; give it as UTF-8") from None
+    return prompt
 
 
 def _backends(args: argparse.Namespace):

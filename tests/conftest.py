@@ -313,3 +313,25 @@ def runs(tmp_path, finished_run) -> Path:
 def questions(tmp_path) -> Path:
     record = {"question_id": "q1", "category": "writing", "turns": ["Write a poem about snow."]}
     return write_jsonl(tmp_path / "questions.jsonl", [record])
+
+
+@pytest.fixture()
+def fifo(tmp_path):
+    """A named pipe with no writer: opening it for reading blocks. Should a reader block anyway, a writer
+    opens and closes it after 30 s, so the test fails on what it read instead of hanging the suite."""
+    import os
+    import threading
+
+    path = tmp_path / "pipe.txt"  # a corpus, dataset, recipe or questions file by its name
+    os.mkfifo(path)
+
+    def unblock() -> None:
+        try:
+            os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))  # fails at once when no reader waits
+        except OSError:
+            pass
+
+    timer = threading.Timer(30.0, unblock)
+    timer.start()
+    yield path
+    timer.cancel()

@@ -20,6 +20,7 @@ import yaml
 
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.io import atomic_write_bytes
+from draftsmith.core.text import read_text_file
 from draftsmith.drafters.base import check_keys as check_option_keys
 
 T = TypeVar("T")
@@ -55,7 +56,7 @@ def parse_override(item: str) -> tuple[list[str], Any]:
         raise RecipeError(f"override {item!r} is not of the form key.sub=value")
     try:
         value = yaml.safe_load(raw) if raw.strip() else None
-    except yaml.YAMLError:
+    except (yaml.YAMLError, ValueError):  # not YAML, or a value it cannot convert: the schema judges the text
         value = raw
     return key.strip().split("."), value
 
@@ -177,17 +178,21 @@ def load_recipe(path: Path, schema: type[T], overrides: Sequence[str] = ()) -> T
     """Read a YAML recipe, apply overrides and build the typed recipe."""
     path = Path(path)
     try:
-        tree = yaml.load(path.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader) or {}
+        text = read_text_file(path, RecipeError)
     except FileNotFoundError:
         raise RecipeError(f"recipe {path} does not exist") from None
-    except UnicodeDecodeError as exc:
-        raise RecipeError(f"recipe {path} is not UTF-8 text (byte {exc.start}); save it as UTF-8") from None
+    try:
+        tree = yaml.load(text, Loader=_UniqueKeyLoader) or {}
     except RecipeError as exc:
         raise RecipeError(f"recipe {path}: {exc}") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         raise RecipeError(f"recipe {path} is not valid YAML{where}") from None
+    except ValueError as exc:  # a value YAML resolves but cannot convert: a 5,000-digit integer, 2020-13-01
+        raise RecipeError(
+            f"recipe {path} holds a value YAML cannot convert ({str(exc).split(';')[0]}); quote it if it is text"
+        ) from None
     if not isinstance(tree, dict):
         raise RecipeError(f"recipe {path} must be a mapping of sections, got {type(tree).__name__}")
     return build(schema, apply_overrides(tree, overrides))

@@ -27,6 +27,7 @@ from tqdm.auto import tqdm
 
 from draftsmith.core.io import jsonl_lines
 from draftsmith.core.target import Target
+from draftsmith.core.text import check_json_surrogates, parse_json, read_text_file
 from draftsmith.core.vllm_env import VllmError, find_vllm_python
 from draftsmith.inference.backends import Backends
 from draftsmith.inference.context import check_fits_context
@@ -159,11 +160,13 @@ class Tally:
 def read_questions(path: Path, categories: list[str] | None, limit: int | None) -> list[Question]:
     """Spec-Bench format: one JSON object per line with ``question_id``, ``category`` and ``turns``."""
     questions = []
-    for number, line in enumerate(jsonl_lines(Path(path).read_text(encoding="utf-8")), start=1):
+    text = read_text_file(Path(path), BenchError)
+    check_json_surrogates(text, path, BenchError)
+    for number, line in enumerate(jsonl_lines(text), start=1):
         if not line.strip():
             continue
         try:
-            record = json.loads(line)
+            record = parse_json(line, path, BenchError, number)
             question = Question(str(record["question_id"]), str(record["category"]), [str(t) for t in record["turns"]])
         except (json.JSONDecodeError, KeyError, TypeError, RecursionError) as exc:
             raise BenchError(

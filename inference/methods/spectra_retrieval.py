@@ -22,8 +22,9 @@ from typing import Any
 
 import numpy as np
 
-from draftsmith.core.io import atomic_write_bytes, check_output_file
+from draftsmith.core.io import atomic_write_bytes, check_output_file, jsonl_lines
 from draftsmith.core.target import TargetError, TargetIdentity
+from draftsmith.core.text import read_text_file
 from draftsmith.data.formats import DataError, ReadStats, read_conversations
 
 INDEX_FORMAT = "draftsmith-spectra-index"
@@ -44,9 +45,9 @@ def read_documents(corpus: Path, limit: int | None = None) -> list[str]:
     (the first ``limit`` documents with ``limit``)."""
     corpus = Path(corpus)
     if corpus.suffix == ".txt":
-        if not corpus.is_file():
+        if not corpus.exists():
             raise DataError(f"{corpus} does not exist; give a .txt, .json or .jsonl corpus")
-        documents = [line.strip() for line in corpus.read_text(encoding="utf-8").splitlines() if line.strip()]
+        documents = [line.strip() for line in jsonl_lines(read_text_file(corpus, DataError)) if line.strip()]
     else:
         stats = ReadStats()
         documents = [

@@ -1,0 +1,140 @@
+"""Hostile inputs (issue 30): text and numbers as data, pipes as inputs, method options for every method,
+and Ctrl-C at any moment.
+
+Every refusal is exit status 2 with one ``draftsmith: error:`` line naming the file and the line
+(``refused``); nothing is written before it.
+"""
+
+from __future__ import annotations
+
+import codecs
+import json
+from pathlib import Path
+
+import pytest
+
+from conftest import sharegpt, write_jsonl
+from draftsmith.data.formats import read_conversations
+from draftsmith.inference.measure.bench import read_questions
+from helpers import refused
+
+GOOD_RECORD = json.dumps(sharegpt(("human", "Hi there."), ("gpt", "Hello! How can I help you today?")))
+QUESTION = {"question_id": "q1", "category": "writing", "turns": ["Write a poem about snow."]}
+
+# What a second line of JSON Lines text may hold that is not text, and the words of its refusal.
+NOT_TEXT = {
+    "invalid-utf8": (b'{"conversations": "\xff\xfe"}', "line 2 is not UTF-8 text (byte"),
+    "lone-surrogate": (rb'{"conversations": [{"from": "human", "value": "a \ud800 b"}]}', "line 2 holds \\ud800"),
+    "nul-byte": (b'{"conversations": []}\x00\x00', "line 2 holds a NUL byte, so it is binary"),
+    "long-integer": (b'{"id": ' + b"7" * 5001 + b"}", "line 2 holds an integer of over 4,300 digits"),
+}
+
+
+def two_lines(path: Path, second: bytes, first: bytes = GOOD_RECORD.encode()) -> Path:
+    path.write_bytes(first + b"\n" + second + b"\n")
+    return path
+
+
+# ---- strict text readers ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", NOT_TEXT)
+def test_a_dataset_that_is_not_text_is_one_line_naming_the_line(tmp_path, tiny_target_dir, capsys, kind):
+    second, message = NOT_TEXT[kind]
+    data = two_lines(tmp_path / "chats.jsonl", second)
+    line = refused(["data", "prepare", data, "--out", tmp_path / "out", "--target", tiny_target_dir], capsys)
+    assert f"{data} {message}" in line
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("kind", NOT_TEXT)
+def test_questions_that_are_not_text_are_one_line_naming_the_line(tmp_path, no_model_loads, capsys, kind):
+    second, message = NOT_TEXT[kind]
+    questions = two_lines(tmp_path / "questions.jsonl", second, json.dumps(QUESTION).encode())
+    assert f"{questions} {message}" in refused(["bench", "--questions", questions, "--out", tmp_path / "o"], capsys)
+
+
+def test_a_regeneration_refused_for_its_input_leaves_nothing_to_block_the_rerun(tmp_path, tiny_target_dir, capsys):
+    second, message = NOT_TEXT["lone-surrogate"]
+    data, out = two_lines(tmp_path / "chats.jsonl", second), tmp_path / "answers.jsonl"
+    line = refused(["data", "regenerate", data, "--out", out, "--target", tiny_target_dir], capsys)
+    assert f"{data} {message}" in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["chats.jsonl"]  # no empty answers, no .meta.json
+
+
+def test_a_surrogate_pair_and_escaped_backslashes_are_text(tmp_path):
+    """Only a lone half is refused: a whole pair is one character, and ``\\\\ud800`` is a backslash and text."""
+    record = sharegpt(("human", "Smile \U0001f600 and a path C:\\ud800"), ("gpt", "Done."))
+    data = write_jsonl(tmp_path / "chats.jsonl", [record])
+    assert "\\ud83d\\ude00" in data.read_text() and "\\\\ud800" in data.read_text()
+    [conversation] = read_conversations(str(data))
+    assert conversation.turns[0]["content"] == "Smile \U0001f600 and a path C:\\ud800"
+
+
+def test_a_utf8_byte_order_mark_is_accepted(tmp_path):
+    data = tmp_path / "chats.json"
+    data.write_bytes(codecs.BOM_UTF8 + f"[{GOOD_RECORD}]".encode())
+    assert len(list(read_conversations(str(data)))) == 1
+    questions = tmp_path / "questions.jsonl"
+    questions.write_bytes(codecs.BOM_UTF8 + json.dumps(QUESTION).encode() + b"\n")
+    assert [q.id for q in read_questions(questions, None, None)] == ["q1"]
+
+
+def test_a_long_integer_in_a_json_array_names_its_line(tmp_path, no_model_loads, capsys):
+    data = tmp_path / "chats.json"
+    data.write_text(f"[\n{GOOD_RECORD},\n" + '{"id": ' + "9" * 5001 + "}\n]\n")
+    line = refused(["data", "show", data], capsys)
+    assert f"{data} line 3 holds an integer of over 4,300 digits, too long to read" in line
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (codecs.BOM_UTF16_LE + "train:\n  lr: 1\n".encode("utf-16-le"), "is UTF-16 or UTF-32 text, not UTF-8; save it"),
+        (b"train:\n  lr: 1\n  name: \x89PNG\n", "line 3 is not UTF-8 text (byte 23 is 0x89); save it as UTF-8"),
+        (b"train:\n  seed: " + b"1" * 5001 + b"\n", "holds a value YAML cannot convert (Exceeds the limit"),
+    ],
+    ids=["utf-16", "binary", "long-integer"],
+)
+def test_a_recipe_that_is_not_utf8_text_is_one_line(tmp_path, no_model_loads, capsys, content, message):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_bytes(content)
+    line = refused(["train", recipe], capsys)
+    assert message in line and str(recipe) in line
+
+
+def test_a_binary_chat_template_is_refused_before_the_tokenizer_loads(tmp_path, chat_records, no_model_loads, capsys):
+    data = write_jsonl(tmp_path / "chats.jsonl", chat_records)
+    template = tmp_path / "template.jinja"
+    template.write_bytes(b"{{ messages }}\n\x00\x01\x02")
+    line = refused(["data", "prepare", data, "--out", tmp_path / "out", "--chat-template", template], capsys)
+    assert f"{template} line 2 holds a NUL byte" in line
+
+
+def test_a_corpus_that_is_not_utf8_is_refused_before_the_target_loads(tmp_path, no_model_loads, capsys):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_bytes("first document\nsecond \u00e9\n".encode("latin-1"))
+    line = refused(["spectra-index", corpus, "--out", tmp_path / "index"], capsys)
+    assert f"{corpus} line 2 is not UTF-8 text" in line and "save it as UTF-8" in line
+
+
+def test_a_prompt_that_is_not_utf8_is_one_line(no_model_loads, capsys):
+    # bytes that are not UTF-8 on a command line reach Python as lone surrogates (surrogateescape)
+    line = refused(["generate", "caf" + b"\xe9".decode("utf-8", "surrogateescape")], capsys)
+    assert "the prompt is not UTF-8 text" in line
+
+
+# ---- a pipe as an input ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("command", ["prepare", "bench", "train", "spectra-index"])
+def test_a_fifo_as_input_is_refused_before_it_is_read(tmp_path, tiny_target_dir, fifo, capsys, command):
+    argv = {
+        "prepare": ["data", "prepare", fifo, "--out", tmp_path / "out", "--target", tiny_target_dir],
+        "bench": ["bench", "--questions", fifo, "--out", tmp_path / "out"],
+        "train": ["train", fifo],
+        "spectra-index": ["spectra-index", fifo, "--out", tmp_path / "out"],
+    }[command]
+    line = refused(argv, capsys)
+    assert "is not a regular file (a pipe, socket or device" in line
+    assert not (tmp_path / "out").exists()

@@ -53,6 +53,27 @@ class TreeOptionError(DraftsmithError, ValueError):
     """A tree option a drafter does not take, or a value it cannot use."""
 
 
+# The largest numbers a tree may be drawn with: far beyond what pays on any device (EAGLE-2 on a GPU drafts
+# depth 6, top_k 10, 60 tokens), yet small enough that a typo such as depth=1000 is refused instead of
+# running for minutes (or exhausting memory) on trees nobody asked for.
+TREE_LIMITS = {"depth": 64, "top_k": 256, "total_tokens": 1024}
+
+
+def tree_number_problem(key: str, value: Any) -> str | None:
+    """Why ``value`` cannot be the tree option ``key`` (a whole number in 1..:data:`TREE_LIMITS`), or None."""
+    limit = TREE_LIMITS[key]
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= limit:
+        return f"{key} takes a whole number from 1 to {limit}"
+    return None
+
+
+def top_k_problem(top_k: int | None, draft_vocab_size: int) -> str | None:
+    """Why a tree cannot take the ``top_k`` best of a draft vocabulary of ``draft_vocab_size`` tokens, or None."""
+    if top_k is not None and draft_vocab_size and top_k > draft_vocab_size:
+        return f"top_k={top_k} is more than the drafter's draft vocabulary of {draft_vocab_size} tokens"
+    return None
+
+
 @dataclass(frozen=True)
 class TreeOptions:
     """How a trained drafter shapes its draft tree; None = the drafter's own default.
@@ -78,6 +99,15 @@ class TreeOptions:
             raise TreeOptionError(f"{owner} has no tree option {', '.join(unknown)}; it takes {', '.join(allowed)}")
         return cls(**{key: _tree_value(owner, key, text) for key, text in values.items()})
 
+    def problem(self) -> str | None:
+        """Why these options cannot draw a tree (a number out of :data:`TREE_LIMITS`), or None: for options
+        read from a file (``config.json``, ``tuned_trees.json``) rather than parsed from a command line."""
+        for key in TREE_LIMITS:
+            value = getattr(self, key)
+            if value is not None and (problem := tree_number_problem(key, value)):
+                return f"{key}={value!r}: {problem}"
+        return None
+
     def over(self, defaults: TreeOptions) -> TreeOptions:
         """These options where set, ``defaults`` elsewhere."""
         chosen = {name: getattr(self, name) for name in self.names() if getattr(self, name) is not None}
@@ -97,8 +127,9 @@ def _tree_value(owner: str, key: str, text: str) -> int | float | str:
         if not 0.0 <= number < 1.0:
             raise TreeOptionError(f"{owner} tree option prune={text}: prune takes a number in [0, 1), e.g. 0.05")
         return number
-    if not text.isdigit() or int(text) < 1:
-        raise TreeOptionError(f"{owner} tree option {key}={text}: {key} takes a whole number >= 1")
+    problem = tree_number_problem(key, int(text) if text.isdigit() else None)
+    if problem:
+        raise TreeOptionError(f"{owner} tree option {key}={text}: {problem}")
     return int(text)
 
 
@@ -158,9 +189,15 @@ class DrafterConfig(PretrainedConfig):
 
     def check(self) -> None:
         """Refuse options that cannot work, naming the recipe key; the base checks the tree options."""
-        for name in ("depth", "top_k", "total_tokens"):
-            if name in self.TREE_OPTIONS and getattr(self, name) < 1:
-                raise self.error(f"drafter.{name} must be >= 1, got {getattr(self, name)}")
+        for name in TREE_LIMITS:
+            if name in self.TREE_OPTIONS and (problem := tree_number_problem(name, getattr(self, name))):
+                raise self.error(f"drafter.{name} is {getattr(self, name)!r}, but {problem}")
+        if "top_k" in self.TREE_OPTIONS and (problem := top_k_problem(self.top_k, self.draft_vocab_limit())):
+            raise self.error(f"drafter.{problem}; lower drafter.top_k or raise drafter.draft_vocab_size")
+
+    def draft_vocab_limit(self) -> int:
+        """How many tokens the drafter chooses among at a position (0: the target's whole vocabulary)."""
+        return int(getattr(self, "draft_vocab_size", 0) or 0)
 
     def _get_generation_parameters(self) -> dict[str, Any]:
         # transformers refuses to save a config holding generation parameters (``top_k``); a drafter's

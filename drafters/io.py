@@ -86,14 +86,17 @@ def save_drafter_weights(model: nn.Module, directory: str | Path, state: dict[st
 def checked_config(cls: Any, directory: str | Path) -> Any:
     """A drafter directory's config, held to the same checks as a recipe's options: its tree indices
     (e.g. Medusa's choice paths, which index heads and their ranks) must fit before anything decodes."""
-    config = cls.config_class.from_pretrained(directory)
     try:
+        config = cls.config_class.from_pretrained(directory)
         config.check()
-    except DraftsmithError as error:
-        raise DrafterCheckpointError(
-            f"{directory}/config.json is invalid ({error}); {rebuild_export(directory)}"
-        ) from None
+    except (DraftsmithError, TypeError, ValueError, KeyError, AttributeError) as error:  # a hand-edited file
+        raise _invalid_config(directory, error) from None
     return config
+
+
+def _invalid_config(directory: str | Path, error: BaseException) -> DrafterCheckpointError:
+    detail = str(error).splitlines()[0] if str(error) else type(error).__name__
+    return DrafterCheckpointError(f"{directory}/config.json is invalid ({detail}); {rebuild_export(directory)}")
 
 
 def load_drafter_weights(cls: Any, directory: str | Path) -> nn.Module:
@@ -101,8 +104,12 @@ def load_drafter_weights(cls: Any, directory: str | Path) -> nn.Module:
     for name in ("config.json", WEIGHTS_NAME):
         if not (directory / name).is_file():
             raise DrafterCheckpointError(f"{directory} is not a drafter checkpoint: {name} is missing")
-    model = cls(checked_config(cls, directory))
-    missing, unexpected = model.load_state_dict(load_weights_file(directory / WEIGHTS_NAME), strict=False)
+    config, weights = checked_config(cls, directory), load_weights_file(directory / WEIGHTS_NAME)
+    try:
+        model = cls(config)
+        missing, unexpected = model.load_state_dict(weights, strict=False)
+    except (TypeError, ValueError, KeyError, AttributeError, RuntimeError) as error:  # sizes edited, wrong types
+        raise _invalid_config(directory, error) from None
     if missing or unexpected:
         raise DrafterCheckpointError(
             f"{directory}/{WEIGHTS_NAME} does not match its config.json "

@@ -88,7 +88,7 @@ def test_fspad_components_switch_off_separately(target):
 
     with pytest.raises(EagleConfigError, match="draft_vocab_size must be between 0 .* 97, got 500"):
         get_family("fspad").build(target.config, {"draft_vocab_size": 500})
-    with pytest.raises(EagleConfigError, match="drafter.top_k must be >= 1, got 0"):
+    with pytest.raises(EagleConfigError, match="drafter.top_k is 0, but top_k takes a whole number from 1 to 256"):
         get_family("eagle").build(target.config, {"top_k": 0})
     with pytest.raises(RecipeError, match="loss.ce_wieght"):
         check_loss_options(get_family("eagle"), {"ce_wieght": 0.1})

@@ -9,14 +9,17 @@ from __future__ import annotations
 
 import codecs
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 
 from conftest import sharegpt, write_jsonl
+from draftsmith.core.io import write_files_manifest
 from draftsmith.data.formats import read_conversations
 from draftsmith.inference.measure.bench import read_questions
-from helpers import refused
+from draftsmith.train.cli import main
+from helpers import refused, write_recipe
 
 GOOD_RECORD = json.dumps(sharegpt(("human", "Hi there."), ("gpt", "Hello! How can I help you today?")))
 QUESTION = {"question_id": "q1", "category": "writing", "turns": ["Write a poem about snow."]}
@@ -138,3 +141,85 @@ def test_a_fifo_as_input_is_refused_before_it_is_read(tmp_path, tiny_target_dir,
     line = refused(argv, capsys)
     assert "is not a regular file (a pipe, socket or device" in line
     assert not (tmp_path / "out").exists()
+
+
+# ---- method options, for every method --------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def small_vocab_export(tmp_path_factory, tiny_target_dir, prepared_dir) -> Path:
+    """An FSPAD drafter that drafts from four tokens only (``drafter.draft_vocab_size=4``), exported."""
+    root = tmp_path_factory.mktemp("small-vocab")
+    drafter = {"family": "fspad", "draft_vocab_size": 4}
+    recipe = write_recipe(root, tiny_target_dir, prepared_dir, drafter=drafter, train={"max_steps": 2})
+    main(["train", str(recipe)])
+    main(["export", str(root / "run"), "--out", str(root / "drafter")])
+    return root / "drafter"
+
+
+@pytest.fixture()
+def export_copy(tmp_path, small_vocab_export) -> Path:
+    """This test's own copy of the export, to edit."""
+    return Path(shutil.copytree(small_vocab_export, tmp_path / "drafter"))
+
+
+def generate_with(method: str, target: Path) -> list:
+    return ["generate", "Write a poem about snow.", "--target", target, "--method", method, "--max-new-tokens", "4"]
+
+
+@pytest.mark.parametrize(
+    "method, message",
+    [
+        ("none:x=1", "none (plain decoding) takes no argument or option; got none:x=1"),
+        ("none=fast", "none (plain decoding) takes no argument or option; got none=fast"),
+        ("spectra:depth=3", "spectra takes no options, only an index: spectra=INDEX"),
+        ("pld:num_draft=2:num_draft=3", "option num_draft is given twice in pld:num_draft=2:num_draft=3"),
+        ("fspad={drafter}:depth=2:depth=3", "option depth is given twice in"),
+        ("fspad={drafter}:depth=1000", "fspad tree option depth=1000: depth takes a whole number from 1 to 64"),
+        ("fspad={drafter}:total_tokens=99999", "total_tokens takes a whole number from 1 to 1024"),
+        ("fspad={drafter}:top_k=5", "top_k=5 is more than the drafter's draft vocabulary of 4 tokens"),
+    ],
+    ids=lambda value: value.split(":", 1)[-1] if "{drafter}" in value else value,
+)
+def test_method_options_are_checked_for_every_method(small_vocab_export, tiny_target_dir, capsys, method, message):
+    line = refused(generate_with(method.format(drafter=small_vocab_export), tiny_target_dir), capsys)
+    assert message in line
+
+
+def test_a_recipe_whose_top_k_exceeds_its_draft_vocabulary_is_refused(tmp_path, tiny_target_dir, prepared_dir, capsys):
+    recipe = write_recipe(tmp_path, tiny_target_dir, prepared_dir)
+    line = refused(["train", recipe, "drafter.draft_vocab_size=1"], capsys)
+    assert "drafter.top_k=4 is more than the drafter's draft vocabulary of 1 tokens" in line
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        ({"depth": 1000}, "drafter.depth is 1000, but depth takes a whole number from 1 to 64"),
+        ({"top_k": "many"}, "drafter.top_k is 'many', but top_k takes a whole number"),
+        ({"draft_vocab_size": 8}, "config.json is invalid ("),
+        ({"layer": {"hidden_size": 80}}, "config.json is invalid ("),
+    ],
+    ids=["absurd-depth", "wrong-type", "vocab-size-changed", "hidden-size-changed"],
+)
+def test_an_edited_export_config_is_one_line(export_copy, tiny_target_dir, capsys, edit, message):
+    """Edited by hand, with files.json updated to match: the family config's checks still hold."""
+    config = json.loads((export_copy / "config.json").read_text())
+    for key, value in edit.items():
+        config[key] = {**config[key], **value} if isinstance(value, dict) else value
+    (export_copy / "config.json").write_text(json.dumps(config))
+    write_files_manifest(export_copy)
+    line = refused(generate_with(f"fspad={export_copy}", tiny_target_dir), capsys)
+    assert message in line and "export it again" in line
+
+
+def test_an_absurd_tuned_tree_is_ignored_in_one_line(export_copy, tiny_target_dir, capsys, monkeypatch):
+    from draftsmith.inference.methods import tuned_trees
+
+    entry = {"weights_sha256": tuned_trees.weights_sha256(export_copy), "kernels": {}, "tree": {"depth": 1000}}
+    monkeypatch.setattr(tuned_trees, "read_tuned_trees", lambda directory: {"any": entry})
+    monkeypatch.setattr(tuned_trees.DeviceKey, "text", lambda self: "any")
+    main([str(a) for a in generate_with(f"fspad={export_copy}", tiny_target_dir)])
+    err = capsys.readouterr().err
+    assert "[tune] ignoring the tree fitted for any: depth=1000: depth takes a whole number from 1 to 64" in err

@@ -43,7 +43,8 @@ def test_tree_options_override_only_what_is_set():
         top_k=3, prune=0.05
     )
     for values, message in [
-        ({"depth": "0"}, "depth takes a whole number >= 1"),
+        ({"depth": "0"}, "depth takes a whole number from 1 to 64"),
+        ({"depth": "1000"}, "depth takes a whole number from 1 to 64"),
         ({"tree": "16"}, "tree takes a tree name"),
         ({"prune": "1.5"}, r"prune takes a number in \[0, 1\)"),
         ({"width": "2"}, "no tree option width"),

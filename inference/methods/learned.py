@@ -7,7 +7,7 @@ from pathlib import Path
 
 from draftsmith.core.drafting import Drafter
 from draftsmith.core.target import Target
-from draftsmith.drafters.base import TreeOptions
+from draftsmith.drafters.base import TreeOptionError, TreeOptions, top_k_problem
 from draftsmith.drafters.io import (
     DrafterCheckpointError,
     check_drafter_target,
@@ -44,4 +44,9 @@ def load_drafter(
         if fitted.note:
             print(fitted.note, file=sys.stderr)
         tree = fitted.tree
-    return model.runtime_drafter(target.model, tree or TreeOptions())
+    tree = tree or TreeOptions()
+    draft_vocab = model.config.draft_vocab_limit() or int(target.model.config.vocab_size)
+    problem = top_k_problem(tree.over(model.config.tree_options()).top_k, draft_vocab)
+    if problem:  # torch.topk would fail at the first draft, deep inside decoding
+        raise TreeOptionError(f"{directory}: {problem}; choose a smaller top_k")
+    return model.runtime_drafter(target.model, tree)

@@ -21,8 +21,10 @@ _TREE_OPTION = re.compile(r"^(?P<rest>.+):(?P<key>[a-z_]+)=(?P<value>[\w.-]+)$")
 def split_tree_options(arg: str) -> tuple[str, dict[str, str]]:
     """``DIR:depth=4:top_k=3`` -> (``DIR``, {"depth": "4", "top_k": "3"}): tree settings chosen at serve
     time (trees that pay off depend on the machine; see ``draftsmith bench-tree``)."""
-    options: dict[str, str] = {}
+    spec, options = arg, {}
     while match := _TREE_OPTION.match(arg):
+        if match["key"] in options:  # the last one would win without a word
+            raise MethodError(f"option {match['key']} is given twice in {spec}; give each option once")
         arg, options[match["key"]] = match["rest"], match["value"]
     return arg, options
 
@@ -65,12 +67,36 @@ def _prompt_lookup(target, arg: str | None) -> PromptLookupDrafter:
     return PromptLookupDrafter(**numbers)
 
 
+def _plain(target, arg: str | None) -> None:
+    """``none``: plain decoding, which has nothing to set (``none:x=1`` would be ignored without a word)."""
+    if arg:
+        raise MethodError(f"none (plain decoding) takes no argument or option; got none{_spelt(arg)}")
+    return None
+
+
+def _spectra(paper: bool) -> Callable[..., Drafter]:
+    """``spectra`` or ``spectra=INDEX`` (adds SPECTRA-RETRIEVAL); ``paper``: without the CPU tree cap."""
+    name = "spectra-paper" if paper else "spectra"
+
+    def build(target, arg: str | None) -> Drafter:
+        if arg and arg.startswith(":"):
+            raise MethodError(f"{name} takes no options, only an index: {name}=INDEX; got {name}{arg}")
+        return build_spectra_drafter(target, arg, paper=paper)
+
+    return build
+
+
+def _spelt(arg: str) -> str:
+    """How the user wrote a method's argument: ``:x=1`` after options, ``=ARG`` after an argument."""
+    return arg if arg.startswith(":") else f"={arg}"
+
+
 # name -> builder(target, argument after '=' or None)
 METHODS: dict[str, Callable[..., Drafter | None]] = {
-    "none": lambda target, arg: None,
+    "none": _plain,
     "pld": _prompt_lookup,  # pld:num_draft=N:max_ngram=M
-    "spectra": lambda target, arg: build_spectra_drafter(target, arg),  # spectra=INDEX adds SPECTRA-RETRIEVAL
-    "spectra-paper": lambda target, arg: build_spectra_drafter(target, arg, paper=True),  # no tree cap (GPU)
+    "spectra": _spectra(paper=False),  # spectra=INDEX adds SPECTRA-RETRIEVAL
+    "spectra-paper": _spectra(paper=True),  # no tree cap (GPU)
     "draft": build_draft_model_drafter,  # draft=PATH_OR_NAME or draft=layers:N, optionally :k=K
     # Trained families, from the registry: NAME=DIR (a directory written by `draftsmith export`), with
     # serve-time tree options DIR:key=value (medusa=DIR:tree=medusa-16, streaming=DIR:prune=0.05).

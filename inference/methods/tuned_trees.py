@@ -133,8 +133,15 @@ def fitted_tree(directory: Path, key: DeviceKey) -> FittedTree:
             f"[tune] ignoring the tree fitted for {key.text()}: it was timed before the runtime's kernels were "
             f"recorded (they have changed since); run `draftsmith tune {directory}` again",
         )
-    shape = {name: value for name, value in entry["tree"].items() if name in TreeOptions.names()}
-    tree = TreeOptions(**{name: value if name == "tree" else int(value) for name, value in shape.items()})
+    recorded = entry.get("tree") if isinstance(entry.get("tree"), dict) else {}
+    shape = {name: value for name, value in recorded.items() if name in TreeOptions.names()}
+    tree = TreeOptions(**shape)
+    if tree.problem():  # a hand-edited file: its numbers get the checks a command line's do
+        return FittedTree(
+            None,
+            f"[tune] ignoring the tree fitted for {key.text()}: {tree.problem()}; "
+            f"run `draftsmith tune {directory}` again",
+        )
     pays = "" if entry.get("drafting_pays", True) else " (tune predicted plain decoding faster here: --method none)"
     options = " ".join(f"{name}={value}" for name, value in shape.items())
     timed = kernels_text(entry["kernels"])

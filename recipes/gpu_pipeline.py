@@ -117,19 +117,14 @@ class Pipeline:
             staging.write_text(json.dumps(self.summary, indent=2) + "\n")
             staging.replace(self.summary_path)
 
-    def draftsmith(self, stage: str, argv: list[str], timeout: float | None = None, log: Path | None = None) -> bool:
+    def draftsmith(self, stage: str, argv: list[str], log: Path | None = None) -> bool:
         """One `draftsmith` command, its output appended to ``log`` (default log.txt); True when it succeeded."""
         command = "draftsmith " + " ".join(argv)
         start = time.monotonic()
         with open(log or self.log, "a") as log:
             log.write(f"\n$ {command}\n")
             log.flush()
-            try:
-                code = subprocess.run(
-                    DRAFTSMITH + argv, stdout=log, stderr=subprocess.STDOUT, timeout=timeout
-                ).returncode
-            except subprocess.TimeoutExpired:
-                code = "timeout"
+            code = subprocess.run(DRAFTSMITH + argv, stdout=log, stderr=subprocess.STDOUT).returncode
         seconds = round(time.monotonic() - start, 1)
         with self.lock:
             self.summary["stages"].setdefault(stage, {}).setdefault("commands", []).append(
@@ -159,8 +154,9 @@ class Pipeline:
         path.parent.mkdir(parents=True, exist_ok=True)
         argv = ["data", "regenerate", args.source, "--out", str(path), "--shard", f"{shard}/{args.n_shards}"]
         argv += ["--target", args.target, "--device", args.device, "--dtype", args.regen_dtype]
-        argv += ["--engine", regeneration_engine(), "--batch-size", str(args.regen_batch_size)]
-        if regeneration_engine() == "transformers":
+        engine = regeneration_engine()
+        argv += ["--engine", engine, "--batch-size", str(args.regen_batch_size)]
+        if engine == "transformers":
             argv += ["--batch-tokens", str(args.regen_batch_tokens)]
             argv += ["--static-cache"] if args.device.startswith("cuda") else []
         argv += ["--max-new-tokens", str(args.max_new_tokens), "--max-turns", str(args.max_turns)]

@@ -472,7 +472,12 @@ def _add_cache_features_command(commands: Any, recipe_layers: Callable[[str, Any
             help="also cache the target states this training recipe's drafter reads (e.g. EAGLE-3's fused layers)",
         )
         p.set_defaults(recipe_layers=recipe_layers)
-    p.add_argument("--shard-tokens", type=int, default=1 << 20, help="tokens per shard")
+    p.add_argument(
+        "--shard-tokens",
+        type=int,
+        default=1 << 17,
+        help="tokens per shard (default %(default)s); an interrupted run resumes at the first unfinished shard",
+    )
     p.add_argument("--batch-tokens", type=int, default=4096, help="padded tokens per forward")
     p.add_argument("--device", default="cpu")
     p.add_argument("--model-dtype", default="float32", help="dtype the target runs in")

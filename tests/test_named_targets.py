@@ -5,6 +5,7 @@ to the cache with the entry's template and stop tokens, and load it by name ever
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 import shutil
@@ -183,6 +184,20 @@ def test_a_named_target_converts_once_and_loads_by_name_everywhere(standin, tiny
     directory = safetensors_directory("standin")
     assert directory.parent == target_module.cache_root().resolve() / "targets"
     assert directory.name.startswith("standin-") and any(directory.glob("*.safetensors"))
+
+
+def test_pinned_special_tokens_make_one_tokenizer_whatever_transformers_reads(tmp_path, tiny_gguf, monkeypatch):
+    # transformers 5.17 and 5.24 read SmolLM2's GGUF with different EOS and pad tokens; the entry pins them
+    def pinned(packages, gguf_file):
+        entry = packaged_standin(packages, gguf_file)
+        return dataclasses.replace(entry, special_tokens=(("eos_token", STOP), ("pad_token", STOP)))
+
+    _install(pinned, tmp_path, tiny_gguf, monkeypatch)
+    target = load_target("standin")
+    assert target.tokenizer.eos_token == target.tokenizer.pad_token == STOP
+    assert target.identity.tokenizer_hash == tokenizer_hash(target.tokenizer)
+    smollm2 = dict(EMBEDDED_TARGETS["smollm2"].special_tokens)
+    assert smollm2 == {"eos_token": "<|im_end|>", "pad_token": "<|im_end|>"}
 
 
 def test_the_shipped_template_is_the_named_targets_and_renders_gemma_turns(gemma_like):

@@ -72,6 +72,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="each process splits a batch while it pads to more tokens than this (long prompts' prefill "
         "holds an attention matrix per row)",
     )
+    p.add_argument(
+        "--regen-static-cache",
+        action="store_true",
+        help="transformers regenerates with a static KV cache (`data regenerate --static-cache`; on a GPU "
+        "transformers then compiles the step per batch shape: its speed there is not measured yet)",
+    )
     p.add_argument("--max-new-tokens", type=int, default=256, help="tokens per regenerated answer")
     p.add_argument("--max-turns", type=int, default=2, help="user turns answered per conversation")
     p.add_argument("--regen-dtype", default="float32", help="dtype the target regenerates in (default float32)")
@@ -161,7 +167,7 @@ class Pipeline:
         argv += ["--engine", engine, "--batch-size", str(args.regen_batch_size)]
         if engine == "transformers":
             argv += ["--batch-tokens", str(args.regen_batch_tokens)]
-            argv += ["--static-cache"] if args.device.startswith("cuda") else []
+            argv += ["--static-cache"] if args.regen_static_cache else []
         argv += ["--max-new-tokens", str(args.max_new_tokens), "--max-turns", str(args.max_turns)]
         argv += ["--time-limit", f"{minutes_left:.2f}"]
         argv += ["--limit", str(args.regen_limit)] if args.regen_limit else []

@@ -100,6 +100,8 @@ def test_tree_forwards_through_the_native_layers_are_bitwise_the_models(nodes, p
         results.append((out, cache))
     (theirs, their_cache), (ours, our_cache) = results
     assert calls and calls[0] >= 1 + nodes
+    if packed == "onednn":  # q|k|v and gate|up as one product each, where stacking keeps columns bitwise
+        assert len(gemm._fused) == (2 * model.config.num_hidden_layers if gemm._fusion_exact else 0)
     assert torch.equal(ours.logits, theirs.logits)
     for a, b in zip(ours.hidden_states, theirs.hidden_states, strict=True):
         assert torch.equal(a, b)

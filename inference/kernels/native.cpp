@@ -49,6 +49,9 @@ at::Tensor onednn_packed_linear(const at::Tensor& rows, const at::Tensor& pack) 
   return stack[0].toTensor();
 }
 
+// Columns [start, start + width) of a projection's output (rows, all): a view, no copy.
+at::Tensor columns(const at::Tensor& all, int64_t start, int64_t width) { return all.narrow(1, start, width); }
+
 // One projection of `rows` (rows, width): through its pack where one is given (non-empty; oneDNN's or
 // MKL's as `onednn` says: both are mkldnn-layout tensors), else F.linear's product for a bias-free input
 // (mm with the transposed weight).
@@ -64,18 +67,23 @@ at::Tensor project(const at::Tensor& rows, const at::Tensor& transposed, const a
 // key and value rows are written into its preallocated buffer (1, kv_heads, capacity, head_dim) there,
 // and attention reads rows [0, start + rows) under `mask` (none: every row is seen; one-token steps).
 // `packs` holds kProjections tensors per layer, empty where the projection is not packed, and `onednn`
-// says per projection whether its pack is oneDNN's (else MKL's). Returns each layer's output.
+// says per projection whether its pack is oneDNN's (else MKL's). `fused` holds two tensors per layer,
+// oneDNN packs of [q; k; v] and [gate; up] stacked (empty: separate products): oneDNN computes each
+// output column alone, so a stacked product's columns are bitwise the separate products' (checked when
+// the pack is made, packed_gemm.PackedGemm.fused_pack). Returns each layer's output.
 std::vector<at::Tensor> decoder_layers(
     at::Tensor x, const std::vector<at::Tensor>& weights, const std::vector<at::Tensor>& packs,
     const std::vector<double>& norm_eps, const at::Tensor& cos, const at::Tensor& signed_sin,
     const std::optional<at::Tensor>& mask, const std::vector<at::Tensor>& key_buffers,
     const std::vector<at::Tensor>& value_buffers, int64_t start, int64_t heads, int64_t kv_heads,
-    int64_t head_dim, double scaling, bool grouped, const std::vector<bool>& onednn) {
+    int64_t head_dim, double scaling, bool grouped, const std::vector<bool>& onednn,
+    const std::vector<at::Tensor>& fused) {
   const int64_t layers = static_cast<int64_t>(key_buffers.size());
   TORCH_CHECK(weights.size() == static_cast<size_t>(layers * kWeightsPerLayer), "decoder_layers: weights");
   TORCH_CHECK(packs.size() == static_cast<size_t>(layers * kProjections), "decoder_layers: packs");
   TORCH_CHECK(onednn.size() == packs.size(), "decoder_layers: onednn");
   TORCH_CHECK(norm_eps.size() == static_cast<size_t>(layers * 2), "decoder_layers: norm_eps");
+  TORCH_CHECK(fused.size() == static_cast<size_t>(layers * 2), "decoder_layers: fused");
   const int64_t rows = x.size(1);
   const int64_t width = x.size(2);
   const int64_t half = head_dim / 2;
@@ -86,9 +94,20 @@ std::vector<at::Tensor> decoder_layers(
     auto p = [&](Weight projection) -> const at::Tensor& { return packs[i * kProjections + projection - kQuery]; };
     auto dnn = [&](Weight projection) -> bool { return onednn[i * kProjections + projection - kQuery]; };
     at::Tensor normed = rms_norm(x, w[kInputNorm], norm_eps[2 * i]).view({rows, width});
-    at::Tensor query = project(normed, w[kQuery], p(kQuery), dnn(kQuery)).view({1, rows, heads, head_dim}).transpose(1, 2);
-    at::Tensor key = project(normed, w[kKey], p(kKey), dnn(kKey)).view({1, rows, kv_heads, head_dim}).transpose(1, 2);
-    at::Tensor value = project(normed, w[kValue], p(kValue), dnn(kValue)).view({1, rows, kv_heads, head_dim}).transpose(1, 2);
+    at::Tensor query, key, value;
+    if (fused[2 * i].numel() > 0) {
+      at::Tensor all = onednn_packed_linear(normed, fused[2 * i]);
+      query = columns(all, 0, heads * head_dim);
+      key = columns(all, heads * head_dim, kv_heads * head_dim);
+      value = columns(all, (heads + kv_heads) * head_dim, kv_heads * head_dim);
+    } else {
+      query = project(normed, w[kQuery], p(kQuery), dnn(kQuery));
+      key = project(normed, w[kKey], p(kKey), dnn(kKey));
+      value = project(normed, w[kValue], p(kValue), dnn(kValue));
+    }
+    query = query.view({1, rows, heads, head_dim}).transpose(1, 2);
+    key = key.view({1, rows, kv_heads, head_dim}).transpose(1, 2);
+    value = value.view({1, rows, kv_heads, head_dim}).transpose(1, 2);
     query = rotate(query, cos, signed_sin, half);
     key = rotate(key, cos, signed_sin, half);
     key_buffers[i].narrow(2, start, rows).copy_(key);
@@ -100,7 +119,14 @@ std::vector<at::Tensor> decoder_layers(
     attended = attended.transpose(1, 2).contiguous();
     x = x + project(attended.view({rows, -1}), w[kOutput], p(kOutput), dnn(kOutput));
     normed = rms_norm(x, w[kPostNorm], norm_eps[2 * i + 1]).view({rows, width});
-    at::Tensor gated = at::silu(project(normed, w[kGate], p(kGate), dnn(kGate))) * project(normed, w[kUp], p(kUp), dnn(kUp));
+    at::Tensor gated;
+    if (fused[2 * i + 1].numel() > 0) {
+      at::Tensor all = onednn_packed_linear(normed, fused[2 * i + 1]);
+      const int64_t inner = all.size(1) / 2;
+      gated = at::silu(columns(all, 0, inner)) * columns(all, inner, inner);
+    } else {
+      gated = at::silu(project(normed, w[kGate], p(kGate), dnn(kGate))) * project(normed, w[kUp], p(kUp), dnn(kUp));
+    }
     x = x + project(gated, w[kDown], p(kDown), dnn(kDown));
     outputs.push_back(x);
   }

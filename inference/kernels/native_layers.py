@@ -52,6 +52,7 @@ class NativePlan:
     weights: list[torch.Tensor]
     eps: list[float]
     linears: list[nn.Module]
+    siblings: list[tuple[nn.Module, ...]]  # per layer: (q, k, v) and (gate, up), which read one input
     heads: int
     kv_heads: int
     head_dim: int
@@ -62,9 +63,11 @@ def native_plan(layers: list[nn.Module]) -> NativePlan:
     weights: list[torch.Tensor] = []
     eps: list[float] = []
     linears: list[nn.Module] = []
+    siblings: list[tuple[nn.Module, ...]] = []
     for layer in layers:
         projections = _projections(layer)
         linears += projections
+        siblings += [projections[:3], projections[4:6]]
         weights += [layer.input_layernorm.weight, *(linear.weight.t() for linear in projections)]
         weights.append(layer.post_attention_layernorm.weight)
         eps += [layer.input_layernorm.variance_epsilon, layer.post_attention_layernorm.variance_epsilon]
@@ -72,7 +75,7 @@ def native_plan(layers: list[nn.Module]) -> NativePlan:
     attention = layers[0].self_attn
     head_dim = attention.head_dim
     heads, kv_heads = weights[1].shape[1] // head_dim, weights[2].shape[1] // head_dim
-    return NativePlan(weights, eps, linears, heads, kv_heads, head_dim, attention.scaling)
+    return NativePlan(weights, eps, linears, siblings, heads, kv_heads, head_dim, attention.scaling)
 
 
 def native_decoder_layers(
@@ -95,6 +98,7 @@ def native_decoder_layers(
     rows = x.shape[1]
     packs = [_active_pack(linear, rows) for linear in plan.linears]
     onednn = [_onednn(linear) for linear in plan.linears]  # per projection: a replaced module has no pack
+    fused = [_fused_pack(group) for group in plan.siblings]
     rooms = [layer.append_rows(rows) for layer in cache_layers]
     return extension.decoder_layers(
         x,
@@ -113,6 +117,7 @@ def native_decoder_layers(
         plan.scaling,
         grouped,
         onednn,
+        fused,
     )
 
 
@@ -121,6 +126,13 @@ _NO_PACK = torch.empty(0)  # the extension's "not packed"
 
 def _active_pack(linear: nn.Module, rows: int) -> torch.Tensor:
     pack = active_pack(linear, rows)
+    return _NO_PACK if pack is None else pack
+
+
+def _fused_pack(group: tuple[nn.Module, ...]) -> torch.Tensor:
+    """The stacked oneDNN pack of ``group`` (one product for the layer's q, k, v or gate, up), if any."""
+    first = group[0]
+    pack = first._owner.fused_pack(group) if isinstance(first, PackedLinear) else None
     return _NO_PACK if pack is None else pack
 
 

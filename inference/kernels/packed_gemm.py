@@ -103,6 +103,10 @@ class PackedLinear(nn.Linear):
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
+def _owned_by(linear: nn.Module, gemm: PackedGemm) -> bool:
+    return isinstance(linear, PackedLinear) and linear._owner is gemm
+
+
 def active_pack(linear: nn.Module, rows: int) -> torch.Tensor | None:
     """The pack ``linear`` multiplies a ``rows``-row input through now (None: the default kernel)."""
     return linear.active_pack(rows) if isinstance(linear, PackedLinear) else None
@@ -128,6 +132,9 @@ class PackedGemm:
         self._bytes_per_bucket = sum(m.weight.numel() * m.weight.element_size() for m in self._linears)
         self._refused: set[int] = set()
         self.pack_seconds = 0.0  # time spent packing so far: callers keep it out of speed figures
+        # stacked packs of sibling linears (fused_pack), by the modules, with the packs they were made from
+        self._fused: dict[tuple[int, ...], tuple[tuple[torch.Tensor, ...], torch.Tensor]] = {}
+        self._fusion_exact: bool | None = None  # whether stacking keeps each column bitwise (checked once)
 
     @property
     def buckets(self) -> list[int]:
@@ -175,6 +182,39 @@ class PackedGemm:
             together = linear(rows)
             alone = torch.cat([linear(rows[i : i + 1]) for i in range(rows.shape[0])])
         return torch.equal(together, alone)
+
+    def fused_pack(self, linears: tuple[nn.Module, ...]) -> torch.Tensor | None:
+        """One oneDNN pack of ``linears``' weights stacked (e.g. q, k and v, which read the same input),
+        for while their own packs are active: one product instead of several, whose output columns are
+        bitwise theirs. None where that does not hold: another kernel, a module without an active pack,
+        a machine where stacking changes a column's rounding, or too little memory for the copy."""
+        if self.kernel != "onednn" or not self.active or torch.is_grad_enabled():
+            return None
+        packs = tuple(linear._packs.get(ANY_ROWS) if _owned_by(linear, self) else None for linear in linears)
+        if any(pack is None for pack in packs) or any(linear.bias is not None for linear in linears):
+            return None
+        key = tuple(id(linear) for linear in linears)
+        made = self._fused.get(key)
+        if made is not None and all(a is b for a, b in zip(made[0], packs, strict=True)):
+            return made[1]
+        if not self._fusion_keeps_columns(linears, packs):
+            return None
+        stacked = torch.cat([linear.weight.detach() for linear in linears])
+        if stacked.numel() * stacked.element_size() > MEMORY_SHARE * _available_bytes():
+            return None
+        start = time.perf_counter()
+        self._fused[key] = (packs, torch.ops.mkldnn._reorder_linear_weight(stacked))
+        self.pack_seconds += time.perf_counter() - start
+        return self._fused[key][1]
+
+    def _fusion_keeps_columns(self, linears: tuple[nn.Module, ...], packs: tuple[torch.Tensor, ...]) -> bool:
+        if self._fusion_exact is None:
+            rows = torch.randn(5, linears[0].in_features, generator=torch.Generator().manual_seed(0))
+            stacked = torch.ops.mkldnn._reorder_linear_weight(torch.cat([linear.weight.detach() for linear in linears]))
+            together = torch.ops.mkldnn._linear_pointwise(rows, stacked, None, "none", [], "")
+            alone = torch.cat([torch.ops.mkldnn._linear_pointwise(rows, p, None, "none", [], "") for p in packs], 1)
+            self._fusion_exact = torch.equal(together, alone)
+        return self._fusion_exact
 
     def _drop_stale_packs(self) -> None:
         """A pack is a copy: after a weight is replaced or changed in place (an optimizer step,

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from draftsmith.core.drafting import Drafter
 from draftsmith.drafters.base import TreeOptions
+from draftsmith.drafters.pretrained import bundled_drafter, bundled_names
 from draftsmith.drafters.registry import FAMILIES, families_served_by
 from draftsmith.inference.methods.draft_model import build_draft_model_drafter
 from draftsmith.inference.methods.errors import MethodError
@@ -39,13 +40,25 @@ def method_tree_options(method: str) -> tuple[str, ...]:
 
 def _trained(method: str) -> Callable[..., Drafter]:
     def build(target, arg: str | None) -> Drafter:
-        if not arg:
-            raise MethodError(f"{method} needs an exported drafter directory: --method {method}=DIR[:key=N...]")
+        if not arg or arg.startswith(":"):  # no directory: the drafter shipped for this target, if any
+            arg = str(_bundled(method, target)) + (arg or "")
         directory, values = split_tree_options(arg)
         tree = TreeOptions.parse(values, method_tree_options(method), method)
         return load_drafter(directory, target, expect=method, tree=tree)
 
     return build
+
+
+def _bundled(method: str, target) -> Path:
+    families = {family.name for family in families_served_by(method)}
+    directory = bundled_drafter(families, getattr(target, "identity", None))
+    if directory is None:
+        shipped = ", ".join(bundled_names()) or "none"
+        raise MethodError(
+            f"{method} needs an exported drafter directory: --method {method}=DIR[:key=N...] (no {method} "
+            f"drafter is shipped for this target; shipped: {shipped})"
+        )
+    return directory
 
 
 _PLD_OPTIONS = ("num_draft", "max_ngram")

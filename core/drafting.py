@@ -62,6 +62,12 @@ class Drafter:
         :attr:`reads_logits` or sampling) and the verdict: drafters that learn from the target's own
         predictions (SPECTRA's pool) read them here at no extra forward."""
 
+    def own_modules(self) -> torch.nn.Module | None:
+        """The drafter's own trained modules (none of the target's), whose linears the runtime may run
+        through a faster kernel than PyTorch's default: their rounding changes which tokens are proposed,
+        never what verification commits. None: the runtime leaves the drafter as it is."""
+        return None
+
     def served_model(self) -> torch.nn.Module | None:
         """A plain model of the target's class that the runtime decodes with instead of the target, with
         every fast path of the target (direct forward, C++ layers, packed GEMM, screened head), or None for

@@ -265,6 +265,9 @@ class EagleTreeDrafter(Drafter):
         self._fed: list[int] = []  # tokens[: positions in cache + 1]
         self._last_feature: torch.Tensor | None = None  # predicted feature at the root position
 
+    def own_modules(self) -> nn.Module:
+        return self.model
+
     def propose(self, context: DraftContext) -> DraftTree:
         return self.grow(context)[0]
 

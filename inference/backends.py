@@ -34,7 +34,7 @@ from draftsmith.inference.kernels.context import KernelContext
 from draftsmith.inference.kernels.direct_forward import DirectForward
 from draftsmith.inference.kernels.greedy_head import GreedyHead
 from draftsmith.inference.kernels.options import KernelOptions
-from draftsmith.inference.kernels.packed_gemm import PackedGemm
+from draftsmith.inference.kernels.packed_gemm import PackedGemm, linear_kernel_for
 
 # Tree rows the preallocated buffers leave room for beyond the committed tokens; a bigger tree grows them.
 DEFAULT_TREE_ROOM = 64
@@ -116,13 +116,20 @@ _FORCE_GQA = "TRANSFORMERS_SDPA_FORCE_GQA"
 class _Backend:
     """What both backends share: the model verified, the prefill, and the context-window check."""
 
-    def __init__(self, model: nn.Module, last_logits_only: bool) -> None:
+    def __init__(self, model: nn.Module, last_logits_only: bool, drafter_gemm: PackedGemm | None = None) -> None:
         self.model = model
         parameter = next(model.parameters())
         self.device, self.dtype = parameter.device, parameter.dtype
         self._last_logits_only = last_logits_only
         self._limit = getattr(model.config, "max_position_embeddings", None)
+        self._drafter_gemm = drafter_gemm
         self._compile_before, self._setup_before = self._compile_total(), self._setup_total()
+        if drafter_gemm is not None:
+            drafter_gemm.padded_rows(1)  # packs the drafter's linears (again, if its weights changed): setup
+
+    def drafting(self) -> AbstractContextManager[None]:
+        """The context of the drafter's rounds: its own linears through their packs, where it has them."""
+        return self._drafter_gemm.rows() if self._drafter_gemm is not None else nullcontext()
 
     def prefill(self, cache, prompt_ids: list[int], hidden: bool):
         """The prompt's forward (eager: its length varies per prompt). The prompt's logits matter at its
@@ -149,7 +156,7 @@ class _Backend:
         return 0.0
 
     def _setup_total(self) -> float:
-        return 0.0
+        return self._drafter_gemm.pack_seconds if self._drafter_gemm is not None else 0.0
 
 
 @dataclass
@@ -165,9 +172,11 @@ class EagerBackend(_Backend):
     (None: the model's own forward, as for a drafter's verifier model); ``greedy``: the screened head
     may answer instead of the logits."""
 
-    def __init__(self, model: nn.Module, kernels: KernelContext | None, greedy: bool) -> None:
+    def __init__(
+        self, model: nn.Module, kernels: KernelContext | None, greedy: bool, drafter_gemm: PackedGemm | None = None
+    ) -> None:
         self.kernels = kernels
-        super().__init__(model, last_logits_only=kernels is not None)
+        super().__init__(model, last_logits_only=kernels is not None, drafter_gemm=drafter_gemm)
         direct = kernels.direct() if kernels is not None else None
         self._gemm = kernels.gemm if kernels is not None else None
         self._direct = direct
@@ -190,7 +199,7 @@ class EagerBackend(_Backend):
         commit_tree_path(cache.kv, past, accepted_nodes)
 
     def _setup_total(self) -> float:
-        return self.kernels.setup_seconds if self.kernels is not None else 0.0
+        return super()._setup_total() + (self.kernels.setup_seconds if self.kernels is not None else 0.0)
 
 
 @dataclass
@@ -204,9 +213,9 @@ class CompiledCache:
 class CompiledBackend(_Backend):
     """Verification forwards through ``compiled``'s graphs, padded to tree buckets on a static cache."""
 
-    def __init__(self, compiled: CompiledTarget) -> None:
+    def __init__(self, compiled: CompiledTarget, drafter_gemm: PackedGemm | None = None) -> None:
         self.compiled = compiled
-        super().__init__(compiled.model, last_logits_only=True)
+        super().__init__(compiled.model, last_logits_only=True, drafter_gemm=drafter_gemm)
 
     def new_cache(self, capacity: int) -> CompiledCache:
         kv = self.compiled.new_cache(capacity)
@@ -242,6 +251,7 @@ class Backends:
         self.options = options or KernelOptions()
         self._compile_backend = compile_backend
         self._kernels: dict[int, KernelContext] = {}  # by id(model); the context holds the model alive
+        self._drafter_gemms: dict[int, PackedGemm] = {}  # by id(drafter module); the packs hold it alive
         self._compiled: CompiledTarget | None = None
 
     def kernels(self, model: nn.Module) -> KernelContext:
@@ -249,6 +259,17 @@ class Backends:
         if id(model) not in self._kernels:
             self._kernels[id(model)] = KernelContext(model, self.options)
         return self._kernels[id(model)]
+
+    def drafter_gemm(self, drafter: Drafter) -> PackedGemm | None:
+        """The oneDNN packs of ``drafter``'s own linears (:meth:`Drafter.own_modules`) where the options
+        use oneDNN and the drafter runs in float32 on the CPU; a drafter's rounding changes only which
+        tokens it proposes, so this needs no row invariance. None: it runs as it is."""
+        module = drafter.own_modules()
+        if module is None or self.options.linear != "onednn" or linear_kernel_for(module, "onednn") != "onednn":
+            return None
+        if id(module) not in self._drafter_gemms:
+            self._drafter_gemms[id(module)] = PackedGemm(module, "onednn")
+        return self._drafter_gemms[id(module)]
 
     def compiled(self, model: nn.Module) -> CompiledTarget:
         """The compiled forwards of ``model`` (the run's target: one per run)."""
@@ -281,10 +302,11 @@ class Backends:
         the target's compiled or eager forwards as the options say. ``reads_logits``: greedy tokens alone
         will not do (sampling, or a drafter that reads the logits)."""
         verifier = drafter.verifier_model()
+        gemm = self.drafter_gemm(drafter)
         if verifier is not None:
-            return EagerBackend(verifier, None, greedy=False)
+            return EagerBackend(verifier, None, greedy=False, drafter_gemm=gemm)
         served = drafter.served_model()
         if served is None and self.options.compiled:
-            return CompiledBackend(self.compiled(model))
+            return CompiledBackend(self.compiled(model), drafter_gemm=gemm)
         model = served if served is not None else model
-        return EagerBackend(model, self.kernels(model), greedy=not reads_logits)
+        return EagerBackend(model, self.kernels(model), greedy=not reads_logits, drafter_gemm=gemm)

@@ -143,7 +143,8 @@ def generate(
         committed = prompt_ids + new
         past = len(committed) - 1
         seen = None if features is None else features.view
-        tree = drafter.propose(DraftContext(committed, len(prompt_ids), sampling, generator, seen))
+        with backend.drafting():
+            tree = drafter.propose(DraftContext(committed, len(prompt_ids), sampling, generator, seen))
         if not backend.fits(cache, past, tree):
             tree = DraftTree.empty()  # no speculation past the context window or the static cache
         out = backend.verify(cache, committed[-1], tree, past, hidden)

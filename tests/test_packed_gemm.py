@@ -216,3 +216,34 @@ def test_a_kernel_this_build_lacks_falls_to_the_next(monkeypatch):
     assert packed_gemm.linear_kernel_for(model.to(torch.bfloat16), "onednn") == "default"
     with pytest.raises(ValueError, match="unknown linear kernel"):
         packed_gemm.linear_kernel_for(model, "fast")
+
+
+@pytest.mark.parametrize("linear", ["onednn", "default"])
+def test_an_eagle_drafter_drafts_through_its_own_onednn_packs_and_decodes_the_same(linear, monkeypatch):
+    """The drafter's own linears run through oneDNN packs during its rounds (where the options use
+    oneDNN); the target keeps its own packs, and the tokens stay plain decoding's."""
+    from draftsmith.drafters.base import TreeOptions
+    from draftsmith.drafters.registry import get_family
+
+    if not linear_kernel_available("onednn"):
+        pytest.skip("PyTorch built without oneDNN")
+    model = fresh_model(seed=2)
+    torch.manual_seed(0)
+    drafter_model = get_family("eagle3").build(model.config, {"draft_vocab_size": 32}).eval()
+    drafter = drafter_model.runtime_drafter(model, TreeOptions(depth=2, top_k=2, total_tokens=3))
+    backends = Backends(KernelOptions(linear=linear))
+    gemm = backends.drafter_gemm(drafter)
+    assert (gemm is not None) == (linear == "onednn")
+    packed_during_rounds = []
+    propose = drafter.propose
+    monkeypatch.setattr(
+        drafter, "propose", lambda c: packed_during_rounds.append(bool(gemm and gemm.active)) or propose(c)
+    )
+    prompt = [5, 17, 33, 2, 64, 8]
+    ours = generate(model, prompt, drafter, max_new_tokens=12, backends=backends)
+    assert ours.tokens == generate(model, prompt, None, max_new_tokens=12, backends=backends).tokens
+    assert packed_during_rounds and all(packed_during_rounds) == (linear == "onednn")
+    if gemm is not None:
+        linears = [m for m in drafter_model.modules() if isinstance(m, torch.nn.Linear)]
+        assert all(type(m) is PackedLinear and m._owner is gemm and m._packs for m in linears)
+        assert backends.kernels(model).gemm is not gemm and model.lm_head._owner is not gemm

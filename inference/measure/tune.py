@@ -39,6 +39,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -218,19 +219,25 @@ def record_prompt(
 
 
 def drafting_ms(
-    drafters: dict[tuple[int, int], Drafter], record: PromptRecord | CountedRecord
+    drafters: dict[tuple[int, int], Drafter], record: PromptRecord | CountedRecord, backends: Backends | None = None
 ) -> dict[tuple[int, int], float]:
     """Median milliseconds of one drafting round (the drafter's catch-up and its tree growth) per key
-    (depth, top_k), over consecutive positions of a calibration prompt."""
+    (depth, top_k), over consecutive positions of a calibration prompt, with the drafter's linears
+    through the kernel ``backends`` gives them in decoding."""
     g, prompt, features = record.continuation, record.prompt, record.features
+    backends = backends or Backends()
     costs = {}
     for key, drafter in drafters.items():
+        gemm = backends.drafter_gemm(drafter)
+        if gemm is not None:
+            gemm.padded_rows(1)  # packed before the clock starts, as in decoding
         times = []
         for t in range(1, min(TIMED_POSITIONS + 2, len(g))):
             tokens = prompt + g[:t]
             context = DraftContext(tokens, len(prompt), features=features[: len(tokens) - 1])
             start = time.perf_counter()
-            drafter.propose(context)
+            with gemm.rows() if gemm is not None else nullcontext():
+                drafter.propose(context)
             if t > 1:  # the first round feeds the whole prompt
                 times.append(time.perf_counter() - start)
         costs[key] = statistics.median(times) * 1e3
@@ -538,7 +545,7 @@ def run_tune(
     plan = search.plan(target, base, prompts, max_new_tokens, max_depth, top_ks, totals, backends)
     shapes, records = plan.shapes, plan.records
     say("timing drafting rounds, and verification forwards per tree size (bench-tree)")
-    draft_ms = drafting_ms(plan.round_drafters, records[0])
+    draft_ms = drafting_ms(plan.round_drafters, records[0], backends)
     sizes = sorted({1} | {1 + shape.total_tokens for shape in shapes})
     prefix = int(statistics.fmean(len(p) for p in prompts)) + max_new_tokens // 2
     bench = run_tree_bench(target, sizes, prefix, repeats, backends=backends)

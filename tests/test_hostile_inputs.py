@@ -223,3 +223,32 @@ def test_an_absurd_tuned_tree_is_ignored_in_one_line(export_copy, tiny_target_di
     main([str(a) for a in generate_with(f"fspad={export_copy}", tiny_target_dir)])
     err = capsys.readouterr().err
     assert "[tune] ignoring the tree fitted for any: depth=1000: depth takes a whole number from 1 to 64" in err
+
+
+# ---- loss options, drafter sizes, results tables and Ctrl-C ---------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("loss.ce_weight=nan", "loss.ce_weight must be a finite number >= 0, got 'nan'"),
+        ("loss.ce_weight=.inf", "loss.ce_weight must be a finite number >= 0, got inf"),
+        ("loss.feature_noise=-0.5", "loss.feature_noise must be a finite number >= 0, got -0.5"),
+        ("loss.ce_weight=heavy", "loss.ce_weight must be a finite number >= 0, got 'heavy'"),
+        ("loss.metric_steps=1.5", "loss.metric_steps must be a whole number >= 0, got 1.5"),
+    ],
+)
+def test_a_loss_option_that_is_no_sane_number_is_refused_before_training(
+    tmp_path, no_model_loads, capsys, override, message
+):
+    recipe = write_recipe(tmp_path, tmp_path / "target", tmp_path / "prepared")
+    assert message in refused(["train", recipe, override], capsys)
+    assert not (tmp_path / "run").exists()
+
+
+def test_loss_options_given_as_text_become_numbers():
+    from draftsmith.drafters.registry import get_family
+    from draftsmith.train.losses import check_loss_options
+
+    options = check_loss_options(get_family("eagle"), {"ce_weight": "5e-2", "feature_noise": 0, "metric_steps": 2})
+    assert options == {"ce_weight": 0.05, "feature_noise": 0.0, "metric_steps": 2}

@@ -252,3 +252,18 @@ def test_loss_options_given_as_text_become_numbers():
 
     options = check_loss_options(get_family("eagle"), {"ce_weight": "5e-2", "feature_noise": 0, "metric_steps": 2})
     assert options == {"ce_weight": 0.05, "feature_noise": 0.0, "metric_steps": 2}
+
+
+def test_a_category_with_a_pipe_or_a_line_break_keeps_the_results_table_one_row_per_line():
+    from draftsmith.inference.measure.bench import BASELINE
+    from draftsmith.inference.measure.bench_report import markdown_table
+
+    row = {"tau": 1.5, "speedup": 1.2, "tokens_per_s": 10.0, "identical": 1, "total": 1}
+    scopes = {"overall": row, "math | logic": row, "two\nlines": row, "C:\\|x": row}
+    results = {"max_new_tokens": 8, "threads": 1, "methods": {BASELINE: scopes, "pld": scopes}}
+    table = [line for line in markdown_table(results).splitlines() if line.startswith("|")]
+    assert len(table) == 2 + 2 * 4  # header, rule, then one line per method and scope
+    for line in table:
+        assert line.replace("\\\\", "").replace("\\|", "").count("|") == 7, line  # six cells, whatever they hold
+    pld = [line.split(" | 1.50 |")[0] for line in table if line.startswith("| pld |")]
+    assert pld == ["| pld | overall", "| pld | C:\\\\\\|x", "| pld | math \\| logic", "| pld | two lines"]

@@ -267,3 +267,43 @@ def test_a_category_with_a_pipe_or_a_line_break_keeps_the_results_table_one_row_
         assert line.replace("\\\\", "").replace("\\|", "").count("|") == 7, line  # six cells, whatever they hold
     pld = [line.split(" | 1.50 |")[0] for line in table if line.startswith("| pld |")]
     assert pld == ["| pld | overall", "| pld | C:\\\\\\|x", "| pld | math \\| logic", "| pld | two lines"]
+
+
+def test_ctrl_c_while_the_parser_is_built_is_one_line(monkeypatch, capsys):
+    """Building the parser imports torch and transformers (seconds): a Ctrl-C then is one line, status 130."""
+    import draftsmith.train.cli as cli
+
+    def interrupt():
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "build_parser", interrupt)
+    with pytest.raises(SystemExit) as info:
+        main(["data", "prepare", "x", "--out", "y"])
+    err = capsys.readouterr().err
+    assert (
+        info.value.code == 130 and err == "draftsmith: interrupted; rerun the same command to resume where supported\n"
+    )
+
+
+def test_ctrl_c_while_python_m_draftsmith_train_starts_is_one_line(monkeypatch, capsys):
+    import draftsmith.train.commands as commands
+    from draftsmith.train.__main__ import main as launch_main
+
+    def interrupt(parser):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(commands, "add_train_arguments", interrupt)
+    with pytest.raises(SystemExit) as info:
+        launch_main(["recipe.yaml"])
+    assert info.value.code == 130 and capsys.readouterr().err.startswith("draftsmith: interrupted;")
+
+
+def test_the_draftsmith_command_imports_no_torch_before_main_runs():
+    """What the entry point imports before main() (and its Ctrl-C handling) runs is light: no torch."""
+    import subprocess
+    import sys
+
+    imports = "import sys, draftsmith.train.cli, draftsmith.train.__main__"
+    code = f"{imports}; print(sorted({{'torch', 'transformers'}} & {{*sys.modules}}))"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert result.stdout.strip() == "[]"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import codecs
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -225,6 +226,30 @@ def test_an_absurd_tuned_tree_is_ignored_in_one_line(export_copy, tiny_target_di
     assert "[tune] ignoring the tree fitted for any: depth=1000: depth takes a whole number from 1 to 64" in err
 
 
+def test_an_export_config_edited_to_an_absurd_size_is_refused_before_it_is_allocated(
+    export_copy, tiny_target_dir, capsys, monkeypatch
+):
+    """The model a config.json describes is counted on the meta device against the weights its files hold:
+    an edited size is one line before anything is allocated (never an allocation of many GB)."""
+    import torch
+
+    config = json.loads((export_copy / "config.json").read_text())
+    config["layer"].update(hidden_size=100_000, intermediate_size=100_000)  # 80 GB of fc alone
+    (export_copy / "config.json").write_text(json.dumps(config))
+    write_files_manifest(export_copy)
+    real_empty = torch.empty
+
+    def small_only(*size, **kwargs):  # what nn.Linear allocates its weights with
+        shape = size[0] if len(size) == 1 and not isinstance(size[0], int) else size
+        meta = torch.get_default_device().type == "meta" or str(kwargs.get("device")) == "meta"
+        assert meta or math.prod(shape) < 10**7, f"allocating {math.prod(shape):,} numbers for an edited config"
+        return real_empty(*size, **kwargs)
+
+    monkeypatch.setattr(torch, "empty", small_only)
+    line = refused(generate_with(f"fspad={export_copy}", tiny_target_dir), capsys)
+    assert "config.json is invalid (it describes a drafter of" in line and "its weight files hold" in line
+
+
 # ---- loss options, drafter sizes, results tables and Ctrl-C ---------------------------------------------
 
 
@@ -252,6 +277,40 @@ def test_loss_options_given_as_text_become_numbers():
 
     options = check_loss_options(get_family("eagle"), {"ce_weight": "5e-2", "feature_noise": 0, "metric_steps": 2})
     assert options == {"ce_weight": 0.05, "feature_noise": 0.0, "metric_steps": 2}
+
+
+def tiny_llama_config():
+    from transformers import LlamaConfig
+
+    from conftest import TINY_LLAMA
+
+    return LlamaConfig(vocab_size=512, **TINY_LLAMA)
+
+
+def test_a_drafter_far_larger_than_its_target_is_refused_before_it_is_allocated():
+    from draftsmith.drafters.medusa import MedusaTreeError
+    from draftsmith.drafters.registry import DrafterSizeError, get_family
+
+    options = {"lora_rank": 100_000, "num_heads": 3}
+    with pytest.raises(DrafterSizeError) as info:
+        get_family("medusa2").build(tiny_llama_config(), options, target_weights=150_000)
+    message = str(info.value)
+    assert message.startswith("drafter.lora_rank=100000 would make a medusa2 drafter of ")
+    assert "more than 10 times the target's 150,000" in message and message.endswith("lower drafter.lora_rank")
+    with pytest.raises(MedusaTreeError, match="drafter.num_heads must be from 1 to 64"):  # before counting heads
+        get_family("medusa").build(tiny_llama_config(), {"num_heads": 10**7}, target_weights=150_000)
+
+
+def test_a_recipe_for_a_drafter_far_larger_than_its_target_is_one_line(tmp_path, tiny_target_dir, prepared_dir, capsys):
+    import yaml
+
+    recipe = write_recipe(tmp_path, tiny_target_dir, prepared_dir, drafter={"family": "medusa2"})
+    tree = yaml.safe_load(recipe.read_text())
+    tree["loss"] = {}
+    recipe.write_text(yaml.safe_dump(tree))
+    line = refused(["train", recipe, "drafter.lora_rank=5000"], capsys)
+    assert "drafter.lora_rank=5000 would make a medusa2 drafter of" in line and "lower drafter.lora_rank" in line
+    assert not list((tmp_path / "run").glob("checkpoint*"))
 
 
 def test_a_category_with_a_pipe_or_a_line_break_keeps_the_results_table_one_row_per_line():

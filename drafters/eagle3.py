@@ -171,6 +171,8 @@ class Eagle3Model(DrafterModel):
 
     # ---- the draft vocabulary ----------------------------------------------------------------
     def fit_vocab(self, token_ids: torch.Tensor) -> None:
+        if self.t2d.is_meta:  # a skeleton built on the meta device to count its weights holds no values
+            return
         d2t, t2d = draft_vocab_maps(token_ids, self.t2d.numel())
         self.d2t.copy_(d2t)
         self.t2d.copy_(t2d)

@@ -8,6 +8,7 @@ checkpoints, ``draftsmith export`` and the runtime's loader alike.
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import sys
 from pathlib import Path
@@ -83,14 +84,44 @@ def save_drafter_weights(model: nn.Module, directory: str | Path, state: dict[st
     save_file(tensors, str(directory / WEIGHTS_NAME), metadata={"format": "pt"})
 
 
+def weight_count(model_class: Any, config: Any) -> int:
+    """How many numbers (parameters and saved buffers) ``model_class(config)`` holds, counted on the meta
+    device: nothing is allocated, so an absurd size costs nothing to measure."""
+    with torch.device("meta"):
+        skeleton = model_class(config)
+    return sum(tensor.numel() for tensor in skeleton.state_dict().values())
+
+
+def stored_weight_count(directory: Path) -> int:
+    """How many numbers the safetensors files of a drafter directory hold, read from their headers alone."""
+    from safetensors import safe_open
+
+    total = 0
+    for path in sorted(directory.glob("*.safetensors")):
+        try:
+            with safe_open(str(path), framework="pt") as handle:
+                total += sum(math.prod(handle.get_slice(name).get_shape()) for name in handle.keys())
+        except Exception as exc:  # safetensors' own error types (and OSError) for a damaged file
+            detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise DrafterCheckpointError(f"{path} is damaged ({detail}); {rebuild_export(directory)}") from None
+    return total
+
+
 def checked_config(cls: Any, directory: str | Path) -> Any:
     """A drafter directory's config, held to the same checks as a recipe's options: its tree indices
-    (e.g. Medusa's choice paths, which index heads and their ranks) must fit before anything decodes."""
+    (e.g. Medusa's choice paths, which index heads and their ranks) must fit before anything decodes, and
+    the model it describes may hold no more numbers than the directory's weight files (an edited size,
+    e.g. ``hidden_size`` 100000, is refused before many GB are allocated for it)."""
+    stored = stored_weight_count(Path(directory))
     try:
         config = cls.config_class.from_pretrained(directory)
         config.check()
-    except (DraftsmithError, TypeError, ValueError, KeyError, AttributeError) as error:  # a hand-edited file
+        needed = weight_count(cls, config)
+    except (DraftsmithError, TypeError, ValueError, KeyError, AttributeError, RuntimeError) as error:  # hand-edited
         raise _invalid_config(directory, error) from None
+    if needed > stored:
+        detail = f"it describes a drafter of {needed:,} weights, its weight files hold {stored:,}"
+        raise _invalid_config(directory, ValueError(detail))
     return config
 
 

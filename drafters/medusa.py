@@ -33,7 +33,14 @@ from transformers import PretrainedConfig
 from draftsmith.core.drafting import DraftContext, Drafter
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.tree import DraftTree, cartesian_tree
-from draftsmith.drafters.base import DrafterConfig, DrafterModel, DraftVocabMixin, FrozenTarget, TreeOptions
+from draftsmith.drafters.base import (
+    TREE_LIMITS,
+    DrafterConfig,
+    DrafterModel,
+    DraftVocabMixin,
+    FrozenTarget,
+    TreeOptions,
+)
 from draftsmith.drafters.engine_layouts import EngineExport, EngineLayoutError, Verifier
 
 DYNAMIC = "dynamic"
@@ -199,8 +206,12 @@ class MedusaConfig(DrafterConfig):
 
     def check(self) -> None:
         super().check()
-        if self.num_heads < 1 or self.num_layers < 0 or self.draft_vocab_size < 0:
-            raise MedusaTreeError("drafter.num_heads must be >= 1, num_layers and draft_vocab_size >= 0")
+        depth = TREE_LIMITS["depth"]  # a head per draft depth, and no head deeper than a tree (1 block is Medusa's)
+        if not (1 <= self.num_heads <= depth and 0 <= self.num_layers <= depth and self.draft_vocab_size >= 0):
+            raise MedusaTreeError(
+                f"drafter.num_heads must be from 1 to {depth} (a head per draft depth), num_layers from 0 to {depth} "
+                f"and draft_vocab_size >= 0; got {self.num_heads}, {self.num_layers} and {self.draft_vocab_size}"
+            )
         paths = resolve_tree(self.tree, self.num_heads)  # a bad tree is a recipe error now, not at the first decode
         if self.draft_vocab_size > self.vocab_size:
             raise MedusaTreeError(

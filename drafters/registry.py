@@ -26,9 +26,19 @@ from draftsmith.core.errors import DraftsmithError
 from draftsmith.drafters.base import DrafterConfig, DrafterModel
 from draftsmith.drafters.eagle import EagleConfig, EagleModel
 from draftsmith.drafters.eagle3 import Eagle3Config, Eagle3Model
+from draftsmith.drafters.io import weight_count
 from draftsmith.drafters.medusa import MedusaConfig, MedusaHeads
 from draftsmith.drafters.medusa2 import Medusa2Config, Medusa2Model
 from draftsmith.drafters.streaming import StreamingConfig, StreamingModel
+
+# A drafter of more weights than this many times its target's is refused (a recipe's drafter.* options):
+# a drafter is meant to cost a fraction of the target (Medusa's four full-vocabulary heads: 0.8x SmolLM2),
+# and one of, say, lora_rank=100000 would exhaust the memory while it is being allocated.
+MAX_DRAFTER_RATIO = 10
+
+
+class DrafterSizeError(DraftsmithError, ValueError):
+    """Drafter options that make a drafter far larger than its target."""
 
 
 class UnknownFamilyError(DraftsmithError, ValueError):
@@ -92,8 +102,39 @@ class Family:
         config.drafter_family = self.name  # what the loader looks up in FAMILIES
         return config
 
-    def build(self, target_config: PretrainedConfig, options: dict[str, Any]) -> DrafterModel:
-        return self.model_class(self.build_config(target_config, options))
+    def build(
+        self, target_config: PretrainedConfig, options: dict[str, Any], target_weights: int | None = None
+    ) -> DrafterModel:
+        """The drafter for ``target_config`` with the recipe's ``options``; given the target's own number of
+        weights, a drafter of more than :data:`MAX_DRAFTER_RATIO` times as many is refused before anything
+        is allocated, naming the options that make it so (``drafter.lora_rank=100000``)."""
+        config = self.build_config(target_config, options)
+        if target_weights is not None:
+            self._check_size(target_config, options, config, target_weights)
+        return self.model_class(config)
+
+    def _check_size(
+        self, target_config: PretrainedConfig, options: dict[str, Any], config: DrafterConfig, target_weights: int
+    ) -> None:
+        weights = weight_count(self.model_class, config)
+        if weights <= MAX_DRAFTER_RATIO * target_weights:
+            return
+        culprits = [key for key in options if self._weights_without(target_config, options, key) < weights]
+        named = culprits or list(options)
+        given = ", ".join(f"drafter.{key}={options[key]!r}" for key in named) or "the default options"
+        fix = f"lower {', '.join(f'drafter.{key}' for key in named)}" if named else "choose a smaller family"
+        raise DrafterSizeError(
+            f"{given} would make a {self.name} drafter of {weights:,} weights, more than {MAX_DRAFTER_RATIO} times "
+            f"the target's {target_weights:,} (a drafter is meant to be far smaller than its target); {fix}"
+        )
+
+    def _weights_without(self, target_config: PretrainedConfig, options: dict[str, Any], key: str) -> int:
+        """The drafter's weights with option ``key`` at its default (-1 when that cannot be built)."""
+        try:
+            config = self.build_config(target_config, {k: v for k, v in options.items() if k != key})
+        except DraftsmithError:
+            return -1
+        return weight_count(self.model_class, config)
 
 
 FAMILIES: dict[str, Family] = {

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import codecs
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -223,3 +224,145 @@ def test_an_absurd_tuned_tree_is_ignored_in_one_line(export_copy, tiny_target_di
     main([str(a) for a in generate_with(f"fspad={export_copy}", tiny_target_dir)])
     err = capsys.readouterr().err
     assert "[tune] ignoring the tree fitted for any: depth=1000: depth takes a whole number from 1 to 64" in err
+
+
+def test_an_export_config_edited_to_an_absurd_size_is_refused_before_it_is_allocated(
+    export_copy, tiny_target_dir, capsys, monkeypatch
+):
+    """The model a config.json describes is counted on the meta device against the weights its files hold:
+    an edited size is one line before anything is allocated (never an allocation of many GB)."""
+    import torch
+
+    config = json.loads((export_copy / "config.json").read_text())
+    config["layer"].update(hidden_size=100_000, intermediate_size=100_000)  # 80 GB of fc alone
+    (export_copy / "config.json").write_text(json.dumps(config))
+    write_files_manifest(export_copy)
+    real_empty = torch.empty
+
+    def small_only(*size, **kwargs):  # what nn.Linear allocates its weights with
+        shape = size[0] if len(size) == 1 and not isinstance(size[0], int) else size
+        meta = torch.get_default_device().type == "meta" or str(kwargs.get("device")) == "meta"
+        assert meta or math.prod(shape) < 10**7, f"allocating {math.prod(shape):,} numbers for an edited config"
+        return real_empty(*size, **kwargs)
+
+    monkeypatch.setattr(torch, "empty", small_only)
+    line = refused(generate_with(f"fspad={export_copy}", tiny_target_dir), capsys)
+    assert "config.json is invalid (it describes a drafter of" in line and "its weight files hold" in line
+
+
+# ---- loss options, drafter sizes, results tables and Ctrl-C ---------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("loss.ce_weight=nan", "loss.ce_weight must be a finite number >= 0, got 'nan'"),
+        ("loss.ce_weight=.inf", "loss.ce_weight must be a finite number >= 0, got inf"),
+        ("loss.feature_noise=-0.5", "loss.feature_noise must be a finite number >= 0, got -0.5"),
+        ("loss.ce_weight=heavy", "loss.ce_weight must be a finite number >= 0, got 'heavy'"),
+        ("loss.metric_steps=1.5", "loss.metric_steps must be a whole number >= 0, got 1.5"),
+    ],
+)
+def test_a_loss_option_that_is_no_sane_number_is_refused_before_training(
+    tmp_path, no_model_loads, capsys, override, message
+):
+    recipe = write_recipe(tmp_path, tmp_path / "target", tmp_path / "prepared")
+    assert message in refused(["train", recipe, override], capsys)
+    assert not (tmp_path / "run").exists()
+
+
+def test_loss_options_given_as_text_become_numbers():
+    from draftsmith.drafters.registry import get_family
+    from draftsmith.train.losses import check_loss_options
+
+    options = check_loss_options(get_family("eagle"), {"ce_weight": "5e-2", "feature_noise": 0, "metric_steps": 2})
+    assert options == {"ce_weight": 0.05, "feature_noise": 0.0, "metric_steps": 2}
+
+
+def tiny_llama_config():
+    from transformers import LlamaConfig
+
+    from conftest import TINY_LLAMA
+
+    return LlamaConfig(vocab_size=512, **TINY_LLAMA)
+
+
+def test_a_drafter_far_larger_than_its_target_is_refused_before_it_is_allocated():
+    from draftsmith.drafters.medusa import MedusaTreeError
+    from draftsmith.drafters.registry import DrafterSizeError, get_family
+
+    options = {"lora_rank": 100_000, "num_heads": 3}
+    with pytest.raises(DrafterSizeError) as info:
+        get_family("medusa2").build(tiny_llama_config(), options, target_weights=150_000)
+    message = str(info.value)
+    assert message.startswith("drafter.lora_rank=100000 would make a medusa2 drafter of ")
+    assert "more than 10 times the target's 150,000" in message and message.endswith("lower drafter.lora_rank")
+    with pytest.raises(MedusaTreeError, match="drafter.num_heads must be from 1 to 64"):  # before counting heads
+        get_family("medusa").build(tiny_llama_config(), {"num_heads": 10**7}, target_weights=150_000)
+
+
+def test_a_recipe_for_a_drafter_far_larger_than_its_target_is_one_line(tmp_path, tiny_target_dir, prepared_dir, capsys):
+    import yaml
+
+    recipe = write_recipe(tmp_path, tiny_target_dir, prepared_dir, drafter={"family": "medusa2"})
+    tree = yaml.safe_load(recipe.read_text())
+    tree["loss"] = {}
+    recipe.write_text(yaml.safe_dump(tree))
+    line = refused(["train", recipe, "drafter.lora_rank=5000"], capsys)
+    assert "drafter.lora_rank=5000 would make a medusa2 drafter of" in line and "lower drafter.lora_rank" in line
+    assert not list((tmp_path / "run").glob("checkpoint*"))
+
+
+def test_a_category_with_a_pipe_or_a_line_break_keeps_the_results_table_one_row_per_line():
+    from draftsmith.inference.measure.bench import BASELINE
+    from draftsmith.inference.measure.bench_report import markdown_table
+
+    row = {"tau": 1.5, "speedup": 1.2, "tokens_per_s": 10.0, "identical": 1, "total": 1}
+    scopes = {"overall": row, "math | logic": row, "two\nlines": row, "C:\\|x": row}
+    results = {"max_new_tokens": 8, "threads": 1, "methods": {BASELINE: scopes, "pld": scopes}}
+    table = [line for line in markdown_table(results).splitlines() if line.startswith("|")]
+    assert len(table) == 2 + 2 * 4  # header, rule, then one line per method and scope
+    for line in table:
+        assert line.replace("\\\\", "").replace("\\|", "").count("|") == 7, line  # six cells, whatever they hold
+    pld = [line.split(" | 1.50 |")[0] for line in table if line.startswith("| pld |")]
+    assert pld == ["| pld | overall", "| pld | C:\\\\\\|x", "| pld | math \\| logic", "| pld | two lines"]
+
+
+def test_ctrl_c_while_the_parser_is_built_is_one_line(monkeypatch, capsys):
+    """Building the parser imports torch and transformers (seconds): a Ctrl-C then is one line, status 130."""
+    import draftsmith.train.cli as cli
+
+    def interrupt():
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "build_parser", interrupt)
+    with pytest.raises(SystemExit) as info:
+        main(["data", "prepare", "x", "--out", "y"])
+    err = capsys.readouterr().err
+    assert (
+        info.value.code == 130 and err == "draftsmith: interrupted; rerun the same command to resume where supported\n"
+    )
+
+
+def test_ctrl_c_while_python_m_draftsmith_train_starts_is_one_line(monkeypatch, capsys):
+    import draftsmith.train.commands as commands
+    from draftsmith.train.__main__ import main as launch_main
+
+    def interrupt(parser):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(commands, "add_train_arguments", interrupt)
+    with pytest.raises(SystemExit) as info:
+        launch_main(["recipe.yaml"])
+    assert info.value.code == 130 and capsys.readouterr().err.startswith("draftsmith: interrupted;")
+
+
+def test_the_draftsmith_command_imports_no_torch_before_main_runs():
+    """What the entry point imports before main() (and its Ctrl-C handling) runs is light: no torch."""
+    import subprocess
+    import sys
+
+    imports = "import sys, draftsmith.train.cli, draftsmith.train.__main__"
+    code = f"{imports}; print(sorted({{'torch', 'transformers'}} & {{*sys.modules}}))"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert result.stdout.strip() == "[]"

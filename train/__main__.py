@@ -6,16 +6,20 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from draftsmith.train.cli import run_command
-from draftsmith.train.commands import add_train_arguments, cmd_train
+from draftsmith.train.cli import interrupted, run_command
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        prog="accelerate launch -m draftsmith.train", description="Train a drafter from a YAML recipe."
-    )
-    add_train_arguments(parser)
-    args = parser.parse_args(argv)
+    try:  # Ctrl-C while torch and transformers import: one line, as for `draftsmith`
+        from draftsmith.train.commands import add_train_arguments, cmd_train
+
+        parser = argparse.ArgumentParser(
+            prog="accelerate launch -m draftsmith.train", description="Train a drafter from a YAML recipe."
+        )
+        add_train_arguments(parser)
+        args = parser.parse_args(argv)
+    except KeyboardInterrupt:
+        interrupted()
     args.func = cmd_train
     run_command(args)
 

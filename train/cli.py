@@ -12,12 +12,9 @@ from typing import NoReturn
 
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.io import disk_failure
-from draftsmith.data.cli import add_data_commands
-from draftsmith.inference.cli import add_inference_commands
-from draftsmith.train.commands import add_train_commands
-from draftsmith.train.medusa_cli import add_medusa_commands
-from draftsmith.train.quickstart import add_quickstart_command
-from draftsmith.train.recipe import recipe_cache_layers
+
+# This module imports nothing heavy: torch and transformers load while the parser is built, inside
+# main()'s handling of Ctrl-C, so an interrupt in a command's first seconds is one line too.
 
 # A user's mistake: printed as one line, never as a traceback. Every draftsmith error derives from
 # DraftsmithError, so a new family's errors need no entry here.
@@ -39,6 +36,13 @@ class OneLineErrorParser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from draftsmith.data.cli import add_data_commands
+    from draftsmith.inference.cli import add_inference_commands
+    from draftsmith.train.commands import add_train_commands
+    from draftsmith.train.medusa_cli import add_medusa_commands
+    from draftsmith.train.quickstart import add_quickstart_command
+    from draftsmith.train.recipe import recipe_cache_layers
+
     parser = OneLineErrorParser(
         prog="draftsmith",
         description="Train speculative-decoding drafters for a target LLM and decode losslessly with them.",
@@ -53,10 +57,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
-    args.command_line = "draftsmith " + shlex.join(argv)  # what a run's records say made them
+    try:  # Ctrl-C while torch and transformers import (building the parser) or while parsing: one line
+        argv = list(sys.argv[1:] if argv is None else argv)
+        args = build_parser().parse_args(argv)
+        args.command_line = "draftsmith " + shlex.join(argv)  # what a run's records say made them
+    except KeyboardInterrupt:
+        interrupted()
     run_command(args)
+
+
+def interrupted() -> NoReturn:
+    """Ctrl-C, at any moment of a command: one line and exit status 130 (128 + SIGINT), no traceback."""
+    print("draftsmith: interrupted; rerun the same command to resume where supported", file=sys.stderr)
+    raise SystemExit(130) from None
 
 
 def run_command(args: argparse.Namespace) -> None:
@@ -77,8 +90,7 @@ def run_command(args: argparse.Namespace) -> None:
         )
         raise SystemExit(2) from None
     except KeyboardInterrupt:
-        print("draftsmith: interrupted; rerun the same command to resume where supported", file=sys.stderr)
-        raise SystemExit(130) from None
+        interrupted()
 
 
 def _exclusive_output(args: argparse.Namespace) -> AbstractContextManager[None]:

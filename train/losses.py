@@ -6,6 +6,7 @@ The options are the recipe's ``loss`` section; their defaults are the published 
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -557,5 +558,36 @@ def loss_option_names(family: Family) -> list[str]:
     return list(inspect.signature(family_loss(family)).parameters)[3:]
 
 
-def check_loss_options(family: Family, options: dict[str, Any]) -> None:
+def check_loss_options(family: Family, options: dict[str, Any]) -> dict[str, Any]:
+    """The recipe's ``loss`` section checked against the family's loss function: known keys, and each value
+    of its default's kind (a weight, rate or noise a finite number >= 0; a count a whole number >= 0; a
+    switch true or false), since nan passes every ``<=`` test and would train on a nan loss. Returns the
+    values as numbers (YAML 1.1 reads ``5e-5`` as text)."""
     check_keys("loss", options, loss_option_names(family))
+    parameters = list(inspect.signature(family_loss(family)).parameters.values())[3:]
+    defaults = {parameter.name: parameter.default for parameter in parameters}
+    return {key: _loss_value(f"loss.{key}", value, defaults[key]) for key, value in options.items()}
+
+
+def _loss_value(key: str, value: Any, default: Any) -> Any:
+    if isinstance(default, bool):
+        if not isinstance(value, bool):
+            raise RecipeError(f"{key} must be true or false, got {value!r}")
+        return value
+    if isinstance(default, int):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise RecipeError(f"{key} must be a whole number >= 0, got {value!r}")
+        return value
+    if not isinstance(default, float):
+        return value
+    number = None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        number = float(value)
+    elif isinstance(value, str):
+        try:
+            number = float(value)
+        except ValueError:
+            pass
+    if number is None or not math.isfinite(number) or number < 0:
+        raise RecipeError(f"{key} must be a finite number >= 0, got {value!r}")
+    return number

@@ -138,7 +138,7 @@ def validate(recipe: TrainRecipe) -> None:
         raise RecipeError(f"unknown drafter family {recipe.family_name!r}; available: {', '.join(FAMILIES)}")
     family = FAMILIES[recipe.family_name]
     check_keys("drafter", recipe.drafter_options, family.option_names())
-    check_loss_options(family, recipe.loss)
+    recipe.loss = check_loss_options(family, recipe.loss)  # nan, inf or -1 as a weight: one line
     if not recipe.data.prepared:
         raise RecipeError(
             "recipe key 'data.prepared' is required: a directory made by "

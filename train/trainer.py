@@ -359,7 +359,8 @@ class Trainer:
 
         train = self.recipe.train
         set_seed(train.seed)  # the same initial weights on every rank
-        model = self.family.build(self.target.model.config, self.recipe.drafter_options)
+        target_weights = sum(p.numel() for p in self.target.model.parameters())  # an absurd size: one line, first
+        model = self.family.build(self.target.model.config, self.recipe.drafter_options, target_weights)
         model.fit_data(self.data.token_counts(int(self.target.model.config.vocab_size)))  # e.g. a draft vocabulary
         model.init_from_target(self.frozen)  # after fit_data: Medusa heads copy lm_head's draft-vocabulary rows
         if train.init_from:  # a finished run's weights (a resumed run's checkpoint still overrides them)

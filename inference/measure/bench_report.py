@@ -25,10 +25,8 @@ def markdown_table(results: dict[str, Any]) -> str:
         for scope in scopes:
             s = by_scope.get(scope)
             if s:
-                lines.append(
-                    f"| {name} | {scope} | {s['tau']:.2f} | {s['speedup']:.2f}x | {s['tokens_per_s']:.1f} | "
-                    f"{s['identical']}/{s['total']} |"
-                )
+                cells = [name, scope, f"{s['tau']:.2f}", f"{s['speedup']:.2f}x", f"{s['tokens_per_s']:.1f}"]
+                lines.append("| " + " | ".join(map(table_cell, cells)) + f" | {s['identical']}/{s['total']} |")
     lines += _label_lines(results)
     failed = {name: info["error"] for name, info in results.get("vllm", {}).items() if "error" in info}
     lines += [f"{name} did not run: {error}" for name, error in failed.items()]
@@ -41,6 +39,12 @@ def markdown_table(results: dict[str, Any]) -> str:
             if "engine_acceptance_length" in s
         ]
     return "\n".join(lines) + "\n"
+
+
+def table_cell(text: str) -> str:
+    """``text`` as one markdown table cell: a ``|`` would split it into two cells and a line break end the
+    row, so a question's category (or a method name) holding either would break the table."""
+    return " ".join(str(text).replace("\\", "\\\\").replace("|", "\\|").splitlines())
 
 
 def _forward_note(results: dict[str, Any]) -> str:

@@ -28,6 +28,7 @@ from draftsmith.drafters.eagle import EagleConfig, EagleModel
 from draftsmith.drafters.eagle3 import Eagle3Config, Eagle3Model
 from draftsmith.drafters.medusa import MedusaConfig, MedusaHeads
 from draftsmith.drafters.medusa2 import Medusa2Config, Medusa2Model
+from draftsmith.drafters.peagle import PEagleConfig, PEagleModel
 from draftsmith.drafters.streaming import StreamingConfig, StreamingModel
 
 
@@ -115,6 +116,8 @@ FAMILIES: dict[str, Family] = {
         defaults={"feature_sampler": True, "partial_alignment": True},
         tree_search=TreeSearch.GROWTH,
     ),
+    # P-EAGLE drafts every depth from one forward: its tree is a Cartesian one over the depths' top-k.
+    "peagle": Family("peagle", PEagleConfig, PEagleModel, "peagle_loss"),
     "medusa": Family(
         "medusa", MedusaConfig, MedusaHeads, "medusa_loss", tree_search=TreeSearch.HEADS, calibrated_tree=True
     ),

@@ -194,6 +194,14 @@ def causal_mask(length: int, dtype: torch.dtype, device: torch.device | str, pad
     return mask.masked_fill(~allowed, torch.finfo(dtype).min)
 
 
+def causal_mask_after(past: int, length: int, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """``(1, 1, length, past + length)`` additive mask of ``length`` new rows appended to ``past`` cached
+    positions: every row sees the whole cache and the new rows up to itself."""
+    mask = torch.zeros(1, 1, length, past + length, dtype=dtype, device=device)
+    mask[..., past:] = causal_mask(length, dtype, device)
+    return mask
+
+
 def candidate_depths(parents: Sequence[int]) -> list[int]:
     """Depth of each candidate (children of the root: 1), parents listed before their children."""
     depth: list[int] = []

@@ -27,7 +27,7 @@ from draftsmith.core.cache import cache_length, keep_positions
 from draftsmith.core.cache_kwarg import cache_kwargs
 from draftsmith.core.drafting import DraftContext, Drafter
 from draftsmith.core.errors import DraftsmithError
-from draftsmith.core.tree import DraftTree, TreeGrowth, causal_mask, grow_tree
+from draftsmith.core.tree import DraftTree, TreeGrowth, causal_mask, causal_mask_after, grow_tree
 from draftsmith.drafters.base import DrafterConfig, DrafterModel, DraftVocabMixin, FrozenTarget, TreeOptions
 from draftsmith.drafters.engine_layouts import EngineExport, EngineLayoutError, Verifier, llama_layer_config
 from draftsmith.drafters.vocab import DraftHead
@@ -313,8 +313,7 @@ class EagleTreeDrafter(Drafter):
         ids = torch.tensor(tokens[start + 1 : end + 1], device=device)
         embeds = self.embed_tokens(ids)[None].to(features.dtype)
         positions = torch.arange(start, end, device=device)[None]
-        mask = torch.zeros(1, 1, end - start, end, dtype=features.dtype, device=device)
-        mask[..., start:] = causal_mask(end - start, features.dtype, device)
+        mask = causal_mask_after(start, end - start, features.dtype, device)
         out = self.model.read_target(embeds, features[start:end][None], positions, mask, self._cache)
         self._fed = list(tokens)
         self._root_token_features = out.token_features[0, -1]

@@ -202,6 +202,20 @@ class Eagle3Model(DrafterModel):
         """A step whose hidden is the target's (len(aux_layer_ids) x h) concatenated layer states."""
         return self(*args, from_target=True, **kwargs)
 
+    # Step i of the training-time test reads step i-1's output, so a step's MLP runs wherever a later
+    # step has a label (see ``draftsmith.train.losses.read_rows``).
+    feeds_back = True
+
+    def ttt_step_inputs(
+        self, step: int, token_embeds: torch.Tensor, target_states: torch.Tensor, fed_back: torch.Tensor
+    ) -> dict[str, Any]:
+        """The keywords of training-time-test step ``step``'s forward besides positions, mask and cache:
+        the embeddings of the tokens it reads and the previous step's fed-back hidden (step 0: the
+        target's layer states)."""
+        if step == 0:
+            return {"embeds": token_embeds, "hidden": target_states, "from_target": True}
+        return {"embeds": token_embeds, "hidden": fed_back, "from_target": False}
+
     def fuse(self, layer_states: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
         fused = self.fc(layer_states)
         return fused if self.feature_sampler is None else self.feature_sampler(fused, embeds)

@@ -29,6 +29,7 @@ from draftsmith.drafters.eagle3 import Eagle3Config, Eagle3Model
 from draftsmith.drafters.io import weight_count
 from draftsmith.drafters.medusa import MedusaConfig, MedusaHeads
 from draftsmith.drafters.medusa2 import Medusa2Config, Medusa2Model
+from draftsmith.drafters.peagle import PEagleConfig, PEagleModel
 from draftsmith.drafters.streaming import StreamingConfig, StreamingModel
 
 # A drafter of more weights than this many times its target's is refused (a recipe's drafter.* options):
@@ -156,6 +157,8 @@ FAMILIES: dict[str, Family] = {
         defaults={"feature_sampler": True, "partial_alignment": True},
         tree_search=TreeSearch.GROWTH,
     ),
+    # P-EAGLE drafts every depth from one forward: its tree is a Cartesian one over the depths' top-k.
+    "peagle": Family("peagle", PEagleConfig, PEagleModel, "peagle_loss"),
     "medusa": Family(
         "medusa", MedusaConfig, MedusaHeads, "medusa_loss", tree_search=TreeSearch.HEADS, calibrated_tree=True
     ),

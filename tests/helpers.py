@@ -101,6 +101,33 @@ def self_distilled_batch(target, vocab: int, n: int = 16, new_tokens: int = 40, 
     return TrainBatch(ids, attention.float(), attention, features)
 
 
+def fused_batch(target, vocab: int, layers: Sequence[int], **kwargs) -> TrainBatch:
+    """A self-distilled batch carrying the target states ``layers`` (what the trainer hands EAGLE-3's loss)."""
+    from draftsmith.train.loader import online_features
+
+    batch = self_distilled_batch(target, vocab, **kwargs)
+    batch.hidden_states, batch.drafter_states = online_features(target, batch, tuple(layers))
+    return batch
+
+
+def train_from_target(family_name: str, target, batch: TrainBatch, steps: int, **options):
+    """A drafter set up as the trainer sets it up (seeded; draft vocabulary from ``batch``, weights from the
+    target) and fitted for ``steps`` full-batch steps of its family's loss: (the model in eval mode, losses)."""
+    from draftsmith.drafters.base import FrozenTarget
+    from draftsmith.drafters.registry import get_family
+    from draftsmith.train.losses import family_loss
+
+    torch.manual_seed(0)
+    family = get_family(family_name)
+    model = family.build(target.config, options)
+    vocab = target.config.vocab_size
+    model.fit_data(torch.bincount(batch.input_ids[batch.attention_mask.bool()], minlength=vocab))
+    frozen = FrozenTarget.from_model(target)
+    model.init_from_target(frozen)
+    losses = fit(model, lambda m: family_loss(family)(m, batch, frozen), steps)
+    return model.eval(), losses
+
+
 def sampled_twice(target, drafter, prompt: list[int], max_new_tokens: int = 24) -> list[list[int]]:
     """Two sampled generations with the same seed: a drafter must not add randomness of its own."""
     from draftsmith.inference.runtime import generate
@@ -200,6 +227,7 @@ TINY_DRAFTER = {
     "fspad": WHOLE_VOCABULARY,
     "eagle3": WHOLE_VOCABULARY,
     "fspad3": WHOLE_VOCABULARY,
+    "peagle": WHOLE_VOCABULARY,
     "medusa": WHOLE_VOCABULARY,
     "medusa2": WHOLE_VOCABULARY,
     "streaming": ["drafter.num_stream_layers=1"],

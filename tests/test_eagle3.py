@@ -13,9 +13,9 @@ from draftsmith.drafters.io import export_drafter
 from draftsmith.drafters.registry import get_family
 from draftsmith.drafters.vocab import draft_vocab_maps
 from draftsmith.inference.runtime import generate
-from draftsmith.train.loader import online_features
 from draftsmith.train.losses import family_loss, read_rows, ttt_mask, ttt_unroll
-from helpers import fit, hf_greedy, self_distilled_batch, serve
+from helpers import fused_batch as _fused_batch
+from helpers import hf_greedy, serve, train_from_target
 from helpers import random_prompts as _random_prompts
 
 VOCAB = 97
@@ -33,21 +33,11 @@ def target():
 
 
 def fused_batch(target, layers, **kwargs):
-    """A self-distilled batch carrying the target states ``layers`` (what the trainer hands the loss)."""
-    batch = self_distilled_batch(target, VOCAB, **kwargs)
-    batch.hidden_states, batch.drafter_states = online_features(target, batch, tuple(layers))
-    return batch
+    return _fused_batch(target, VOCAB, layers, **kwargs)
 
 
 def train(family_name, target, batch, steps, **options):
-    torch.manual_seed(0)
-    family = get_family(family_name)
-    model = family.build(target.config, {"aux_layer_ids": LAYERS, **options})
-    model.fit_data(torch.bincount(batch.input_ids[batch.attention_mask.bool()], minlength=VOCAB))
-    frozen = FrozenTarget.from_model(target)
-    model.init_from_target(frozen)
-    losses = fit(model, lambda m: family_loss(family)(m, batch, frozen), steps)
-    return model.eval(), losses
+    return train_from_target(family_name, target, batch, steps, aux_layer_ids=LAYERS, **options)
 
 
 @pytest.fixture(scope="module")

@@ -141,9 +141,8 @@ def eagle3_loss(model, batch: TrainBatch, frozen: FrozenTarget, decay: float = 0
     drafted = needed & core.t2d[teacher.argmax]  # (B, T): the target's argmax at f_s is in the draft vocabulary
     total, metrics, accuracies = 0.0, {}, []
     labels = [_shift_left(supervised, 2 + step) for step in range(core.config.ttt_steps)]  # x_{t+2+i} supervised
-    steps = ttt_unroll(
-        model, frozen, batch.input_ids, batch.attention_mask, batch.drafter_states.float(), read=read_rows(labels)
-    )
+    read = read_rows(labels) if core.feeds_back else labels
+    steps = ttt_unroll(model, frozen, batch.input_ids, batch.attention_mask, batch.drafter_states.float(), read=read)
     for step, out in enumerate(steps):
         labelled = labels[step]
         # the head only where a label is: its logits over the draft vocabulary are the step's largest tensor
@@ -162,6 +161,16 @@ def eagle3_loss(model, batch: TrainBatch, frozen: FrozenTarget, decay: float = 0
     return LossOutput(total, metrics)
 
 
+def peagle_loss(model, batch: TrainBatch, frozen: FrozenTarget, decay: float = 1.0, teacher_chunk_rows: int = 1024):
+    """P-EAGLE: :func:`eagle3_loss` over ``drafter.ttt_steps`` depths, the depths after the first reading
+    the drafter's placeholders (``PEagleModel.ttt_step_inputs``) rather than the previous depth's token
+    and hidden: depth i at position t, rotary position t + i, predicts ``x_{t+2+i}``, supervised by the
+    target's distribution over the draft vocabulary where that token is an assistant token. The depths
+    weigh alike by default (``decay`` 1, as the paper's per-depth mean); the metrics are EAGLE-3's, and
+    ``sim/accept_length`` is the top-1 chain's length, what one forward per round drafts."""
+    return eagle3_loss(model, batch, frozen, decay=decay, teacher_chunk_rows=teacher_chunk_rows)
+
+
 def ttt_unroll(
     model,
     frozen: FrozenTarget,
@@ -171,20 +180,22 @@ def ttt_unroll(
     read: list[torch.Tensor] | None = None,
 ):
     """The training-time test's steps, each a ``DrafterOutput`` over all positions (see :func:`eagle3_loss`):
-    step 0 reads the target ``states`` (B, T, layers x h), step i the hidden step i-1 fed back, and
-    ``x_{t+1+i}`` at rotary position t + i; their keys accumulate in one KV cache, masked by :func:`ttt_mask`.
-    ``read[i]`` (B, T) bool: the positions of step i whose outputs are read (:func:`read_rows`); the
-    MLP runs there only. None: everywhere."""
+    step 0 reads the target ``states`` (B, T, layers x h), step i what the drafter's
+    ``ttt_step_inputs`` names (EAGLE-3: the hidden step i-1 fed back and ``x_{t+1+i}``; P-EAGLE: its
+    placeholders), at rotary position t + i; their keys accumulate in one KV cache, masked by
+    :func:`ttt_mask`. ``read[i]`` (B, T) bool: the positions of step i whose outputs are read
+    (:func:`read_rows`); the MLP runs there only. None: everywhere."""
     core = getattr(model, "module", model)
     width = input_ids.shape[1]
     key_padding = _shift_left(attention_mask, 1)  # position s reads x_{s+1}: real when x_{s+1} is
     cache, hidden = DynamicCache(), states
     for step in range(core.config.ttt_steps):
-        embeds = frozen.embed_tokens(_shift_left(input_ids, 1 + step)).to(states.dtype)
+        tokens = frozen.embed_tokens(_shift_left(input_ids, 1 + step)).to(states.dtype)
         positions = (torch.arange(width, device=input_ids.device) + step)[None].expand(input_ids.shape[0], -1)
         mask = ttt_mask(key_padding, step, states.dtype)
         rows = None if read is None else read[step]
-        out = model(embeds, hidden, positions, mask, cache, from_target=step == 0, rows=rows)  # through DDP's forward
+        inputs = core.ttt_step_inputs(step, tokens, states, hidden)
+        out = model(position_ids=positions, attention_mask=mask, cache=cache, rows=rows, **inputs)  # through DDP
         hidden = out.next_features
         yield out
 

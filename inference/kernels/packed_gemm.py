@@ -107,6 +107,16 @@ def _owned_by(linear: nn.Module, gemm: PackedGemm) -> bool:
     return isinstance(linear, PackedLinear) and linear._owner is gemm
 
 
+def _same_columns(stacked: torch.Tensor, packs: tuple[torch.Tensor, ...], width: int) -> bool:
+    """Whether the stacked pack's product is bitwise the separate packs' products side by side."""
+    rows = torch.randn(5, width, generator=torch.Generator().manual_seed(0))
+
+    def product(pack: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(rows, pack, None, "none", [], "")
+
+    return torch.equal(product(stacked), torch.cat([product(pack) for pack in packs], 1))
+
+
 def active_pack(linear: nn.Module, rows: int) -> torch.Tensor | None:
     """The pack ``linear`` multiplies a ``rows``-row input through now (None: the default kernel)."""
     return linear.active_pack(rows) if isinstance(linear, PackedLinear) else None
@@ -197,24 +207,20 @@ class PackedGemm:
         made = self._fused.get(key)
         if made is not None and all(a is b for a, b in zip(made[0], packs, strict=True)):
             return made[1]
-        if not self._fusion_keeps_columns(linears, packs):
+        if self._fusion_exact is False:
             return None
         stacked = torch.cat([linear.weight.detach() for linear in linears])
         if stacked.numel() * stacked.element_size() > MEMORY_SHARE * _available_bytes():
             return None
         start = time.perf_counter()
-        self._fused[key] = (packs, torch.ops.mkldnn._reorder_linear_weight(stacked))
+        fused = torch.ops.mkldnn._reorder_linear_weight(stacked)
         self.pack_seconds += time.perf_counter() - start
-        return self._fused[key][1]
-
-    def _fusion_keeps_columns(self, linears: tuple[nn.Module, ...], packs: tuple[torch.Tensor, ...]) -> bool:
-        if self._fusion_exact is None:
-            rows = torch.randn(5, linears[0].in_features, generator=torch.Generator().manual_seed(0))
-            stacked = torch.ops.mkldnn._reorder_linear_weight(torch.cat([linear.weight.detach() for linear in linears]))
-            together = torch.ops.mkldnn._linear_pointwise(rows, stacked, None, "none", [], "")
-            alone = torch.cat([torch.ops.mkldnn._linear_pointwise(rows, p, None, "none", [], "") for p in packs], 1)
-            self._fusion_exact = torch.equal(together, alone)
-        return self._fusion_exact
+        if self._fusion_exact is None:  # checked once, on the first stacked pack
+            self._fusion_exact = _same_columns(fused, packs, stacked.shape[1])
+            if not self._fusion_exact:
+                return None
+        self._fused[key] = (packs, fused)
+        return fused
 
     def _drop_stale_packs(self) -> None:
         """A pack is a copy: after a weight is replaced or changed in place (an optimizer step,

@@ -51,7 +51,7 @@ def _trained(method: str) -> Callable[..., Drafter]:
 
 def _bundled(method: str, target) -> Path:
     families = {family.name for family in families_served_by(method)}
-    directory = bundled_drafter(families, getattr(target, "identity", None))
+    directory = bundled_drafter(families, target.identity)
     if directory is None:
         shipped = ", ".join(bundled_names()) or "none"
         raise MethodError(

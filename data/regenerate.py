@@ -209,12 +209,21 @@ def _read_done_ids(out: Path) -> set[str]:
     return done
 
 
+def _resume_view(key: str, recorded: Any) -> Any:
+    """What a resumed run must share with the output's .meta.json. A greedy run's batch size only groups
+    the prompts into calls (the GPU shards at 256 go on at 32 on a CPU); a sampled run's decides which
+    random numbers each answer draws, so it stays."""
+    if key != "settings" or not isinstance(recorded, dict) or recorded.get("temperature", 0.0) > 0.0:
+        return recorded
+    return {name: value for name, value in recorded.items() if name != "batch_size"}
+
+
 def _check_meta(out: Path, meta: dict[str, Any], resuming: bool) -> None:
     path = meta_path(out)
     if resuming and path.is_file():
         old = json.loads(path.read_text())
         for key in ("target", "settings"):
-            if old.get(key) != meta[key]:
+            if _resume_view(key, old.get(key)) != _resume_view(key, meta[key]):
                 raise RegenerateError(
                     f"{out} was regenerated with another {key} ({path}); "
                     "use the same options to resume, or choose another --out"

@@ -1,6 +1,7 @@
 """Regeneration: turn-by-turn conditioning, resume after an interruption, and refusals."""
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -145,6 +146,17 @@ def test_resume_with_other_settings_or_target_is_refused(tmp_path, source, tiny_
         regenerate(str(source), out, tiny_target, RegenerateSettings(max_new_tokens=9, batch_size=1))
     with pytest.raises(RegenerateError, match="another target"):
         regenerate(str(source), out, load_target(str(other_target_dir)), SETTINGS)
+
+
+def test_greedy_resume_takes_another_batch_size_and_sampled_resume_does_not(tmp_path, source, tiny_target):
+    greedy = tmp_path / "greedy.jsonl"
+    regenerate(str(source), greedy, tiny_target, SETTINGS, limit=1)
+    regenerate(str(source), greedy, tiny_target, replace(SETTINGS, batch_size=4))
+    assert read_out(greedy) == read_out(regenerate_whole(tmp_path, source, tiny_target))
+    sampled = RegenerateSettings(max_new_tokens=6, batch_size=1, temperature=1.0, seed=3)
+    regenerate(str(source), tmp_path / "sampled.jsonl", tiny_target, sampled, limit=1)
+    with pytest.raises(RegenerateError, match="another settings"):
+        regenerate(str(source), tmp_path / "sampled.jsonl", tiny_target, replace(sampled, batch_size=4))
 
 
 def test_output_that_is_not_ours_is_refused(tmp_path, source, tiny_target):

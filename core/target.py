@@ -430,6 +430,8 @@ def check_device(device: str) -> None:
         kind = torch.device(device).type
     except RuntimeError:
         raise TargetError(f"unknown device {device!r}; use cpu, cuda or cuda:N") from None
+    if kind not in ("cpu", "cuda"):  # meta, mps, xpu ...: weights without values, or kernels never tested
+        raise TargetError(f"draftsmith runs on cpu or cuda, not {device!r}; use cpu, cuda or cuda:N")
     if kind == "cuda" and not torch.cuda.is_available():
         raise TargetError(f"device {device!r}: torch {torch.__version__} sees no CUDA GPU here; use --device cpu")
 

@@ -21,7 +21,10 @@ def context_limit(model: Any) -> int | None:
 
 
 def check_fits_context(model: Any, prompt_tokens: int, max_new_tokens: int, what: str = "the prompt") -> None:
-    """Refuse ``what`` when its ``prompt_tokens`` plus ``max_new_tokens`` exceed the model's context."""
+    """Refuse ``what`` when it has no token (decoding continues from the last one) or when its
+    ``prompt_tokens`` plus ``max_new_tokens`` exceed the model's context."""
+    if prompt_tokens == 0:
+        raise ContextLengthError(f"{what} is empty, so there is no token to continue from; give some text")
     limit = context_limit(model)
     if limit is None or prompt_tokens + max_new_tokens <= limit:
         return

@@ -128,6 +128,11 @@ def test_a_prompt_that_is_not_utf8_is_one_line(no_model_loads, capsys):
     assert "the prompt is not UTF-8 text" in line
 
 
+def test_an_empty_raw_prompt_is_one_line(tiny_target_dir, capsys):
+    line = refused(["generate", "", "--raw", "--target", tiny_target_dir, "--max-new-tokens", "2"], capsys)
+    assert "the prompt is empty, so there is no token to continue from" in line
+
+
 # ---- a pipe as an input ----------------------------------------------------------------------------------
 
 

@@ -63,6 +63,8 @@ def test_a_device_torch_cannot_use_is_one_line_before_loading(tiny_target_dir, c
     if not torch.cuda.is_available():
         with pytest.raises(TargetError, match="sees no CUDA GPU here; use --device cpu"):
             load_target(str(tiny_target_dir), device="cuda")
+    with pytest.raises(TargetError, match="draftsmith runs on cpu or cuda, not 'meta'"):
+        load_target(str(tiny_target_dir), device="meta")
     with pytest.raises(SystemExit):
         main(["generate", "hi", "--target", str(tiny_target_dir), "--device", "gpu"])
     err = capsys.readouterr().err

@@ -326,3 +326,12 @@ def test_a_recipe_with_a_repeated_key_or_section_is_refused(
 def test_recipe_numbers_must_be_finite(tmp_path, tiny_target_dir, prepared_dir, no_model_loads, capsys, override):
     recipe = write_recipe(tmp_path, tiny_target_dir, prepared_dir)
     assert "must be a finite number" in refused(["train", recipe, override], capsys)
+
+
+@pytest.mark.parametrize("seed", ["-1", str(2**32)])
+def test_a_training_seed_outside_numpys_range_is_refused(
+    tmp_path, tiny_target_dir, prepared_dir, no_model_loads, capsys, seed
+):
+    recipe = write_recipe(tmp_path, tiny_target_dir, prepared_dir)
+    line = refused(["train", recipe, f"train.seed={seed}"], capsys)
+    assert f"train.seed must be a whole number from 0 to 4294967295, got {seed}" in line

@@ -130,6 +130,9 @@ def _check_real_numbers(train: TrainSection) -> None:
             raise RecipeError(f"{key} must be {allowed}, got {value}")
 
 
+MAX_TRAIN_SEED = 2**32 - 1
+
+
 def validate(recipe: TrainRecipe) -> None:
     """Checks that need no model: the family exists, its options are known, numbers make sense."""
     if "family" not in recipe.drafter:
@@ -169,6 +172,8 @@ def validate(recipe: TrainRecipe) -> None:
         raise RecipeError(f"train.betas must be two numbers, got {list(train.betas)}")
     if not all(0 <= beta < 1 for beta in train.betas):
         raise RecipeError(f"train.betas must each be in [0, 1) (e.g. [0.9, 0.95]), got {list(train.betas)}")
+    if not 0 <= train.seed <= MAX_TRAIN_SEED:  # accelerate's set_seed seeds numpy too, which takes 32 bits
+        raise RecipeError(f"train.seed must be a whole number from 0 to {MAX_TRAIN_SEED}, got {train.seed}")
     if recipe.data.max_length is not None and recipe.data.max_length < 3:
         raise RecipeError(f"data.max_length must be >= 3 tokens, got {recipe.data.max_length}")
 

@@ -30,3 +30,11 @@ def test_tune_calibrates_on_other_prompts_than_the_bench():
     calibration = held_out_questions(1, seed=2, exclude=(q["turns"][0] for q in bench))
     assert calibration and not {q["turns"][0] for q in calibration} & {q["turns"][0] for q in bench}
     assert held_out_questions(1, seed=1, exclude=[bench[0]["turns"][0]])[0] != bench[0]
+
+
+def test_the_quickstart_benches_the_drafter_shipped_for_smollm2():
+    from draftsmith.drafters.pretrained import bundled_families_for
+    from draftsmith.train.quickstart import _shipped_methods
+
+    assert _shipped_methods() == ["eagle3"]  # drafters/pretrained/eagle3-smollm2
+    assert bundled_families_for("some other target") == []

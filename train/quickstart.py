@@ -3,7 +3,7 @@
 Prepare the bundled data, cache the target's features, train an FSPAD drafter for a small step
 budget, export it, fit its draft tree to this machine (``draftsmith tune``, on held-out calibration
 prompts) and benchmark it, with the fitted tree and with the recipe's, against plain decoding and
-prompt lookup on other held-out prompts.
+prompt lookup and the drafter shipped for the target on other held-out prompts.
 Each step prints the ``draftsmith`` command it runs, so the quickstart doubles as a tutorial, and
 each step resumes: rerunning after an interruption continues where it stopped.
 """
@@ -48,6 +48,15 @@ def _recipe_tree(export: Path) -> str:
     return ":".join(f"{key}={config[key]}" for key in ("depth", "top_k", "total_tokens"))
 
 
+def _shipped_methods() -> list[str]:
+    """The drafters the package ships for the embedded target (``--method eagle3`` without a directory),
+    benched beside the one the quickstart trains, with the tree fitted for them on this kind of CPU."""
+    from draftsmith.core.target import embedded_target
+    from draftsmith.drafters.pretrained import bundled_families_for
+
+    return bundled_families_for(embedded_target(None).display_name)
+
+
 def cmd_quickstart(args: argparse.Namespace) -> None:
     from draftsmith.train.checkpoint import latest_checkpoint
     from draftsmith.train.recipe_loader import shipped_recipes
@@ -76,7 +85,7 @@ def cmd_quickstart(args: argparse.Namespace) -> None:
     _write_questions(calibration, held_out_questions(1, seed=2, exclude=(q["turns"][0] for q in held_out)))
     tune = ["tune", str(export), "--questions", str(calibration), "--max-new-tokens", str(args.max_new_tokens)]
     _run(args.build_parser, tune + ["--top-k", "1,2,4"] + threads)
-    methods = f"pld,fspad={export},fspad={export}:{_recipe_tree(export)}"
+    methods = ",".join(["pld", f"fspad={export}", f"fspad={export}:{_recipe_tree(export)}", *_shipped_methods()])
     bench = ["bench", "--questions", str(questions), "--methods", methods]
     bench += ["--max-new-tokens", str(args.max_new_tokens), "--out", str(out / "bench"), "--overwrite"]
     _run(args.build_parser, bench + threads)
@@ -84,7 +93,9 @@ def cmd_quickstart(args: argparse.Namespace) -> None:
         f"\nDone. The drafter is in {export}; try it:\n"
         f'  draftsmith generate "Explain how a rainbow forms." --method fspad={export}\n'
         f"Train longer with the same command and a larger --steps (it resumes), or run the full recipe:\n"
-        f"  draftsmith train recipes/fspad-smollm2.yaml",
+        f"  draftsmith train recipes/fspad-smollm2.yaml\n"
+        f"The drafter shipped for SmolLM2 (trained on a GPU) needs no directory:\n"
+        f'  draftsmith generate "Explain how a rainbow forms." --method eagle3',
         file=sys.stderr,
     )
 
@@ -96,7 +107,8 @@ def add_quickstart_command(subparsers: Any, build_parser: Callable[[], argparse.
         help="train, export and benchmark an FSPAD drafter for the embedded SmolLM2 (about 4 minutes on 2 CPU cores)",
         description="Prepare the bundled data, cache SmolLM2's features, train an FSPAD drafter for --steps "
         "steps, export it and print a bench table (tau, speedup, identical outputs) against plain "
-        "decoding and prompt lookup on held-out prompts. Every step resumes when rerun.",
+        "decoding, prompt lookup and the drafter shipped for SmolLM2 on held-out prompts. Every step resumes "
+        "when rerun.",
     )
     p.add_argument("--out", default="runs/quickstart", help="working directory (default: runs/quickstart)")
     p.add_argument("--steps", type=int, default=120, help="training steps (default 120, ~1.5 minutes on 2 cores)")

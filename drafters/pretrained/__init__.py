@@ -27,6 +27,17 @@ def bundled_drafter(families: set[str], identity: TargetIdentity | None, root: P
     return None
 
 
+def bundled_families_for(target_name: str, root: Path | None = None) -> list[str]:
+    """The families of the drafters shipped for the target recorded under ``target_name`` (an identity's
+    name), without loading it: what ``--method FAMILY`` serves once the target's identity matches."""
+    families = []
+    for directory in bundled_drafters(root):
+        config = json.loads((directory / "config.json").read_text(encoding="utf-8"))
+        if config["target_identity"].get("name") == target_name:
+            families.append(config["drafter_family"])
+    return families
+
+
 def bundled_names(root: Path | None = None) -> list[str]:
     """The shipped drafters' folder names (e.g. ``eagle3-smollm2``), for messages."""
     return [directory.name for directory in bundled_drafters(root)]

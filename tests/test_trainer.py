@@ -74,6 +74,11 @@ def test_gradients_reach_only_the_drafter_and_data_shapes_the_draft_vocab(tmp_pa
     assert not any(k.startswith(("embed_tokens", "lm_head")) for k in after)  # the target is never saved
 
 
+def tokens_seen(run: Path) -> dict[int, int]:
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["tokens_seen"] for r in records if "loss" in r}
+
+
 def test_resume_continues_exactly(tmp_path, tiny_target_dir, prepared_dir, monkeypatch):
     common = ["train.max_steps=6", "train.save_every=2", "train.grad_accum=2"]  # 6 steps = 1.5 epochs of 16
     full = write_recipe(tmp_path / "a", tiny_target_dir, prepared_dir)
@@ -90,6 +95,8 @@ def test_resume_continues_exactly(tmp_path, tiny_target_dir, prepared_dir, monke
     assert sorted(curve_b) == [1, 2, 3, 4, 5, 6]
     for step in curve_a:
         assert curve_b[step] == pytest.approx(curve_a[step], rel=1e-6, abs=1e-9), step
+    assert tokens_seen(run_b) == tokens_seen(tmp_path / "a" / "run")  # the count resumes with the run
+    assert sorted(tokens_seen(run_b)) == [1, 2, 3, 4, 5, 6] and tokens_seen(run_b)[6] > tokens_seen(run_b)[1] > 0
     weights_a = load_file(str(tmp_path / "a/run/checkpoints/step-6/drafter/model.safetensors"))
     weights_b = load_file(str(run_b / "checkpoints/step-6/drafter/model.safetensors"))
     for key in weights_a:
@@ -238,6 +245,30 @@ def test_length_grouping_pads_less_and_depends_only_on_seed_and_epoch():
     assert padded_tokens(order) < 1.1 * real < 0.75 * padded_tokens(plain.epoch_order(seed=3, epoch=0))
     again = TrainData(_Lengths(lengths), eval_samples=8, length_group=4)
     assert again.epoch_order(seed=3, epoch=0) == order and again.epoch_order(seed=3, epoch=1) != order
+
+
+def test_train_samples_keeps_nested_subsets_and_the_same_held_out_samples():
+    from draftsmith.train.loader import TrainData
+
+    lengths = list(range(10, 410))
+    whole = TrainData(_Lengths(lengths), eval_samples=8)
+    small, large = (TrainData(_Lengths(lengths), eval_samples=8, train_samples=n) for n in (50, 200))
+    assert small.eval_indices == large.eval_indices == whole.eval_indices
+    assert len(small.train_indices) == 50 and set(small.train_indices) < set(large.train_indices)
+    assert set(large.train_indices) < set(whole.train_indices) and large.train_indices != whole.train_indices[:200]
+    with pytest.raises(PreparedDataError, match="data.train_samples=393: choose from 1 to the 392 training samples"):
+        TrainData(_Lengths(lengths), eval_samples=8, train_samples=393)
+
+
+def test_a_data_subset_alone_shapes_the_draft_vocabulary(recipe_path):
+    trainer = Trainer(load_train_recipe(recipe_path, ["data.train_samples=3", "data.eval_samples=2"]))
+    vocab = len(trainer.target.tokenizer)
+    prepared = trainer.data.prepared
+    expected = sum(
+        torch.bincount(prepared[i].input_ids[prepared[i].loss_mask.bool()].long(), minlength=vocab)
+        for i in trainer.data.train_indices
+    )
+    assert len(trainer.data.train_indices) == 3 and torch.equal(trainer.data.token_counts(vocab), expected)
 
 
 def test_offline_features_match_online_training(tmp_path, tiny_target_dir, prepared_dir, other_target_dir):

@@ -29,6 +29,7 @@ from draftsmith.data.prepared import PreparedDataError, PreparedDataset
 from draftsmith.train.batch import TrainBatch
 
 EVAL_SPLIT_SEED = 0  # the held-out split does not move when train.seed changes
+SUBSET_SEED = 1  # which training samples data.train_samples keeps: nested subsets of one prepared set
 # Micro-batches sorted together by length: more means less padding but batches less mixed in length.
 LENGTH_WINDOW = 32
 
@@ -111,6 +112,7 @@ class TrainData:
     eval_samples: int = 0
     layers: tuple[int, ...] = (-1,)  # the target states the drafter reads (its config's feature_layers())
     length_group: int = 0  # micro-batch size whose samples are grouped by length (0: plain shuffle)
+    train_samples: int | None = None  # train on this many of the training samples (None: all)
     train_indices: list[int] = field(init=False)
     eval_indices: list[int] = field(init=False)
     _order: tuple[int, list[int]] | None = field(default=None, init=False, repr=False)
@@ -123,6 +125,20 @@ class TrainData:
         self.eval_indices = sorted(int(i) for i in split[n - self.eval_samples :]) if self.eval_samples else []
         held_out = set(self.eval_indices)
         self.train_indices = [i for i in range(n) if i not in held_out]
+        if self.train_samples is not None:
+            self.train_indices = self._subset(self.train_indices, self.train_samples)
+
+    @staticmethod
+    def _subset(indices: list[int], count: int) -> list[int]:
+        """``count`` of ``indices`` in a fixed random order, so a smaller count keeps a subset of what a
+        larger one keeps and the held-out samples stay the same: one prepared set and one feature cache
+        serve a whole data-scaling study."""
+        if not 0 < count <= len(indices):
+            raise PreparedDataError(
+                f"data.train_samples={count}: choose from 1 to the {len(indices)} training samples of this prepared set"
+            )
+        order = np.random.default_rng(SUBSET_SEED).permutation(len(indices))[:count]
+        return sorted(indices[int(i)] for i in order)
 
     @property
     def offline(self) -> bool:
@@ -188,11 +204,17 @@ class TrainData:
 
     def token_counts(self, vocab_size: int) -> torch.Tensor:
         """How often each token is supervised in the training samples: (vocab_size,) long."""
+        if self.train_samples is not None:
+            return self._supervised_counts(self.train_indices, vocab_size)
         ids, mask = self.prepared.input_ids.long(), self.prepared.loss_mask.bool()
-        counts = torch.bincount(ids[mask], minlength=vocab_size)
-        for index in self.eval_indices:  # held-out samples must not shape the drafter
+        # held-out samples must not shape the drafter
+        return torch.bincount(ids[mask], minlength=vocab_size) - self._supervised_counts(self.eval_indices, vocab_size)
+
+    def _supervised_counts(self, indices: list[int], vocab_size: int) -> torch.Tensor:
+        counts = torch.zeros(vocab_size, dtype=torch.long)
+        for index in indices:
             sample = self.prepared[index]
-            counts -= torch.bincount(sample.input_ids[sample.loss_mask.bool()], minlength=vocab_size)
+            counts += torch.bincount(sample.input_ids[sample.loss_mask.bool()].long(), minlength=vocab_size)
         return counts
 
     def sample(self, index: int) -> tuple[torch.Tensor, torch.Tensor, dict[int, torch.Tensor] | None]:

@@ -33,6 +33,9 @@ class DataSection:
     features: Optional[str] = None  # feature cache from `draftsmith data cache-features` -> offline training
     max_length: Optional[int] = None  # cut longer samples to this many tokens (None: as prepared)
     eval_samples: int = 0  # samples held out of training and evaluated at every checkpoint
+    # train on this many of the other samples (None: all); smaller counts keep subsets of larger ones and
+    # the same held-out samples, for a data-scaling study on one prepared set
+    train_samples: Optional[int] = None
     # micro-batches of samples of similar length (less padding); the order still depends on the seed alone
     group_by_length: bool = False
 

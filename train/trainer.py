@@ -319,6 +319,9 @@ class Trainer:
             self.checkpoint = self._next_checkpoint()
         self._load_target_and_data()
         self._build_model()
+        # real (unpadded) tokens of every step so far, over all ranks: what a scaling curve is plotted against;
+        # None after resuming a checkpoint written before it was recorded
+        self.tokens_seen: int | None = 0
         self.start_step = self._restore() if self.checkpoint else 0
         if self.is_main:
             save_resolved(recipe, self.output_dir, RESOLVED_RECIPE)
@@ -345,7 +348,13 @@ class Trainer:
             self.target.model.to(device)  # online: the frozen target computes features inside the step
         length_group = recipe.train.batch_size if recipe.data.group_by_length else 0
         self.data = TrainData(
-            prepared, cache, recipe.data.max_length, recipe.data.eval_samples, self.layers, length_group
+            prepared,
+            cache,
+            recipe.data.max_length,
+            recipe.data.eval_samples,
+            self.layers,
+            length_group,
+            recipe.data.train_samples,
         )
         self.frozen = FrozenTarget.from_model(self.target.model)
         self.frozen.embed_tokens.to(device)
@@ -438,6 +447,7 @@ class Trainer:
             ) from None
         if self.is_main:
             tqdm.write(f"draftsmith: resumed from {self.checkpoint} (step {state['step']})")
+        self.tokens_seen = state.get("tokens_seen")
         return int(state["step"])
 
     @property
@@ -555,6 +565,7 @@ class Trainer:
             "epoch": epoch,
             "batch_in_epoch": position,
             "samples_seen": step * self.plan.global_batch,
+            "tokens_seen": self.tokens_seen,
             "world_size": self.plan.world_size,
             "global_batch": self.plan.global_batch,
             "family": self.family.name,
@@ -565,7 +576,7 @@ class Trainer:
         """Evaluate, then write the checkpoint with its held-out figures (which rank it for ``--best``)."""
         evaluation = self.evaluate()  # leaves the RNG and train mode as they were: the saved state is unchanged
         if evaluation:
-            tracker.log(step, evaluation)
+            tracker.log(step, {**evaluation, **self._tokens_seen()})
         state = {**self._state(step), "eval": evaluation}
         return save_checkpoint(self.accelerator, self.model, self.output_dir, state, self.recipe.train.keep_last)
 
@@ -587,6 +598,8 @@ class Trainer:
         try:
             for step in range(self.start_step, self.total_steps):
                 figures = self.train_step(step)
+                if self.tokens_seen is not None:
+                    self.tokens_seen += int(figures["tokens"])
                 for key, value in figures.items():
                     window[key].append(value)
                 progress.update(1)
@@ -596,6 +609,7 @@ class Trainer:
                     last = {k: sum(v) / len(v) for k, v in window.items() if k != "tokens"}
                     last["tokens_per_s"] = sum(window["tokens"]) / max(elapsed, 1e-9)
                     last["epoch"] = done / self.steps_per_epoch
+                    last.update(self._tokens_seen())
                     tracker.log(done, last)
                     progress.set_postfix(loss=f"{last['loss']:.4g}", tok_s=f"{last['tokens_per_s']:.0f}")
                     window, window_start = defaultdict(list), time.perf_counter()
@@ -615,6 +629,9 @@ class Trainer:
             progress.close()
             tracker.close()
         return TrainResult(self.output_dir, max(done, self.start_step), checkpoint, last)
+
+    def _tokens_seen(self) -> dict[str, int]:
+        return {} if self.tokens_seen is None else {"tokens_seen": self.tokens_seen}
 
     def _out_of_time(self, started: float) -> bool:
         """Has this sitting used ``train.max_minutes``? Asked of every rank at once (one all-reduce), so

@@ -39,6 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     from draftsmith.data.cli import add_data_commands
     from draftsmith.inference.cli import add_inference_commands
     from draftsmith.train.commands import add_train_commands
+    from draftsmith.train.curves import add_curves_command
     from draftsmith.train.medusa_cli import add_medusa_commands
     from draftsmith.train.quickstart import add_quickstart_command
     from draftsmith.train.recipe import recipe_cache_layers
@@ -51,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_data_commands(commands, recipe_layers=recipe_cache_layers)
     add_quickstart_command(commands, build_parser)
     add_train_commands(commands)
+    add_curves_command(commands)
     add_medusa_commands(commands)
     add_inference_commands(commands)
     return parser

@@ -8,7 +8,9 @@
 3. train: the recipe's drafter with the target computing its features online (no feature cache on
    disk), for as many optimizer steps as fit --train-minutes (timed on a short calibration run
    first, so the learning-rate schedule ends where the budget does), then exported;
-4. bench: the export against plain decoding on held-out prompts, in float32 and in bfloat16.
+4. bench: the export against plain decoding on held-out prompts, in float32 and in bfloat16;
+5. scaling (``--scaling-samples``): the same recipe for the same steps on nested subsets of the
+   prepared data (``data.train_samples``), then ``draftsmith curves`` of them beside the full run.
 
 Everything lands in --out: the regenerated shards with their .meta.json, the export, the bench
 tables, every command's log (log.txt) and summary.json (each stage's command, seconds and outcome),
@@ -102,6 +104,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--bench-questions", default=None, help="Spec-Bench JSONL (default: held-out default prompts)")
     p.add_argument("--bench-max-new-tokens", type=int, default=64)
     p.add_argument("--bench-dtypes", default="float32,bfloat16", help="dtypes the export is benched in")
+    p.add_argument(
+        "--scaling-samples",
+        default="",
+        help="e.g. 1700,5000: after the main run, train as many steps on nested subsets of that many samples "
+        "(each costs about --train-minutes) and plot them beside it into OUT/scaling (needs --set "
+        "data.eval_samples=N)",
+    )
     p.add_argument("--skip", default="", help="stages not to run, e.g. regenerate,bench")
     return p.parse_args(argv)
 
@@ -253,6 +262,24 @@ class Pipeline:
             f"{self.work / 'run'} holds checkpoints but summary.json no planned steps; pass --train-steps"
         )
 
+    # 5. scaling
+    def scaling(self) -> None:
+        """The main run's recipe and steps on each nested subset, then the curves of all of them."""
+        steps = self.args.train_steps or self.planned_steps()
+        runs = []
+        for samples in [int(n) for n in self.args.scaling_samples.split(",") if n]:
+            run = self.work / f"scale-{samples}"
+            argv = [
+                "train",
+                self.args.recipe,
+                *self.recipe_overrides(run, steps, save_every=max(1, min(500, steps // 10))),
+            ]
+            argv += [f"data.train_samples={samples}"] + (["--resume"] if any(run.glob("checkpoints/step-*")) else [])
+            if self.draftsmith("scaling", argv):
+                runs.append(run)
+        runs.append(self.work / "run")
+        self.draftsmith("scaling", ["curves", *map(str, runs), "--out", str(self.out / "scaling"), "--overwrite"])
+
     # 4. bench
     def bench(self) -> None:
         args, export = self.args, self.out / "drafter"
@@ -278,6 +305,8 @@ class Pipeline:
         trained = "train" not in skip and self.prepare() and self.train()
         if "bench" not in skip and (trained or (self.out / "drafter/config.json").exists()):
             self.bench()
+        if self.args.scaling_samples and "scaling" not in skip and (self.work / "run").is_dir():
+            self.scaling()
         print(f"results in {self.out} (summary.json, log.txt)")
 
 

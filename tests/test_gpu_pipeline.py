@@ -38,6 +38,11 @@ def test_tiny_pipeline_regenerates_trains_exports_and_benches(tmp_path, tiny_tar
     for dtype in ("float32", "bfloat16"):
         assert list((out / f"bench-{dtype}").glob("*.json")), dtype
     # a rerun finds every shard done and the training run finished: it resumes, it does not start over
-    again = run_pipeline(out, tiny_target_dir, source, "--skip", "bench")
+    again = run_pipeline(out, tiny_target_dir, source, "--skip", "bench", "--scaling-samples", "4")
     assert all(", 0 written now" in log.read_text().split("$ draftsmith")[-1] for log in (out / "data").glob("*.log"))
     assert again["stages"]["train"]["commands"][0]["command"].endswith("--resume")
+    # the scaling stage: the same steps on 4 of the training samples, plotted beside the full run
+    assert [c["exit"] for c in again["stages"]["scaling"]["commands"]] == [0, 0]
+    curves = json.loads((out / "scaling/curves.json").read_text())
+    whole = json.loads((out / "work/run/run_info.json").read_text())["train_samples"]
+    assert [run["label"] for run in curves["runs"]] == ["4 training samples", f"{whole} training samples"] and whole > 4

@@ -32,8 +32,8 @@ from draftsmith.core.drafting import DraftContext, Drafter
 from draftsmith.core.tree import DraftTree, cartesian_tree, causal_mask_after
 from draftsmith.drafters.base import FrozenTarget, TreeOptionError, TreeOptions
 from draftsmith.drafters.eagle import EagleConfigError
-from draftsmith.drafters.eagle3 import Eagle3Config, Eagle3Model
-from draftsmith.drafters.engine_layouts import EngineExport, EngineLayoutError, Verifier
+from draftsmith.drafters.eagle3 import Eagle3Config, Eagle3Model, speculators_eagle3_layout
+from draftsmith.drafters.engine_layouts import EngineExport, EngineLayoutError, Verifier, speculators_block
 
 
 class PEagleConfig(Eagle3Config):
@@ -117,10 +117,46 @@ class PEagleModel(Eagle3Model):
         return PEagleDrafter(self, frozen.embed_tokens, options, name=self.config.drafter_family)
 
     def engine_layout(self, fmt: str, verifier: Verifier, speculative_tokens: int | None) -> EngineExport:
-        raise EngineLayoutError(
-            "a peagle drafter has no engine layout yet (vLLM serves P-EAGLE as `parallel_drafting` on eagle3; "
-            "that export is not written); serve it with `draftsmith generate` or `draftsmith bench`"
-        )
+        if fmt == "sglang":
+            raise EngineLayoutError(
+                "SGLang's P-EAGLE layout is not written here; export --format vllm (vLLM serves it as eagle3 "
+                "with parallel drafting) or serve it with `draftsmith generate`"
+            )
+        depth = speculative_tokens or self.config.depth
+        check_depth(depth, self.config.ttt_steps, EngineLayoutError)
+        return speculators_peagle_layout(self, verifier, depth)
+
+    def placeholder_token_id(self) -> int:
+        """The token id whose row of an export's embedding table holds ``mask_embedding``: vLLM looks the
+        placeholder's embedding up by id (``mask_token_id``) in the drafter's own table. The highest id
+        outside the draft vocabulary: a token the target rarely writes (where it does, vLLM's drafter
+        reads the placeholder for it, which can only cost acceptance, never change an output)."""
+        vocab = int(self.config.layer["vocab_size"])
+        drafted = torch.zeros(vocab, dtype=torch.bool)
+        drafted[self.draft_token_ids().cpu()] = True
+        outside = (~drafted).nonzero().flatten()
+        return int(outside[-1]) if outside.numel() else vocab - 1
+
+
+def speculators_peagle_layout(model: PEagleModel, verifier: Verifier, depth: int) -> EngineExport:
+    """vLLM's speculators P-EAGLE (``speculators_model_type: peagle``, served as ``eagle3`` with
+    ``parallel_drafting``): EAGLE-3's layout plus ``mask_hidden`` (the placeholder's target states,
+    fused by ``fc`` as vLLM does) and ``mask_token_id``, whose row of the exported ``embed_tokens`` is
+    ``mask_embedding``. vLLM then drafts ``depth`` tokens per step in one forward, as the runtime's chain."""
+    export = speculators_eagle3_layout(model, verifier, depth)
+    token = model.placeholder_token_id()
+    embedding = export.tensors["embed_tokens.weight"].clone()  # never the verifier's own tensor
+    embedding[token] = model.mask_embedding.detach().float().cpu()
+    export.tensors["embed_tokens.weight"] = embedding
+    export.tensors.pop("mask_embedding")
+    export.config.update(
+        speculators_model_type="peagle",
+        mask_token_id=token,
+        speculators_config=speculators_block("peagle", verifier, depth),
+    )
+    export.required = export.required + (("mask_token_id",),)
+    export.required_tensors = export.required_tensors + ("mask_hidden",)
+    return export
 
 
 class PEagleDrafter(Drafter):

@@ -67,7 +67,8 @@ class Family:
     defaults: dict[str, Any] = dataclasses.field(default_factory=dict)
     method: str = ""  # the runtime method that serves it (``--method medusa=DIR``); "" = its name
     # Families whose exports may start a run of this one (``train.init_from``), besides itself:
-    # Medusa-2's two-stage recipe starts from trained Medusa-1 heads.
+    # Medusa-2's two-stage recipe starts from trained Medusa-1 heads; P-EAGLE from an EAGLE-3, whose
+    # first step is its depth 0 (only the placeholders start fresh).
     starts_from: tuple[str, ...] = ()
     # How ``draftsmith tune`` fits its tree to a device; None: its drafts come from elsewhere (inside
     # the target's forward) and there is no tree to fit.
@@ -158,7 +159,7 @@ FAMILIES: dict[str, Family] = {
         tree_search=TreeSearch.GROWTH,
     ),
     # P-EAGLE drafts every depth from one forward: its tree is a Cartesian one over the depths' top-k.
-    "peagle": Family("peagle", PEagleConfig, PEagleModel, "peagle_loss"),
+    "peagle": Family("peagle", PEagleConfig, PEagleModel, "peagle_loss", starts_from=("eagle3",)),
     "medusa": Family(
         "medusa", MedusaConfig, MedusaHeads, "medusa_loss", tree_search=TreeSearch.HEADS, calibrated_tree=True
     ),

@@ -143,6 +143,27 @@ def test_eagle3_sglang_layout_names_layer_outputs_and_has_no_embedding(target, v
         eagle3(target, aux_layer_ids=[2, 2, 3]).engine_layout("vllm", verifier, None)
 
 
+def test_peagle_speculators_layout_carries_its_placeholders_where_vllm_reads_them(target, verifier):
+    model = eagle3(target, family="peagle", ttt_steps=4, depth=3)
+    export = model.engine_layout("vllm", verifier, None)
+    config, tensors = export.config, export.tensors
+    assert config["speculators_model_type"] == "peagle" and config["speculators_config"]["algorithm"] == "peagle"
+    assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3  # one forward drafts 3
+    # the draft vocabulary is every other id below 80: the highest id outside it is the target's last one
+    assert config["mask_token_id"] == VOCAB - 1 == model.placeholder_token_id()
+    embedding = target.get_input_embeddings().weight
+    assert torch.equal(tensors["embed_tokens.weight"][VOCAB - 1], model.mask_embedding.detach())
+    assert torch.equal(tensors["embed_tokens.weight"][: VOCAB - 1], embedding[: VOCAB - 1])
+    assert not torch.equal(embedding[VOCAB - 1], model.mask_embedding.detach())  # the verifier's own table is intact
+    assert torch.equal(tensors["mask_hidden"], model.mask_hidden.detach()) and tensors["mask_hidden"].shape == (3 * H,)
+    assert "mask_embedding" not in tensors  # vLLM would refuse an unknown weight
+    check_engine_export(export, "vllm")
+    with pytest.raises(EngineLayoutError, match="drafts past the 4 depths it was trained for"):
+        model.engine_layout("vllm", verifier, 5)
+    with pytest.raises(EngineLayoutError, match="SGLang's P-EAGLE layout is not written here"):
+        model.engine_layout("sglang", verifier, None)
+
+
 def test_fspad3_and_fspad_have_no_engine_layout(target, verifier):
     with pytest.raises(EngineLayoutError, match="FSPAD-3 has no serving-engine layout"):
         eagle3(target, family="fspad3").engine_layout("speculators", verifier, None)
@@ -278,6 +299,30 @@ def test_vllm_serves_an_eagle3_export_losslessly(tmp_path, tokenizer, monkeypatc
         run = run_vllm(vllm_python(), method, target_dir, prompts, 12, [], torch.get_num_threads(), eager=True)
         assert [r["tokens"] for r in run["results"]] == references, spec
     assert sum(r["drafts"] for r in run["results"]) > 0  # the drafter did draft
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(vllm_python() is None, reason="vLLM is not installed (set DRAFTSMITH_VLLM_PYTHON)")
+def test_vllm_serves_a_peagle_export_with_parallel_drafting_losslessly(tmp_path, tokenizer, monkeypatch):
+    """vLLM loads a (random) peagle export as eagle3 with parallel drafting and gives HF generate's tokens."""
+    from draftsmith.core.target import load_target
+    from draftsmith.inference.measure.bench import hf_greedy
+    from draftsmith.inference.measure.vllm_engine import parse_vllm_method, run_vllm
+
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    target_dir = tmp_path / "target"
+    vllm_sized_llama(len(tokenizer)).save_pretrained(target_dir)
+    tokenizer.save_pretrained(target_dir)
+    tiny = load_target(str(target_dir))
+    model = get_family("peagle").build(tiny.model.config, {"aux_layer_ids": [1, 2, 3], "ttt_steps": 3, "depth": 3})
+    verifier = Verifier(str(target_dir), embed_tokens=lambda: tiny.model.get_input_embeddings().weight)
+    export_for_engine(model, "vllm", verifier, None, tiny.identity.to_dict(), tmp_path / "pe")
+    method = parse_vllm_method(f"vllm={tmp_path / 'pe'}", tiny)
+    assert method.speculative_config()["parallel_drafting"] is True and method.speculative_tokens == 3
+    prompts = [tiny.encode_chat([{"role": "user", "content": text}]) for text in ("Hello there", "What is 3 plus 4?")]
+    run = run_vllm(vllm_python(), method, target_dir, prompts, 12, [], torch.get_num_threads(), eager=True)
+    assert [r["tokens"] for r in run["results"]] == [hf_greedy(tiny.model, p, 12, [])[0] for p in prompts]
+    assert sum(r["draft_tokens"] for r in run["results"]) == 3 * sum(r["drafts"] for r in run["results"]) > 0
 
 
 STUB_ENGINE = """#!/bin/sh

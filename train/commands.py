@@ -64,7 +64,7 @@ def cmd_export(args: argparse.Namespace) -> None:
             print(f"exported to {out} in SGLang's EAGLE-3 layout (LlamaForCausalLMEagle3)")
         else:
             print(
-                f"exported to {out} in the layout vLLM loads (method {record.get('family')}); compare it in vLLM "
+                f"exported to {out} in the layout vLLM loads ({record.get('family')}); compare it in vLLM "
                 f"with `draftsmith bench --methods vllm,vllm={out} --vllm-python VENV/bin/python`"
             )
         if record.get("caveat"):
@@ -115,7 +115,8 @@ def add_train_commands(subparsers: Any) -> None:
         choices=list(EXPORT_FORMATS),
         default="draftsmith",
         help="draftsmith (default; for generate/bench); vllm: the layout vLLM loads for the family (eagle3: "
-        "speculators, eagle: EAGLE-1, medusa: MedusaModel); speculators (eagle3); sglang (eagle3)",
+        "speculators, peagle: speculators P-EAGLE, eagle: EAGLE-1, medusa: MedusaModel); speculators (eagle3, "
+        "peagle); sglang (eagle3)",
     )
     p.add_argument(
         "--verifier",

@@ -21,8 +21,14 @@ from draftsmith.core.vllm_env import WORKER, VllmError, last_error_line, vllm_en
 from draftsmith.drafters.io import check_drafter_target, read_engine_export
 
 VLLM = "vllm"
-# The engine's vLLM method for each exported family (``draftsmith export --format vllm``).
-VLLM_METHODS = {"eagle": "eagle", "eagle3": "eagle3", "medusa": "medusa"}
+# vLLM's speculative_config for each exported family (``draftsmith export --format vllm``) besides
+# the drafter and its tokens: P-EAGLE is eagle3 drafting every token in one forward.
+VLLM_METHODS: dict[str, dict[str, Any]] = {
+    "eagle": {"method": "eagle"},
+    "eagle3": {"method": "eagle3"},
+    "medusa": {"method": "medusa"},
+    "peagle": {"method": "eagle3", "parallel_drafting": True},
+}
 
 
 @dataclass(frozen=True)
@@ -31,17 +37,13 @@ class VllmMethod:
 
     name: str
     draft: Path | None = None
-    engine_method: str = ""
+    engine_method: tuple[tuple[str, Any], ...] = ()  # the method's speculative_config entries
     speculative_tokens: int = 0
 
     def speculative_config(self) -> dict[str, Any] | None:
         if self.draft is None:
             return None
-        return {
-            "method": self.engine_method,
-            "model": str(self.draft),
-            "num_speculative_tokens": self.speculative_tokens,
-        }
+        return {**dict(self.engine_method), "model": str(self.draft), "num_speculative_tokens": self.speculative_tokens}
 
 
 def is_vllm_method(spec: str) -> bool:
@@ -68,7 +70,7 @@ def parse_vllm_method(spec: str, target: Target) -> VllmMethod:
     tokens = option or str(record.get("speculative_tokens", 0))
     if not tokens.isdigit() or int(tokens) < 1:
         raise VllmError(f"{spec}: tokens= takes a whole number >= 1 (tokens vLLM drafts per step)")
-    return VllmMethod(spec, directory.resolve(), VLLM_METHODS[record["family"]], int(tokens))
+    return VllmMethod(spec, directory.resolve(), tuple(VLLM_METHODS[record["family"]].items()), int(tokens))
 
 
 def run_vllm(

@@ -51,6 +51,7 @@ class TreeSearch(enum.Enum):
 
     GROWTH = "growth"  # EAGLE-2's best-first growth from the drafter's features: depth, top_k, total_tokens
     HEADS = "heads"  # Medusa's dynamic tree over its heads' candidates: top_k per head, total_tokens
+    PARALLEL = "parallel"  # one forward drafts every depth: depth, top_k per depth, total_tokens (P-EAGLE)
 
 
 @dataclass(frozen=True)
@@ -159,7 +160,9 @@ FAMILIES: dict[str, Family] = {
         tree_search=TreeSearch.GROWTH,
     ),
     # P-EAGLE drafts every depth from one forward: its tree is a Cartesian one over the depths' top-k.
-    "peagle": Family("peagle", PEagleConfig, PEagleModel, "peagle_loss", starts_from=("eagle3",)),
+    "peagle": Family(
+        "peagle", PEagleConfig, PEagleModel, "peagle_loss", starts_from=("eagle3",), tree_search=TreeSearch.PARALLEL
+    ),
     "medusa": Family(
         "medusa", MedusaConfig, MedusaHeads, "medusa_loss", tree_search=TreeSearch.HEADS, calibrated_tree=True
     ),

@@ -57,8 +57,8 @@ def test_config_keeps_depth_within_training_and_refuses_fspad_parts(target):
         build(target, partial_alignment=True)
     with pytest.raises(TreeOptionError, match="depth=6 drafts past the 4 depths"):
         serve(model, target, depth=6)
-    with pytest.raises(EngineLayoutError, match="no engine layout yet"):
-        model.engine_layout("vllm", None, None)
+    with pytest.raises(EngineLayoutError, match="SGLang's P-EAGLE layout is not written here"):
+        model.engine_layout("sglang", None, None)
 
 
 def test_a_round_is_one_drafter_forward(target, trained):

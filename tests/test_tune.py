@@ -34,7 +34,7 @@ from draftsmith.inference.methods.tuned_trees import (
 from draftsmith.inference.runtime import generate
 from draftsmith.train.cli import main
 from draftsmith.train.losses import family_loss, medusa2_loss, medusa_loss
-from helpers import fit, hf_greedy, random_prompts, self_distilled_batch
+from helpers import fit, fused_batch, hf_greedy, random_prompts, self_distilled_batch, train_from_target
 
 
 @pytest.fixture(scope="module")
@@ -208,6 +208,54 @@ def test_tune_fits_a_dynamic_medusa_tree_that_generate_uses(tiny, tiny_target_di
     )
     static = build_drafter(f"medusa={export}:tree=medusa-8", tiny)  # a serve-time option replaces it
     assert static.static is not None
+
+
+PEAGLE_LAYERS = [0, 1]  # the states entering the tiny target's two layers
+
+
+@pytest.fixture(scope="module")
+def peagle_export(tiny, tmp_path_factory):
+    """A P-EAGLE drafter of 3 depths trained briefly on the tiny target's greedy continuations, exported."""
+    batch = fused_batch(tiny.model, int(tiny.model.config.vocab_size), PEAGLE_LAYERS, n=16, new_tokens=40)
+    options = {"aux_layer_ids": PEAGLE_LAYERS, "ttt_steps": 3, "depth": 3, "total_tokens": 3}
+    model, _ = train_from_target("peagle", tiny.model, batch, 100, **options)
+    return export_drafter(model, tiny.identity.to_dict(), tmp_path_factory.mktemp("tune") / "peagle")
+
+
+def test_peagle_acceptance_recorded_per_tree_equals_decoding_with_it(tiny, peagle_export):
+    base = tune_base(peagle_export, tiny)
+    shapes = [Shape(1, 1, 1), Shape(3, 1, 3), Shape(2, 2, 4), Shape(3, 3, 6)]
+    eos, max_new, drafted = tiny.eos_token_ids, 24, 0
+    for prompt in random_prompts(4, seed=0, vocab=int(tiny.model.config.vocab_size)):
+        record = record_counted_prompt(tiny, base, prompt, max_new, shapes)
+        for shape in shapes:
+            drafter = base.model.runtime_drafter(tiny.model, shape.options())
+            real = generate(tiny.model, prompt, drafter, max_new_tokens=max_new, eos_token_ids=eos)
+            assert simulate_rounds(record, shape, max_new, set(eos)) == real.accept_lengths, shape
+            drafted += sum(n - 1 for n in real.accept_lengths)
+    assert drafted > 10  # draft tokens were accepted, so the comparison says something
+
+
+def test_tune_fits_a_peagle_tree_that_generate_uses(tiny, tiny_target_dir, peagle_export, tmp_path, capsys):
+    import shutil
+
+    export = shutil.copytree(peagle_export, tmp_path / "peagle")
+    argv = ["tune", str(export), "--target", str(tiny_target_dir), "--limit", "2", "--max-new-tokens", "12"]
+    main(argv + ["--top-k", "1,2", "--total-tokens", "1,2,4"])
+    entry = read_tuned_trees(export)[DeviceKey.current(tiny.model).text()]
+    chosen = entry["tree"]
+    assert entry["calibration"]["search"]["max_depth"] == 3  # the depths it was trained for, not --max-depth 6
+    assert chosen["depth"] <= min(3, chosen["total_tokens"]) and chosen["top_k"] in (1, 2)
+    drafter = build_drafter(f"peagle={export}", tiny)
+    assert (drafter.depth, drafter.top_k, drafter.total_tokens) == (
+        chosen["depth"],
+        chosen["top_k"],
+        chosen["total_tokens"],
+    )
+    prompt = random_prompts(1, seed=1, vocab=int(tiny.model.config.vocab_size))[0]
+    assert generate(tiny.model, prompt, drafter, max_new_tokens=24, eos_token_ids=[2]).tokens == hf_greedy(
+        tiny.model, prompt, 24
+    )
 
 
 @pytest.fixture(scope="module")

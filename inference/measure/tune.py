@@ -266,7 +266,7 @@ def spelled_path(parents: Sequence[int], tokens: Sequence[int], spelled: Sequenc
 
 def record_counted_prompt(
     target: Target,
-    base: MedusaTreeDrafter,
+    base: Drafter,
     prompt: list[int],
     max_new_tokens: int,
     shapes: Sequence[Shape],
@@ -376,9 +376,9 @@ def tune_base(directory: Path, target: Target) -> Drafter:
     if family_tree_search(directory) is not None and decodes_a_plain_model:
         return drafter
     raise TuneError(
-        f"draftsmith tune fits EAGLE-2 dynamic trees (eagle, fspad, eagle3, fspad3 drafters) and Medusa's "
-        f"dynamic trees (medusa, medusa2); {directory} holds a {drafter.name!r} drafter whose drafts come from "
-        "inside the target's forward or from a target that cannot be served merged here"
+        f"draftsmith tune fits EAGLE-2 dynamic trees (eagle, fspad, eagle3, fspad3 drafters), Medusa's "
+        f"dynamic trees (medusa, medusa2) and P-EAGLE's trees (peagle); {directory} holds a {drafter.name!r} "
+        "drafter whose drafts come from inside the target's forward or from a target that cannot be served merged here"
     )
 
 
@@ -395,6 +395,18 @@ def medusa_search_space(heads: int, top_ks: Sequence[int], totals: Sequence[int]
         for top_k in top_ks
         for total in totals
         if total <= sum(top_k**depth for depth in range(1, heads + 1))
+    ]
+
+
+def parallel_search_space(max_depth: int, top_ks: Sequence[int], totals: Sequence[int]) -> list[Shape]:
+    """Every tree of one forward's depths (depth, top_k per depth, total_tokens) whose budget the
+    depths can fill and reach: a budget of N nodes never drafts deeper than N."""
+    return [
+        Shape(depth, top_k, total)
+        for top_k in top_ks
+        for depth in range(1, max_depth + 1)
+        for total in totals
+        if depth <= total <= sum(top_k**level for level in range(1, depth + 1))
     ]
 
 
@@ -449,6 +461,29 @@ def medusa_plan(
     )
 
 
+def parallel_plan(
+    target: Target,
+    base: Drafter,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    max_depth: int,
+    top_ks: Sequence[int],
+    totals: Sequence[int],
+    backends: Backends,
+) -> TunePlan:
+    """P-EAGLE: each tree's acceptance counted from its own drafts (one forward gives every depth, so a
+    round costs one drafter forward of ``depth`` rows whatever the tree)."""
+    depth = min(max_depth, base.model.config.ttt_steps)
+    shapes = parallel_search_space(depth, top_ks, totals)
+    costliest = {(shape.depth, shape.top_k): shape for shape in shapes}  # budgets ascend: the largest wins
+    return TunePlan(
+        shapes,
+        [record_counted_prompt(target, base, prompt, max_new_tokens, shapes, backends) for prompt in prompts],
+        {key: base.model.runtime_drafter(target.model, shape.options()) for key, shape in costliest.items()},
+        {"max_depth": depth, "top_k": list(top_ks), "total_tokens": list(totals)},
+    )
+
+
 @dataclass(frozen=True)
 class Search:
     """What tune does for one :class:`~draftsmith.drafters.registry.TreeSearch`: the deepest tree it
@@ -467,6 +502,8 @@ SEARCHES = {
             target, base, prompts, tokens, top_ks, totals, backends
         ),
     ),
+    # the depths one forward was trained to draft bound the tree
+    TreeSearch.PARALLEL: Search(lambda base, max_depth: min(max_depth, base.model.config.ttt_steps), parallel_plan),
 }
 
 

@@ -276,53 +276,57 @@ def test_vllm_computes_on_as_many_cores_as_the_runtime_it_is_compared_with(monke
     assert vllm_environment(2)[THREADS_BIND] == "0-15"  # the user's choice wins
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(vllm_python() is None, reason="vLLM is not installed (set DRAFTSMITH_VLLM_PYTHON)")
-def test_vllm_serves_an_eagle3_export_losslessly(tmp_path, tokenizer, monkeypatch):
-    """vLLM plain and with a (random) eagle3 export give HF generate's greedy tokens on a tiny target."""
+def vllm_tiny_target(tmp_path, tokenizer, monkeypatch):
+    """A tiny target saved where vLLM can open it, its verifier, and two chat prompts."""
     from draftsmith.core.target import load_target
-    from draftsmith.inference.measure.bench import hf_greedy
-    from draftsmith.inference.measure.vllm_engine import parse_vllm_method, run_vllm
 
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
     target_dir = tmp_path / "target"
     vllm_sized_llama(len(tokenizer)).save_pretrained(target_dir)
     tokenizer.save_pretrained(target_dir)
     tiny = load_target(str(target_dir))
-    model = get_family("eagle3").build(tiny.model.config, {"aux_layer_ids": [1, 2, 3]})
     verifier = Verifier(str(target_dir), embed_tokens=lambda: tiny.model.get_input_embeddings().weight)
-    export_for_engine(model, "speculators", verifier, 2, tiny.identity.to_dict(), tmp_path / "e3")
     prompts = [tiny.encode_chat([{"role": "user", "content": text}]) for text in ("Hello there", "What is 3 plus 4?")]
-    references = [hf_greedy(tiny.model, p, 12, [])[0] for p in prompts]
-    for spec in ("vllm", f"vllm={tmp_path / 'e3'}"):
-        method = parse_vllm_method(spec, tiny)
-        run = run_vllm(vllm_python(), method, target_dir, prompts, 12, [], torch.get_num_threads(), eager=True)
-        assert [r["tokens"] for r in run["results"]] == references, spec
-    assert sum(r["drafts"] for r in run["results"]) > 0  # the drafter did draft
+    return target_dir, tiny, verifier, prompts
+
+
+def served_by_vllm(spec: str, target_dir, tiny, prompts) -> list[dict]:
+    """vLLM's greedy results for ``prompts``, after checking its tokens are HF generate's."""
+    from draftsmith.inference.measure.bench import hf_greedy
+    from draftsmith.inference.measure.vllm_engine import parse_vllm_method, run_vllm
+
+    run = run_vllm(
+        vllm_python(), parse_vllm_method(spec, tiny), target_dir, prompts, 12, [], torch.get_num_threads(), eager=True
+    )
+    assert [r["tokens"] for r in run["results"]] == [hf_greedy(tiny.model, p, 12, [])[0] for p in prompts], spec
+    return run["results"]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(vllm_python() is None, reason="vLLM is not installed (set DRAFTSMITH_VLLM_PYTHON)")
+def test_vllm_serves_an_eagle3_export_losslessly(tmp_path, tokenizer, monkeypatch):
+    """vLLM plain and with a (random) eagle3 export give HF generate's greedy tokens on a tiny target."""
+    target_dir, tiny, verifier, prompts = vllm_tiny_target(tmp_path, tokenizer, monkeypatch)
+    model = get_family("eagle3").build(tiny.model.config, {"aux_layer_ids": [1, 2, 3]})
+    export_for_engine(model, "speculators", verifier, 2, tiny.identity.to_dict(), tmp_path / "e3")
+    served_by_vllm("vllm", target_dir, tiny, prompts)
+    results = served_by_vllm(f"vllm={tmp_path / 'e3'}", target_dir, tiny, prompts)
+    assert sum(r["drafts"] for r in results) > 0  # the drafter did draft
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(vllm_python() is None, reason="vLLM is not installed (set DRAFTSMITH_VLLM_PYTHON)")
 def test_vllm_serves_a_peagle_export_with_parallel_drafting_losslessly(tmp_path, tokenizer, monkeypatch):
     """vLLM loads a (random) peagle export as eagle3 with parallel drafting and gives HF generate's tokens."""
-    from draftsmith.core.target import load_target
-    from draftsmith.inference.measure.bench import hf_greedy
-    from draftsmith.inference.measure.vllm_engine import parse_vllm_method, run_vllm
+    from draftsmith.inference.measure.vllm_engine import parse_vllm_method
 
-    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
-    target_dir = tmp_path / "target"
-    vllm_sized_llama(len(tokenizer)).save_pretrained(target_dir)
-    tokenizer.save_pretrained(target_dir)
-    tiny = load_target(str(target_dir))
+    target_dir, tiny, verifier, prompts = vllm_tiny_target(tmp_path, tokenizer, monkeypatch)
     model = get_family("peagle").build(tiny.model.config, {"aux_layer_ids": [1, 2, 3], "ttt_steps": 3, "depth": 3})
-    verifier = Verifier(str(target_dir), embed_tokens=lambda: tiny.model.get_input_embeddings().weight)
     export_for_engine(model, "vllm", verifier, None, tiny.identity.to_dict(), tmp_path / "pe")
     method = parse_vllm_method(f"vllm={tmp_path / 'pe'}", tiny)
     assert method.speculative_config()["parallel_drafting"] is True and method.speculative_tokens == 3
-    prompts = [tiny.encode_chat([{"role": "user", "content": text}]) for text in ("Hello there", "What is 3 plus 4?")]
-    run = run_vllm(vllm_python(), method, target_dir, prompts, 12, [], torch.get_num_threads(), eager=True)
-    assert [r["tokens"] for r in run["results"]] == [hf_greedy(tiny.model, p, 12, [])[0] for p in prompts]
-    assert sum(r["draft_tokens"] for r in run["results"]) == 3 * sum(r["drafts"] for r in run["results"]) > 0
+    results = served_by_vllm(f"vllm={tmp_path / 'pe'}", target_dir, tiny, prompts)
+    assert sum(r["draft_tokens"] for r in results) == 3 * sum(r["drafts"] for r in results) > 0
 
 
 STUB_ENGINE = """#!/bin/sh

@@ -173,9 +173,9 @@ def medusa_export(tiny, tmp_path_factory):
     return export_drafter(model.eval(), tiny.identity.to_dict(), tmp_path_factory.mktemp("tune") / "medusa")
 
 
-def test_medusa_acceptance_recorded_per_tree_equals_decoding_with_it(tiny, medusa_export):
-    base = tune_base(medusa_export, tiny)
-    shapes = [Shape(3, 1, 3, medusa=True), Shape(3, 2, 2, medusa=True), Shape(3, 3, 6, medusa=True)]
+def assert_counted_rounds_are_real_rounds(tiny, export, shapes: list[Shape]) -> None:
+    """Each tree's accepted lengths as tune counts them equal decoding with that tree."""
+    base = tune_base(export, tiny)
     eos, max_new, drafted = tiny.eos_token_ids, 24, 0
     for prompt in random_prompts(4, seed=0, vocab=int(tiny.model.config.vocab_size)):
         record = record_counted_prompt(tiny, base, prompt, max_new, shapes)
@@ -185,6 +185,11 @@ def test_medusa_acceptance_recorded_per_tree_equals_decoding_with_it(tiny, medus
             assert simulate_rounds(record, shape, max_new, set(eos)) == real.accept_lengths, shape
             drafted += sum(n - 1 for n in real.accept_lengths)
     assert drafted > 10  # draft tokens were accepted, so the comparison says something
+
+
+def test_medusa_acceptance_recorded_per_tree_equals_decoding_with_it(tiny, medusa_export):
+    shapes = [Shape(3, 1, 3, medusa=True), Shape(3, 2, 2, medusa=True), Shape(3, 3, 6, medusa=True)]
+    assert_counted_rounds_are_real_rounds(tiny, medusa_export, shapes)
 
 
 def test_tune_fits_a_dynamic_medusa_tree_that_generate_uses(tiny, tiny_target_dir, medusa_export, tmp_path, capsys):
@@ -223,17 +228,9 @@ def peagle_export(tiny, tmp_path_factory):
 
 
 def test_peagle_acceptance_recorded_per_tree_equals_decoding_with_it(tiny, peagle_export):
-    base = tune_base(peagle_export, tiny)
-    shapes = [Shape(1, 1, 1), Shape(3, 1, 3), Shape(2, 2, 4), Shape(3, 3, 6)]
-    eos, max_new, drafted = tiny.eos_token_ids, 24, 0
-    for prompt in random_prompts(4, seed=0, vocab=int(tiny.model.config.vocab_size)):
-        record = record_counted_prompt(tiny, base, prompt, max_new, shapes)
-        for shape in shapes:
-            drafter = base.model.runtime_drafter(tiny.model, shape.options())
-            real = generate(tiny.model, prompt, drafter, max_new_tokens=max_new, eos_token_ids=eos)
-            assert simulate_rounds(record, shape, max_new, set(eos)) == real.accept_lengths, shape
-            drafted += sum(n - 1 for n in real.accept_lengths)
-    assert drafted > 10  # draft tokens were accepted, so the comparison says something
+    assert_counted_rounds_are_real_rounds(
+        tiny, peagle_export, [Shape(1, 1, 1), Shape(3, 1, 3), Shape(2, 2, 4), Shape(3, 3, 6)]
+    )
 
 
 def test_tune_fits_a_peagle_tree_that_generate_uses(tiny, tiny_target_dir, peagle_export, tmp_path, capsys):

@@ -441,6 +441,26 @@ def eagle_plan(
     )
 
 
+def counted_plan(
+    target: Target,
+    base: Drafter,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    shapes: list[Shape],
+    search: dict[str, Any],
+    backends: Backends,
+) -> TunePlan:
+    """A plan whose trees are each drafted at every position of the calibration decodes (their
+    acceptance counted, not read from one growth), timed by the costliest tree of each (depth, top_k)."""
+    costliest = {(shape.depth, shape.top_k): shape for shape in shapes}  # budgets ascend: the largest wins
+    return TunePlan(
+        shapes,
+        [record_counted_prompt(target, base, prompt, max_new_tokens, shapes, backends) for prompt in prompts],
+        {key: base.model.runtime_drafter(target.model, shape.options()) for key, shape in costliest.items()},
+        search,
+    )
+
+
 def medusa_plan(
     target: Target,
     base: MedusaTreeDrafter,
@@ -451,13 +471,9 @@ def medusa_plan(
     backends: Backends,
 ) -> TunePlan:
     heads = base.model.config.num_heads
-    shapes = medusa_search_space(heads, top_ks, totals)
-    costliest = {(shape.depth, shape.top_k): shape for shape in shapes}  # budgets ascend: the largest wins
-    return TunePlan(
-        shapes,
-        [record_counted_prompt(target, base, prompt, max_new_tokens, shapes, backends) for prompt in prompts],
-        {key: base.model.runtime_drafter(target.model, shape.options()) for key, shape in costliest.items()},
-        {"heads": heads, "top_k": list(top_ks), "total_tokens": list(totals)},
+    search = {"heads": heads, "top_k": list(top_ks), "total_tokens": list(totals)}
+    return counted_plan(
+        target, base, prompts, max_new_tokens, medusa_search_space(heads, top_ks, totals), search, backends
     )
 
 
@@ -471,16 +487,12 @@ def parallel_plan(
     totals: Sequence[int],
     backends: Backends,
 ) -> TunePlan:
-    """P-EAGLE: each tree's acceptance counted from its own drafts (one forward gives every depth, so a
-    round costs one drafter forward of ``depth`` rows whatever the tree)."""
+    """P-EAGLE: one forward gives every depth, so a round costs one drafter forward of ``depth`` rows
+    whatever the tree, and each tree's acceptance is counted from its own drafts."""
     depth = min(max_depth, base.model.config.ttt_steps)
-    shapes = parallel_search_space(depth, top_ks, totals)
-    costliest = {(shape.depth, shape.top_k): shape for shape in shapes}  # budgets ascend: the largest wins
-    return TunePlan(
-        shapes,
-        [record_counted_prompt(target, base, prompt, max_new_tokens, shapes, backends) for prompt in prompts],
-        {key: base.model.runtime_drafter(target.model, shape.options()) for key, shape in costliest.items()},
-        {"max_depth": depth, "top_k": list(top_ks), "total_tokens": list(totals)},
+    search = {"max_depth": depth, "top_k": list(top_ks), "total_tokens": list(totals)}
+    return counted_plan(
+        target, base, prompts, max_new_tokens, parallel_search_space(depth, top_ks, totals), search, backends
     )
 
 

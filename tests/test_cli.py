@@ -66,6 +66,27 @@ def test_bundled_sharegpt_smollm2_is_complete_and_answers_match_its_target():
     assert meta["settings"]["max_turns"] == 1 and "draftsmith data regenerate sharegpt" in meta["command"]
 
 
+def test_the_ten_times_set_in_progress_has_whole_shards_with_their_records():
+    """data/sharegpt_smollm2_v2: each shard's records are whole two-turn-at-most conversations the meta
+    counts, none twice in the set, made for the embedded target by the command the meta records."""
+    from draftsmith.core.io import sha256_file
+    from draftsmith.core.target import smollm2_gguf_path
+
+    folder = Path(__file__).resolve().parents[1] / "data" / "sharegpt_smollm2_v2"
+    seen: set[str] = set()
+    for shard in sorted(folder.glob("shard-*-of-8.jsonl.gz")):
+        stats = ReadStats()
+        conversations = list(read_conversations(str(shard), stats))
+        meta = json.loads(shard.with_name(shard.name.removesuffix(".gz") + ".meta.json").read_text())
+        assert stats.read == len(conversations) == meta["conversations"] and not stats.skipped, shard.name
+        assert all(sum(t["role"] == "user" for t in c.turns) <= 2 for c in conversations), shard.name
+        assert not seen & {c.id for c in conversations}, shard.name
+        seen |= {c.id for c in conversations}
+        assert meta["target"]["revision"] == "gguf-sha256-" + sha256_file(smollm2_gguf_path())
+        assert meta["settings"]["max_turns"] == 2 and meta["sample"]["shard"] == int(shard.name.split("-")[1])
+    assert len(seen) >= 4294
+
+
 def test_bundled_default_dataset_is_complete_and_usable():
     path = default_dataset_path()
     assert path.is_file(), "the default dataset must ship inside the package"

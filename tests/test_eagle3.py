@@ -13,7 +13,17 @@ from draftsmith.drafters.io import export_drafter
 from draftsmith.drafters.registry import get_family
 from draftsmith.drafters.vocab import draft_vocab_maps
 from draftsmith.inference.runtime import generate
-from draftsmith.train.losses import family_loss, read_rows, ttt_mask, ttt_unroll
+from draftsmith.train.losses import (
+    _soft_cross_entropy,
+    _teacher_cross_entropies,
+    check_loss_options,
+    eagle3_loss,
+    family_loss,
+    loss_option_names,
+    read_rows,
+    ttt_mask,
+    ttt_unroll,
+)
 from helpers import fused_batch as _fused_batch
 from helpers import hf_greedy, serve, train_from_target
 from helpers import random_prompts as _random_prompts
@@ -224,3 +234,57 @@ def test_teacher_chunks_do_not_change_the_loss(target):
     torch.testing.assert_close(whole.loss, chunked.loss)
     # equal up to rounding: on some CPUs a matmul's rounding depends on its number of rows
     assert chunked.metrics == pytest.approx(whole.metrics, rel=1e-6)
+
+
+def _eagle3_loss_case(target, **build):
+    """A batch with prompt rows and a drafter over a 50-token draft vocabulary (some target argmaxes not
+    drafted): what the loss options below are checked on."""
+    batch = fused_batch(target, LAYERS, n=3, new_tokens=10)
+    batch.loss_mask[:, :6] = 0
+    torch.manual_seed(0)
+    model = get_family("eagle3").build(target.config, {"aux_layer_ids": LAYERS, "draft_vocab_size": 50, **build})
+    model.fit_data(torch.bincount(batch.input_ids.flatten(), minlength=VOCAB))
+    return model, batch, FrozenTarget.from_model(target)
+
+
+def _chain_metrics(metrics):
+    return {key: value for key, value in metrics.items() if key.startswith(("acc/", "sim/"))}
+
+
+def test_the_new_loss_options_are_recipe_keys_and_off_by_default(target):
+    names = loss_option_names(get_family("eagle3"))
+    assert {"topk_distill", "topk_weight"} <= set(names)
+    model, batch, frozen = _eagle3_loss_case(target)
+    plain = eagle3_loss(model, batch, frozen)
+    off = eagle3_loss(model, batch, frozen, topk_distill=0, topk_weight=5.0)
+    torch.testing.assert_close(plain.loss, off.loss)
+    assert plain.metrics == off.metrics
+    checked = check_loss_options(get_family("eagle3"), {"topk_distill": 10, "topk_weight": "0.5"})
+    assert checked == {"topk_distill": 10, "topk_weight": 0.5}
+
+
+def test_top_k_distillation_sums_the_soft_ce_over_the_teachers_top_k():
+    torch.manual_seed(0)
+    student, teacher = torch.randn(5, 12), torch.randn(5, 12)
+    ce, topk = _teacher_cross_entropies(student, teacher, 3)
+    p, log_q = teacher.softmax(-1), student.log_softmax(-1)
+    for row in range(5):
+        top = sorted(range(12), key=lambda k: -float(teacher[row, k]))[:3]
+        torch.testing.assert_close(topk[row], -sum(p[row, k] * log_q[row, k] for k in top))  # p not renormalized
+    torch.testing.assert_close(ce, _soft_cross_entropy(student, teacher))
+    assert _teacher_cross_entropies(student, teacher, 0)[1] is None
+
+
+def test_top_k_distillation_over_the_whole_draft_vocabulary_adds_the_soft_ce_again(target):
+    """K = the draft vocabulary: every step's top-K term is its CE, so the loss is (1 + weight) times
+    the plain one; a smaller K adds less; the chain metrics never move."""
+    model, batch, frozen = _eagle3_loss_case(target)
+    plain = eagle3_loss(model, batch, frozen)
+    whole = eagle3_loss(model, batch, frozen, topk_distill=50, topk_weight=0.5)
+    torch.testing.assert_close(whole.loss, 1.5 * plain.loss)
+    for step in range(3):
+        assert whole.metrics[f"loss/topk{step}"] == pytest.approx(plain.metrics[f"loss/step{step}"], rel=1e-5)
+    assert _chain_metrics(whole.metrics) == _chain_metrics(plain.metrics)
+    few = eagle3_loss(model, batch, frozen, topk_distill=3, topk_weight=0.5)
+    assert plain.loss < few.loss < whole.loss
+    torch.testing.assert_close(eagle3_loss(model, batch, frozen, topk_distill=1000).loss, 2 * plain.loss)  # K capped

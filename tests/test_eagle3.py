@@ -24,6 +24,7 @@ from draftsmith.train.losses import (
     ttt_mask,
     ttt_unroll,
 )
+from draftsmith.train.recipe_loader import RecipeError
 from helpers import fused_batch as _fused_batch
 from helpers import hf_greedy, serve, train_from_target
 from helpers import random_prompts as _random_prompts
@@ -253,14 +254,16 @@ def _chain_metrics(metrics):
 
 def test_the_new_loss_options_are_recipe_keys_and_off_by_default(target):
     names = loss_option_names(get_family("eagle3"))
-    assert {"topk_distill", "topk_weight"} <= set(names)
+    assert {"topk_distill", "topk_weight", "align_mask", "align_topk"} <= set(names)
     model, batch, frozen = _eagle3_loss_case(target)
     plain = eagle3_loss(model, batch, frozen)
-    off = eagle3_loss(model, batch, frozen, topk_distill=0, topk_weight=5.0)
+    off = eagle3_loss(model, batch, frozen, topk_distill=0, topk_weight=5.0, align_mask=False, align_topk=1)
     torch.testing.assert_close(plain.loss, off.loss)
     assert plain.metrics == off.metrics
-    checked = check_loss_options(get_family("eagle3"), {"topk_distill": 10, "topk_weight": "0.5"})
-    assert checked == {"topk_distill": 10, "topk_weight": 0.5}
+    checked = check_loss_options(get_family("eagle3"), {"topk_distill": 10, "topk_weight": "0.5", "align_mask": True})
+    assert checked == {"topk_distill": 10, "topk_weight": 0.5, "align_mask": True}
+    with pytest.raises(RecipeError, match="align_topk"):
+        eagle3_loss(model, batch, frozen, align_mask=True, align_topk=0)
 
 
 def test_top_k_distillation_sums_the_soft_ce_over_the_teachers_top_k():
@@ -288,3 +291,47 @@ def test_top_k_distillation_over_the_whole_draft_vocabulary_adds_the_soft_ce_aga
     few = eagle3_loss(model, batch, frozen, topk_distill=3, topk_weight=0.5)
     assert plain.loss < few.loss < whole.loss
     torch.testing.assert_close(eagle3_loss(model, batch, frozen, topk_distill=1000).loss, 2 * plain.loss)  # K capped
+
+
+def _expected_step_losses(model, batch, frozen, align_top_k=None):
+    """Independently of the loss: each step's mean soft CE over its supervised, drafted positions and,
+    with ``align_top_k``, only where every earlier step's ``align_top_k`` best columns held the token the
+    next step reads (a step without a label there breaks the chain); and those positions."""
+    supervised = (batch.loss_mask * batch.attention_mask).bool()
+    vocab = model.draft_token_ids()
+    with torch.no_grad():
+        steps = list(ttt_unroll(model, frozen, batch.input_ids, batch.attention_mask, batch.drafter_states))
+        target_logits = frozen.lm_head(batch.hidden_states)
+    width, on_chain, losses, kept = supervised.shape[1], torch.ones_like(supervised), [], []
+    for step, out in enumerate(steps):
+        ahead = 2 + step  # step i at t predicts x_{t+2+i} from the target state at t+1+i
+        rows = torch.zeros_like(supervised)
+        rows[:, : width - ahead] = supervised[:, ahead:] & model.t2d[target_logits[:, ahead - 1 : -1].argmax(-1)]
+        if align_top_k:
+            rows &= on_chain
+        student = model.logits(out.token_features)[:, : width - ahead]
+        teacher = target_logits[:, ahead - 1 : -1][..., vocab]
+        ce = -(teacher.softmax(-1) * student.log_softmax(-1)).sum(-1)
+        losses.append(float(ce[rows[:, : width - ahead]].mean().detach()))
+        kept.append(rows)
+        best = model.token_ids(student.topk(align_top_k or 1, -1).indices)
+        proposed = torch.zeros_like(supervised)
+        proposed[:, : width - ahead] = (best == batch.input_ids[:, ahead:, None]).any(-1) & supervised[:, ahead:]
+        on_chain = on_chain & proposed
+    return losses, kept
+
+
+def test_align_mask_trains_a_step_only_where_the_drafter_proposed_every_earlier_input(target):
+    model, batch, frozen = _eagle3_loss_case(target, ttt_steps=3)
+    plain = eagle3_loss(model, batch, frozen)
+    masked = eagle3_loss(model, batch, frozen, align_mask=True, align_topk=20)
+    expected, kept = _expected_step_losses(model, batch, frozen, align_top_k=20)
+    unmasked, every = _expected_step_losses(model, batch, frozen)
+    for step in range(3):
+        assert plain.metrics[f"loss/step{step}"] == pytest.approx(unmasked[step], rel=1e-5)
+        assert masked.metrics[f"loss/step{step}"] == pytest.approx(expected[step], rel=1e-5)
+    # not vacuous: steps 1 and 2 drop some of their positions and keep some; step 0 keeps all
+    assert kept[0].equal(every[0])
+    assert all(0 < int(kept[step].sum()) < int(every[step].sum()) for step in (1, 2))
+    assert _chain_metrics(masked.metrics) == _chain_metrics(plain.metrics)
+    assert masked.metrics["align/step0"] == 1.0 > masked.metrics["align/step1"] >= masked.metrics["align/step2"] > 0

@@ -127,6 +127,8 @@ def eagle3_loss(
     teacher_chunk_rows: int = 1024,
     topk_distill: int = 0,
     topk_weight: float = 1.0,
+    align_mask: bool = False,
+    align_topk: int = 3,
 ):
     """EAGLE-3 / FSPAD-3: the training-time test, ``sum_i decay^i * CE_i`` over ``drafter.ttt_steps`` steps.
 
@@ -139,7 +141,7 @@ def eagle3_loss(
     The teacher's full-vocabulary logits (no gradient) are made only where they teach a supervised
     token, ``teacher_chunk_rows`` rows at a time.
 
-    An objective found after EAGLE-3, off by default:
+    Two objectives found after EAGLE-3, both off by default:
 
     * ``topk_distill`` K > 0: HASS's harmonized objective distillation (Zhang et al., ICLR 2025). Each
       step adds ``topk_weight * TopK_i``, ``TopK_i = -sum_{k in top-K of p} p_k log q_k``: the CE_i sum
@@ -148,12 +150,22 @@ def eagle3_loss(
       tokens and verification accepts only the target's likeliest ones, so HASS weighs ranking those
       right over fitting the tail of ``p``, which a one-layer drafter spends capacity on. K = the
       draft vocabulary makes TopK_i = CE_i.
+    * ``align_mask``: GRIFFIN's token-alignment loss masking (Hu et al., 2025). Step i >= 1 feeds the
+      drafter the data tokens ``x_{t+2..t+1+i}``, but at serve time a chain reaches depth i only through
+      tokens the drafter proposed; so position t trains step i only if at every step j < i the
+      drafter's ``align_topk`` best columns (GRIFFIN's ``--topk_train``, 3: the tree's branches; 1 is
+      a top-1 chain) held the token step j + 1 reads, ``x_{t+2+j}``. A step j without a label there
+      (the chain would cross a prompt token) breaks the chain too. Step 0 is never masked, and each
+      step's CE is the mean over the positions it keeps, as in GRIFFIN.
 
     Metrics: ``loss/step{i}`` (CE_i over the positions step i trains), ``acc/step{i+1}`` (top-1
     agreement with the target's argmax over its whole vocabulary at every labelled position, a token
-    outside the draft vocabulary a miss; the option above changes no metric but ``loss/*``) and
+    outside the draft vocabulary a miss; the masks above change no metric but ``loss/*``) and
     ``sim/accept_length`` = ``1 + sum_k prod_{j<=k} acc_j``, the top-1 chain length they imply; with
-    ``topk_distill``, ``loss/topk{i}``."""
+    ``topk_distill``, ``loss/topk{i}``; with ``align_mask``, ``align/step{i}``, the share of labelled
+    positions step i trains."""
+    if align_mask and align_topk < 1:
+        raise RecipeError(f"loss.align_topk must be >= 1 with loss.align_mask, got {align_topk}")
     core = getattr(model, "module", model)  # DDP / DeepSpeed wrap the drafter; compute goes through model()
     supervised = (batch.loss_mask * batch.attention_mask).bool()
     needed = _shift_left(supervised, 1)  # f_s teaches x_{s+1}: needed where that is an assistant token
@@ -163,11 +175,17 @@ def eagle3_loss(
     labels = [_shift_left(supervised, 2 + step) for step in range(core.config.ttt_steps)]  # x_{t+2+i} supervised
     read = read_rows(labels) if core.feeds_back else labels
     steps = ttt_unroll(model, frozen, batch.input_ids, batch.attention_mask, batch.drafter_states.float(), read=read)
+    on_chain = torch.ones_like(supervised)  # (B, T): the drafter proposed every token step i at t has read
     for step, out in enumerate(steps):
         labelled = labels[step]
         # the head only where a label is: its logits over the draft vocabulary are the step's largest tensor
         logits = core.logits(out.token_features[labelled])
         taught = _shift_left(drafted, 1 + step)[labelled]
+        if align_mask:
+            taught = taught & on_chain[labelled]
+            if labelled.any():
+                metrics[f"align/step{step}"] = float(on_chain[labelled].float().mean())
+            on_chain = on_chain & _proposed_next_input(core, logits, labelled, batch.input_ids, step, align_topk)
         ce, topk_ce = _teacher_cross_entropies(
             logits[taught].float(), teacher.rows_at(labelled, 1 + step)[taught], topk_distill
         )
@@ -198,6 +216,19 @@ def _teacher_cross_entropies(
         return terms.sum(-1), None
     top = teacher_logits.topk(min(top_k, teacher_logits.shape[-1]), dim=-1).indices
     return terms.sum(-1), terms.gather(-1, top).sum(-1)
+
+
+@torch.no_grad()
+def _proposed_next_input(
+    core, logits: torch.Tensor, labelled: torch.Tensor, input_ids: torch.Tensor, step: int, top_k: int
+) -> torch.Tensor:
+    """(B, T) bool: at the ``labelled`` positions, whether the drafter's ``top_k`` best draft columns at
+    this step (``logits``, one row per labelled position) hold ``x_{t+2+step}``, the token the next
+    step reads there; False elsewhere (no label: nothing says the chain would go on)."""
+    best = core.token_ids(logits.topk(min(top_k, logits.shape[-1]), dim=-1).indices)
+    proposed = torch.zeros_like(labelled)
+    proposed[labelled] = (best == _shift_left(input_ids, 2 + step)[labelled][:, None]).any(-1)
+    return proposed
 
 
 def peagle_loss(model, batch: TrainBatch, frozen: FrozenTarget, decay: float = 1.0, teacher_chunk_rows: int = 1024):

@@ -146,17 +146,20 @@ def eagle3_loss(
     * ``topk_distill`` K > 0: HASS's harmonized objective distillation (Zhang et al., ICLR 2025). Each
       step adds ``topk_weight * TopK_i``, ``TopK_i = -sum_{k in top-K of p} p_k log q_k``: the CE_i sum
       over only the teacher's K most likely draft tokens, ``p`` not renormalized (HASS's
-      ``compute_loss``; its default weight 1.0, K 10). A draft tree holds the drafter's few best
-      tokens and verification accepts only the target's likeliest ones, so HASS weighs ranking those
-      right over fitting the tail of ``p``, which a one-layer drafter spends capacity on. K = the
-      draft vocabulary makes TopK_i = CE_i.
+      ``compute_loss``; its default weight 1.0, K 10; its script adds it in a fine-tuning stage after
+      training without it). A draft tree holds the drafter's few best tokens and verification accepts
+      only the target's likeliest ones, so HASS weighs ranking those right over fitting the tail of
+      ``p``, which a one-layer drafter spends capacity on. K = the draft vocabulary makes TopK_i = CE_i.
     * ``align_mask``: GRIFFIN's token-alignment loss masking (Hu et al., 2025). Step i >= 1 feeds the
       drafter the data tokens ``x_{t+2..t+1+i}``, but at serve time a chain reaches depth i only through
       tokens the drafter proposed; so position t trains step i only if at every step j < i the
       drafter's ``align_topk`` best columns (GRIFFIN's ``--topk_train``, 3: the tree's branches; 1 is
       a top-1 chain) held the token step j + 1 reads, ``x_{t+2+j}``. A step j without a label there
       (the chain would cross a prompt token) breaks the chain too. Step 0 is never masked, and each
-      step's CE is the mean over the positions it keeps, as in GRIFFIN.
+      step's CE is the mean over the positions it keeps, as in GRIFFIN. GRIFFIN masks only in its
+      later stages, each started from the previous stage's drafter (``train.init_from``): an
+      untrained drafter proposes almost nothing right, so from scratch the deeper steps get next
+      to no positions, each weighing the whole step's mean.
 
     Metrics: ``loss/step{i}`` (CE_i over the positions step i trains), ``acc/step{i+1}`` (top-1
     agreement with the target's argmax over its whole vocabulary at every labelled position, a token

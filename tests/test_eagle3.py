@@ -13,7 +13,18 @@ from draftsmith.drafters.io import export_drafter
 from draftsmith.drafters.registry import get_family
 from draftsmith.drafters.vocab import draft_vocab_maps
 from draftsmith.inference.runtime import generate
-from draftsmith.train.losses import family_loss, read_rows, ttt_mask, ttt_unroll
+from draftsmith.train.losses import (
+    _soft_cross_entropy,
+    _teacher_cross_entropies,
+    check_loss_options,
+    eagle3_loss,
+    family_loss,
+    loss_option_names,
+    read_rows,
+    ttt_mask,
+    ttt_unroll,
+)
+from draftsmith.train.recipe_loader import RecipeError
 from helpers import fused_batch as _fused_batch
 from helpers import hf_greedy, serve, train_from_target
 from helpers import random_prompts as _random_prompts
@@ -224,3 +235,103 @@ def test_teacher_chunks_do_not_change_the_loss(target):
     torch.testing.assert_close(whole.loss, chunked.loss)
     # equal up to rounding: on some CPUs a matmul's rounding depends on its number of rows
     assert chunked.metrics == pytest.approx(whole.metrics, rel=1e-6)
+
+
+def _eagle3_loss_case(target, **build):
+    """A batch with prompt rows and a drafter over a 50-token draft vocabulary (some target argmaxes not
+    drafted): what the loss options below are checked on."""
+    batch = fused_batch(target, LAYERS, n=3, new_tokens=10)
+    batch.loss_mask[:, :6] = 0
+    torch.manual_seed(0)
+    model = get_family("eagle3").build(target.config, {"aux_layer_ids": LAYERS, "draft_vocab_size": 50, **build})
+    model.fit_data(torch.bincount(batch.input_ids.flatten(), minlength=VOCAB))
+    return model, batch, FrozenTarget.from_model(target)
+
+
+def _chain_metrics(metrics):
+    return {key: value for key, value in metrics.items() if key.startswith(("acc/", "sim/"))}
+
+
+def test_the_new_loss_options_are_recipe_keys_and_off_by_default(target):
+    names = loss_option_names(get_family("eagle3"))
+    assert {"topk_distill", "topk_weight", "align_mask", "align_topk"} <= set(names)
+    model, batch, frozen = _eagle3_loss_case(target)
+    plain = eagle3_loss(model, batch, frozen)
+    off = eagle3_loss(model, batch, frozen, topk_distill=0, topk_weight=5.0, align_mask=False, align_topk=1)
+    torch.testing.assert_close(plain.loss, off.loss)
+    assert plain.metrics == off.metrics
+    checked = check_loss_options(get_family("eagle3"), {"topk_distill": 10, "topk_weight": "0.5", "align_mask": True})
+    assert checked == {"topk_distill": 10, "topk_weight": 0.5, "align_mask": True}
+    with pytest.raises(RecipeError, match="align_topk"):
+        eagle3_loss(model, batch, frozen, align_mask=True, align_topk=0)
+
+
+def test_top_k_distillation_sums_the_soft_ce_over_the_teachers_top_k():
+    torch.manual_seed(0)
+    student, teacher = torch.randn(5, 12), torch.randn(5, 12)
+    ce, topk = _teacher_cross_entropies(student, teacher, 3)
+    p, log_q = teacher.softmax(-1), student.log_softmax(-1)
+    for row in range(5):
+        top = sorted(range(12), key=lambda k: -float(teacher[row, k]))[:3]
+        torch.testing.assert_close(topk[row], -sum(p[row, k] * log_q[row, k] for k in top))  # p not renormalized
+    torch.testing.assert_close(ce, _soft_cross_entropy(student, teacher))
+    assert _teacher_cross_entropies(student, teacher, 0)[1] is None
+
+
+def test_top_k_distillation_over_the_whole_draft_vocabulary_adds_the_soft_ce_again(target):
+    """K = the draft vocabulary: every step's top-K term is its CE, so the loss is (1 + weight) times
+    the plain one; a smaller K adds less; the chain metrics never move."""
+    model, batch, frozen = _eagle3_loss_case(target)
+    plain = eagle3_loss(model, batch, frozen)
+    whole = eagle3_loss(model, batch, frozen, topk_distill=50, topk_weight=0.5)
+    torch.testing.assert_close(whole.loss, 1.5 * plain.loss)
+    for step in range(3):
+        assert whole.metrics[f"loss/topk{step}"] == pytest.approx(plain.metrics[f"loss/step{step}"], rel=1e-5)
+    assert _chain_metrics(whole.metrics) == _chain_metrics(plain.metrics)
+    few = eagle3_loss(model, batch, frozen, topk_distill=3, topk_weight=0.5)
+    assert plain.loss < few.loss < whole.loss
+    torch.testing.assert_close(eagle3_loss(model, batch, frozen, topk_distill=1000).loss, 2 * plain.loss)  # K capped
+
+
+def _expected_step_losses(model, batch, frozen, align_top_k=None):
+    """Independently of the loss: each step's mean soft CE over its supervised, drafted positions and,
+    with ``align_top_k``, only where every earlier step's ``align_top_k`` best columns held the token the
+    next step reads (a step without a label there breaks the chain); and those positions."""
+    supervised = (batch.loss_mask * batch.attention_mask).bool()
+    vocab = model.draft_token_ids()
+    with torch.no_grad():
+        steps = list(ttt_unroll(model, frozen, batch.input_ids, batch.attention_mask, batch.drafter_states))
+        target_logits = frozen.lm_head(batch.hidden_states)
+    width, on_chain, losses, kept = supervised.shape[1], torch.ones_like(supervised), [], []
+    for step, out in enumerate(steps):
+        ahead = 2 + step  # step i at t predicts x_{t+2+i} from the target state at t+1+i
+        rows = torch.zeros_like(supervised)
+        rows[:, : width - ahead] = supervised[:, ahead:] & model.t2d[target_logits[:, ahead - 1 : -1].argmax(-1)]
+        if align_top_k:
+            rows &= on_chain
+        student = model.logits(out.token_features)[:, : width - ahead]
+        teacher = target_logits[:, ahead - 1 : -1][..., vocab]
+        ce = -(teacher.softmax(-1) * student.log_softmax(-1)).sum(-1)
+        losses.append(float(ce[rows[:, : width - ahead]].mean().detach()))
+        kept.append(rows)
+        best = model.token_ids(student.topk(align_top_k or 1, -1).indices)
+        proposed = torch.zeros_like(supervised)
+        proposed[:, : width - ahead] = (best == batch.input_ids[:, ahead:, None]).any(-1) & supervised[:, ahead:]
+        on_chain = on_chain & proposed
+    return losses, kept
+
+
+def test_align_mask_trains_a_step_only_where_the_drafter_proposed_every_earlier_input(target):
+    model, batch, frozen = _eagle3_loss_case(target, ttt_steps=3)
+    plain = eagle3_loss(model, batch, frozen)
+    masked = eagle3_loss(model, batch, frozen, align_mask=True, align_topk=20)
+    expected, kept = _expected_step_losses(model, batch, frozen, align_top_k=20)
+    unmasked, every = _expected_step_losses(model, batch, frozen)
+    for step in range(3):
+        assert plain.metrics[f"loss/step{step}"] == pytest.approx(unmasked[step], rel=1e-5)
+        assert masked.metrics[f"loss/step{step}"] == pytest.approx(expected[step], rel=1e-5)
+    # not vacuous: steps 1 and 2 drop some of their positions and keep some; step 0 keeps all
+    assert kept[0].equal(every[0])
+    assert all(0 < int(kept[step].sum()) < int(every[step].sum()) for step in (1, 2))
+    assert _chain_metrics(masked.metrics) == _chain_metrics(plain.metrics)
+    assert masked.metrics["align/step0"] == 1.0 > masked.metrics["align/step1"] >= masked.metrics["align/step2"] > 0

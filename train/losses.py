@@ -119,7 +119,17 @@ def _padded_causal_mask(padding: torch.Tensor, dtype: torch.dtype) -> torch.Tens
     return causal_mask(padding.shape[1], dtype, padding.device, padding)
 
 
-def eagle3_loss(model, batch: TrainBatch, frozen: FrozenTarget, decay: float = 0.8, teacher_chunk_rows: int = 1024):
+def eagle3_loss(
+    model,
+    batch: TrainBatch,
+    frozen: FrozenTarget,
+    decay: float = 0.8,
+    teacher_chunk_rows: int = 1024,
+    topk_distill: int = 0,
+    topk_weight: float = 1.0,
+    align_mask: bool = False,
+    align_topk: int = 3,
+):
     """EAGLE-3 / FSPAD-3: the training-time test, ``sum_i decay^i * CE_i`` over ``drafter.ttt_steps`` steps.
 
     Step 0: position t reads the fused target states at t and ``x_{t+1}`` (causal attention) and
@@ -131,9 +141,34 @@ def eagle3_loss(model, batch: TrainBatch, frozen: FrozenTarget, decay: float = 0
     The teacher's full-vocabulary logits (no gradient) are made only where they teach a supervised
     token, ``teacher_chunk_rows`` rows at a time.
 
-    Metrics: ``loss/step{i}``, ``acc/step{i+1}`` (top-1 agreement with the target's argmax over its
-    whole vocabulary, a token outside the draft vocabulary a miss) and ``sim/accept_length`` =
-    ``1 + sum_k prod_{j<=k} acc_j``, the top-1 chain length they imply."""
+    Two objectives found after EAGLE-3, both off by default:
+
+    * ``topk_distill`` K > 0: HASS's harmonized objective distillation (Zhang et al., ICLR 2025). Each
+      step adds ``topk_weight * TopK_i``, ``TopK_i = -sum_{k in top-K of p} p_k log q_k``: the CE_i sum
+      over only the teacher's K most likely draft tokens, ``p`` not renormalized (HASS's
+      ``compute_loss``; its default weight 1.0, K 10; its script adds it in a fine-tuning stage after
+      training without it). A draft tree holds the drafter's few best tokens and verification accepts
+      only the target's likeliest ones, so HASS weighs ranking those right over fitting the tail of
+      ``p``, which a one-layer drafter spends capacity on. K = the draft vocabulary makes TopK_i = CE_i.
+    * ``align_mask``: GRIFFIN's token-alignment loss masking (Hu et al., 2025). Step i >= 1 feeds the
+      drafter the data tokens ``x_{t+2..t+1+i}``, but at serve time a chain reaches depth i only through
+      tokens the drafter proposed; so position t trains step i only if at every step j < i the
+      drafter's ``align_topk`` best columns (GRIFFIN's ``--topk_train``, 3: the tree's branches; 1 is
+      a top-1 chain) held the token step j + 1 reads, ``x_{t+2+j}``. A step j without a label there
+      (the chain would cross a prompt token) breaks the chain too. Step 0 is never masked, and each
+      step's CE is the mean over the positions it keeps, as in GRIFFIN. GRIFFIN masks only in its
+      later stages, each started from the previous stage's drafter (``train.init_from``): an
+      untrained drafter proposes almost nothing right, so from scratch the deeper steps get next
+      to no positions, each weighing the whole step's mean.
+
+    Metrics: ``loss/step{i}`` (CE_i over the positions step i trains), ``acc/step{i+1}`` (top-1
+    agreement with the target's argmax over its whole vocabulary at every labelled position, a token
+    outside the draft vocabulary a miss; the masks above change no metric but ``loss/*``) and
+    ``sim/accept_length`` = ``1 + sum_k prod_{j<=k} acc_j``, the top-1 chain length they imply; with
+    ``topk_distill``, ``loss/topk{i}``; with ``align_mask``, ``align/step{i}``, the share of labelled
+    positions step i trains."""
+    if align_mask and align_topk < 1:
+        raise RecipeError(f"loss.align_topk must be >= 1 with loss.align_mask, got {align_topk}")
     core = getattr(model, "module", model)  # DDP / DeepSpeed wrap the drafter; compute goes through model()
     supervised = (batch.loss_mask * batch.attention_mask).bool()
     needed = _shift_left(supervised, 1)  # f_s teaches x_{s+1}: needed where that is an assistant token
@@ -143,15 +178,27 @@ def eagle3_loss(model, batch: TrainBatch, frozen: FrozenTarget, decay: float = 0
     labels = [_shift_left(supervised, 2 + step) for step in range(core.config.ttt_steps)]  # x_{t+2+i} supervised
     read = read_rows(labels) if core.feeds_back else labels
     steps = ttt_unroll(model, frozen, batch.input_ids, batch.attention_mask, batch.drafter_states.float(), read=read)
+    on_chain = torch.ones_like(supervised)  # (B, T): the drafter proposed every token step i at t has read
     for step, out in enumerate(steps):
         labelled = labels[step]
         # the head only where a label is: its logits over the draft vocabulary are the step's largest tensor
         logits = core.logits(out.token_features[labelled])
         taught = _shift_left(drafted, 1 + step)[labelled]
-        ce = _soft_cross_entropy(logits[taught].float(), teacher.rows_at(labelled, 1 + step)[taught])
-        step_loss = ce.sum() / taught.sum().clamp_min(1)
-        total = total + decay**step * step_loss
+        if align_mask:
+            taught = taught & on_chain[labelled]
+            if labelled.any():
+                metrics[f"align/step{step}"] = float(on_chain[labelled].float().mean())
+            on_chain = on_chain & _proposed_next_input(core, logits, labelled, batch.input_ids, step, align_topk)
+        ce, topk_ce = _teacher_cross_entropies(
+            logits[taught].float(), teacher.rows_at(labelled, 1 + step)[taught], topk_distill
+        )
+        rows = taught.sum().clamp_min(1)
+        step_loss = ce.sum() / rows
         metrics[f"loss/step{step}"] = float(step_loss.detach())
+        if topk_ce is not None:
+            metrics[f"loss/topk{step}"] = float(topk_ce.sum().detach() / rows)
+            step_loss = step_loss + topk_weight * topk_ce.sum() / rows
+        total = total + decay**step * step_loss
         if labelled.any():
             hits = core.token_ids(logits.detach().argmax(-1)) == _shift_left(teacher.argmax, 1 + step)[labelled]
             accuracies.append(float(hits.float().mean()))
@@ -159,6 +206,32 @@ def eagle3_loss(model, batch: TrainBatch, frozen: FrozenTarget, decay: float = 0
     if accuracies:
         metrics["sim/accept_length"] = chain_length(accuracies)
     return LossOutput(total, metrics)
+
+
+def _teacher_cross_entropies(
+    student_logits: torch.Tensor, teacher_logits: torch.Tensor, top_k: int
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per row, the soft CE to the teacher's distribution ``p`` and, with ``top_k`` > 0, HASS's top-K
+    term: the same ``-p_k log q_k`` summed over the teacher's ``top_k`` likeliest columns only (None
+    without). One softmax and one log-softmax serve both: the rows' logits are the step's largest tensors."""
+    terms = -(teacher_logits.softmax(-1) * student_logits.log_softmax(-1))
+    if top_k <= 0:
+        return terms.sum(-1), None
+    top = teacher_logits.topk(min(top_k, teacher_logits.shape[-1]), dim=-1).indices
+    return terms.sum(-1), terms.gather(-1, top).sum(-1)
+
+
+@torch.no_grad()
+def _proposed_next_input(
+    core, logits: torch.Tensor, labelled: torch.Tensor, input_ids: torch.Tensor, step: int, top_k: int
+) -> torch.Tensor:
+    """(B, T) bool: at the ``labelled`` positions, whether the drafter's ``top_k`` best draft columns at
+    this step (``logits``, one row per labelled position) hold ``x_{t+2+step}``, the token the next
+    step reads there; False elsewhere (no label: nothing says the chain would go on)."""
+    best = core.token_ids(logits.topk(min(top_k, logits.shape[-1]), dim=-1).indices)
+    proposed = torch.zeros_like(labelled)
+    proposed[labelled] = (best == _shift_left(input_ids, 2 + step)[labelled][:, None]).any(-1)
+    return proposed
 
 
 def peagle_loss(model, batch: TrainBatch, frozen: FrozenTarget, decay: float = 1.0, teacher_chunk_rows: int = 1024):

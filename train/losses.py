@@ -199,6 +199,8 @@ def dflash_loss(
     supervised = (batch.loss_mask * batch.attention_mask).bool()
     generator = None if model.training else torch.Generator(device=supervised.device).manual_seed(0)
     starts, kept = sample_anchors(supervised, anchors, generator)  # (B, N)
+    if not starts.shape[1]:  # no assistant token is followed by another: nothing to denoise
+        return LossOutput(core.mask_embedding.sum() * 0.0, {})
     labels = starts[..., None] + torch.arange(size, device=starts.device)  # (B, N, K) positions a + k
     width = supervised.shape[1]
     at = labels.clamp(max=width - 1)

@@ -116,6 +116,9 @@ class DFlashConfig(DrafterConfig):
                 f"got {self.draft_vocab_size}"
             )
 
+    def parallel_depths(self) -> int:
+        return self.block_size - 1
+
     def layer_config(self) -> LlamaConfig:
         config = LlamaConfig(**self.layer, num_hidden_layers=self.num_layers)
         config._attn_implementation = "sdpa"

@@ -211,3 +211,39 @@ def test_a_reduced_draft_vocabulary_decodes_losslessly(target):
         assert generate(target, prompt, drafter, max_new_tokens=30, eos_token_ids=[EOS]).tokens == hf_greedy(
             target, prompt, 30
         )
+
+
+def test_tune_fits_a_dflash_tree_that_generate_uses(tiny_target_dir, tmp_path):
+    """``draftsmith tune`` counts each tree's acceptance from its own one-forward drafts, as real decoding
+    accepts them, and ``generate`` then drafts the tree it chose, losslessly."""
+    from draftsmith.core.target import load_target
+    from draftsmith.drafters.io import export_drafter
+    from draftsmith.inference.measure.tune import Shape, record_counted_prompt, simulate_rounds, tune_base
+    from draftsmith.inference.methods.table import build_drafter
+    from draftsmith.inference.methods.tuned_trees import DeviceKey, read_tuned_trees
+    from draftsmith.train.cli import main
+
+    tiny, layers = load_target(str(tiny_target_dir)), [0, 1]
+    vocab = int(tiny.model.config.vocab_size)
+    batch = fused_batch(tiny.model, vocab, layers, n=16, new_tokens=40)
+    model, _ = train_from_target("dflash", tiny.model, batch, 60, aux_layer_ids=layers, block_size=BLOCK)
+    export = export_drafter(model, tiny.identity.to_dict(), tmp_path / "dflash")
+    base = tune_base(export, tiny)
+    prompt = random_prompts(1, seed=0, vocab=vocab)[0]
+    shapes = [Shape(1, 1, 1), Shape(3, 1, 3), Shape(2, 2, 4)]
+    record = record_counted_prompt(tiny, base, prompt, 16, shapes)
+    for shape in shapes:
+        drafter = base.model.runtime_drafter(tiny.model, shape.options())
+        real = generate(tiny.model, prompt, drafter, max_new_tokens=16, eos_token_ids=tiny.eos_token_ids)
+        assert simulate_rounds(record, shape, 16, set(tiny.eos_token_ids)) == real.accept_lengths, shape
+    argv = ["tune", str(export), "--target", str(tiny_target_dir), "--limit", "1", "--max-new-tokens", "8"]
+    main([*argv, "--top-k", "1,2", "--total-tokens", "1,2,4"])
+    entry = read_tuned_trees(export)[DeviceKey.current(tiny.model).text()]
+    assert entry["calibration"]["search"]["max_depth"] == BLOCK - 1  # the block's masked positions
+    drafter = build_drafter(f"dflash={export}", tiny)
+    assert (drafter.depth, drafter.top_k, drafter.total_tokens) == tuple(
+        entry["tree"][key] for key in ("depth", "top_k", "total_tokens")
+    )
+    assert generate(tiny.model, prompt, drafter, max_new_tokens=16, eos_token_ids=[EOS]).tokens == hf_greedy(
+        tiny.model, prompt, 16
+    )

@@ -211,6 +211,11 @@ class DrafterConfig(PretrainedConfig):
         declaration the runtime, the trainer (online and offline features) and the feature cache read."""
         return (-1,)
 
+    def parallel_depths(self) -> int:
+        """The most depths one drafter forward drafts, for families that draft a round in one forward
+        (``TreeSearch.PARALLEL``: ``draftsmith tune`` tries no deeper tree); 0 for the others."""
+        return 0
+
     def tree_options(self) -> TreeOptions:
         """The tree this drafter drafts by default."""
         return TreeOptions(**{name: getattr(self, name) for name in self.TREE_OPTIONS})

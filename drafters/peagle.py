@@ -62,6 +62,9 @@ class PEagleConfig(Eagle3Config):
                 )
         check_depth(self.depth, self.ttt_steps, EagleConfigError)
 
+    def parallel_depths(self) -> int:
+        return self.ttt_steps
+
 
 def check_depth(depth: int, trained: int, error: type[Exception]) -> None:
     """A placeholder past the trained depths was never taught to predict anything."""

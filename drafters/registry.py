@@ -24,6 +24,7 @@ from transformers import PretrainedConfig
 
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.drafters.base import DrafterConfig, DrafterModel
+from draftsmith.drafters.dflash import DFlashConfig, DFlashModel
 from draftsmith.drafters.eagle import EagleConfig, EagleModel
 from draftsmith.drafters.eagle3 import Eagle3Config, Eagle3Model
 from draftsmith.drafters.io import weight_count
@@ -51,7 +52,7 @@ class TreeSearch(enum.Enum):
 
     GROWTH = "growth"  # EAGLE-2's best-first growth from the drafter's features: depth, top_k, total_tokens
     HEADS = "heads"  # Medusa's dynamic tree over its heads' candidates: top_k per head, total_tokens
-    PARALLEL = "parallel"  # one forward drafts every depth: depth, top_k per depth, total_tokens (P-EAGLE)
+    PARALLEL = "parallel"  # one forward drafts every depth: depth, top_k per depth, total_tokens (P-EAGLE, DFlash)
 
 
 @dataclass(frozen=True)
@@ -163,6 +164,8 @@ FAMILIES: dict[str, Family] = {
     "peagle": Family(
         "peagle", PEagleConfig, PEagleModel, "peagle_loss", starts_from=("eagle3",), tree_search=TreeSearch.PARALLEL
     ),
+    # DFlash denoises a block in one forward: a chain (or Cartesian tree) of its masked positions' top-k.
+    "dflash": Family("dflash", DFlashConfig, DFlashModel, "dflash_loss", tree_search=TreeSearch.PARALLEL),
     "medusa": Family(
         "medusa", MedusaConfig, MedusaHeads, "medusa_loss", tree_search=TreeSearch.HEADS, calibrated_tree=True
     ),

@@ -228,6 +228,7 @@ TINY_DRAFTER = {
     "eagle3": WHOLE_VOCABULARY,
     "fspad3": WHOLE_VOCABULARY,
     "peagle": WHOLE_VOCABULARY,
+    "dflash": WHOLE_VOCABULARY,
     "medusa": WHOLE_VOCABULARY,
     "medusa2": WHOLE_VOCABULARY,
     "streaming": ["drafter.num_stream_layers=1"],

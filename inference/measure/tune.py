@@ -377,7 +377,7 @@ def tune_base(directory: Path, target: Target) -> Drafter:
         return drafter
     raise TuneError(
         f"draftsmith tune fits EAGLE-2 dynamic trees (eagle, fspad, eagle3, fspad3 drafters), Medusa's "
-        f"dynamic trees (medusa, medusa2) and P-EAGLE's trees (peagle); {directory} holds a {drafter.name!r} "
+        f"dynamic trees (medusa, medusa2) and one-forward trees (peagle, dflash); {directory} holds a {drafter.name!r} "
         "drafter whose drafts come from inside the target's forward or from a target that cannot be served merged here"
     )
 
@@ -487,9 +487,9 @@ def parallel_plan(
     totals: Sequence[int],
     backends: Backends,
 ) -> TunePlan:
-    """P-EAGLE: one forward gives every depth, so a round costs one drafter forward of ``depth`` rows
+    """P-EAGLE, DFlash: one forward gives every depth, so a round costs one drafter forward of ``depth`` rows
     whatever the tree, and each tree's acceptance is counted from its own drafts."""
-    depth = min(max_depth, base.model.config.ttt_steps)
+    depth = min(max_depth, base.model.config.parallel_depths())
     search = {"max_depth": depth, "top_k": list(top_ks), "total_tokens": list(totals)}
     return counted_plan(
         target, base, prompts, max_new_tokens, parallel_search_space(depth, top_ks, totals), search, backends
@@ -515,7 +515,9 @@ SEARCHES = {
         ),
     ),
     # the depths one forward was trained to draft bound the tree
-    TreeSearch.PARALLEL: Search(lambda base, max_depth: min(max_depth, base.model.config.ttt_steps), parallel_plan),
+    TreeSearch.PARALLEL: Search(
+        lambda base, max_depth: min(max_depth, base.model.config.parallel_depths()), parallel_plan
+    ),
 }
 
 

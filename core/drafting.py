@@ -37,6 +37,15 @@ class DraftContext:
     features: torch.Tensor | None = None
 
 
+def committed_features(context: DraftContext, drafter: str) -> torch.Tensor:
+    """The target's features of every committed token but the root, as a feature drafter reads them;
+    a context without them is a runtime bug, named for ``drafter``."""
+    features = context.features
+    if features is None or features.shape[0] != len(context.tokens) - 1:
+        raise ValueError(f"{drafter} drafting needs the target's features of every committed token but the root")
+    return features
+
+
 class Drafter:
     """Proposes a token tree from the committed context; the runtime verifies it losslessly.
 

@@ -30,7 +30,7 @@ from transformers import DynamicCache, LlamaConfig, PretrainedConfig
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, rotate_half
 
 from draftsmith.core.cache import cache_length, keep_positions
-from draftsmith.core.drafting import DraftContext, Drafter
+from draftsmith.core.drafting import DraftContext, Drafter, committed_features
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.tree import DraftTree, cartesian_tree
 from draftsmith.drafters.base import (
@@ -290,9 +290,7 @@ class DFlashDrafter(Drafter):
 
     @torch.no_grad()
     def propose(self, context: DraftContext) -> DraftTree:
-        tokens, features = context.tokens, context.features
-        if features is None or features.shape[0] != len(tokens) - 1:
-            raise ValueError("DFlash drafting needs the target's features of every committed token but the root")
+        tokens, features = context.tokens, committed_features(context, "DFlash")
         logits = self.block_logits(tokens, features)[: min(self.depth, self.total_tokens)]
         return cartesian_tree(logits, self.top_k, self.total_tokens, self.head.token_ids)
 

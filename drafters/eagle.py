@@ -25,7 +25,7 @@ from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRMSNor
 
 from draftsmith.core.cache import cache_length, keep_positions
 from draftsmith.core.cache_kwarg import cache_kwargs
-from draftsmith.core.drafting import DraftContext, Drafter
+from draftsmith.core.drafting import DraftContext, Drafter, committed_features
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.tree import DraftTree, TreeGrowth, causal_mask, causal_mask_after, grow_tree
 from draftsmith.drafters.base import DrafterConfig, DrafterModel, DraftVocabMixin, FrozenTarget, TreeOptions
@@ -275,9 +275,7 @@ class EagleTreeDrafter(Drafter):
     def grow(self, context: DraftContext) -> tuple[DraftTree, TreeGrowth]:
         """The round's tree and every candidate it was chosen from (``draftsmith tune`` reads the
         candidates: the tree of any smaller depth or budget is a function of them)."""
-        tokens, features = context.tokens, context.features
-        if features is None or features.shape[0] != len(tokens) - 1:
-            raise ValueError("EAGLE drafting needs the target's features of every committed token but the root")
+        tokens, features = context.tokens, committed_features(context, "EAGLE")
         self._catch_up(tokens, features)
         columns: dict[int, int] = {}  # candidate -> its column in the drafter cache
         levels = iter(range(self.depth))  # the frontier's depth in the tree (0 = the root)

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from draftsmith.core.drafting import DraftContext, Drafter
+from draftsmith.core.drafting import DraftContext, Drafter, committed_features
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.tree import DraftTree, cartesian_tree
 from draftsmith.drafters.base import (
@@ -356,8 +356,8 @@ class MedusaTreeDrafter(Drafter):
 
     @torch.no_grad()
     def propose(self, context: DraftContext) -> DraftTree:
-        features = context.features
-        if features is None or features.shape[0] != len(context.tokens) - 1 or features.shape[0] == 0:
+        features = committed_features(context, "Medusa")
+        if features.shape[0] == 0:
             raise ValueError("Medusa drafting needs the target's features of every committed token but the root")
         feature = features[-1]  # produced the root token; head k proposes the depth-k nodes
         if self.static is not None:

@@ -28,7 +28,7 @@ from torch import nn
 from transformers import DynamicCache
 
 from draftsmith.core.cache import cache_length, keep_positions
-from draftsmith.core.drafting import DraftContext, Drafter
+from draftsmith.core.drafting import DraftContext, Drafter, committed_features
 from draftsmith.core.tree import DraftTree, cartesian_tree, causal_mask_after
 from draftsmith.drafters.base import FrozenTarget, TreeOptionError, TreeOptions
 from draftsmith.drafters.eagle import EagleConfigError
@@ -188,9 +188,7 @@ class PEagleDrafter(Drafter):
 
     @torch.no_grad()
     def propose(self, context: DraftContext) -> DraftTree:
-        tokens, features = context.tokens, context.features
-        if features is None or features.shape[0] != len(tokens) - 1:
-            raise ValueError("P-EAGLE drafting needs the target's features of every committed token but the root")
+        tokens, features = context.tokens, committed_features(context, "P-EAGLE")
         if len(tokens) < 2:
             return DraftTree.empty()  # no committed position to read the root at
         levels = self.depth_logits(tokens, features, min(self.depth, self.total_tokens))

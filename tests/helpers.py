@@ -386,3 +386,20 @@ def generate_argv(drafter: Path, target: Path) -> list:
         "--max-new-tokens",
         "4",
     ]
+
+
+def assert_one_drafter_forward_per_round(model, target, trees: list[tuple[int, int]], vocab: int) -> None:
+    """Decoding with ``model`` as a chain and as trees (top_k, total_tokens): one forward of the drafter
+    per verification round, whatever the tree (the parallel-drafting families' promise)."""
+    from draftsmith.inference.runtime import generate
+
+    calls = []
+    handle = model.register_forward_hook(lambda *_: calls.append(1))
+    try:
+        for top_k, total in trees:
+            calls.clear()
+            drafter = serve(model, target, top_k=top_k, total_tokens=total)
+            result = generate(target, random_prompts(1, 3, vocab)[0], drafter, max_new_tokens=30)  # no EOS
+            assert len(calls) == len(result.accept_lengths) > 1, (top_k, total)
+    finally:
+        handle.remove()

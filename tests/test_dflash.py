@@ -13,7 +13,14 @@ from draftsmith.drafters.registry import get_family
 from draftsmith.inference.runtime import generate
 from draftsmith.train.batch import TrainBatch
 from draftsmith.train.losses import _dflash_block_forward, dflash_mask, family_loss, sample_anchors
-from helpers import fused_batch, hf_greedy, random_prompts, serve, train_from_target
+from helpers import (
+    assert_one_drafter_forward_per_round,
+    fused_batch,
+    hf_greedy,
+    random_prompts,
+    serve,
+    train_from_target,
+)
 
 VOCAB = 97
 EOS = 2
@@ -136,17 +143,7 @@ def test_runtime_blocks_equal_the_training_blocks_round_after_round(target, trai
 
 
 def test_a_round_is_one_drafter_forward(target, trained):
-    model, _ = trained
-    calls = []
-    handle = model.register_forward_hook(lambda *_: calls.append(1))
-    try:
-        for top_k, total in [(1, 3), (3, 6)]:  # a chain and a tree
-            calls.clear()
-            drafter = serve(model, target, top_k=top_k, total_tokens=total)
-            result = generate(target, random_prompts(1, 3, VOCAB)[0], drafter, max_new_tokens=30)  # no EOS
-            assert len(calls) == len(result.accept_lengths) > 1
-    finally:
-        handle.remove()
+    assert_one_drafter_forward_per_round(trained[0], target, [(1, 3), (3, 6)], VOCAB)  # a chain and a tree
 
 
 def test_loss_trains_the_drafter_only_and_evaluates_on_fixed_anchors(target, batch):

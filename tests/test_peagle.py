@@ -12,7 +12,14 @@ from draftsmith.drafters.engine_layouts import EngineLayoutError
 from draftsmith.drafters.registry import get_family
 from draftsmith.inference.runtime import generate
 from draftsmith.train.losses import family_loss, ttt_unroll
-from helpers import fused_batch, hf_greedy, random_prompts, serve, train_from_target
+from helpers import (
+    assert_one_drafter_forward_per_round,
+    fused_batch,
+    hf_greedy,
+    random_prompts,
+    serve,
+    train_from_target,
+)
 
 VOCAB = 97
 EOS = 2
@@ -62,17 +69,7 @@ def test_config_keeps_depth_within_training_and_refuses_fspad_parts(target):
 
 
 def test_a_round_is_one_drafter_forward(target, trained):
-    model, _ = trained
-    calls = []
-    handle = model.register_forward_hook(lambda *_: calls.append(1))
-    try:
-        for top_k, total in [(1, 4), (3, 8)]:  # a chain and a tree
-            calls.clear()
-            drafter = serve(model, target, top_k=top_k, total_tokens=total)
-            result = generate(target, random_prompts(1, 3, VOCAB)[0], drafter, max_new_tokens=30)  # no EOS
-            assert len(calls) == len(result.accept_lengths) > 1
-    finally:
-        handle.remove()
+    assert_one_drafter_forward_per_round(trained[0], target, [(1, 4), (3, 8)], VOCAB)  # a chain and a tree
 
 
 def test_runtime_depths_are_the_training_time_test_with_placeholders(target, trained):

@@ -104,7 +104,7 @@ def add_quickstart_command(subparsers: Any, build_parser: Callable[[], argparse.
     """``build_parser`` gives the whole ``draftsmith`` parser, whose commands the quickstart runs."""
     p = subparsers.add_parser(
         "quickstart",
-        help="train, export and benchmark an FSPAD drafter for the embedded SmolLM2 (about 4 minutes on 2 CPU cores)",
+        help="train, export and benchmark an FSPAD drafter for the embedded SmolLM2 (about 7 minutes on 2 CPU cores)",
         description="Prepare the bundled data, cache SmolLM2's features, train an FSPAD drafter for --steps "
         "steps, export it and print a bench table (tau, speedup, identical outputs) against plain "
         "decoding, prompt lookup and the drafter shipped for SmolLM2 on held-out prompts. Every step resumes "

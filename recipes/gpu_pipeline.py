@@ -106,13 +106,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--bench-dtypes", default="float32,bfloat16", help="dtypes the export is benched in")
     p.add_argument(
         "--scaling-samples",
-        default="",
+        type=sample_counts,
+        default=[],
         help="e.g. 1700,5000: after the main run, train as many steps on nested subsets of that many samples "
         "(each costs about --train-minutes) and plot them beside it into OUT/scaling (needs --set "
         "data.eval_samples=N)",
     )
     p.add_argument("--skip", default="", help="stages not to run, e.g. regenerate,bench")
     return p.parse_args(argv)
+
+
+def sample_counts(text: str) -> list[int]:
+    """``1700,5000`` -> [1700, 5000]: refused when the command is parsed, not after the main run."""
+    try:
+        counts = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"takes comma-separated sample counts >= 1, e.g. 1700,5000; got {text!r}")
+    return counts
 
 
 class Pipeline:
@@ -267,7 +279,7 @@ class Pipeline:
         """The main run's recipe and steps on each nested subset, then the curves of all of them."""
         steps = self.args.train_steps or self.planned_steps()
         runs = []
-        for samples in [int(n) for n in self.args.scaling_samples.split(",") if n]:
+        for samples in self.args.scaling_samples:
             run = self.work / f"scale-{samples}"
             argv = [
                 "train",

@@ -46,3 +46,16 @@ def test_tiny_pipeline_regenerates_trains_exports_and_benches(tmp_path, tiny_tar
     curves = json.loads((out / "scaling/curves.json").read_text())
     whole = json.loads((out / "work/run/run_info.json").read_text())["train_samples"]
     assert [run["label"] for run in curves["runs"]] == ["4 training samples", f"{whole} training samples"] and whole > 4
+
+
+def test_scaling_samples_are_checked_when_the_command_is_parsed(capsys):
+    sys.path.insert(0, str(REPO / "recipes"))
+    try:
+        from gpu_pipeline import parse_args
+    finally:
+        sys.path.pop(0)
+    assert parse_args(["--out", "o", "--scaling-samples", "1700,5000"]).scaling_samples == [1700, 5000]
+    for bad in ("x", "0,5", ""):
+        with pytest.raises(SystemExit):
+            parse_args(["--out", "o", "--scaling-samples", bad])
+    assert "sample counts >= 1" in capsys.readouterr().err

@@ -83,17 +83,41 @@ def test_a_leading_dimension_is_kept():
     assert GreedyHead(layer)(x).shape == (2, 3)
 
 
-def test_every_token_is_within_its_bound_on_this_machines_kernel():
-    """The proof assumes the int8 kernel sums in float32; this checks the bound against the kernel that
-    actually runs here, for every token of every row."""
-    layer = head(4)
+# the screen's int8 product: torch's, and the C++ extension's (weights read once for all rows) where it runs
+SCREENS = pytest.mark.parametrize("native", [False, True], ids=["torch", "c++"])
+
+
+def screen_extension(native: bool):
+    built = extension(native)
+    if built is not None and not built.int8_screen_supported():
+        pytest.skip("the C++ int8 screen needs an x86-64 CPU with AVX2 and FMA")
+    return built
+
+
+@SCREENS
+@pytest.mark.parametrize("count", [1, 5, 8, 17, 64])
+def test_every_token_is_within_its_bound_on_this_machines_kernel(native, count):
+    """The proof assumes the int8 product sums in float32; this checks the bound against the kernels that
+    actually run here, for every token of every row (counts that take each of the C++ kernel's row
+    groups, and a vocabulary that leaves a remainder of tokens)."""
+    layer = head(4, vocab=VOCAB + 3)
     greedy = GreedyHead(layer)
-    x = rows(64, 5)
+    x = rows(count, 5)
     screen_input = x.to(torch.bfloat16)
-    screen = torch._weight_int8pack_mm(screen_input, greedy.quantized, greedy.scales).float()
+    screen = greedy.screen(screen_input, screen_extension(native)).float()
     bounds = greedy.screen_bounds(x, screen_input, screen.clone())
     exact = (x.double() @ layer.weight.double().T).float()
     assert bool(((exact - screen).abs() <= bounds).all())
+
+
+def test_the_c_plus_plus_screen_computes_torchs_product_to_its_rounding():
+    """The same sums in another order: each logit within a bfloat16 step of torch's, most equal."""
+    greedy = GreedyHead(head(11, vocab=VOCAB + 3))
+    screen_input = rows(9, 12).to(torch.bfloat16)
+    ours = greedy.screen(screen_input, screen_extension(True)).float()
+    theirs = greedy.screen(screen_input, None).float()
+    assert bool(((ours - theirs).abs() <= theirs.abs() * 2.0**-7 + 1e-30).all())
+    assert float((ours == theirs).float().mean()) > 0.99
 
 
 def near_tie(margin: float) -> tuple[nn.Linear, torch.Tensor, int, int]:

@@ -74,16 +74,17 @@ class KernelContext:
 
     def _full_head_from(self, screened: GreedyHead) -> int | None:
         """The row count from which the float32 head through a row-invariant oneDNN pack beats the
-        screen's int8 product on this machine (timed once per head); None where the kernel is not
-        row-invariant or the screen always wins."""
+        screen's int8 product and contender search (through the direct forward's extension) on this
+        machine (timed once per head); None where the kernel is not row-invariant or the screen always
+        wins. The proof that follows costs the same either way on real text (a few contenders a row)."""
         if self.gemm is None or not self.gemm.row_invariant():
             return None
-        head, quantized, scales = self.model.lm_head, screened.quantized, screened.scales
+        head, native = self.model.lm_head, self.direct().extension
         faster = []
         with torch.no_grad(), self.gemm.rows():
             for rows in FULL_HEAD_CANDIDATES:
                 x = torch.randn(rows, head.in_features, generator=torch.Generator().manual_seed(rows))
-                screen = _median_seconds(lambda: torch._weight_int8pack_mm(x.to(torch.bfloat16), quantized, scales))
+                screen = _median_seconds(lambda: screened.contenders(x, native))
                 full = _median_seconds(lambda: head(x).argmax(dim=-1))
                 faster.append(full < screen)
         return next((rows for i, rows in enumerate(FULL_HEAD_CANDIDATES) if all(faster[i:])), None)

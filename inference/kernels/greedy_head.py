@@ -7,12 +7,13 @@ the head's argmax. :class:`GreedyHead` keeps
 an int8 copy of the head (a bfloat16 scale per row; a quarter of the bytes) and returns, for each row
 ``x``, exactly ``argmax(F.linear(x, W))`` as the float32 head computes it:
 
-1. **Screen.** ``a = bf16(x) @ (q * s).T`` (``torch._weight_int8pack_mm``: float32 accumulation,
-   bfloat16 output). For every token ``i`` a bound ``D_i`` holds: ``|f_i - a_i| <= D_i``, where ``f_i``
-   is the float32 head's logit in whatever summation order its kernel uses (``|f_i - x.W_i| <=
-   gamma_K sum_k |x_k W_ik|``, Higham's bound). ``D_i`` adds the weight rounding (``||x|| ||W_i - Q_i||``,
-   Cauchy-Schwarz with the row's measured error), the input's rounding to bfloat16, both float32
-   accumulations and the bfloat16 output rounding (:meth:`GreedyHead.screen_bounds`).
+1. **Screen.** ``a = bf16(x) @ (q * s).T`` (float32 accumulation, bfloat16 output: the C++ extension's
+   int8 product, or ``torch._weight_int8pack_mm`` where that does not run). For every token ``i`` a
+   bound ``D_i`` holds: ``|f_i - a_i| <= D_i``, where ``f_i`` is the float32 head's logit in whatever
+   summation order its kernel uses (``|f_i - x.W_i| <= gamma_K sum_k |x_k W_ik|``, Higham's bound).
+   ``D_i`` adds the weight rounding (``||x|| ||W_i - Q_i||``, Cauchy-Schwarz with the row's measured
+   error), the input's rounding to bfloat16, both float32 accumulations and the bfloat16 output
+   rounding (:meth:`GreedyHead.screen_bounds`).
 2. **Candidates.** Some token's ``f`` is at least ``L = max_i (a_i - D_i)``; a token with ``a_i + D_i
    < L`` cannot be the argmax. The rest are the candidates (a handful per row on real text).
 3. **Proof.** The candidates' logits are recomputed in float64 (``T_i``) with their float32 error
@@ -22,7 +23,7 @@ an int8 copy of the head (a bfloat16 scale per row; a quarter of the bytes) and 
    takes the float32 head, one row, as plain decoding computes it (the head module itself: through the
    runtime's prepacked linear where that is active).
 
-The screen's int8 product reads its weights once per row, not once per forward, so past a few rows the
+torch's int8 product reads its weights once per row (the extension's once per forward), so past some rows the
 float32 head through a row-invariant prepacked kernel (oneDNN: every row's logits bitwise what one row
 gets, so its argmax is what plain decoding takes, proof or fallback) is faster: with
 ``full_head_from``, forwards of that many rows or more take it.
@@ -109,22 +110,36 @@ class GreedyHead:
 
     def __call__(self, x: torch.Tensor, native: ModuleType | None = None) -> torch.Tensor:
         """The float32 head's argmax for each row of ``x`` (``(..., hidden)``), as a long tensor of
-        ``x.shape[:-1]``. ``native``: the runtime's C++ extension (:mod:`native`), which finds the
-        contenders in two passes over the vocabulary."""
+        ``x.shape[:-1]``. ``native``: the runtime's C++ extension (:mod:`native`), which computes the
+        screen, finds the contenders in two passes over the vocabulary and runs the proof."""
         rows = x.reshape(-1, x.shape[-1]).contiguous()
         if self.full_head_from is not None and rows.shape[0] >= self.full_head_from:
             self.rows += rows.shape[0]
             return self.head(rows).argmax(dim=-1).reshape(x.shape[:-1])
-        screen_input = rows.to(torch.bfloat16)
-        screen = torch._weight_int8pack_mm(screen_input, self.quantized, self.scales)
-        floors, contenders = self._contenders(rows, screen_input, screen, native)
+        floors, contenders = self.contenders(rows, native)
         finite = torch.isfinite(floors) & torch.isfinite(rows).all(dim=1)
         tokens = []
         for r, ok in enumerate(finite.tolist()):
-            proven = self._proven_argmax(rows[r], contenders[r]) if ok else None
+            proven = self._proven_argmax(rows[r], contenders[r], native) if ok else None
             tokens.append(proven if proven is not None else self._fallback(rows[r]))
         self.rows += len(tokens)
         return torch.tensor(tokens, dtype=torch.long).reshape(x.shape[:-1])
+
+    def contenders(
+        self, rows: torch.Tensor, native: ModuleType | None = None
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Steps 1 and 2 for float32 ``rows`` (``(R, K)``): each row's floor and contenders (the part of
+        a call whose cost does not depend on how many contenders the proof then checks)."""
+        screen_input = rows.to(torch.bfloat16)
+        return self._contenders(rows, screen_input, self.screen(screen_input, native), native)
+
+    def screen(self, screen_input: torch.Tensor, native: ModuleType | None = None) -> torch.Tensor:
+        """``a`` for bfloat16 rows (``(R, V)``, bfloat16): through the C++ extension's int8 product where it
+        runs on this CPU (each weight row read from memory once for all R rows), else torch's (once per row).
+        Both sum exact products in float32 and scale after the sum, as the bound assumes."""
+        if native is not None and native.int8_screen_supported():
+            return native.int8_screen(screen_input, self.quantized, self.scales)
+        return torch._weight_int8pack_mm(screen_input, self.quantized, self.scales)
 
     def _contenders(
         self, rows: torch.Tensor, screen_input: torch.Tensor, screen: torch.Tensor, native: ModuleType | None
@@ -140,8 +155,12 @@ class GreedyHead:
         contenders = screen.add_(bounds) >= floors[:, None]
         return floors, [torch.nonzero(row).flatten() for row in contenders]
 
-    def _proven_argmax(self, x: torch.Tensor, candidates: torch.Tensor) -> int | None:
-        """The candidate whose float32 logit is provably the strict maximum, or None."""
+    def _proven_argmax(self, x: torch.Tensor, candidates: torch.Tensor, native: ModuleType | None) -> int | None:
+        """The candidate whose float32 logit is provably the strict maximum, or None (through the C++
+        extension where given: the same sums, without copying the candidates' weight rows)."""
+        if native is not None:
+            token = native.proven_argmax(x, self.weight, candidates, self._gamma32, self._gamma64, _SAFETY)
+            return token if token >= 0 else None
         rows = self.weight.index_select(0, candidates).double()
         exact = x.double()
         logits = rows @ exact

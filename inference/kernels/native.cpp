@@ -5,6 +5,10 @@
 //   step on a 2-core CPU). See native_layers.py for when it is used.
 // - screen_contenders: the screened head's bound and contender search (greedy_head.py) in two passes
 //   over the vocabulary instead of ten tensor-wide operations.
+// - proven_argmax: the screened head's proof for one row, reading the contenders' weight rows in place.
+// - int8_screen: the screened head's int8 product (greedy_head.py) reading each weight row from memory
+//   once for all rows of a tree (torch's int8 product reads the weights once per row), with AVX2 and FMA.
+#include <ATen/Parallel.h>
 #include <torch/extension.h>
 
 #include <algorithm>
@@ -12,6 +16,11 @@
 #include <limits>
 #include <optional>
 #include <vector>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#define DRAFTSMITH_X86 1
+#endif
 
 namespace {
 
@@ -61,7 +70,129 @@ at::Tensor project(const at::Tensor& rows, const at::Tensor& transposed, const a
   return mkl_packed_linear(rows, pack, transposed.t());
 }
 
+#ifdef DRAFTSMITH_X86
+#define AVX2 __attribute__((target("avx2,fma")))
+
+AVX2 inline float lane_sum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// Weight rows this far ahead of the ones being summed are requested from memory: the hardware
+// prefetcher alone leaves a single core far below the memory's bandwidth on these interleaved rows.
+constexpr int64_t kPrefetchRows = 8;
+
+// sums[r * V + i + t] for R rows of x (float32, R x K) and tokens [i, i + T) of q (int8, V x K): float32
+// sums of products that are exact (a bfloat16 value times an int8 one needs 15 significant bits).
+template <int R, int T>
+AVX2 inline void screen_block(const float* x, const int8_t* q, int64_t K, int64_t V, int64_t i, float* sums) {
+  // the loops over t and r unrolled, so that the accumulators live in registers at -O2 too
+  __m256 acc[T][R];
+#pragma GCC unroll 8
+  for (int t = 0; t < T; ++t)
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) acc[t][r] = _mm256_setzero_ps();
+  const int64_t ahead = std::min(i + kPrefetchRows, V - T);
+  for (int64_t k = 0; k < K; k += 8) {
+    if ((k & 63) == 0)
+#pragma GCC unroll 8
+      for (int t = 0; t < T; ++t) _mm_prefetch(reinterpret_cast<const char*>(q + (ahead + t) * K + k), _MM_HINT_T0);
+    __m256 xv[R];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) xv[r] = _mm256_loadu_ps(x + r * K + k);
+#pragma GCC unroll 8
+    for (int t = 0; t < T; ++t) {
+      const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + (i + t) * K + k));
+      const __m256 w = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) acc[t][r] = _mm256_fmadd_ps(w, xv[r], acc[t][r]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int t = 0; t < T; ++t)
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) sums[r * V + i + t] = lane_sum(acc[t][r]);
+}
+
+// Tokens [begin, end) for R rows, T tokens at a time (R x T accumulators fit the 16 vector registers).
+template <int R, int T>
+AVX2 void screen_tokens(const float* x, const int8_t* q, int64_t K, int64_t V, int64_t begin, int64_t end,
+                        float* sums) {
+  int64_t i = begin;
+  for (; i + T <= end; i += T) screen_block<R, T>(x, q, K, V, i, sums);
+  for (; i < end; ++i) screen_block<R, 1>(x, q, K, V, i, sums);
+}
+
+// Tokens [begin, end) for every row: a few tokens at a time, so that after the first group of up to 8
+// rows has read their weights from memory, the next groups find them in the L1 cache.
+AVX2 void screen_span(const float* x, int64_t rows, const int8_t* q, int64_t K, int64_t V, int64_t begin,
+                      int64_t end, float* sums) {
+  constexpr int64_t kTokensPerPass = 24;
+  for (int64_t first = begin; first < end; first += kTokensPerPass) {
+    const int64_t last = std::min(end, first + kTokensPerPass);
+    for (int64_t r = 0; r < rows; r += 8) {
+      const float* xr = x + r * K;
+      float* sr = sums + r * V;
+      switch (std::min<int64_t>(8, rows - r)) {
+        case 1: screen_tokens<1, 4>(xr, q, K, V, first, last, sr); break;
+        case 2: screen_tokens<2, 4>(xr, q, K, V, first, last, sr); break;
+        case 3: screen_tokens<3, 3>(xr, q, K, V, first, last, sr); break;
+        case 4: screen_tokens<4, 2>(xr, q, K, V, first, last, sr); break;
+        case 5: screen_tokens<5, 2>(xr, q, K, V, first, last, sr); break;
+        case 6: screen_tokens<6, 2>(xr, q, K, V, first, last, sr); break;
+        case 7: screen_tokens<7, 1>(xr, q, K, V, first, last, sr); break;
+        default: screen_tokens<8, 1>(xr, q, K, V, first, last, sr); break;
+      }
+    }
+  }
+}
+#undef AVX2
+#endif  // DRAFTSMITH_X86
+
 }  // namespace
+
+// Whether int8_screen runs on this CPU (an x86-64 one with AVX2 and FMA); elsewhere the runtime keeps
+// torch's int8 product.
+bool int8_screen_supported() {
+#ifdef DRAFTSMITH_X86
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#else
+  return false;
+#endif
+}
+
+// What torch._weight_int8pack_mm(input, quantized, scales) computes, as greedy_head.py's bound assumes
+// it: a_ri = bfloat16(s_i * sum_k x_rk q_ik), the sum in float32 (any order) of exact products, the
+// scale applied after it, rounded to the nearest bfloat16. input (R, K) bfloat16, quantized (V, K) int8
+// with K a multiple of 8, scales (V) bfloat16. Only where int8_screen_supported().
+at::Tensor int8_screen(const at::Tensor& input, const at::Tensor& quantized, const at::Tensor& scales) {
+  TORCH_CHECK(int8_screen_supported(), "int8_screen: needs an x86-64 CPU with AVX2 and FMA");
+  TORCH_CHECK(input.dim() == 2 && input.scalar_type() == at::kBFloat16, "int8_screen: input");
+  TORCH_CHECK(quantized.dim() == 2 && quantized.scalar_type() == at::kChar && quantized.is_contiguous() &&
+                  quantized.size(1) == input.size(1) && quantized.size(1) % 8 == 0,
+              "int8_screen: quantized");
+  TORCH_CHECK(scales.dim() == 1 && scales.scalar_type() == at::kBFloat16 && scales.is_contiguous() &&
+                  scales.size(0) == quantized.size(0),
+              "int8_screen: scales");
+  const int64_t rows = input.size(0), K = input.size(1), V = quantized.size(0);
+  const at::Tensor x = input.to(at::kFloat).contiguous();  // exact
+  at::Tensor sums = at::empty({rows, V}, x.options());
+  at::Tensor screen = at::empty({rows, V}, input.options());
+#ifdef DRAFTSMITH_X86
+  const float* xp = x.data_ptr<float>();
+  const int8_t* qp = quantized.data_ptr<int8_t>();
+  float* sp = sums.data_ptr<float>();
+  const at::BFloat16* scale = scales.data_ptr<at::BFloat16>();
+  at::BFloat16* out = screen.data_ptr<at::BFloat16>();
+  at::parallel_for(0, V, 2048, [&](int64_t begin, int64_t end) {
+    screen_span(xp, rows, qp, K, V, begin, end, sp);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t i = begin; i < end; ++i) out[r * V + i] = at::BFloat16(sp[r * V + i] * static_cast<float>(scale[i]));
+  });
+#endif
+  return screen;
+}
 
 // Runs every layer on x (1, rows, width) whose rows sit at cache rows [start, start + rows): each layer's
 // key and value rows are written into its preallocated buffer (1, kv_heads, capacity, head_dim) there,
@@ -180,7 +311,51 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> screen_contenders(
   return {floors, contenders};
 }
 
+// GreedyHead._proven_argmax for one row x (K, float32) and its contenders (int64 token ids) of the float32
+// head `weight` (V, K): the contenders' logits and magnitudes sum_k |w_ik x_k| in float64 read straight
+// from the weight rows, each one's float32 error bound (gamma32 + 2 gamma64) * magnitude * safety + 1e-30,
+// and the best one returned where it beats every other contender by more than both bounds (-1: not
+// proven, or a value that is not finite).
+int64_t proven_argmax(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& contenders, double gamma32,
+                      double gamma64, double safety) {
+  TORCH_CHECK(x.dim() == 1 && x.scalar_type() == at::kFloat && x.is_contiguous(), "proven_argmax: x");
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat && weight.is_contiguous() &&
+                  weight.size(1) == x.size(0),
+              "proven_argmax: weight");
+  TORCH_CHECK(contenders.dim() == 1 && contenders.scalar_type() == at::kLong && contenders.is_contiguous(),
+              "proven_argmax: contenders");
+  const int64_t count = contenders.size(0), K = x.size(0), V = weight.size(0);
+  const int64_t* ids = contenders.data_ptr<int64_t>();
+  if (count == 1) return ids[0];
+  const float* xp = x.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  std::vector<double> logits(count), errors(count);
+  int64_t best = -1;
+  for (int64_t c = 0; c < count; ++c) {
+    TORCH_CHECK(ids[c] >= 0 && ids[c] < V, "proven_argmax: a contender outside the vocabulary");
+    const float* w = wp + ids[c] * K;
+    double logit = 0.0, magnitude = 0.0;
+    for (int64_t k = 0; k < K; ++k) {
+      const double product = static_cast<double>(w[k]) * static_cast<double>(xp[k]);  // exact
+      logit += product;
+      magnitude += std::fabs(product);
+    }
+    logits[c] = logit;
+    errors[c] = (gamma32 + 2.0 * gamma64) * magnitude * safety + 1e-30;
+    if (!std::isfinite(logit) || !std::isfinite(errors[c])) return -1;
+    if (best < 0 || logit > logits[best]) best = c;  // the first of equal maxima, as torch's argmax
+  }
+  if (best < 0) return -1;
+  double rivals = -std::numeric_limits<double>::infinity();
+  for (int64_t c = 0; c < count; ++c)
+    if (c != best) rivals = std::max(rivals, logits[c] + errors[c]);
+  return logits[best] - errors[best] > rivals ? ids[best] : -1;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decoder_layers", &decoder_layers, "The lean path's decoder layers (bitwise the same)");
   m.def("screen_contenders", &screen_contenders, "The screened head's floors and contenders per row");
+  m.def("proven_argmax", &proven_argmax, "The screened head's proof for one row (-1: not proven)");
+  m.def("int8_screen_supported", &int8_screen_supported, "Whether int8_screen runs on this CPU");
+  m.def("int8_screen", &int8_screen, "The screened head's int8 product, weights read once for all rows");
 }

@@ -34,7 +34,7 @@ def native_extension() -> ModuleType | None:
         _put_ninja_on_path()
         if not any(Path(_get_build_directory(_NAME, verbose=False)).glob(f"{_NAME}*.so")):
             print("[native] building the runtime's C++ kernels once (~30 s; cached for later runs)", file=sys.stderr)
-        return load(name=_NAME, sources=[str(_SOURCE)], extra_cflags=["-O2"], verbose=False)
+        return load(name=_NAME, sources=[str(_SOURCE)], extra_cflags=["-O3", "-fopenmp"], verbose=False)
     except Exception as error:  # no compiler, headers or ninja: the Python code computes the same
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         print(

@@ -34,7 +34,7 @@ from draftsmith.inference.kernels.context import KernelContext
 from draftsmith.inference.kernels.direct_forward import DirectForward
 from draftsmith.inference.kernels.greedy_head import GreedyHead
 from draftsmith.inference.kernels.options import KernelOptions
-from draftsmith.inference.kernels.packed_gemm import PackedGemm, linear_kernel_for
+from draftsmith.inference.kernels.packed_gemm import ONE_PACK_KERNELS, PackedGemm, linear_kernel_for
 
 # Tree rows the preallocated buffers leave room for beyond the committed tokens; a bigger tree grows them.
 DEFAULT_TREE_ROOM = 64
@@ -261,14 +261,18 @@ class Backends:
         return self._kernels[id(model)]
 
     def drafter_gemm(self, drafter: Drafter) -> PackedGemm | None:
-        """The oneDNN packs of ``drafter``'s own linears (:meth:`Drafter.own_modules`) where the options
-        use oneDNN and the drafter runs in float32 on the CPU; a drafter's rounding changes only which
-        tokens it proposes, so this needs no row invariance. None: it runs as it is."""
+        """The packs of ``drafter``'s own linears (:meth:`Drafter.own_modules`) where the options use a
+        kernel with one pack for every row count (stream, oneDNN) that serves the drafter (float32 on the
+        CPU); a drafter's rounding changes only which tokens it proposes, so this needs no row invariance.
+        None: it runs as it is."""
         module = drafter.own_modules()
-        if module is None or self.options.linear != "onednn" or linear_kernel_for(module, "onednn") != "onednn":
+        if module is None or self.options.linear not in ONE_PACK_KERNELS:
+            return None
+        kernel = linear_kernel_for(module, self.options.linear, self.options.native)
+        if kernel not in ONE_PACK_KERNELS:
             return None
         if id(module) not in self._drafter_gemms:
-            self._drafter_gemms[id(module)] = PackedGemm(module, "onednn")
+            self._drafter_gemms[id(module)] = PackedGemm(module, kernel)
         return self._drafter_gemms[id(module)]
 
     def compiled(self, model: nn.Module) -> CompiledTarget:

@@ -255,10 +255,11 @@ def _kernel_parent(compile: bool) -> argparse.ArgumentParser:
     p.add_argument(
         "--linear",
         choices=LINEAR_KERNELS,
-        default="onednn",
-        help="the target's linears in the runtime's forwards (float32 on CPU): onednn = oneDNN's prepacked "
-        "linear for every forward (default; one extra copy of the weights; a few rows cost about one row), "
-        "mkl = MKL's packed GEMM for tree verifications padded to row buckets (a copy per bucket used), "
+        default="stream",
+        help="the target's linears in the runtime's forwards (float32 on CPU): stream = the runtime's C++ "
+        "kernel, which reads each weight once for all rows of a forward (default; x86-64 with AVX2 and FMA; "
+        "one extra copy of the weights), onednn = oneDNN's prepacked linear for every forward (one extra "
+        "copy), mkl = MKL's packed GEMM for tree verifications padded to row buckets (a copy per bucket used), "
         "default = PyTorch's matrix multiply; where one is missing from this PyTorch build, the next serves",
     )
     switches = {

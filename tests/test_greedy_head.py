@@ -89,7 +89,7 @@ SCREENS = pytest.mark.parametrize("native", [False, True], ids=["torch", "c++"])
 
 def screen_extension(native: bool):
     built = extension(native)
-    if built is not None and not built.int8_screen_supported():
+    if built is not None and not built.simd_supported():
         pytest.skip("the C++ int8 screen needs an x86-64 CPU with AVX2 and FMA")
     return built
 

@@ -73,14 +73,14 @@ def test_the_native_layers_are_bitwise_the_python_loop_and_the_model(config):
     assert_same_steps(ours, decode_steps(model, None))
 
 
-@pytest.mark.parametrize("packed", [None, "mkl", "onednn"])
+@pytest.mark.parametrize("packed", [None, "mkl", "onednn", "stream"])
 @pytest.mark.parametrize("nodes", [0, 1, 3, 6])
 def test_tree_forwards_through_the_native_layers_are_bitwise_the_models(nodes, packed, monkeypatch):
     """The runtime's tree verification (its grouped-K/V switch on, padded to a packed row bucket or
     not): logits, hidden states and cache as the model's own forward computes them, and the C++ layers
     did run."""
     if packed and not linear_kernel_available(packed):
-        pytest.skip(f"PyTorch built without {packed}")
+        pytest.skip(f"the {packed} kernel does not run here")
     calls = []
     real = native_layers.native_decoder_layers
     monkeypatch.setattr(native_layers, "native_decoder_layers", lambda *a: calls.append(a[2].shape[1]) or real(*a))
@@ -100,8 +100,9 @@ def test_tree_forwards_through_the_native_layers_are_bitwise_the_models(nodes, p
         results.append((out, cache))
     (theirs, their_cache), (ours, our_cache) = results
     assert calls and calls[0] >= 1 + nodes
-    if packed == "onednn":  # q|k|v and gate|up as one product each, where stacking keeps columns bitwise
+    if packed in ("onednn", "stream"):  # q|k|v and gate|up as one product each, where that keeps columns bitwise
         assert len(gemm._fused) == (2 * model.config.num_hidden_layers if gemm._fusion_exact else 0)
+        assert gemm._fusion_exact or packed != "stream"  # it computes each output column alone
     assert torch.equal(ours.logits, theirs.logits)
     for a, b in zip(ours.hidden_states, theirs.hidden_states, strict=True):
         assert torch.equal(a, b)

@@ -157,13 +157,20 @@ def test_tree_forwards_read_grouped_kv_heads_without_copies(monkeypatch):
     assert "TRANSFORMERS_SDPA_FORCE_GQA" not in os.environ
 
 
-onednn = pytest.mark.skipif(not linear_kernel_available("onednn"), reason="PyTorch built without oneDNN")
+def one_pack_kernel(kernel: str) -> str:
+    """``kernel`` where it runs here (the stream kernel: the C++ extension on an AVX2 and FMA CPU)."""
+    if not linear_kernel_available(kernel):
+        pytest.skip(f"the {kernel} kernel does not run here")
+    return kernel
 
 
-@onednn
-def test_one_onednn_pack_serves_every_row_count_and_the_models_own_forwards():
+ONE_PACK = pytest.mark.parametrize("kernel", packed_gemm.ONE_PACK_KERNELS)
+
+
+@ONE_PACK
+def test_one_pack_serves_every_row_count_and_the_models_own_forwards(kernel):
     model = fresh_model(seed=6)
-    gemm = PackedGemm(model, "onednn")
+    gemm = PackedGemm(model, one_pack_kernel(kernel))
     linear = model.model.layers[0].self_attn.q_proj
     assert gemm.padded_rows(5) == 5 and gemm.buckets == [packed_gemm.ANY_ROWS]  # unpadded, one pack
     x = torch.randn(3, model.config.hidden_size)
@@ -175,28 +182,29 @@ def test_one_onednn_pack_serves_every_row_count_and_the_models_own_forwards():
         assert linear.active_pack(1) is None
 
 
-@onednn
-def test_row_invariance_is_checked_not_assumed(monkeypatch):
+@ONE_PACK
+def test_row_invariance_is_checked_not_assumed(kernel, monkeypatch):
     """``row_invariant`` says whether a row's product is the same alone and among others, as measured:
     a kernel whose rounding depends on the row count is caught."""
     model = fresh_model(seed=7)
-    gemm = PackedGemm(model, "onednn")
+    gemm = PackedGemm(model, one_pack_kernel(kernel))
     linear = model.model.layers[0].self_attn.q_proj
     rows = torch.randn(8, linear.in_features)
     with torch.no_grad(), gemm.model_forwards():
         measured = torch.equal(linear(rows), torch.cat([linear(rows[i : i + 1]) for i in range(8)]))
     assert gemm.row_invariant() == measured
+    assert measured or kernel != "stream"  # the stream kernel sums every output in one order
     real = PackedLinear.forward
     monkeypatch.setattr(PackedLinear, "forward", lambda self, x: real(self, x) * (1 + 1e-6 * (x.shape[0] > 1)))
     assert not gemm.row_invariant()
 
 
-@onednn
-def test_greedy_identity_with_onednn_and_the_reference_on_the_same_kernel():
-    """Plain and speculative decoding through oneDNN's linears equal HF ``generate`` run on the same
-    kernel (``Backends.reference_forwards``: bench's reference), for trees of any size."""
+@ONE_PACK
+def test_greedy_identity_with_one_pack_and_the_reference_on_the_same_kernel(kernel):
+    """Plain and speculative decoding through a one-pack kernel's linears equal HF ``generate`` run on the
+    same kernel (``Backends.reference_forwards``: bench's reference), for trees of any size."""
     model = fresh_model(seed=8)
-    backends = Backends(KernelOptions(linear="onednn"))
+    backends = Backends(KernelOptions(linear=one_pack_kernel(kernel)))
     rng = random.Random(4)
     for _ in range(3):
         base = [rng.randrange(4, VOCAB) for _ in range(rng.randint(3, 8))]
@@ -206,34 +214,48 @@ def test_greedy_identity_with_onednn_and_the_reference_on_the_same_kernel():
         for drafter in (None, PromptLookupDrafter(num_draft=6)):
             result = generate(model, prompt, drafter, max_new_tokens=24, eos_token_ids=[TINY_EOS], backends=backends)
             assert result.tokens == expected
-    assert backends.kernels(model).linear == "onednn"
+    assert backends.kernels(model).linear == kernel
 
 
 def test_a_kernel_this_build_lacks_falls_to_the_next(monkeypatch):
     model = fresh_model(seed=9)
-    monkeypatch.setattr(packed_gemm, "linear_kernel_available", lambda kernel: kernel != "onednn")
+    monkeypatch.setattr(packed_gemm, "linear_kernel_available", lambda kernel, native=True: kernel != "onednn")
     assert packed_gemm.linear_kernel_for(model, "onednn") == "mkl"
+    assert packed_gemm.linear_kernel_for(model, "stream") == "stream"
+    monkeypatch.setattr(packed_gemm, "linear_kernel_available", lambda kernel, native=True: kernel != "stream")
+    assert packed_gemm.linear_kernel_for(model, "stream") == "onednn"
     assert packed_gemm.linear_kernel_for(model.to(torch.bfloat16), "onednn") == "default"
     with pytest.raises(ValueError, match="unknown linear kernel"):
         packed_gemm.linear_kernel_for(model, "fast")
 
 
-@pytest.mark.parametrize("linear", ["onednn", "default"])
-def test_an_eagle_drafter_drafts_through_its_own_onednn_packs_and_decodes_the_same(linear, monkeypatch):
-    """The drafter's own linears run through oneDNN packs during its rounds (where the options use
-    oneDNN); the target keeps its own packs, and the tokens stay plain decoding's."""
+def test_the_stream_kernel_needs_inputs_of_a_multiple_of_8_and_the_cpp_extension():
+    model = fresh_model(seed=9)
+    one_pack_kernel("stream")
+    assert packed_gemm.linear_kernel_for(model, "stream") == "stream"
+    assert packed_gemm.linear_kernel_for(model, "stream", native=False) == packed_gemm.linear_kernel_for(
+        model, "onednn"
+    )
+    odd = torch.nn.Sequential(torch.nn.Linear(12, 4))
+    assert packed_gemm.linear_kernel_for(odd, "stream") == packed_gemm.linear_kernel_for(odd, "onednn")
+
+
+@pytest.mark.parametrize("linear", ["stream", "onednn", "default"])
+def test_an_eagle_drafter_drafts_through_its_own_packs_and_decodes_the_same(linear, monkeypatch):
+    """The drafter's own linears run through the options' one-pack kernel during its rounds; the target
+    keeps its own packs, and the tokens stay plain decoding's."""
     from draftsmith.drafters.base import TreeOptions
     from draftsmith.drafters.registry import get_family
 
-    if not linear_kernel_available("onednn"):
-        pytest.skip("PyTorch built without oneDNN")
+    if linear != "default":
+        one_pack_kernel(linear)
     model = fresh_model(seed=2)
     torch.manual_seed(0)
     drafter_model = get_family("eagle3").build(model.config, {"draft_vocab_size": 32}).eval()
     drafter = drafter_model.runtime_drafter(model, TreeOptions(depth=2, top_k=2, total_tokens=3))
     backends = Backends(KernelOptions(linear=linear))
     gemm = backends.drafter_gemm(drafter)
-    assert (gemm is not None) == (linear == "onednn")
+    assert (gemm is not None) == (linear != "default")
     packed_during_rounds = []
     propose = drafter.propose
     monkeypatch.setattr(
@@ -242,7 +264,7 @@ def test_an_eagle_drafter_drafts_through_its_own_onednn_packs_and_decodes_the_sa
     prompt = [5, 17, 33, 2, 64, 8]
     ours = generate(model, prompt, drafter, max_new_tokens=12, backends=backends)
     assert ours.tokens == generate(model, prompt, None, max_new_tokens=12, backends=backends).tokens
-    assert packed_during_rounds and all(packed_during_rounds) == (linear == "onednn")
+    assert packed_during_rounds and all(packed_during_rounds) == (linear != "default")
     if gemm is not None:
         linears = [m for m in drafter_model.modules() if isinstance(m, torch.nn.Linear)]
         assert all(type(m) is PackedLinear and m._owner is gemm and m._packs for m in linears)

@@ -22,7 +22,7 @@ from draftsmith.inference.kernels.direct_forward import (
 )
 from draftsmith.inference.kernels.greedy_head import GreedyHead, greedy_head_supported
 from draftsmith.inference.kernels.options import KernelOptions
-from draftsmith.inference.kernels.packed_gemm import PackedGemm, linear_kernel_for
+from draftsmith.inference.kernels.packed_gemm import ONE_PACK_KERNELS, PackedGemm, linear_kernel_for
 
 T = TypeVar("T")
 FULL_HEAD_CANDIDATES = (2, 4, 8, 16, 32)  # verification row counts at which the screen and the full head are timed
@@ -34,7 +34,7 @@ class KernelContext:
 
     def __init__(self, model: nn.Module, options: KernelOptions) -> None:
         self.model, self.options = model, options
-        self.linear = linear_kernel_for(model, options.linear)  # what the options ask, where it serves the model
+        self.linear = linear_kernel_for(model, options.linear, options.native)  # what the options ask, where it serves
         self.gemm = PackedGemm(model, self.linear) if self.linear != "default" else None
         self._direct: DirectForward | None = None
         self._head: GreedyHead | None = None
@@ -98,7 +98,7 @@ class KernelContext:
         if gemm is None:
             return {"kernel": "default"}
         record: dict[str, Any] = {"kernel": gemm.kernel, "pack_seconds": round(gemm.pack_seconds, 1)}
-        if gemm.kernel == "onednn":
+        if gemm.kernel in ONE_PACK_KERNELS:
             return {**record, "row_invariant": gemm.row_invariant(), "full_head_from": self.full_head_from}
         return {**record, "buckets": gemm.buckets}
 

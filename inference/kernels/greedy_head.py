@@ -137,7 +137,7 @@ class GreedyHead:
         """``a`` for bfloat16 rows (``(R, V)``, bfloat16): through the C++ extension's int8 product where it
         runs on this CPU (each weight row read from memory once for all R rows), else torch's (once per row).
         Both sum exact products in float32 and scale after the sum, as the bound assumes."""
-        if native is not None and native.int8_screen_supported():
+        if native is not None and native.simd_supported():
             return native.int8_screen(screen_input, self.quantized, self.scales)
         return torch._weight_int8pack_mm(screen_input, self.quantized, self.scales)
 

@@ -22,12 +22,15 @@
 #define DRAFTSMITH_X86 1
 #endif
 
+at::Tensor stream_linear(const at::Tensor& rows, const at::Tensor& pack);
+
 namespace {
 
 // Per decoder layer, in this order (the projections as transposed views of their weights: what F.linear
 // multiplies a bias-free input by).
 enum Weight { kInputNorm, kQuery, kKey, kValue, kOutput, kGate, kUp, kDown, kPostNorm, kWeightsPerLayer };
 constexpr int64_t kProjections = 7;  // kQuery .. kDown
+constexpr int64_t kStreamBlock = 4;  // weight rows per block of a stream pack (stream_pack)
 
 // LlamaRMSNorm.forward for a float32 input (its casts are no-ops there).
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
@@ -61,13 +64,23 @@ at::Tensor onednn_packed_linear(const at::Tensor& rows, const at::Tensor& pack) 
 // Columns [start, start + width) of a projection's output (rows, all): a view, no copy.
 at::Tensor columns(const at::Tensor& all, int64_t start, int64_t width) { return all.narrow(1, start, width); }
 
-// One projection of `rows` (rows, width): through its pack where one is given (non-empty; oneDNN's or
-// MKL's as `onednn` says: both are mkldnn-layout tensors), else F.linear's product for a bias-free input
-// (mm with the transposed weight).
-at::Tensor project(const at::Tensor& rows, const at::Tensor& transposed, const at::Tensor& pack, bool onednn) {
-  if (pack.numel() == 0) return at::mm(rows, transposed);
-  if (onednn) return onednn_packed_linear(rows, pack);
+// Whose pack a projection multiplies through (packed_gemm.PackedGemm.kernel; the codes native_layers.py
+// passes).
+enum PackKind { kMklPack = 0, kOneDnnPack = 1, kStreamPack = 2 };
+
+// A pack's product with `rows` (rows, width), bias-free: MKL's and oneDNN's packs are mkldnn-layout
+// tensors, the stream kernel's a float32 one (stream_pack).
+at::Tensor packed_product(const at::Tensor& rows, const at::Tensor& pack, int64_t kind, const at::Tensor& transposed) {
+  if (kind == kOneDnnPack) return onednn_packed_linear(rows, pack);
+  if (kind == kStreamPack) return stream_linear(rows, pack);
   return mkl_packed_linear(rows, pack, transposed.t());
+}
+
+// One projection of `rows` (rows, width): through its pack where one is given (non-empty), else
+// F.linear's product for a bias-free input (mm with the transposed weight).
+at::Tensor project(const at::Tensor& rows, const at::Tensor& transposed, const at::Tensor& pack, int64_t kind) {
+  if (pack.numel() == 0) return at::mm(rows, transposed);
+  return packed_product(rows, pack, kind, transposed);
 }
 
 #ifdef DRAFTSMITH_X86
@@ -147,14 +160,79 @@ AVX2 void screen_span(const float* x, int64_t rows, const int8_t* q, int64_t K, 
     }
   }
 }
+// ---- the stream linear kernel ----
+// A stream pack has the weight's shape (O, I), I a multiple of 8: its first O / 4 * 4 rows in blocks of
+// 4 rows stored as I / 8 groups of [4 rows x 8 inputs] (a block is read front to back), the last O % 4
+// rows as they are. Every output is a sum over groups of 8 inputs, 8 lanes each, in group order,
+// then the lanes' sum: the same operations whichever rows come with it.
+constexpr int64_t kStreamRowsPerPass = 3;  // rows per pass over a block: 4 x 3 accumulators, 3 inputs
+constexpr int64_t kStreamPrefetchBlocks = 2;
+
+// Outputs [o, o + T) for R rows of x (R x I), their weights' group g at w + t * lane_step + g * group_step.
+template <int R, int T>
+AVX2 inline void stream_outputs(const float* x, int64_t I, const float* w, int64_t lane_step, int64_t group_step,
+                                const float* prefetch, float* y, int64_t O, int64_t o) {
+  __m256 acc[T][R];
+#pragma GCC unroll 8
+  for (int t = 0; t < T; ++t)
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) acc[t][r] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < I / 8; ++g) {
+    if (prefetch != nullptr && (g & 1) == 0)  // the 256 bytes two groups of a later block take
+#pragma GCC unroll 4
+      for (int line = 0; line < 4; ++line)
+        _mm_prefetch(reinterpret_cast<const char*>(prefetch + g * group_step + line * 16), _MM_HINT_T0);
+    __m256 xv[R];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) xv[r] = _mm256_loadu_ps(x + r * I + g * 8);
+#pragma GCC unroll 8
+    for (int t = 0; t < T; ++t) {
+      const __m256 wv = _mm256_loadu_ps(w + t * lane_step + g * group_step);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) acc[t][r] = _mm256_fmadd_ps(wv, xv[r], acc[t][r]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int t = 0; t < T; ++t)
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) y[r * O + o + t] = lane_sum(acc[t][r]);
+}
+
+// Units [begin, end) of the pack for every row: units below `blocks` are blocks of 4 outputs, the rest
+// single rows of the tail. Rows go in passes of up to 3; after the first pass a block is in the L1 cache,
+// and each pass asks the memory for a later block, so it streams while the passes compute.
+AVX2 void stream_units(const float* x, int64_t rows, const float* pack, int64_t I, int64_t O, int64_t blocks,
+                       int64_t begin, int64_t end, float* y) {
+  for (int64_t unit = begin; unit < end; ++unit) {
+    const bool block = unit < blocks;
+    const int64_t o = block ? unit * kStreamBlock : blocks * kStreamBlock + (unit - blocks);
+    const float* w = pack + o * I;
+    for (int64_t r = 0; r < rows; r += kStreamRowsPerPass) {
+      const float* xr = x + r * I;
+      float* yr = y + r * O;
+      const int64_t later = std::min(unit + kStreamPrefetchBlocks + r / kStreamRowsPerPass, blocks - 1);
+      const float* prefetch = block && later > unit ? pack + later * kStreamBlock * I : nullptr;
+      const int64_t pass = std::min(kStreamRowsPerPass, rows - r);
+      if (block) {
+        if (pass == 1) stream_outputs<1, 4>(xr, I, w, 8, 32, prefetch, yr, O, o);
+        else if (pass == 2) stream_outputs<2, 4>(xr, I, w, 8, 32, prefetch, yr, O, o);
+        else stream_outputs<3, 4>(xr, I, w, 8, 32, prefetch, yr, O, o);
+      } else {
+        if (pass == 1) stream_outputs<1, 1>(xr, I, w, 0, 8, nullptr, yr, O, o);
+        else if (pass == 2) stream_outputs<2, 1>(xr, I, w, 0, 8, nullptr, yr, O, o);
+        else stream_outputs<3, 1>(xr, I, w, 0, 8, nullptr, yr, O, o);
+      }
+    }
+  }
+}
 #undef AVX2
 #endif  // DRAFTSMITH_X86
 
 }  // namespace
 
-// Whether int8_screen runs on this CPU (an x86-64 one with AVX2 and FMA); elsewhere the runtime keeps
-// torch's int8 product.
-bool int8_screen_supported() {
+// Whether int8_screen and stream_linear run on this CPU (an x86-64 one with AVX2 and FMA); elsewhere the
+// runtime keeps torch's int8 product and another linear kernel.
+bool simd_supported() {
 #ifdef DRAFTSMITH_X86
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 #else
@@ -162,12 +240,49 @@ bool int8_screen_supported() {
 #endif
 }
 
+// The stream pack of a float32 weight (O, I), I a multiple of 8 (see stream_units).
+at::Tensor stream_pack(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat && weight.size(1) % 8 == 0,
+              "stream_pack: a float32 (out, in) weight with in a multiple of 8");
+  const int64_t O = weight.size(0), I = weight.size(1), full = O / kStreamBlock * kStreamBlock;
+  at::Tensor pack = at::empty({O, I}, weight.options().memory_format(at::MemoryFormat::Contiguous));
+  pack.narrow(0, 0, full)
+      .view({full / kStreamBlock, I / 8, kStreamBlock, 8})
+      .copy_(weight.narrow(0, 0, full).reshape({full / kStreamBlock, kStreamBlock, I / 8, 8}).permute({0, 2, 1, 3}));
+  pack.narrow(0, full, O - full).copy_(weight.narrow(0, full, O - full));
+  return pack;
+}
+
+// rows (..., I) float32 times the weight packed in `pack` (O, I), bias-free: (..., O). Only where
+// simd_supported().
+at::Tensor stream_linear(const at::Tensor& rows, const at::Tensor& pack) {
+  TORCH_CHECK(simd_supported(), "stream_linear: needs an x86-64 CPU with AVX2 and FMA");
+  TORCH_CHECK(pack.dim() == 2 && pack.scalar_type() == at::kFloat && pack.is_contiguous() && pack.size(1) % 8 == 0,
+              "stream_linear: pack");
+  TORCH_CHECK(rows.scalar_type() == at::kFloat && rows.size(-1) == pack.size(1), "stream_linear: rows");
+  const int64_t O = pack.size(0), I = pack.size(1), count = rows.numel() / I;
+  const at::Tensor x = rows.reshape({count, I}).contiguous();
+  std::vector<int64_t> shape(rows.sizes().begin(), rows.sizes().end());
+  shape.back() = O;
+  at::Tensor y = at::empty({count, O}, x.options());
+#ifdef DRAFTSMITH_X86
+  const int64_t blocks = O / kStreamBlock, units = blocks + O % kStreamBlock;
+  const float* xp = x.data_ptr<float>();
+  const float* pp = pack.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, units, 16, [&](int64_t begin, int64_t end) {
+    stream_units(xp, count, pp, I, O, blocks, begin, end, yp);
+  });
+#endif
+  return y.view(shape);
+}
+
 // What torch._weight_int8pack_mm(input, quantized, scales) computes, as greedy_head.py's bound assumes
 // it: a_ri = bfloat16(s_i * sum_k x_rk q_ik), the sum in float32 (any order) of exact products, the
 // scale applied after it, rounded to the nearest bfloat16. input (R, K) bfloat16, quantized (V, K) int8
-// with K a multiple of 8, scales (V) bfloat16. Only where int8_screen_supported().
+// with K a multiple of 8, scales (V) bfloat16. Only where simd_supported().
 at::Tensor int8_screen(const at::Tensor& input, const at::Tensor& quantized, const at::Tensor& scales) {
-  TORCH_CHECK(int8_screen_supported(), "int8_screen: needs an x86-64 CPU with AVX2 and FMA");
+  TORCH_CHECK(simd_supported(), "int8_screen: needs an x86-64 CPU with AVX2 and FMA");
   TORCH_CHECK(input.dim() == 2 && input.scalar_type() == at::kBFloat16, "int8_screen: input");
   TORCH_CHECK(quantized.dim() == 2 && quantized.scalar_type() == at::kChar && quantized.is_contiguous() &&
                   quantized.size(1) == input.size(1) && quantized.size(1) % 8 == 0,
@@ -197,22 +312,22 @@ at::Tensor int8_screen(const at::Tensor& input, const at::Tensor& quantized, con
 // Runs every layer on x (1, rows, width) whose rows sit at cache rows [start, start + rows): each layer's
 // key and value rows are written into its preallocated buffer (1, kv_heads, capacity, head_dim) there,
 // and attention reads rows [0, start + rows) under `mask` (none: every row is seen; one-token steps).
-// `packs` holds kProjections tensors per layer, empty where the projection is not packed, and `onednn`
-// says per projection whether its pack is oneDNN's (else MKL's). `fused` holds two tensors per layer,
-// oneDNN packs of [q; k; v] and [gate; up] stacked (empty: separate products): oneDNN computes each
-// output column alone, so a stacked product's columns are bitwise the separate products' (checked when
-// the pack is made, packed_gemm.PackedGemm.fused_pack). Returns each layer's output.
+// `packs` holds kProjections tensors per layer, empty where the projection is not packed, and `kinds`
+// each one's PackKind. `fused` holds two tensors per layer, packs of [q; k; v] and [gate; up] stacked
+// (empty: separate products) of the kind of q's and gate's packs: oneDNN and the stream kernel compute
+// each output column alone, so a stacked product's columns are bitwise the separate products' (checked
+// when the pack is made, packed_gemm.PackedGemm.fused_pack). Returns each layer's output.
 std::vector<at::Tensor> decoder_layers(
     at::Tensor x, const std::vector<at::Tensor>& weights, const std::vector<at::Tensor>& packs,
     const std::vector<double>& norm_eps, const at::Tensor& cos, const at::Tensor& signed_sin,
     const std::optional<at::Tensor>& mask, const std::vector<at::Tensor>& key_buffers,
     const std::vector<at::Tensor>& value_buffers, int64_t start, int64_t heads, int64_t kv_heads,
-    int64_t head_dim, double scaling, bool grouped, const std::vector<bool>& onednn,
+    int64_t head_dim, double scaling, bool grouped, const std::vector<int64_t>& kinds,
     const std::vector<at::Tensor>& fused) {
   const int64_t layers = static_cast<int64_t>(key_buffers.size());
   TORCH_CHECK(weights.size() == static_cast<size_t>(layers * kWeightsPerLayer), "decoder_layers: weights");
   TORCH_CHECK(packs.size() == static_cast<size_t>(layers * kProjections), "decoder_layers: packs");
-  TORCH_CHECK(onednn.size() == packs.size(), "decoder_layers: onednn");
+  TORCH_CHECK(kinds.size() == packs.size(), "decoder_layers: kinds");
   TORCH_CHECK(norm_eps.size() == static_cast<size_t>(layers * 2), "decoder_layers: norm_eps");
   TORCH_CHECK(fused.size() == static_cast<size_t>(layers * 2), "decoder_layers: fused");
   const int64_t rows = x.size(1);
@@ -223,18 +338,18 @@ std::vector<at::Tensor> decoder_layers(
   for (int64_t i = 0; i < layers; ++i) {
     const at::Tensor* w = &weights[i * kWeightsPerLayer];
     auto p = [&](Weight projection) -> const at::Tensor& { return packs[i * kProjections + projection - kQuery]; };
-    auto dnn = [&](Weight projection) -> bool { return onednn[i * kProjections + projection - kQuery]; };
+    auto kind = [&](Weight projection) -> int64_t { return kinds[i * kProjections + projection - kQuery]; };
     at::Tensor normed = rms_norm(x, w[kInputNorm], norm_eps[2 * i]).view({rows, width});
     at::Tensor query, key, value;
     if (fused[2 * i].numel() > 0) {
-      at::Tensor all = onednn_packed_linear(normed, fused[2 * i]);
+      at::Tensor all = packed_product(normed, fused[2 * i], kind(kQuery), w[kQuery]);
       query = columns(all, 0, heads * head_dim);
       key = columns(all, heads * head_dim, kv_heads * head_dim);
       value = columns(all, (heads + kv_heads) * head_dim, kv_heads * head_dim);
     } else {
-      query = project(normed, w[kQuery], p(kQuery), dnn(kQuery));
-      key = project(normed, w[kKey], p(kKey), dnn(kKey));
-      value = project(normed, w[kValue], p(kValue), dnn(kValue));
+      query = project(normed, w[kQuery], p(kQuery), kind(kQuery));
+      key = project(normed, w[kKey], p(kKey), kind(kKey));
+      value = project(normed, w[kValue], p(kValue), kind(kValue));
     }
     query = query.view({1, rows, heads, head_dim}).transpose(1, 2);
     key = key.view({1, rows, kv_heads, head_dim}).transpose(1, 2);
@@ -248,17 +363,17 @@ std::vector<at::Tensor> decoder_layers(
     at::Tensor attended = at::scaled_dot_product_attention(
         query, keys, values, mask, /*dropout_p=*/0.0, /*is_causal=*/false, scaling, grouped);
     attended = attended.transpose(1, 2).contiguous();
-    x = x + project(attended.view({rows, -1}), w[kOutput], p(kOutput), dnn(kOutput));
+    x = x + project(attended.view({rows, -1}), w[kOutput], p(kOutput), kind(kOutput));
     normed = rms_norm(x, w[kPostNorm], norm_eps[2 * i + 1]).view({rows, width});
     at::Tensor gated;
     if (fused[2 * i + 1].numel() > 0) {
-      at::Tensor all = onednn_packed_linear(normed, fused[2 * i + 1]);
+      at::Tensor all = packed_product(normed, fused[2 * i + 1], kind(kGate), w[kGate]);
       const int64_t inner = all.size(1) / 2;
       gated = at::silu(columns(all, 0, inner)) * columns(all, inner, inner);
     } else {
-      gated = at::silu(project(normed, w[kGate], p(kGate), dnn(kGate))) * project(normed, w[kUp], p(kUp), dnn(kUp));
+      gated = at::silu(project(normed, w[kGate], p(kGate), kind(kGate))) * project(normed, w[kUp], p(kUp), kind(kUp));
     }
-    x = x + project(gated, w[kDown], p(kDown), dnn(kDown));
+    x = x + project(gated, w[kDown], p(kDown), kind(kDown));
     outputs.push_back(x);
   }
   return outputs;
@@ -356,6 +471,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decoder_layers", &decoder_layers, "The lean path's decoder layers (bitwise the same)");
   m.def("screen_contenders", &screen_contenders, "The screened head's floors and contenders per row");
   m.def("proven_argmax", &proven_argmax, "The screened head's proof for one row (-1: not proven)");
-  m.def("int8_screen_supported", &int8_screen_supported, "Whether int8_screen runs on this CPU");
+  m.def("simd_supported", &simd_supported, "Whether int8_screen and stream_linear run on this CPU");
+  m.def("stream_pack", &stream_pack, "A float32 weight in the stream kernel's layout");
+  m.def("stream_linear", &stream_linear, "The stream kernel's product: weights read once for all rows");
   m.def("int8_screen", &int8_screen, "The screened head's int8 product, weights read once for all rows");
 }

@@ -2,8 +2,8 @@
 
 The lean Python loop (:func:`direct_forward._lean_layers`) makes ~1,000 small ATen calls per forward,
 and on a CPU the interpreter's time between them is a visible share of a small model's step.
-``native.cpp``'s ``decoder_layers`` makes the same ATen calls (oneDNN's or MKL's prepacked linear where
-:mod:`packed_gemm`'s pack for the rows is active) on the same values in the same order from C++, so the
+``native.cpp``'s ``decoder_layers`` makes the same ATen calls (the prepacked linear of :mod:`packed_gemm`'s
+kernel where its pack for the rows is active) on the same values in the same order from C++, so the
 results are bitwise those of the Python loop (``tests/test_native_layers.py`` checks logits, every
 hidden state and the cache).
 
@@ -23,7 +23,7 @@ from transformers.activations import SiLUActivation
 from transformers.integrations.sdpa_attention import use_gqa_in_sdpa
 
 from draftsmith.core.cache import PreallocatedLayer
-from draftsmith.inference.kernels.packed_gemm import PackedLinear, active_pack
+from draftsmith.inference.kernels.packed_gemm import PackedLinear, active_pack, pack_kind
 
 _WEIGHTS_PER_LAYER = 9  # the order of native.cpp's Weight enum
 
@@ -97,7 +97,7 @@ def native_decoder_layers(
         return None
     rows = x.shape[1]
     packs = [_active_pack(linear, rows) for linear in plan.linears]
-    onednn = [_onednn(linear) for linear in plan.linears]  # per projection: a replaced module has no pack
+    kinds = [pack_kind(linear) for linear in plan.linears]
     fused = [_fused_pack(group) for group in plan.siblings]
     rooms = [layer.append_rows(rows) for layer in cache_layers]
     return extension.decoder_layers(
@@ -116,7 +116,7 @@ def native_decoder_layers(
         plan.head_dim,
         plan.scaling,
         grouped,
-        onednn,
+        kinds,
         fused,
     )
 
@@ -130,15 +130,10 @@ def _active_pack(linear: nn.Module, rows: int) -> torch.Tensor:
 
 
 def _fused_pack(group: tuple[nn.Module, ...]) -> torch.Tensor:
-    """The stacked oneDNN pack of ``group`` (one product for the layer's q, k, v or gate, up), if any."""
+    """The stacked pack of ``group`` (one product for the layer's q, k, v or gate, up), if any."""
     first = group[0]
     pack = first._owner.fused_pack(group) if isinstance(first, PackedLinear) else None
     return _NO_PACK if pack is None else pack
-
-
-def _onednn(linear: nn.Module) -> bool:
-    """Whether ``linear``'s packs are oneDNN's (else MKL's, or none)."""
-    return isinstance(linear, PackedLinear) and linear._owner.kernel == "onednn"
 
 
 def _projections(layer: nn.Module) -> tuple[nn.Module, ...]:

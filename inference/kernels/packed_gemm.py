@@ -2,9 +2,14 @@
 row costs, since on a CPU the weights are read once either way.
 
 PyTorch's default fp32 ``linear`` (MKL ``sgemm``) falls well short of that for small row counts and, on
-some CPUs, of the memory's read speed even for one row. Two prepacked kernels do better; ``draftsmith
+some CPUs, of the memory's read speed even for one row. Three prepacked kernels do better; ``draftsmith
 bench-tree --linear ...`` measures each on a machine:
 
+- ``stream``: the runtime's own C++ kernel (:mod:`native`, x86-64 CPUs with AVX2 and FMA): each weight
+  copied once into blocks of 4 rows interleaved per 8 inputs, which a forward reads front to back once
+  for all its rows, asking the memory for later blocks while it computes. Every output is summed in one
+  fixed order whatever the row count, so it is row-invariant by construction; one pack serves every row
+  count, as oneDNN's.
 - ``onednn``: oneDNN's prepacked linear (``torch.ops.mkldnn._reorder_linear_weight`` once, then
   ``_linear_pointwise``; what inductor's ``freezing`` uses on a CPU). One pack per weight serves every
   row count, one row included, so plain decoding steps, tree verifications and the prompt's prefill
@@ -17,11 +22,11 @@ bench-tree --linear ...`` measures each on a machine:
   no real row attends to them, so they change no real row's output; their keys land past the rows the
   commit keeps. One-row forwards and larger trees use the default kernel.
 
-Either kind copies every linear weight (about the model's size: 0.5 GB for SmolLM2 in fp32; ``mkl``
+Each kind copies every linear weight (about the model's size: 0.5 GB for SmolLM2 in fp32; ``mkl``
 once per bucket). Packs are made when first needed, never past half of the memory then available.
 
-With ``onednn`` the runtime's numerical model is the target with oneDNN's linears: the reference that
-``bench`` checks every method against (HF ``generate``) runs through the same packs
+With ``stream`` or ``onednn`` the runtime's numerical model is the target with that kernel's linears: the
+reference that ``bench`` checks every method against (HF ``generate``) runs through the same packs
 (:meth:`PackedGemm.model_forwards`). MKL's packed rows round differently from the default kernel's by
 float32 noise, as the default kernel's own rounding already differs between one and several rows.
 """
@@ -39,14 +44,21 @@ from torch import nn
 
 from draftsmith.core.weight_copies import CopySource
 from draftsmith.inference.kernels import LINEAR_KERNELS
+from draftsmith.inference.kernels.native import native_extension
 
 ROW_BUCKETS = (2, 4, 8, 16, 32)
 MEMORY_SHARE = 0.5  # a bucket is packed only if its packs fit in this share of the available memory
-ANY_ROWS = 0  # the pack key of a kernel whose one pack serves every row count (oneDNN)
+ANY_ROWS = 0  # the pack key of a kernel whose one pack serves every row count (stream, oneDNN)
+ONE_PACK_KERNELS = ("stream", "onednn")
+PACK_KINDS = {"mkl": 0, "onednn": 1, "stream": 2}  # native.cpp's PackKind codes
 
 
-def linear_kernel_available(kernel: str) -> bool:
-    """Whether this PyTorch build has ``kernel``."""
+def linear_kernel_available(kernel: str, native: bool = True) -> bool:
+    """Whether this PyTorch build has ``kernel`` (``stream``: the C++ extension, where ``native`` allows
+    it, built on a CPU it runs on)."""
+    if kernel == "stream":
+        extension = native_extension() if native else None
+        return extension is not None and extension.simd_supported()
     if kernel == "onednn":
         return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
     if kernel == "mkl":
@@ -54,16 +66,24 @@ def linear_kernel_available(kernel: str) -> bool:
     return kernel == "default"
 
 
-def linear_kernel_for(model: nn.Module, asked: str) -> str:
+def linear_kernel_for(model: nn.Module, asked: str, native: bool = True) -> str:
     """The kernel ``model``'s linears run with when ``asked`` is wanted: a prepacked one needs float32
-    weights on the CPU and a build that has it; otherwise the next one in :data:`LINEAR_KERNELS`."""
+    weights on the CPU and a build that has it (``stream`` also inputs of a multiple of 8 values, and
+    ``native``); otherwise the next one in :data:`LINEAR_KERNELS`."""
     if asked not in LINEAR_KERNELS:
         raise ValueError(f"unknown linear kernel {asked!r}; choose one of {', '.join(LINEAR_KERNELS)}")
     parameter = next(model.parameters(), None)
     if parameter is None or parameter.device.type != "cpu" or parameter.dtype != torch.float32:
         return "default"
     candidates = LINEAR_KERNELS[LINEAR_KERNELS.index(asked) :]
-    return next(kernel for kernel in candidates if linear_kernel_available(kernel))
+    if "stream" in candidates and not _stream_shapes(model):
+        candidates = tuple(kernel for kernel in candidates if kernel != "stream")
+    return next(kernel for kernel in candidates if linear_kernel_available(kernel, native))
+
+
+def _stream_shapes(model: nn.Module) -> bool:
+    """Whether every linear of ``model`` reads a multiple of 8 inputs (the stream kernel's groups)."""
+    return all(module.in_features % 8 == 0 for module in model.modules() if isinstance(module, nn.Linear))
 
 
 def packed_gemm_supported(model: nn.Module) -> bool:
@@ -97,6 +117,9 @@ class PackedLinear(nn.Linear):
         pack = self.active_pack(rows)
         if pack is None:
             return F.linear(x, self.weight, self.bias)
+        if self._owner.kernel == "stream":
+            out = self._owner.native.stream_linear(x, pack)
+            return out if self.bias is None else out + self.bias
         if self._owner.kernel == "onednn":
             return torch.ops.mkldnn._linear_pointwise(x, pack, self.bias, "none", [], "")
         out = torch.ops.mkl._mkl_linear(x.reshape(rows, x.shape[-1]), pack, self.weight, self.bias, rows)
@@ -107,31 +130,28 @@ def _owned_by(linear: nn.Module, gemm: PackedGemm) -> bool:
     return isinstance(linear, PackedLinear) and linear._owner is gemm
 
 
-def _same_columns(stacked: torch.Tensor, packs: tuple[torch.Tensor, ...], width: int) -> bool:
-    """Whether the stacked pack's product is bitwise the separate packs' products side by side."""
-    rows = torch.randn(5, width, generator=torch.Generator().manual_seed(0))
-
-    def product(pack: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(rows, pack, None, "none", [], "")
-
-    return torch.equal(product(stacked), torch.cat([product(pack) for pack in packs], 1))
-
-
 def active_pack(linear: nn.Module, rows: int) -> torch.Tensor | None:
     """The pack ``linear`` multiplies a ``rows``-row input through now (None: the default kernel)."""
     return linear.active_pack(rows) if isinstance(linear, PackedLinear) else None
 
 
+def pack_kind(linear: nn.Module) -> int:
+    """The C++ layers' code (:data:`PACK_KINDS`) for the kernel of ``linear``'s packs (MKL's where it has
+    none: it is then not packed, and the code is not read)."""
+    return PACK_KINDS[linear._owner.kernel] if isinstance(linear, PackedLinear) else PACK_KINDS["mkl"]
+
+
 class PackedGemm:
-    """The packs of one target model for ``kernel`` (``onednn`` or ``mkl``, see the module docstring),
+    """The packs of one target model for ``kernel`` (``stream``, ``onednn`` or ``mkl``, see the module docstring),
     held by its kernel context (:mod:`kernels.context`). It turns the model's ``nn.Linear`` modules into
     :class:`PackedLinear`, which behave exactly as before outside :meth:`rows`' context; a later
     ``PackedGemm`` of the same model takes them over, with no packs yet."""
 
     def __init__(self, model: nn.Module, kernel: str = "mkl") -> None:
-        if kernel not in ("onednn", "mkl"):
-            raise ValueError(f"PackedGemm packs for 'onednn' or 'mkl', not {kernel!r}")
+        if kernel not in PACK_KINDS:
+            raise ValueError(f"PackedGemm packs for 'stream', 'onednn' or 'mkl', not {kernel!r}")
         self.kernel = kernel
+        self.native = native_extension() if kernel == "stream" else None
         self.active = False
         self._linears: list[PackedLinear] = []
         for module in model.modules():
@@ -153,14 +173,14 @@ class PackedGemm:
 
     def pack_key(self, rows: int) -> int:
         """The key of the pack a ``rows``-row input uses."""
-        return ANY_ROWS if self.kernel == "onednn" else rows
+        return ANY_ROWS if self.kernel in ONE_PACK_KERNELS else rows
 
     def padded_rows(self, rows: int) -> int:
         """How many rows a ``rows``-row verification forward should run with, its packs made: a MKL
         bucket when that bucket is (or can be) packed, else ``rows`` itself."""
         if not self._linears:
             return rows
-        if self.kernel == "onednn":
+        if self.kernel in ONE_PACK_KERNELS:
             self._drop_stale_packs()
             self._ensure(ANY_ROWS)
             return rows
@@ -172,9 +192,9 @@ class PackedGemm:
 
     def model_forwards(self) -> AbstractContextManager[None]:
         """The context for the model's own forwards (the prompt's prefill, a reference ``generate``) that
-        keeps them the runtime's numerical model: oneDNN's pack, which every runtime forward uses, serves
-        them too; MKL's buckets serve verification forwards alone."""
-        if self.kernel != "onednn" or not self._linears:
+        keeps them the runtime's numerical model: the stream kernel's or oneDNN's pack, which every runtime
+        forward uses, serves them too; MKL's buckets serve verification forwards alone."""
+        if self.kernel not in ONE_PACK_KERNELS or not self._linears:
             return nullcontext()
         self.padded_rows(1)
         return self.rows()
@@ -183,7 +203,7 @@ class PackedGemm:
         """Whether a row's product is bitwise the same alone and among others (up to 32) on this machine:
         what makes a tree verification compute exactly what plain steps compute. Checked on the first
         linear's pack with random rows (MKL's buckets: only within one bucket, so False)."""
-        if self.kernel != "onednn" or not self._linears:
+        if self.kernel not in ONE_PACK_KERNELS or not self._linears:
             return False
         self.padded_rows(1)
         linear = self._linears[0]
@@ -194,11 +214,11 @@ class PackedGemm:
         return torch.equal(together, alone)
 
     def fused_pack(self, linears: tuple[nn.Module, ...]) -> torch.Tensor | None:
-        """One oneDNN pack of ``linears``' weights stacked (e.g. q, k and v, which read the same input),
+        """One pack of ``linears``' weights stacked (e.g. q, k and v, which read the same input),
         for while their own packs are active: one product instead of several, whose output columns are
         bitwise theirs. None where that does not hold: another kernel, a module without an active pack,
         a machine where stacking changes a column's rounding, or too little memory for the copy."""
-        if self.kernel != "onednn" or not self.active or torch.is_grad_enabled():
+        if self.kernel not in ONE_PACK_KERNELS or not self.active or torch.is_grad_enabled():
             return None
         packs = tuple(linear._packs.get(ANY_ROWS) if _owned_by(linear, self) else None for linear in linears)
         if any(pack is None for pack in packs) or any(linear.bias is not None for linear in linears):
@@ -213,10 +233,10 @@ class PackedGemm:
         if stacked.numel() * stacked.element_size() > MEMORY_SHARE * _available_bytes():
             return None
         start = time.perf_counter()
-        fused = torch.ops.mkldnn._reorder_linear_weight(stacked)
+        fused = self._pack(stacked, ANY_ROWS)
         self.pack_seconds += time.perf_counter() - start
         if self._fusion_exact is None:  # checked once, on the first stacked pack
-            self._fusion_exact = _same_columns(fused, packs, stacked.shape[1])
+            self._fusion_exact = self._same_columns(fused, packs, stacked.shape[1])
             if not self._fusion_exact:
                 return None
         self._fused[key] = (packs, fused)
@@ -253,7 +273,21 @@ class PackedGemm:
         self.pack_seconds += time.perf_counter() - start
         return True
 
+    def _same_columns(self, stacked: torch.Tensor, packs: tuple[torch.Tensor, ...], width: int) -> bool:
+        """Whether the stacked pack's product is bitwise the separate packs' products side by side."""
+        rows = torch.randn(5, width, generator=torch.Generator().manual_seed(0))
+        together = self._product(rows, stacked)
+        return torch.equal(together, torch.cat([self._product(rows, pack) for pack in packs], 1))
+
+    def _product(self, rows: torch.Tensor, pack: torch.Tensor) -> torch.Tensor:
+        """A one-pack kernel's bias-free product."""
+        if self.kernel == "stream":
+            return self.native.stream_linear(rows, pack)
+        return torch.ops.mkldnn._linear_pointwise(rows, pack, None, "none", [], "")
+
     def _pack(self, weight: torch.Tensor, bucket: int) -> torch.Tensor:
+        if self.kernel == "stream":
+            return self.native.stream_pack(weight)
         if self.kernel == "onednn":
             return torch.ops.mkldnn._reorder_linear_weight(weight)  # no row hint: the pack is row-invariant
         return torch.ops.mkl._mkl_reorder_linear_weight(weight, bucket)

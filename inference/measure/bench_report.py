@@ -68,14 +68,17 @@ def _forward_note(results: dict[str, Any]) -> str:
     return "".join(f"; {note}" for note in notes)
 
 
+_ONE_PACK_NAMES = {"stream": "the runtime's C++ stream kernel", "onednn": "oneDNN's prepacked kernel"}
+
+
 def linear_note(linear: dict[str, Any]) -> str:
     """How the target's linears ran (``bench``'s and ``bench-tree``'s ``linear`` record)."""
-    if linear["kernel"] == "onednn":
+    if linear["kernel"] in _ONE_PACK_NAMES:
         invariant = "bitwise row-invariant" if linear.get("row_invariant") else "NOT row-invariant on this machine"
         handover = linear.get("full_head_from")
         head = f"; greedy verification of {handover}+ rows through its float32 head" if handover else ""
         packing = f", {linear['pack_seconds']} s packing, not counted"
-        return f"linears through oneDNN's prepacked kernel, every forward ({invariant}{head}{packing})"
+        return f"linears through {_ONE_PACK_NAMES[linear['kernel']]}, every forward ({invariant}{head}{packing})"
     if linear["kernel"] == "mkl":
         packing = f", {linear['pack_seconds']} s packing, not counted"
         return f"tree forwards through MKL packed GEMM (row buckets {linear.get('buckets')}{packing})"

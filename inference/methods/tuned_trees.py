@@ -159,4 +159,4 @@ def kernels_text(kernels: dict[str, Any]) -> str:
 
 
 _KERNEL_NAMES = {"native": "C++ decoder layers", "greedy_head": "screened head"}
-_LINEAR_NAMES = {"onednn": "oneDNN linears", "mkl": "packed GEMM"}
+_LINEAR_NAMES = {"stream": "stream linears", "onednn": "oneDNN linears", "mkl": "packed GEMM"}

@@ -2,6 +2,7 @@
 oneDNN's one pack for every forward (row invariance checked, the reference on the same kernel), linears
 that behave as before outside the runtime, and the memory guard."""
 
+import json
 import os
 import random
 
@@ -269,3 +270,48 @@ def test_an_eagle_drafter_drafts_through_its_own_packs_and_decodes_the_same(line
         linears = [m for m in drafter_model.modules() if isinstance(m, torch.nn.Linear)]
         assert all(type(m) is PackedLinear and m._owner is gemm and m._packs for m in linears)
         assert backends.kernels(model).gemm is not gemm and model.lm_head._owner is not gemm
+
+
+def test_auto_times_the_one_pack_kernels_once_per_machine_and_remembers(monkeypatch, tmp_path, capsys):
+    """``--linear auto`` takes the faster kernel as timed on this machine, then reads the answer back
+    (keyed by CPU, torch release, threads and the model's shapes) instead of timing again."""
+    from draftsmith.inference.kernels import linear_choice
+
+    model = fresh_model(seed=10)
+    monkeypatch.setattr(linear_choice, "choices_path", lambda: tmp_path / "choices.json")
+    monkeypatch.setattr(packed_gemm, "linear_kernel_available", lambda kernel, native=True: True)
+    timed = []
+    speeds = {"stream": 2.0, "onednn": 1.0}
+    monkeypatch.setattr(linear_choice, "_seconds", lambda weights, kernel: timed.append(kernel) or speeds[kernel])
+    assert packed_gemm.linear_kernel_for(model, "auto") == "onednn"
+    assert sorted(timed) == ["onednn", "stream"] and "using onednn" in capsys.readouterr().err
+    speeds = {"stream": 1.0, "onednn": 2.0}
+    assert packed_gemm.linear_kernel_for(model, "auto") == "onednn"  # remembered, not timed again
+    assert len(timed) == 2
+    other_shapes = tiny_llama(VOCAB, seed=10, hidden_size=96)
+    assert packed_gemm.linear_kernel_for(other_shapes, "auto") == "stream"
+    assert len(timed) == 4
+
+
+def test_auto_without_a_choice_takes_what_serves(monkeypatch, tmp_path):
+    from draftsmith.inference.kernels import linear_choice
+
+    model = fresh_model(seed=11)
+    monkeypatch.setattr(linear_choice, "choices_path", lambda: tmp_path / "choices.json")
+    monkeypatch.setattr(linear_choice, "_seconds", lambda weights, kernel: pytest.fail("nothing to choose between"))
+    monkeypatch.setattr(packed_gemm, "linear_kernel_available", lambda kernel, native=True: kernel != "stream")
+    assert packed_gemm.linear_kernel_for(model, "auto") == "onednn"
+    monkeypatch.setattr(packed_gemm, "linear_kernel_available", lambda kernel, native=True: kernel == "default")
+    assert packed_gemm.linear_kernel_for(model, "auto") == "default"
+
+
+def test_auto_times_real_packs_of_the_model(tmp_path, monkeypatch):
+    """The timing itself on real packs: a kernel that serves here, and the answer on disk."""
+    from draftsmith.inference.kernels import linear_choice
+
+    one_pack_kernel("stream")
+    one_pack_kernel("onednn")
+    monkeypatch.setattr(linear_choice, "choices_path", lambda: tmp_path / "choices.json")
+    chosen = packed_gemm.linear_kernel_for(fresh_model(seed=12), "auto")
+    assert chosen in packed_gemm.ONE_PACK_KERNELS
+    assert list(json.loads((tmp_path / "choices.json").read_text()).values()) == [chosen]

@@ -24,15 +24,22 @@ _SOURCE = Path(__file__).with_name("native.cpp")
 _NAME = "draftsmith_native_torch" + "".join(c if c.isalnum() else "_" for c in torch.__version__)
 
 
+def build_directory() -> Path:
+    """torch's folder for this extension's build (one per torch release)."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    return Path(_get_build_directory(_NAME, verbose=False))
+
+
 @functools.cache  # a shared library loads once per process (Python cannot unload it): one attempt
 def native_extension() -> ModuleType | None:
     """The compiled extension, built on this process's first call where no cached build exists; None
     (said once on stderr) where it cannot be built."""
     try:
-        from torch.utils.cpp_extension import _get_build_directory, load
+        from torch.utils.cpp_extension import load
 
         _put_ninja_on_path()
-        if not any(Path(_get_build_directory(_NAME, verbose=False)).glob(f"{_NAME}*.so")):
+        if not any(build_directory().glob(f"{_NAME}*.so")):
             print("[native] building the runtime's C++ kernels once (~30 s; cached for later runs)", file=sys.stderr)
         return load(name=_NAME, sources=[str(_SOURCE)], extra_cflags=["-O3", "-fopenmp"], verbose=False)
     except Exception as error:  # no compiler, headers or ninja: the Python code computes the same

@@ -16,7 +16,7 @@ class KernelOptions:
 
     compiled: bool = False  # torch.compile'd forwards over bucketed trees (kernels/compiled.py)
     direct_forward: bool = True  # skip transformers' per-call machinery, bitwise the same (kernels/direct_forward.py)
-    linear: str = "stream"  # the linears' prepacked kernel: stream, onednn, mkl or default (kernels/packed_gemm.py)
+    linear: str = "auto"  # the linears' kernel: auto, stream, onednn, mkl or default (kernels/packed_gemm.py)
     greedy_head: bool = True  # greedy argmax through a screened int8 head with a proof (kernels/greedy_head.py)
     native: bool = True  # the direct forward's layers and the head's contender search in C++ (kernels/native.py)
     threads: int | None = None  # torch's intra-op threads; None leaves torch's choice

@@ -44,6 +44,7 @@ from torch import nn
 
 from draftsmith.core.weight_copies import CopySource
 from draftsmith.inference.kernels import LINEAR_KERNELS
+from draftsmith.inference.kernels.linear_choice import chosen_kernel
 from draftsmith.inference.kernels.native import native_extension
 
 ROW_BUCKETS = (2, 4, 8, 16, 32)
@@ -51,6 +52,20 @@ MEMORY_SHARE = 0.5  # a bucket is packed only if its packs fit in this share of 
 ANY_ROWS = 0  # the pack key of a kernel whose one pack serves every row count (stream, oneDNN)
 ONE_PACK_KERNELS = ("stream", "onednn")
 PACK_KINDS = {"mkl": 0, "onednn": 1, "stream": 2}  # native.cpp's PackKind codes
+
+
+def one_pack(kernel: str, weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` packed for a one-pack kernel (:data:`ONE_PACK_KERNELS`)."""
+    if kernel == "stream":
+        return native_extension().stream_pack(weight)
+    return torch.ops.mkldnn._reorder_linear_weight(weight)  # no row hint: the pack is row-invariant
+
+
+def one_pack_product(kernel: str, rows: torch.Tensor, pack: torch.Tensor) -> torch.Tensor:
+    """A one-pack kernel's bias-free product of ``rows`` with a weight packed by :func:`one_pack`."""
+    if kernel == "stream":
+        return native_extension().stream_linear(rows, pack)
+    return torch.ops.mkldnn._linear_pointwise(rows, pack, None, "none", [], "")
 
 
 def linear_kernel_available(kernel: str, native: bool = True) -> bool:
@@ -69,7 +84,8 @@ def linear_kernel_available(kernel: str, native: bool = True) -> bool:
 def linear_kernel_for(model: nn.Module, asked: str, native: bool = True) -> str:
     """The kernel ``model``'s linears run with when ``asked`` is wanted: a prepacked one needs float32
     weights on the CPU and a build that has it (``stream`` also inputs of a multiple of 8 values, and
-    ``native``); otherwise the next one in :data:`LINEAR_KERNELS`."""
+    ``native``); otherwise the next one in :data:`LINEAR_KERNELS`. ``auto``: the faster one-pack kernel
+    on this machine where both serve (:mod:`linear_choice`)."""
     if asked not in LINEAR_KERNELS:
         raise ValueError(f"unknown linear kernel {asked!r}; choose one of {', '.join(LINEAR_KERNELS)}")
     parameter = next(model.parameters(), None)
@@ -78,7 +94,11 @@ def linear_kernel_for(model: nn.Module, asked: str, native: bool = True) -> str:
     candidates = LINEAR_KERNELS[LINEAR_KERNELS.index(asked) :]
     if "stream" in candidates and not _stream_shapes(model):
         candidates = tuple(kernel for kernel in candidates if kernel != "stream")
-    return next(kernel for kernel in candidates if linear_kernel_available(kernel, native))
+    served = [kernel for kernel in candidates if kernel != "auto" and linear_kernel_available(kernel, native)]
+    one_pack_kernels = tuple(kernel for kernel in served if kernel in ONE_PACK_KERNELS)
+    if asked == "auto" and len(one_pack_kernels) > 1:
+        return chosen_kernel(model, one_pack_kernels)
+    return served[0]
 
 
 def _stream_shapes(model: nn.Module) -> bool:
@@ -118,7 +138,7 @@ class PackedLinear(nn.Linear):
         if pack is None:
             return F.linear(x, self.weight, self.bias)
         if self._owner.kernel == "stream":
-            out = self._owner.native.stream_linear(x, pack)
+            out = one_pack_product("stream", x, pack)
             return out if self.bias is None else out + self.bias
         if self._owner.kernel == "onednn":
             return torch.ops.mkldnn._linear_pointwise(x, pack, self.bias, "none", [], "")
@@ -151,7 +171,6 @@ class PackedGemm:
         if kernel not in PACK_KINDS:
             raise ValueError(f"PackedGemm packs for 'stream', 'onednn' or 'mkl', not {kernel!r}")
         self.kernel = kernel
-        self.native = native_extension() if kernel == "stream" else None
         self.active = False
         self._linears: list[PackedLinear] = []
         for module in model.modules():
@@ -276,20 +295,12 @@ class PackedGemm:
     def _same_columns(self, stacked: torch.Tensor, packs: tuple[torch.Tensor, ...], width: int) -> bool:
         """Whether the stacked pack's product is bitwise the separate packs' products side by side."""
         rows = torch.randn(5, width, generator=torch.Generator().manual_seed(0))
-        together = self._product(rows, stacked)
-        return torch.equal(together, torch.cat([self._product(rows, pack) for pack in packs], 1))
-
-    def _product(self, rows: torch.Tensor, pack: torch.Tensor) -> torch.Tensor:
-        """A one-pack kernel's bias-free product."""
-        if self.kernel == "stream":
-            return self.native.stream_linear(rows, pack)
-        return torch.ops.mkldnn._linear_pointwise(rows, pack, None, "none", [], "")
+        together = one_pack_product(self.kernel, rows, stacked)
+        return torch.equal(together, torch.cat([one_pack_product(self.kernel, rows, pack) for pack in packs], 1))
 
     def _pack(self, weight: torch.Tensor, bucket: int) -> torch.Tensor:
-        if self.kernel == "stream":
-            return self.native.stream_pack(weight)
-        if self.kernel == "onednn":
-            return torch.ops.mkldnn._reorder_linear_weight(weight)  # no row hint: the pack is row-invariant
+        if self.kernel in ONE_PACK_KERNELS:
+            return one_pack(self.kernel, weight)
         return torch.ops.mkl._mkl_reorder_linear_weight(weight, bucket)
 
 

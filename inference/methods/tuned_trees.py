@@ -12,7 +12,6 @@ the export still verifies after a tune.
 from __future__ import annotations
 
 import json
-import platform
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,27 +22,13 @@ from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.io import FILES_MANIFEST, atomic_write_json, record_rewritten_file, sha256_file
 from draftsmith.drafters.base import TreeOptions
 from draftsmith.drafters.io import TUNED_TREES, WEIGHTS_NAME
+from draftsmith.inference.kernels.linear_choice import device_name
 
 TUNED_FORMAT = "draftsmith.tuned_trees/1"
 
 
 class TunedTreesError(DraftsmithError, ValueError):
     """A ``tuned_trees.json`` that cannot be read or updated."""
-
-
-def device_name(device: torch.device) -> str:
-    """The device as its cost curve depends on it: the GPU's model, or the CPU's."""
-    if device.type == "cuda":
-        return f"cuda:{torch.cuda.get_device_name(device)}"
-    model = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{device.type}:{model or platform.processor() or platform.machine()}"
 
 
 @dataclass(frozen=True)

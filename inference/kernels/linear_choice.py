@@ -1,0 +1,123 @@
+"""``--linear auto`` (the default): which one-pack kernel, ``stream`` or ``onednn``, runs the target's
+linears on this machine, timed once and remembered.
+
+Which of the two reads the weights faster depends on the CPU (its vendor, vector width, caches and
+memory) more than on the model, so the first run on a machine times both on the model's own weight
+shapes and keeps the answer in a small JSON file beside the C++ build (torch's extensions folder,
+one per torch release), keyed by the CPU's name, torch's release, the thread count and the shapes. One
+kernel serves every row count: choosing per row count would make a tree's rows round differently from
+the plain steps they stand for, and verification would no longer compute what plain decoding does.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from draftsmith.core.io import atomic_write_json
+
+CHOICES_FILE = "linear_kernel_choices.json"
+TIMED_ROWS = (1, 4)  # a plain decoding step and a small tree, weighted alike
+TIMED_BYTES = 96 << 20  # weights cycled through per timing: past the last-level cache, as in a forward
+REPEATS = 5
+
+
+def device_name(device: torch.device) -> str:
+    """The device as its kernels' speed depends on it: the GPU's model, or the CPU's."""
+    if device.type == "cuda":
+        return f"cuda:{torch.cuda.get_device_name(device)}"
+    model = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{device.type}:{model or platform.processor() or platform.machine()}"
+
+
+def chosen_kernel(model: nn.Module, candidates: tuple[str, ...]) -> str:
+    """The fastest of ``candidates`` (one-pack kernels that serve ``model``) on this machine: remembered
+    where timed before, else timed now on ``model``'s linears (a second or two) and remembered."""
+    key = _choice_key(model, candidates)
+    path = choices_path()
+    choices = _read(path)
+    if choices.get(key) in candidates:
+        return choices[key]
+    weights = _timed_weights(model)
+    seconds = {kernel: _seconds(weights, kernel) for kernel in candidates}
+    best = min(seconds, key=seconds.__getitem__)
+    timings = ", ".join(f"{kernel} {1e3 * value:.1f} ms" for kernel, value in seconds.items())
+    print(f"[kernels] linears: timed {timings} on this CPU; using {best} (remembered in {path})", file=sys.stderr)
+    try:
+        atomic_write_json(path, {**choices, key: best})
+    except OSError:
+        pass  # a read-only folder: the next run times again
+    return best
+
+
+def choices_path() -> Path:
+    """Beside the runtime's C++ build, whose folder is per torch release."""
+    from draftsmith.inference.kernels.native import build_directory
+
+    return build_directory() / CHOICES_FILE
+
+
+def _choice_key(model: nn.Module, candidates: tuple[str, ...]) -> str:
+    shapes = sorted({tuple(module.weight.shape) for module in model.modules() if isinstance(module, nn.Linear)})
+    digest = hashlib.sha256(json.dumps(shapes).encode()).hexdigest()[:16]
+    device = device_name(next(model.parameters()).device)
+    threads = torch.get_num_threads()
+    return f"{device} | torch {torch.__version__} | {threads} threads | {'/'.join(candidates)} | {digest}"
+
+
+def _read(path: Path) -> dict[str, str]:
+    try:
+        choices = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return choices if isinstance(choices, dict) else {}
+
+
+def _timed_weights(model: nn.Module) -> list[torch.Tensor]:
+    """The model's linear weights in order, up to :data:`TIMED_BYTES` (all of them in a small model)."""
+    weights, total = [], 0
+    for module in model.modules():
+        if isinstance(module, nn.Linear) and total < TIMED_BYTES:
+            weights.append(module.weight.detach())
+            total += module.weight.numel() * module.weight.element_size()
+    return weights
+
+
+def _seconds(weights: list[torch.Tensor], kernel: str) -> float:
+    """Median seconds of every product of ``weights`` through ``kernel``'s packs, summed over
+    :data:`TIMED_ROWS`."""
+    from draftsmith.inference.kernels.packed_gemm import one_pack, one_pack_product  # it imports this module
+
+    packs = [one_pack(kernel, weight) for weight in weights]
+    total = 0.0
+    with torch.no_grad():
+        for rows in TIMED_ROWS:
+            inputs = {weight.shape[1]: torch.randn(rows, weight.shape[1]) for weight in weights}
+
+            def products() -> None:
+                for weight, pack in zip(weights, packs, strict=True):
+                    one_pack_product(kernel, inputs[weight.shape[1]], pack)
+
+            products()  # warm-up
+            runs = []
+            for _ in range(REPEATS):
+                start = time.perf_counter()
+                products()
+                runs.append(time.perf_counter() - start)
+            total += statistics.median(runs)
+    return total

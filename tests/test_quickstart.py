@@ -61,7 +61,8 @@ def _quickstart_commands(monkeypatch, tmp_path, *options: str) -> list[list[str]
             (export / "config.json").write_text(json.dumps({"depth": 3, "top_k": 2, "total_tokens": 4}))
 
     monkeypatch.setattr(quickstart, "_run", record)
-    main(["quickstart", "--out", str(tmp_path / "qs"), *options])
+    monkeypatch.chdir(tmp_path)
+    main(["quickstart", *options])
     return commands
 
 
@@ -84,12 +85,16 @@ def test_quickstart_on_gemma3_trains_on_gemma3s_own_answers(monkeypatch, tmp_pat
     assert Path(train[1]).name == "fspad-gemma3.yaml" and "data.eval_samples=2" in train
     methods = next(argv for argv in commands if argv[0] == "bench")[4].split(",")
     assert "eagle3" not in methods  # the shipped EAGLE-3 is SmolLM2's
+    # its own working directory: a quickstart of the default target never resumes Gemma's data, nor the reverse
+    outs = [Path(argv[argv.index("--out") + 1]) for argv in commands if "--out" in argv]
+    assert outs and all(out.parts[:2] == ("runs", "quickstart-gemma3") for out in outs)
 
 
 def test_quickstart_on_the_default_target_runs_the_commands_a_user_of_the_default_types(monkeypatch, tmp_path):
     commands = _quickstart_commands(monkeypatch, tmp_path)
     assert [argv[0] for argv in commands] == ["data", "data", "train", "export", "tune", "bench"]
     assert not any("--target" in argv for argv in commands)
+    assert Path(commands[0][commands[0].index("--out") + 1]).parts[:2] == ("runs", "quickstart")
     train = next(argv for argv in commands if argv[0] == "train")
     assert Path(train[1]).name == "fspad-smollm2.yaml" and not any("eval_samples" in a for a in train)
     assert next(argv for argv in commands if argv[0] == "bench")[4].split(",")[-1] == "eagle3"

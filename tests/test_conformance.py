@@ -30,6 +30,7 @@ from draftsmith.train.recipe import load_train_recipe
 from draftsmith.train.trainer import train
 from helpers import (
     NO_SIDE_EFFECTS,
+    NOT_YET,
     TINY_DRAFTER,
     assert_decodes_like_plain_greedy,
     chi_square_p_value,
@@ -56,11 +57,6 @@ NEW_TOKENS = 16
 # Top-3 sampling keeps the enumeration of the first three tokens at 27 sequences on any vocabulary.
 SAMPLING = SamplingConfig(temperature=1.0, top_k=3)
 SAMPLED_TOKENS, SAMPLES = 3, 600
-
-# (family, architecture) pairs that do not work yet, each with the one-line reason; strict, so a fix shows.
-NOT_YET: dict[tuple[str, str], str] = {
-    ("streaming", "gemma3"): "its stream attention re-computes a Llama decoder layer (no QK-norm, Gemma's norms)",
-}
 
 
 @pytest.fixture(scope="module", params=ARCHITECTURES)

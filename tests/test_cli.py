@@ -98,3 +98,16 @@ def test_bundled_default_dataset_is_complete_and_usable():
     assert sum(len(c.turns) > 2 for c in conversations) >= 20  # multi-turn conversations are in it
     meta = json.loads(path.with_name(path.name + ".meta.json").read_text())
     assert meta["target"]["name"].startswith("HuggingFaceTB/SmolLM2-135M-Instruct")
+
+
+def test_the_commands_printed_after_an_export_name_a_target_other_than_the_default():
+    from draftsmith.core.target import EMBEDDED_TARGETS
+    from draftsmith.train.commands import _target_option
+
+    def identity(name):
+        return {"target_identity": {"name": name}}
+
+    assert _target_option(identity(EMBEDDED_TARGETS["smollm2"].display_name)) == ""
+    assert _target_option(identity(EMBEDDED_TARGETS["gemma3"].display_name)) == " --target gemma3"
+    assert _target_option(identity("my-org/my-model")) == " --target my-org/my-model"
+    assert _target_option({}) == ""

@@ -76,10 +76,23 @@ def cmd_export(args: argparse.Namespace) -> None:
     method = get_family(family).method_name  # a variant is served by its base method (medusa2: medusa=DIR)
     counts = drafter_parameter_counts(out)
     print(f"parameters beside the target's: {', '.join(f'{kind} {n:,}' for kind, n in counts.items())}")
+    target = _target_option(json.loads((out / "config.json").read_text()))
     print(
-        f"exported to {out}; decode with `draftsmith generate --method {method}={out}` or compare with "
-        f"`draftsmith bench --methods {method}={out}`"
+        f"exported to {out}; decode with `draftsmith generate --method {method}={out}{target}` or compare with "
+        f"`draftsmith bench --methods {method}={out}{target}`"
     )
+
+
+def _target_option(config: dict[str, Any]) -> str:
+    """`` --target NAME`` for a drafter of another target than the default (the commands printed after
+    an export would otherwise load the default target), else nothing."""
+    from draftsmith.core.target import DEFAULT_TARGET, EMBEDDED_TARGETS
+
+    name = (config.get("target_identity") or {}).get("name")
+    named = next((entry for entry in EMBEDDED_TARGETS.values() if entry.display_name == name), None)
+    if named is not None:
+        return "" if named.name == DEFAULT_TARGET else f" --target {named.name}"
+    return f" --target {name}" if name else ""
 
 
 def add_train_commands(subparsers: Any) -> None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import platform
 import statistics
 import sys
 import time
@@ -22,27 +21,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from draftsmith.core.devices import device_name
 from draftsmith.core.io import atomic_write_json
 
 CHOICES_FILE = "linear_kernel_choices.json"
 TIMED_ROWS = (1, 4)  # a plain decoding step and a small tree, weighted alike
 TIMED_BYTES = 96 << 20  # weights cycled through per timing: past the last-level cache, as in a forward
 REPEATS = 5
-
-
-def device_name(device: torch.device) -> str:
-    """The device as its kernels' speed depends on it: the GPU's model, or the CPU's."""
-    if device.type == "cuda":
-        return f"cuda:{torch.cuda.get_device_name(device)}"
-    model = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{device.type}:{model or platform.processor() or platform.machine()}"
 
 
 def chosen_kernel(model: nn.Module, candidates: tuple[str, ...]) -> str:

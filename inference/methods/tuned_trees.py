@@ -18,11 +18,11 @@ from typing import Any
 
 import torch
 
+from draftsmith.core.devices import device_name
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.io import FILES_MANIFEST, atomic_write_json, record_rewritten_file, sha256_file
 from draftsmith.drafters.base import TreeOptions
 from draftsmith.drafters.io import TUNED_TREES, WEIGHTS_NAME
-from draftsmith.inference.kernels.linear_choice import device_name
 
 TUNED_FORMAT = "draftsmith.tuned_trees/1"
 

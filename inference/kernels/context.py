@@ -6,7 +6,6 @@ figures; a caller that decodes many prompts keeps one context per model and pays
 from __future__ import annotations
 
 import functools
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -21,6 +20,7 @@ from draftsmith.inference.kernels.direct_forward import (
     direct_forward_supported,
 )
 from draftsmith.inference.kernels.greedy_head import GreedyHead, greedy_head_supported
+from draftsmith.inference.kernels.linear_choice import median_seconds
 from draftsmith.inference.kernels.options import KernelOptions
 from draftsmith.inference.kernels.packed_gemm import ONE_PACK_KERNELS, PackedGemm, linear_kernel_for
 
@@ -84,8 +84,8 @@ class KernelContext:
         with torch.no_grad(), self.gemm.rows():
             for rows in FULL_HEAD_CANDIDATES:
                 x = torch.randn(rows, head.in_features, generator=torch.Generator().manual_seed(rows))
-                screen = _median_seconds(lambda: screened.contenders(x, native))
-                full = _median_seconds(lambda: head(x).argmax(dim=-1))
+                screen = median_seconds(lambda: screened.contenders(x, native))
+                full = median_seconds(lambda: head(x).argmax(dim=-1))
                 faster.append(full < screen)
         return next((rows for i, rows in enumerate(FULL_HEAD_CANDIDATES) if all(faster[i:])), None)
 
@@ -112,16 +112,6 @@ class KernelContext:
         made = build()
         self._built_seconds += time.perf_counter() - start
         return made
-
-
-def _median_seconds(run: Callable[[], object], repeats: int = 5) -> float:
-    run()  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def say_own_forward(model: nn.Module) -> None:

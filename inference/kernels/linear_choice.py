@@ -16,6 +16,7 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -27,7 +28,6 @@ from draftsmith.core.io import atomic_write_json
 CHOICES_FILE = "linear_kernel_choices.json"
 TIMED_ROWS = (1, 4)  # a plain decoding step and a small tree, weighted alike
 TIMED_BYTES = 96 << 20  # weights cycled through per timing: past the last-level cache, as in a forward
-REPEATS = 5
 
 
 def chosen_kernel(model: nn.Module, candidates: tuple[str, ...]) -> str:
@@ -98,11 +98,16 @@ def _seconds(weights: list[torch.Tensor], kernel: str) -> float:
                 for weight, pack in zip(weights, packs, strict=True):
                     one_pack_product(kernel, inputs[weight.shape[1]], pack)
 
-            products()  # warm-up
-            runs = []
-            for _ in range(REPEATS):
-                start = time.perf_counter()
-                products()
-                runs.append(time.perf_counter() - start)
-            total += statistics.median(runs)
+            total += median_seconds(products)
     return total
+
+
+def median_seconds(run: Callable[[], object], repeats: int = 5) -> float:
+    """The median of ``repeats`` timed calls of ``run`` after one untimed call (a warm-up)."""
+    run()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)

@@ -9,14 +9,13 @@ does can take less time than reading those bytes once. The read speed is measure
 
 from __future__ import annotations
 
-import statistics
-import time
 from typing import Any
 
 import torch
 from torch import nn
 
 from draftsmith.inference.kernels.greedy_head import GreedyHead
+from draftsmith.inference.kernels.linear_choice import median_seconds
 
 BUFFER_BYTES = 512 * 2**20  # well past any CPU's last-level cache
 REPEATS = 5
@@ -46,13 +45,7 @@ def step_weight_bytes(model: nn.Module, screened: GreedyHead | None) -> int:
 def read_bytes_per_second() -> float:
     """This machine's memory read speed (median of a few passes of torch's ``sum``)."""
     buffer = torch.ones(BUFFER_BYTES // 4, dtype=torch.float32)
-    buffer.sum()  # pages touched, threads started
-    times = []
-    for _ in range(REPEATS):
-        start = time.perf_counter()
-        buffer.sum()
-        times.append(time.perf_counter() - start)
-    return BUFFER_BYTES / statistics.median(times)
+    return BUFFER_BYTES / median_seconds(buffer.sum, REPEATS)  # its warm-up touches the pages, starts threads
 
 
 def step_floor(model: nn.Module, screened: GreedyHead | None) -> dict[str, Any]:

@@ -76,7 +76,7 @@ class KernelContext:
         """The row count from which the float32 head through a row-invariant oneDNN pack beats the
         screen's int8 product and contender search (through the direct forward's extension) on this
         machine (timed once per head); None where the kernel is not row-invariant or the screen always
-        wins. The proof that follows costs the same either way on real text (a few contenders a row)."""
+        wins. The screen's proof is not timed: on real text it checks a few contenders a row."""
         if self.gemm is None or not self.gemm.row_invariant():
             return None
         head, native = self.model.lm_head, self.direct().extension

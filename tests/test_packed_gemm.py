@@ -230,15 +230,36 @@ def test_a_kernel_this_build_lacks_falls_to_the_next(monkeypatch):
         packed_gemm.linear_kernel_for(model, "fast")
 
 
-def test_the_stream_kernel_needs_inputs_of_a_multiple_of_8_and_the_cpp_extension():
+def test_the_stream_kernel_needs_the_cpp_extension_and_takes_any_shape():
     model = fresh_model(seed=9)
     one_pack_kernel("stream")
     assert packed_gemm.linear_kernel_for(model, "stream") == "stream"
     assert packed_gemm.linear_kernel_for(model, "stream", native=False) == packed_gemm.linear_kernel_for(
         model, "onednn"
     )
-    odd = torch.nn.Sequential(torch.nn.Linear(12, 4))
-    assert packed_gemm.linear_kernel_for(odd, "stream") == packed_gemm.linear_kernel_for(odd, "onednn")
+    odd = torch.nn.Sequential(torch.nn.Linear(13, 5))
+    assert packed_gemm.linear_kernel_for(odd, "stream") == "stream"
+
+
+@pytest.mark.parametrize("outputs, inputs", [(37, 13), (64, 300), (16, 1), (5, 129)])
+def test_the_stream_kernel_sums_each_output_alike_for_any_rows_and_threads(outputs, inputs):
+    """Blocks of 16 outputs and a tail, tiles of inputs and passes of up to 6 rows: each output's sum is
+    the same float alone, among any number of rows and on any thread count, and is the product."""
+    one_pack_kernel("stream")
+    generator = torch.Generator().manual_seed(outputs * inputs)
+    weight = torch.randn(outputs, inputs, generator=generator)
+    rows = torch.randn(14, inputs, generator=generator)
+    pack = packed_gemm.one_pack("stream", weight)
+    together = packed_gemm.one_pack_product("stream", rows, pack)
+    torch.testing.assert_close(together.double(), rows.double() @ weight.double().t(), rtol=1e-4, atol=1e-4)
+    for count in (1, 2, 5, 7, 8, 13):
+        assert torch.equal(packed_gemm.one_pack_product("stream", rows[:count], pack), together[:count])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(packed_gemm.one_pack_product("stream", rows, pack), together)
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("linear", ["stream", "onednn", "default"])

@@ -4,9 +4,10 @@ linears on this machine, timed once and remembered.
 Which of the two reads the weights faster depends on the CPU (its vendor, vector width, caches and
 memory) more than on the model, so the first run on a machine times both on the model's own weight
 shapes and keeps the answer in a small JSON file beside the C++ build (torch's extensions folder,
-one per torch release), keyed by the CPU's name, torch's release, the thread count and the shapes. One
-kernel serves every row count: choosing per row count would make a tree's rows round differently from
-the plain steps they stand for, and verification would no longer compute what plain decoding does.
+one per torch release), keyed by the CPU's name, torch's release, the thread count, the shapes and the
+C++ kernels' source (a changed kernel is timed again). One kernel serves every row count: choosing per
+row count would make a tree's rows round differently from the plain steps they stand for, and
+verification would no longer compute what plain decoding does.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from torch import nn
 
 from draftsmith.core.devices import device_name
 from draftsmith.core.io import atomic_write_json
+from draftsmith.inference.kernels.native import build_directory, source_digest
 
 CHOICES_FILE = "linear_kernel_choices.json"
 TIMED_ROWS = (1, 4)  # a plain decoding step and a small tree, weighted alike
@@ -52,8 +54,6 @@ def chosen_kernel(model: nn.Module, candidates: tuple[str, ...]) -> str:
 
 def choices_path() -> Path:
     """Beside the runtime's C++ build, whose folder is per torch release."""
-    from draftsmith.inference.kernels.native import build_directory
-
     return build_directory() / CHOICES_FILE
 
 
@@ -62,7 +62,8 @@ def _choice_key(model: nn.Module, candidates: tuple[str, ...]) -> str:
     digest = hashlib.sha256(json.dumps(shapes).encode()).hexdigest()[:16]
     device = device_name(next(model.parameters()).device)
     threads = torch.get_num_threads()
-    return f"{device} | torch {torch.__version__} | {threads} threads | {'/'.join(candidates)} | {digest}"
+    kernels = f"native {source_digest()}" if "stream" in candidates else "no native"
+    return f"{device} | torch {torch.__version__} | {threads} threads | {'/'.join(candidates)} | {kernels} | {digest}"
 
 
 def _read(path: Path) -> dict[str, str]:

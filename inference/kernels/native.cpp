@@ -30,7 +30,7 @@ namespace {
 // multiplies a bias-free input by).
 enum Weight { kInputNorm, kQuery, kKey, kValue, kOutput, kGate, kUp, kDown, kPostNorm, kWeightsPerLayer };
 constexpr int64_t kProjections = 7;  // kQuery .. kDown
-constexpr int64_t kStreamBlock = 4;  // weight rows per block of a stream pack (stream_pack)
+constexpr int64_t kStreamBlock = 16;  // outputs per block of a stream pack (stream_pack): two vectors
 
 // LlamaRMSNorm.forward for a float32 input (its casts are no-ops there).
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
@@ -161,69 +161,89 @@ AVX2 void screen_span(const float* x, int64_t rows, const int8_t* q, int64_t K, 
   }
 }
 // ---- the stream linear kernel ----
-// A stream pack has the weight's shape (O, I), I a multiple of 8: its first O / 4 * 4 rows in blocks of
-// 4 rows stored as I / 8 groups of [4 rows x 8 inputs] (a block is read front to back), the last O % 4
-// rows as they are. Every output is a sum over groups of 8 inputs, 8 lanes each, in group order,
-// then the lanes' sum: the same operations whichever rows come with it.
-constexpr int64_t kStreamRowsPerPass = 3;  // rows per pass over a block: 4 x 3 accumulators, 3 inputs
-constexpr int64_t kStreamPrefetchBlocks = 2;
+// A stream pack has the weight's shape (O, I): its first O / 16 * 16 outputs in blocks of 16, each
+// stored input by input ([I][16]: the 16 outputs' weights for input 0, then for input 1, ...), the last
+// O % 16 outputs the same way ([I][O % 16]). A block is read front to back. Every output is summed
+// input by input from zero, one fused multiply-add per input (lane j of a vector is output j's sum), so
+// it is the same float whichever rows come with it, however rows are grouped into passes and however
+// the blocks are split between threads.
+constexpr int64_t kStreamInputsPerTile = 128;  // a tile's 8 KB of a block stay in L1 across row passes
+constexpr int64_t kStreamMaxRowsPerPass = 6;   // 2 x 6 accumulators, 2 weight vectors, 1 broadcast
 
-// Outputs [o, o + T) for R rows of x (R x I), their weights' group g at w + t * lane_step + g * group_step.
-template <int R, int T>
-AVX2 inline void stream_outputs(const float* x, int64_t I, const float* w, int64_t lane_step, int64_t group_step,
-                                const float* prefetch, float* y, int64_t O, int64_t o) {
-  __m256 acc[T][R];
+// Outputs [o, o + 16) for R rows of x (R x I), over inputs [k0, k1) of their block `w` ([I][16]); the
+// sums so far are in y (k0 > 0: stored and reloaded exactly). Asks the L2 cache for the same inputs of
+// `later` (a later block), one line per input, so memory streams while the rows are multiplied.
+template <int R>
+AVX2 inline void stream_tile(const float* x, int64_t I, const float* w, int64_t k0, int64_t k1, const float* later,
+                             float* y, int64_t O, int64_t o) {
+  __m256 low[R], high[R];
 #pragma GCC unroll 8
-  for (int t = 0; t < T; ++t)
+  for (int r = 0; r < R; ++r) {
+    low[r] = k0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(y + r * O + o);
+    high[r] = k0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(y + r * O + o + 8);
+  }
+  for (int64_t k = k0; k < k1; ++k) {
+    if (later != nullptr) _mm_prefetch(reinterpret_cast<const char*>(later + k * kStreamBlock), _MM_HINT_T1);
+    const __m256 w0 = _mm256_loadu_ps(w + k * kStreamBlock);
+    const __m256 w1 = _mm256_loadu_ps(w + k * kStreamBlock + 8);
 #pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) acc[t][r] = _mm256_setzero_ps();
-  for (int64_t g = 0; g < I / 8; ++g) {
-    if (prefetch != nullptr && (g & 1) == 0)  // the 256 bytes two groups of a later block take
-#pragma GCC unroll 4
-      for (int line = 0; line < 4; ++line)
-        _mm_prefetch(reinterpret_cast<const char*>(prefetch + g * group_step + line * 16), _MM_HINT_T0);
-    __m256 xv[R];
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) xv[r] = _mm256_loadu_ps(x + r * I + g * 8);
-#pragma GCC unroll 8
-    for (int t = 0; t < T; ++t) {
-      const __m256 wv = _mm256_loadu_ps(w + t * lane_step + g * group_step);
-#pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) acc[t][r] = _mm256_fmadd_ps(wv, xv[r], acc[t][r]);
+    for (int r = 0; r < R; ++r) {
+      const __m256 xr = _mm256_broadcast_ss(x + r * I + k);
+      low[r] = _mm256_fmadd_ps(w0, xr, low[r]);
+      high[r] = _mm256_fmadd_ps(w1, xr, high[r]);
     }
   }
 #pragma GCC unroll 8
-  for (int t = 0; t < T; ++t)
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) y[r * O + o + t] = lane_sum(acc[t][r]);
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_ps(y + r * O + o, low[r]);
+    _mm256_storeu_ps(y + r * O + o + 8, high[r]);
+  }
 }
 
-// Units [begin, end) of the pack for every row: units below `blocks` are blocks of 4 outputs, the rest
-// single rows of the tail. Rows go in passes of up to 3; after the first pass a block is in the L1 cache,
-// and each pass asks the memory for a later block, so it streams while the passes compute.
-AVX2 void stream_units(const float* x, int64_t rows, const float* pack, int64_t I, int64_t O, int64_t blocks,
-                       int64_t begin, int64_t end, float* y) {
-  for (int64_t unit = begin; unit < end; ++unit) {
-    const bool block = unit < blocks;
-    const int64_t o = block ? unit * kStreamBlock : blocks * kStreamBlock + (unit - blocks);
-    const float* w = pack + o * I;
-    for (int64_t r = 0; r < rows; r += kStreamRowsPerPass) {
-      const float* xr = x + r * I;
-      float* yr = y + r * O;
-      const int64_t later = std::min(unit + kStreamPrefetchBlocks + r / kStreamRowsPerPass, blocks - 1);
-      const float* prefetch = block && later > unit ? pack + later * kStreamBlock * I : nullptr;
-      const int64_t pass = std::min(kStreamRowsPerPass, rows - r);
-      if (block) {
-        if (pass == 1) stream_outputs<1, 4>(xr, I, w, 8, 32, prefetch, yr, O, o);
-        else if (pass == 2) stream_outputs<2, 4>(xr, I, w, 8, 32, prefetch, yr, O, o);
-        else stream_outputs<3, 4>(xr, I, w, 8, 32, prefetch, yr, O, o);
-      } else {
-        if (pass == 1) stream_outputs<1, 1>(xr, I, w, 0, 8, nullptr, yr, O, o);
-        else if (pass == 2) stream_outputs<2, 1>(xr, I, w, 0, 8, nullptr, yr, O, o);
-        else stream_outputs<3, 1>(xr, I, w, 0, 8, nullptr, yr, O, o);
+AVX2 void stream_pass(int64_t rows, const float* x, int64_t I, const float* w, int64_t k0, int64_t k1,
+                      const float* later, float* y, int64_t O, int64_t o) {
+  switch (rows) {
+    case 1: stream_tile<1>(x, I, w, k0, k1, later, y, O, o); break;
+    case 2: stream_tile<2>(x, I, w, k0, k1, later, y, O, o); break;
+    case 3: stream_tile<3>(x, I, w, k0, k1, later, y, O, o); break;
+    case 4: stream_tile<4>(x, I, w, k0, k1, later, y, O, o); break;
+    case 5: stream_tile<5>(x, I, w, k0, k1, later, y, O, o); break;
+    default: stream_tile<6>(x, I, w, k0, k1, later, y, O, o); break;
+  }
+}
+
+// Blocks [begin, end) of the pack for every row, a tile of inputs at a time: the first pass of rows
+// reads the tile from memory, the others find it in L1. Rows go in passes of equal size (8 rows: two
+// of 4), each at most kStreamMaxRowsPerPass.
+AVX2 void stream_blocks(const float* x, int64_t rows, const float* pack, int64_t I, int64_t O, int64_t begin,
+                        int64_t end, float* y) {
+  const int64_t passes = (rows + kStreamMaxRowsPerPass - 1) / kStreamMaxRowsPerPass;
+  for (int64_t block = begin; block < end; ++block) {
+    const float* w = pack + block * kStreamBlock * I;
+    const float* later = block + 1 < end ? w + kStreamBlock * I : nullptr;
+    for (int64_t k0 = 0; k0 < I; k0 += kStreamInputsPerTile) {
+      const int64_t k1 = std::min(I, k0 + kStreamInputsPerTile);
+      for (int64_t pass = 0, r = 0; pass < passes; ++pass) {
+        const int64_t here = (rows - r) / (passes - pass);
+        stream_pass(here, x + r * I, I, w, k0, k1, pass == 0 ? later : nullptr, y + r * O, O,
+                    block * kStreamBlock);
+        r += here;
       }
     }
   }
+}
+
+// The last O % 16 outputs (stored [I][tail] after the blocks): the same sums, one output at a time
+// (std::fma rounds as a vector lane's fused multiply-add does).
+AVX2 void stream_tail(const float* x, int64_t rows, const float* pack, int64_t I, int64_t O, float* y) {
+  const int64_t first = O / kStreamBlock * kStreamBlock, tail = O - first;
+  const float* w = pack + first * I;
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t j = 0; j < tail; ++j) {
+      float sum = 0.0f;
+      for (int64_t k = 0; k < I; ++k) sum = std::fma(w[k * tail + j], x[r * I + k], sum);
+      y[r * O + first + j] = sum;
+    }
 }
 #undef AVX2
 #endif  // DRAFTSMITH_X86
@@ -240,16 +260,15 @@ bool simd_supported() {
 #endif
 }
 
-// The stream pack of a float32 weight (O, I), I a multiple of 8 (see stream_units).
+// The stream pack of a float32 weight (O, I) (see stream_blocks).
 at::Tensor stream_pack(const at::Tensor& weight) {
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat && weight.size(1) % 8 == 0,
-              "stream_pack: a float32 (out, in) weight with in a multiple of 8");
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat, "stream_pack: a float32 (out, in) weight");
   const int64_t O = weight.size(0), I = weight.size(1), full = O / kStreamBlock * kStreamBlock;
   at::Tensor pack = at::empty({O, I}, weight.options().memory_format(at::MemoryFormat::Contiguous));
   pack.narrow(0, 0, full)
-      .view({full / kStreamBlock, I / 8, kStreamBlock, 8})
-      .copy_(weight.narrow(0, 0, full).reshape({full / kStreamBlock, kStreamBlock, I / 8, 8}).permute({0, 2, 1, 3}));
-  pack.narrow(0, full, O - full).copy_(weight.narrow(0, full, O - full));
+      .view({full / kStreamBlock, I, kStreamBlock})
+      .copy_(weight.narrow(0, 0, full).reshape({full / kStreamBlock, kStreamBlock, I}).transpose(1, 2));
+  pack.narrow(0, full, O - full).view({I, O - full}).copy_(weight.narrow(0, full, O - full).t());
   return pack;
 }
 
@@ -257,8 +276,7 @@ at::Tensor stream_pack(const at::Tensor& weight) {
 // simd_supported().
 at::Tensor stream_linear(const at::Tensor& rows, const at::Tensor& pack) {
   TORCH_CHECK(simd_supported(), "stream_linear: needs an x86-64 CPU with AVX2 and FMA");
-  TORCH_CHECK(pack.dim() == 2 && pack.scalar_type() == at::kFloat && pack.is_contiguous() && pack.size(1) % 8 == 0,
-              "stream_linear: pack");
+  TORCH_CHECK(pack.dim() == 2 && pack.scalar_type() == at::kFloat && pack.is_contiguous(), "stream_linear: pack");
   TORCH_CHECK(rows.scalar_type() == at::kFloat && rows.size(-1) == pack.size(1), "stream_linear: rows");
   const int64_t O = pack.size(0), I = pack.size(1), count = rows.numel() / I;
   const at::Tensor x = rows.reshape({count, I}).contiguous();
@@ -266,13 +284,13 @@ at::Tensor stream_linear(const at::Tensor& rows, const at::Tensor& pack) {
   shape.back() = O;
   at::Tensor y = at::empty({count, O}, x.options());
 #ifdef DRAFTSMITH_X86
-  const int64_t blocks = O / kStreamBlock, units = blocks + O % kStreamBlock;
   const float* xp = x.data_ptr<float>();
   const float* pp = pack.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, units, 16, [&](int64_t begin, int64_t end) {
-    stream_units(xp, count, pp, I, O, blocks, begin, end, yp);
+  at::parallel_for(0, O / kStreamBlock, 4, [&](int64_t begin, int64_t end) {
+    stream_blocks(xp, count, pp, I, O, begin, end, yp);
   });
+  stream_tail(xp, count, pp, I, O, yp);
 #endif
   return y.view(shape);
 }

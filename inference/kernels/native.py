@@ -11,6 +11,7 @@ built, the runtime says so once and keeps the Python code: the same tokens, a sl
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import shutil
 import sys
@@ -22,6 +23,12 @@ import torch
 _SOURCE = Path(__file__).with_name("native.cpp")
 # torch's build cache tracks the sources and flags, not torch itself: a build per torch release
 _NAME = "draftsmith_native_torch" + "".join(c if c.isalnum() else "_" for c in torch.__version__)
+
+
+@functools.cache
+def source_digest() -> str:
+    """A short digest of ``native.cpp``: what a result measured on its kernels is valid for."""
+    return hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:12]
 
 
 def build_directory() -> Path:

@@ -83,27 +83,20 @@ def linear_kernel_available(kernel: str, native: bool = True) -> bool:
 
 def linear_kernel_for(model: nn.Module, asked: str, native: bool = True) -> str:
     """The kernel ``model``'s linears run with when ``asked`` is wanted: a prepacked one needs float32
-    weights on the CPU and a build that has it (``stream`` also inputs of a multiple of 8 values, and
-    ``native``); otherwise the next one in :data:`LINEAR_KERNELS`. ``auto``: the faster one-pack kernel
-    on this machine where both serve (:mod:`linear_choice`)."""
+    weights on the CPU and a build that has it (``stream`` also ``native``); otherwise the next one in
+    :data:`LINEAR_KERNELS`. ``auto``: the faster one-pack kernel on this machine where both serve
+    (:mod:`linear_choice`)."""
     if asked not in LINEAR_KERNELS:
         raise ValueError(f"unknown linear kernel {asked!r}; choose one of {', '.join(LINEAR_KERNELS)}")
     parameter = next(model.parameters(), None)
     if parameter is None or parameter.device.type != "cpu" or parameter.dtype != torch.float32:
         return "default"
     candidates = LINEAR_KERNELS[LINEAR_KERNELS.index(asked) :]
-    if "stream" in candidates and not _stream_shapes(model):
-        candidates = tuple(kernel for kernel in candidates if kernel != "stream")
     served = [kernel for kernel in candidates if kernel != "auto" and linear_kernel_available(kernel, native)]
     one_pack_kernels = tuple(kernel for kernel in served if kernel in ONE_PACK_KERNELS)
     if asked == "auto" and len(one_pack_kernels) > 1:
         return chosen_kernel(model, one_pack_kernels)
     return served[0]
-
-
-def _stream_shapes(model: nn.Module) -> bool:
-    """Whether every linear of ``model`` reads a multiple of 8 inputs (the stream kernel's groups)."""
-    return all(module.in_features % 8 == 0 for module in model.modules() if isinstance(module, nn.Linear))
 
 
 def packed_gemm_supported(model: nn.Module) -> bool:

@@ -262,14 +262,14 @@ def test_the_stream_kernel_sums_each_output_alike_for_any_rows_and_threads(outpu
         torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("linear", ["stream", "onednn", "default"])
+@pytest.mark.parametrize("linear", ["auto", "stream", "onednn", "default"])
 def test_an_eagle_drafter_drafts_through_its_own_packs_and_decodes_the_same(linear, monkeypatch):
     """The drafter's own linears run through the options' one-pack kernel during its rounds; the target
     keeps its own packs, and the tokens stay plain decoding's."""
     from draftsmith.drafters.base import TreeOptions
     from draftsmith.drafters.registry import get_family
 
-    if linear != "default":
+    if linear not in ("auto", "default"):
         one_pack_kernel(linear)
     model = fresh_model(seed=2)
     torch.manual_seed(0)

@@ -30,6 +30,7 @@ namespace {
 // multiplies a bias-free input by).
 enum Weight { kInputNorm, kQuery, kKey, kValue, kOutput, kGate, kUp, kDown, kPostNorm, kWeightsPerLayer };
 constexpr int64_t kProjections = 7;  // kQuery .. kDown
+constexpr int64_t kContenderSpan = 8192;  // tokens per task of screen_contenders
 constexpr int64_t kStreamBlock = 16;  // outputs per block of a stream pack (stream_pack): two vectors
 
 // LlamaRMSNorm.forward for a float32 input (its casts are no-ops there).
@@ -425,20 +426,39 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> screen_contenders(
     const float c0 = coefficients.data_ptr<float>()[2 * r];
     const float c1 = coefficients.data_ptr<float>()[2 * r + 1];
     auto bound = [&](int64_t i, float value) { return (c0 * b0[i] + c1 * b1[i] + out * std::fabs(value)) * slack; };
-    float floor = -std::numeric_limits<float>::infinity();
-    bool finite = true;
-    for (int64_t i = 0; i < vocab; ++i) {
-      const float value = static_cast<float>(a[i]);
-      finite = finite && std::isfinite(value);
-      floor = std::max(floor, value - bound(i, value));
-    }
+    // Spans of the vocabulary on all threads: the maximum and the contenders' order do not depend on
+    // how it is split.
+    const int64_t spans = (vocab + kContenderSpan - 1) / kContenderSpan;
+    std::vector<float> span_floors(spans, -std::numeric_limits<float>::infinity());
+    std::vector<char> span_finite(spans, 1);
+    at::parallel_for(0, spans, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t span = begin; span < end; ++span) {
+        float highest = -std::numeric_limits<float>::infinity();
+        bool all_finite = true;
+        for (int64_t i = span * kContenderSpan; i < std::min(vocab, (span + 1) * kContenderSpan); ++i) {
+          const float value = static_cast<float>(a[i]);
+          all_finite = all_finite && std::isfinite(value);
+          highest = std::max(highest, value - bound(i, value));
+        }
+        span_floors[span] = highest;
+        span_finite[span] = all_finite;
+      }
+    });
+    float floor = *std::max_element(span_floors.begin(), span_floors.end());
+    const bool finite = std::all_of(span_finite.begin(), span_finite.end(), [](char ok) { return ok != 0; });
     if (!finite) floor = std::numeric_limits<float>::quiet_NaN();
     floors.data_ptr<float>()[r] = floor;
+    std::vector<std::vector<int64_t>> span_found(spans);
+    if (finite)
+      at::parallel_for(0, spans, 1, [&](int64_t begin, int64_t end) {
+        for (int64_t span = begin; span < end; ++span)
+          for (int64_t i = span * kContenderSpan; i < std::min(vocab, (span + 1) * kContenderSpan); ++i) {
+            const float value = static_cast<float>(a[i]);
+            if (value + bound(i, value) >= floor) span_found[span].push_back(i);
+          }
+      });
     std::vector<int64_t> found;
-    for (int64_t i = 0; finite && i < vocab; ++i) {
-      const float value = static_cast<float>(a[i]);
-      if (value + bound(i, value) >= floor) found.push_back(i);
-    }
+    for (const auto& part : span_found) found.insert(found.end(), part.begin(), part.end());
     contenders.push_back(at::tensor(found, at::kLong));
   }
   return {floors, contenders};

@@ -283,22 +283,24 @@ class EagleTreeDrafter(Drafter):
         def expand(growth: TreeGrowth, frontier: list[int]) -> list[list[tuple[float, int, torch.Tensor]]]:
             level = next(levels)
             if level == 0:  # the root's children come from the last committed position
-                return [self._children(self._root_token_features, self._last_feature)]
+                return self._children(self._root_token_features[None], self._last_feature[None])
             # a node at depth L holds the token at position len(tokens) - 1 + L, read at the one before
             out = self._expand(growth, frontier, columns, position=len(tokens) - 2 + level)
-            return [
-                self._children(out.token_features[0, row], out.next_features[0, row]) for row in range(len(frontier))
-            ]
+            return self._children(out.token_features[0], out.next_features[0])
 
         tree, growth = grow_tree(expand, self.depth, self.top_k, self.total_tokens)
         self._drop_tree_kv(len(tokens) - 1)
         return tree, growth
 
-    def _children(self, token_features: torch.Tensor, next_feature: torch.Tensor) -> list[tuple]:
-        """One node's ``top_k`` children: (log p, token id, the feature they read when expanded)."""
+    def _children(self, token_features: torch.Tensor, next_features: torch.Tensor) -> list[list[tuple]]:
+        """Each frontier node's ``top_k`` children, from one head product over all of them (one read of
+        the head's weights): (log p, token id, the feature they read when expanded)."""
         top = self.head(token_features).float().log_softmax(-1).topk(self.top_k)
         ids = self.head.token_ids(top.indices)
-        return [(value, token, next_feature) for value, token in zip(top.values.tolist(), ids.tolist())]
+        return [
+            [(value, token, next_feature) for value, token in zip(values, tokens)]
+            for values, tokens, next_feature in zip(top.values.tolist(), ids.tolist(), next_features)
+        ]
 
     def _catch_up(self, tokens: list[int], features: torch.Tensor) -> None:
         """Feed ``(f_t, x_{t+1})`` for every committed position the cache lacks."""

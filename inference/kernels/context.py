@@ -73,7 +73,7 @@ class KernelContext:
         return head
 
     def _full_head_from(self, screened: GreedyHead) -> int | None:
-        """The row count from which the float32 head through a row-invariant oneDNN pack beats the
+        """The row count from which the float32 head through a row-invariant one-pack kernel beats the
         screen's int8 product and contender search (through the direct forward's extension) on this
         machine (timed once per head); None where the kernel is not row-invariant or the screen always
         wins. The screen's proof is not timed: on real text it checks a few contenders a row."""
@@ -90,10 +90,11 @@ class KernelContext:
         return next((rows for i, rows in enumerate(FULL_HEAD_CANDIDATES) if all(faster[i:])), None)
 
     def linear_record(self) -> dict[str, Any]:
-        """Which kernel ran the target's linears, as ``bench`` and ``bench-tree`` record it: oneDNN's
-        (every forward; whether its rows are bitwise row-invariant on this machine, and from how many
-        rows greedy verification took the float32 head), MKL's packed GEMM (its row buckets) or
-        PyTorch's default; and the seconds spent packing (kept out of every speed figure)."""
+        """Which kernel ran the target's linears, as ``bench`` and ``bench-tree`` record it: a one-pack
+        kernel, the stream kernel or oneDNN's (every forward; whether its rows are bitwise row-invariant
+        on this machine, and from how many rows greedy verification took the float32 head), MKL's packed
+        GEMM (its row buckets) or PyTorch's default; and the seconds spent packing (kept out of every
+        speed figure)."""
         gemm = self.gemm
         if gemm is None:
             return {"kernel": "default"}

@@ -24,8 +24,8 @@ an int8 copy of the head (a bfloat16 scale per row; a quarter of the bytes) and 
    runtime's prepacked linear where that is active).
 
 torch's int8 product reads its weights once per row (the extension's once per forward), so past some rows the
-float32 head through a row-invariant prepacked kernel (oneDNN: every row's logits bitwise what one row
-gets, so its argmax is what plain decoding takes, proof or fallback) is faster: with
+float32 head through a row-invariant prepacked kernel (the stream kernel or oneDNN: every row's logits
+bitwise what one row gets, so its argmax is what plain decoding takes, proof or fallback) is faster: with
 ``full_head_from``, forwards of that many rows or more take it.
 
 So the tokens are those of plain greedy decoding (``tests/test_greedy_head.py`` checks random rows,

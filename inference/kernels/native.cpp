@@ -429,13 +429,14 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> screen_contenders(
     // Spans of the vocabulary on all threads: the maximum and the contenders' order do not depend on
     // how it is split.
     const int64_t spans = (vocab + kContenderSpan - 1) / kContenderSpan;
+    auto span_end = [&](int64_t span) { return std::min(vocab, (span + 1) * kContenderSpan); };
     std::vector<float> span_floors(spans, -std::numeric_limits<float>::infinity());
     std::vector<char> span_finite(spans, 1);
     at::parallel_for(0, spans, 1, [&](int64_t begin, int64_t end) {
       for (int64_t span = begin; span < end; ++span) {
         float highest = -std::numeric_limits<float>::infinity();
         bool all_finite = true;
-        for (int64_t i = span * kContenderSpan; i < std::min(vocab, (span + 1) * kContenderSpan); ++i) {
+        for (int64_t i = span * kContenderSpan; i < span_end(span); ++i) {
           const float value = static_cast<float>(a[i]);
           all_finite = all_finite && std::isfinite(value);
           highest = std::max(highest, value - bound(i, value));
@@ -452,7 +453,7 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> screen_contenders(
     if (finite)
       at::parallel_for(0, spans, 1, [&](int64_t begin, int64_t end) {
         for (int64_t span = begin; span < end; ++span)
-          for (int64_t i = span * kContenderSpan; i < std::min(vocab, (span + 1) * kContenderSpan); ++i) {
+          for (int64_t i = span * kContenderSpan; i < span_end(span); ++i) {
             const float value = static_cast<float>(a[i]);
             if (value + bound(i, value) >= floor) span_found[span].push_back(i);
           }

@@ -6,10 +6,10 @@ some CPUs, of the memory's read speed even for one row. Three prepacked kernels 
 bench-tree --linear ...`` measures each on a machine:
 
 - ``stream``: the runtime's own C++ kernel (:mod:`native`, x86-64 CPUs with AVX2 and FMA): each weight
-  copied once into blocks of 4 rows interleaved per 8 inputs, which a forward reads front to back once
-  for all its rows, asking the memory for later blocks while it computes. Every output is summed in one
-  fixed order whatever the row count, so it is row-invariant by construction; one pack serves every row
-  count, as oneDNN's.
+  copied once into blocks of 16 outputs stored input by input, which a forward reads front to back once
+  for up to 6 rows per pass, asking the L2 cache for the next block while it computes. Every output is
+  summed input by input in one fixed order whatever the row count, so it is row-invariant by
+  construction; one pack serves every row count, as oneDNN's.
 - ``onednn``: oneDNN's prepacked linear (``torch.ops.mkldnn._reorder_linear_weight`` once, then
   ``_linear_pointwise``; what inductor's ``freezing`` uses on a CPU). One pack per weight serves every
   row count, one row included, so plain decoding steps, tree verifications and the prompt's prefill

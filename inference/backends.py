@@ -187,13 +187,23 @@ class EagerBackend(_Backend):
         return EagerCache(kv, TreeInputBuffers(DEFAULT_TREE_ROOM, capacity, self.dtype, self.device))
 
     def prefill(self, cache: EagerCache, prompt_ids: list[int], hidden: bool):
-        with self._gemm.model_forwards() if self._gemm is not None else nullcontext():
+        with self.kernels.model_forwards() if self.kernels is not None else nullcontext():
             return super().prefill(cache.kv, prompt_ids, hidden)
 
     def verify(self, cache: EagerCache, root: int, tree: DraftTree, past: int, hidden: bool):
-        return verification_forward(
-            self.model, cache.kv, cache.tree_inputs, root, tree, past, hidden, self._gemm, self._direct, self._greedy
-        )
+        with self.kernels.attention() if self.kernels is not None and self._direct is None else nullcontext():
+            return verification_forward(
+                self.model,
+                cache.kv,
+                cache.tree_inputs,
+                root,
+                tree,
+                past,
+                hidden,
+                self._gemm,
+                self._direct,
+                self._greedy,
+            )
 
     def commit(self, cache: EagerCache, past: int, accepted_nodes: list[int]) -> None:
         commit_tree_path(cache.kv, past, accepted_nodes)
@@ -284,11 +294,10 @@ class Backends:
     def reference_forwards(self, model: nn.Module) -> AbstractContextManager[None]:
         """The context that makes ``model``'s own forwards outside the runtime (the reference ``generate``
         of ``bench`` and the tests) the runtime's numerical model: its linears through the same packs
-        where the runtime's plain steps use them (:meth:`PackedGemm.model_forwards`)."""
+        where the runtime's plain steps use them and its attention (:meth:`KernelContext.model_forwards`)."""
         if self.options.compiled:
             return nullcontext()
-        gemm = self.kernels(model).gemm
-        return gemm.model_forwards() if gemm is not None else nullcontext()
+        return self.kernels(model).model_forwards()
 
     def prepare(self, model: nn.Module) -> None:
         """Build what decoding on ``model`` will use (compiled target; direct forward, C++ layers and

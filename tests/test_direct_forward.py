@@ -1,6 +1,8 @@
 """The direct verification forward: bitwise the model's own forward (logits, hidden states, cache) on
 one-token steps and tree forwards, packed or not, and used only where that holds."""
 
+from contextlib import nullcontext
+
 import pytest
 import torch
 
@@ -9,6 +11,7 @@ from draftsmith.core.cache import preallocated_cache_for
 from draftsmith.core.cache_kwarg import cache_kwargs
 from draftsmith.core.tree import DraftTree, TreeInputBuffers
 from draftsmith.inference.backends import Backends, verification_forward
+from draftsmith.inference.kernels.attention import model_attention
 from draftsmith.inference.kernels.direct_forward import direct_forward_for
 from draftsmith.inference.kernels.options import KernelOptions
 from draftsmith.inference.kernels.packed_gemm import PackedGemm
@@ -20,9 +23,12 @@ VOCAB = 97
 PROMPT = [5, 17, 33, 2, 61, 8, 40, 17, 33]
 
 
-def verify_once(model, tree, gemm, direct):
+def verify_once(model, tree, gemm, direct, rows_attention=None):
+    """The prompt's prefill and one verification forward of ``tree`` (``direct``: through it); the model's
+    own forwards attend as ``direct`` does, or as ``rows_attention`` says (the row-invariant attention)."""
     cache = preallocated_cache_for(model.config, 64)
-    with torch.no_grad():
+    rows = direct.rows_attention if direct is not None else rows_attention
+    with torch.no_grad(), model_attention(model) if rows else nullcontext():
         model(torch.tensor([PROMPT[:-1]]), **cache_kwargs(cache), use_cache=True, output_hidden_states=True)
         inputs = TreeInputBuffers(8, 64, torch.float32)
         out = verification_forward(model, cache, inputs, PROMPT[-1], tree, len(PROMPT) - 1, True, gemm, direct)
@@ -32,15 +38,16 @@ def verify_once(model, tree, gemm, direct):
 @pytest.mark.parametrize("nodes", [0, 1, 3, 6])
 @pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("config", [{}, {"attention_bias": True, "mlp_bias": True, "num_key_value_heads": 4}])
-def test_the_direct_forward_is_bitwise_the_models_forward(nodes, packed, config):
+@pytest.mark.parametrize("rows_attention", [True, False], ids=["rows-attention", "sdpa"])
+def test_the_direct_forward_is_bitwise_the_models_forward(nodes, packed, config, rows_attention):
     model = tiny_llama(VOCAB, seed=nodes, **config)
-    direct = direct_forward_for(model)
-    assert direct is not None
+    direct = direct_forward_for(model, rows_attention=rows_attention)
+    assert direct is not None and direct.rows_attention == rows_attention
     if packed and not torch.backends.mkl.is_available():
         pytest.skip("PyTorch built without MKL")
     gemm = PackedGemm(model) if packed else None
     tree = seeded_random_tree(nodes, nodes, VOCAB) if nodes else DraftTree.empty()
-    reference, reference_cache = verify_once(model, tree, gemm, None)
+    reference, reference_cache = verify_once(model, tree, gemm, None, rows_attention)
     out, cache = verify_once(model, tree, gemm, direct)
     assert torch.equal(out.logits, reference.logits)
     assert len(out.hidden_states) == len(reference.hidden_states) == model.config.num_hidden_layers + 1
@@ -56,7 +63,7 @@ def test_one_token_steps_take_the_short_path_where_it_applies(config):
     test above covers them); a layer with biases keeps the general path."""
     model = tiny_llama(VOCAB, **config)
     direct = direct_forward_for(model)
-    reference, _ = verify_once(model, DraftTree.empty(), None, None)
+    reference, _ = verify_once(model, DraftTree.empty(), None, None, direct.rows_attention)
     out, _ = verify_once(model, DraftTree.empty(), None, direct)
     assert torch.equal(out.logits, reference.logits)
     assert bool(direct._steps) == ("attention_bias" not in config)
@@ -65,11 +72,12 @@ def test_one_token_steps_take_the_short_path_where_it_applies(config):
 @pytest.mark.parametrize("force_gqa", ["0", "1"])
 def test_tree_forwards_outside_the_runtime_take_the_wrappers_attention_branch(force_gqa, monkeypatch):
     """Without the runtime's grouped-K/V switch transformers repeats the K/V heads under a mask; with it
-    SDPA reads them grouped. The lean path takes the same branch as the model either way."""
+    SDPA reads them grouped. The lean path takes the same branch as the model either way (with SDPA: the
+    row-invariant attention reads grouped heads under any mask)."""
     monkeypatch.setenv("TRANSFORMERS_SDPA_FORCE_GQA", force_gqa)
     model = tiny_llama(VOCAB, seed=8)
     assert model.config.num_key_value_heads < model.config.num_attention_heads
-    direct = direct_forward_for(model)
+    direct = direct_forward_for(model, rows_attention=False)
     tree = seeded_random_tree(5, 8, VOCAB)
     outputs = []
     for forward in (None, direct):
@@ -96,7 +104,7 @@ def test_the_one_token_plan_follows_replaced_weights():
     first = direct._steps
     layer = model.model.layers[0].mlp.up_proj
     layer.weight = torch.nn.Parameter(torch.randn_like(layer.weight))
-    reference, _ = verify_once(model, DraftTree.empty(), None, None)
+    reference, _ = verify_once(model, DraftTree.empty(), None, None, direct.rows_attention)
     out, _ = verify_once(model, DraftTree.empty(), None, direct)
     assert direct._steps is not first
     assert torch.equal(out.logits, reference.logits)
@@ -104,10 +112,11 @@ def test_the_one_token_plan_follows_replaced_weights():
 
 def test_generate_through_the_direct_forward_equals_plain_decoding():
     model = tiny_llama(VOCAB)
-    reference = hf_greedy(model, PROMPT, 24)
-    for drafter in (None, PromptLookupDrafter(num_draft=4)):
-        for direct in (False, True):
-            backends = Backends(KernelOptions(direct_forward=direct))
+    for direct in (False, True):
+        backends = Backends(KernelOptions(direct_forward=direct))
+        with backends.reference_forwards(model):
+            reference = hf_greedy(model, PROMPT, 24)
+        for drafter in (None, PromptLookupDrafter(num_draft=4)):
             result = generate(model, PROMPT, drafter, max_new_tokens=24, eos_token_ids=[2], backends=backends)
             assert result.tokens == reference
 

@@ -5,6 +5,7 @@ failed build leaves decoding to the Python loop with one line saying so."""
 import os
 import subprocess
 import sys
+from contextlib import nullcontext
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ from draftsmith.core.cache_kwarg import cache_kwargs
 from draftsmith.core.tree import TreeInputBuffers
 from draftsmith.inference.backends import Backends, verification_forward
 from draftsmith.inference.kernels import native_layers
+from draftsmith.inference.kernels.attention import model_attention
 from draftsmith.inference.kernels.direct_forward import direct_forward_for
 from draftsmith.inference.kernels.options import KernelOptions
 from draftsmith.inference.kernels.packed_gemm import PackedGemm, linear_kernel_available
@@ -28,12 +30,15 @@ PROMPT = [5, 17, 33, 2, 61, 8, 40, 17, 33]
 STEPS = [12, 40, 7, 88, 3, 19]
 
 
-def decode_steps(model, forward):
+def decode_steps(model, forward, rows_attention=None):
     """The prompt through the model's forward, then one-token steps through ``forward`` (None: the
-    model's own): every step's logits and hidden states, and the cache at the end."""
+    model's own): every step's logits and hidden states, and the cache at the end. The model's own
+    forwards attend as ``forward`` does (or through the row-invariant attention, as ``rows_attention``
+    says)."""
     cache = preallocated_cache_for(model.config, 32)
     outputs = []
-    with torch.no_grad():
+    rows = forward.rows_attention if forward is not None else rows_attention
+    with torch.no_grad(), model_attention(model) if rows else nullcontext():
         model(torch.tensor([PROMPT]), **cache_kwargs(cache), use_cache=True)
         for offset, token in enumerate(STEPS):
             ids, positions = torch.tensor([[token]]), torch.tensor([[len(PROMPT) + offset]])
@@ -64,13 +69,15 @@ def test_the_native_layers_are_bitwise_the_python_loop_and_the_model(config):
     """Grouped and ungrouped K/V heads; the Python loop and the model's forward are the references."""
     seed = config.pop("seed", 0)
     model = tiny_llama(VOCAB, seed=seed, **config)
-    native = direct_forward_for(model)
-    assert native.native, "the C++ layers should build here (g++ and ninja are set-up requirements of the tests)"
-    python = direct_forward_for(model, native=False)
-    assert not python.native
-    ours = decode_steps(model, native)
-    assert_same_steps(ours, decode_steps(model, python))
-    assert_same_steps(ours, decode_steps(model, None))
+    for rows_attention in (True, False):  # the row-invariant attention, or SDPA as transformers calls it
+        native = direct_forward_for(model, rows_attention=rows_attention)
+        assert native.native, "the C++ layers should build here (g++ and ninja are set-up requirements of the tests)"
+        assert native.rows_attention == rows_attention
+        python = direct_forward_for(model, native=False, rows_attention=rows_attention)
+        assert not python.native
+        ours = decode_steps(model, native)
+        assert_same_steps(ours, decode_steps(model, python))
+        assert_same_steps(ours, decode_steps(model, None, rows_attention))
 
 
 @pytest.mark.parametrize("packed", [None, "mkl", "onednn", "stream"])
@@ -93,7 +100,7 @@ def test_tree_forwards_through_the_native_layers_are_bitwise_the_models(nodes, p
     results = []
     for direct in (None, direct_forward_for(model)):
         cache = preallocated_cache_for(model.config, 64)
-        with torch.no_grad():
+        with torch.no_grad(), model_attention(model):  # the runtime's attention for the model's own forwards
             model(torch.tensor([PROMPT[:-1]]), **cache_kwargs(cache), use_cache=True)
             inputs = TreeInputBuffers(8, 64, torch.float32)
             out = verification_forward(model, cache, inputs, PROMPT[-1], tree, len(PROMPT) - 1, True, gemm, direct)
@@ -116,21 +123,22 @@ def test_the_native_layers_follow_replaced_and_updated_weights():
     decode_steps(model, native)
     layer = model.model.layers[1].mlp.gate_proj
     layer.weight = torch.nn.Parameter(torch.randn_like(layer.weight))  # a new parameter: a new plan
-    assert_same_steps(decode_steps(model, native), decode_steps(model, None))
+    assert_same_steps(decode_steps(model, native), decode_steps(model, None, True))
     attention = model.model.layers[0].self_attn
     attention.o_proj = torch.nn.Linear(attention.o_proj.in_features, attention.o_proj.out_features, bias=False)
-    assert_same_steps(decode_steps(model, native), decode_steps(model, None))  # a new submodule too
+    assert_same_steps(decode_steps(model, native), decode_steps(model, None, True))  # a new submodule too
     with torch.no_grad():
         model.model.layers[0].self_attn.q_proj.weight.mul_(1.5)  # in place: the plan's views see it
-    assert_same_steps(decode_steps(model, native), decode_steps(model, None))
+    assert_same_steps(decode_steps(model, native), decode_steps(model, None, True))
 
 
 def test_generation_with_the_native_layers_equals_plain_decoding():
     model = tiny_llama(VOCAB, seed=2)
-    reference = hf_greedy(model, PROMPT, 24)
-    for drafter in (None, PromptLookupDrafter(num_draft=4)):
-        for native in (True, False):
-            backends = Backends(KernelOptions(native=native))
+    for native in (True, False):
+        backends = Backends(KernelOptions(native=native))
+        with backends.reference_forwards(model):
+            reference = hf_greedy(model, PROMPT, 24)
+        for drafter in (None, PromptLookupDrafter(num_draft=4)):
             result = generate(model, PROMPT, drafter, max_new_tokens=24, eos_token_ids=[2], backends=backends)
             assert result.tokens == reference
 
@@ -148,7 +156,7 @@ def test_targets_the_native_layers_do_not_compute_keep_the_python_loop(change):
     change(model)
     direct = direct_forward_for(model)
     assert direct is not None and not direct.native
-    assert_same_steps(decode_steps(model, direct), decode_steps(model, None))
+    assert_same_steps(decode_steps(model, direct), decode_steps(model, None, direct.rows_attention))
 
 
 def test_a_failed_build_says_so_once_and_decodes_the_same(tmp_path):

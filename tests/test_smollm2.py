@@ -107,16 +107,18 @@ def test_feature_drafters_are_lossless_on_smollm2(cached, tmp_path):
 def test_lean_direct_forwards_are_bitwise_the_models_on_smollm2(cached):
     """The lean path (``direct_forward._lean_layers``, run by the C++ layers) on the
     real target's shapes: logits and cache bitwise equal to the model's own forward over eight decoding
-    steps and a tree forward."""
+    steps and a tree forward (the model's own forwards through the runtime's row-invariant attention)."""
     from draftsmith.core.cache import preallocated_cache_for
     from draftsmith.core.tree import DraftTree, TreeInputBuffers
+    from draftsmith.inference.kernels.attention import model_attention
     from draftsmith.inference.kernels.direct_forward import direct_forward_for
 
     model = cached.model
     direct = direct_forward_for(model)
+    assert direct.rows_attention
     prompt = cached.tokenizer("Rainbows form when sunlight", return_tensors="pt").input_ids
     caches = [preallocated_cache_for(model.config, 64) for _ in range(2)]
-    with torch.no_grad():
+    with torch.no_grad(), model_attention(model):
         for cache in caches:
             model(prompt, **cache_kwargs(cache), use_cache=True)
         token = torch.tensor([[int(prompt[0, -1])]])

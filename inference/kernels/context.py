@@ -9,11 +9,13 @@ import functools
 import sys
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager, ExitStack, nullcontext
 from typing import Any, TypeVar
 
 import torch
 from torch import nn
 
+from draftsmith.inference.kernels.attention import model_attention, rows_attention_available
 from draftsmith.inference.kernels.direct_forward import (
     DirectForward,
     direct_forward_architecture,
@@ -36,6 +38,7 @@ class KernelContext:
         self.model, self.options = model, options
         self.linear = linear_kernel_for(model, options.linear, options.native)  # what the options ask, where it serves
         self.gemm = PackedGemm(model, self.linear) if self.linear != "default" else None
+        self.rows_attention = rows_attention_available(model, options.native)  # attention.py
         self._direct: DirectForward | None = None
         self._head: GreedyHead | None = None
         self._built_seconds = 0.0
@@ -43,6 +46,20 @@ class KernelContext:
     @property
     def setup_seconds(self) -> float:
         return self._built_seconds + (self.gemm.pack_seconds if self.gemm is not None else 0.0)
+
+    def model_forwards(self) -> AbstractContextManager[None]:
+        """The context for the model's own forwards (the prompt's prefill, a reference ``generate``) that
+        keeps them the runtime's numerical model: the linears' one-pack kernel
+        (:meth:`PackedGemm.model_forwards`) and the row-invariant attention where the runtime uses them."""
+        stack = ExitStack()
+        if self.gemm is not None:
+            stack.enter_context(self.gemm.model_forwards())
+        stack.enter_context(self.attention())
+        return stack
+
+    def attention(self) -> AbstractContextManager[None]:
+        """The context in which the model's own forwards attend as the runtime's do (:mod:`attention`)."""
+        return model_attention(self.model) if self.rows_attention else nullcontext()
 
     def direct(self) -> DirectForward | None:
         """The direct forward, or None where the model's own forward must run (not a supported Llama, in

@@ -45,6 +45,7 @@ from transformers.models.llama.modeling_llama import (
 from draftsmith.core.cache import PreallocatedCache
 from draftsmith.core.cache_kwarg import cache_kwargs
 from draftsmith.core.drafting import INERT_OUTSIDE_OWNER
+from draftsmith.inference.kernels.attention import ATTENTION, rows_attention_available, rows_attention_forward
 from draftsmith.inference.kernels.native import native_extension
 from draftsmith.inference.kernels.native_layers import (
     NativePlan,
@@ -54,6 +55,8 @@ from draftsmith.inference.kernels.native_layers import (
 )
 from draftsmith.inference.kernels.packed_gemm import active_pack
 
+AttentionFunction = Callable[..., tuple[torch.Tensor, None]]  # transformers' attention-function interface
+
 
 class DirectForward:
     """``forward(input_ids, position_ids, attention_mask, cache, output_hidden_states)`` of a
@@ -61,10 +64,15 @@ class DirectForward:
     position_ids=..., **cache_kwargs(cache), use_cache=True, output_hidden_states=...)`` when the mask
     is None (every cached key is seen: a one-token step) or a 4D additive mask over ``past + T`` keys."""
 
-    def __init__(self, model: LlamaForCausalLM, native: bool = True) -> None:
+    def __init__(self, model: LlamaForCausalLM, native: bool = True, rows_attention: bool | None = None) -> None:
         """``native``: lean forwards run the layers as one C++ call where :mod:`native_layers` serves the
-        model (built on first use; bitwise the same)."""
+        model (built on first use; bitwise the same). ``rows_attention`` (by default, ``native``): every
+        forward attends through the row-invariant attention (:mod:`attention`) where it serves the model;
+        the model's own forwards then compute the same inside
+        :func:`~draftsmith.inference.kernels.attention.model_attention`."""
         self.model = model
+        self.rows_attention = rows_attention_available(model, native if rows_attention is None else rows_attention)
+        self._attention_function = rows_attention_forward if self.rows_attention else sdpa_attention_forward
         self.layers: list[LlamaDecoderLayer] = list(model.model.layers[: model.config.num_hidden_layers])
         self._steps: list[_LeanLayer] | None = None
         self._steps_from: list[tuple[dict, str, object]] = []
@@ -94,10 +102,10 @@ class DirectForward:
             hidden.extend(layers)
             x = layers[-1]
         elif steps is not None:
-            x = _lean_layers(steps, x, position_embeddings, attention_mask, cache, hidden)
+            x = _lean_layers(steps, x, position_embeddings, attention_mask, cache, hidden, self._attention_function)
         else:
             for layer in self.layers:
-                x = _decoder_layer(layer, x, position_embeddings, attention_mask, cache)
+                x = _decoder_layer(layer, x, position_embeddings, attention_mask, cache, self._attention_function)
                 hidden.append(x)
         x = base.norm(x)
         hidden[-1] = x  # transformers reports the normed last state as the last hidden state
@@ -145,7 +153,9 @@ class DirectForward:
         if not cache.layers[0].is_initialized:
             return None
         cos, signed_sin = _rotary_factors(position_embeddings)
-        return native_decoder_layers(self._native, self._native_plan, x, cos, signed_sin, attention_mask, cache.layers)
+        return native_decoder_layers(
+            self._native, self._native_plan, x, cos, signed_sin, attention_mask, cache.layers, self.rows_attention
+        )
 
 
 def _decoder_layer(
@@ -154,9 +164,15 @@ def _decoder_layer(
     position_embeddings: tuple[torch.Tensor, torch.Tensor],
     attention_mask: torch.Tensor | None,
     cache,
+    attention_function: AttentionFunction,
 ) -> torch.Tensor:
     attended = _attention(
-        layer.self_attn, _rms_norm(layer.input_layernorm, x), position_embeddings, attention_mask, cache
+        layer.self_attn,
+        _rms_norm(layer.input_layernorm, x),
+        position_embeddings,
+        attention_mask,
+        cache,
+        attention_function,
     )
     x = x + attended
     return x + _mlp(layer.mlp, _rms_norm(layer.post_attention_layernorm, x))
@@ -182,6 +198,7 @@ def _attention(
     position_embeddings: tuple[torch.Tensor, torch.Tensor],
     attention_mask: torch.Tensor | None,
     cache,
+    attention_function: AttentionFunction,
 ) -> torch.Tensor:
     input_shape = x.shape[:-1]
     hidden_shape = (*input_shape, -1, attention.head_dim)
@@ -191,7 +208,7 @@ def _attention(
     cos, sin = position_embeddings
     query, key = apply_rotary_pos_emb(query, key, cos, sin)
     key, value = cache.update(key, value, attention.layer_idx)
-    out, _ = sdpa_attention_forward(attention, query, key, value, attention_mask, scaling=attention.scaling)
+    out, _ = attention_function(attention, query, key, value, attention_mask, scaling=attention.scaling)
     return attention.o_proj.forward(out.reshape(*input_shape, -1).contiguous())
 
 
@@ -243,12 +260,14 @@ def _lean_layers(
     attention_mask: torch.Tensor | None,
     cache,
     hidden: list[torch.Tensor],
+    attention_function: AttentionFunction,
 ) -> torch.Tensor:
     """Every decoder layer: the operations of :func:`_decoder_layer` on the same values in the same
     order, with fewer calls. Projections run on the rows as a matrix (one row: ``torch.mm``, what
     ``F.linear`` runs; more: the module, packed or not, as before); the rotary embedding's
     ``rotate_half(q) * sin`` is ``roll(q) * sin'`` with ``sin'``'s first half negated (a sign moved
-    between exact factors); SDPA is called exactly as transformers' wrapper calls it for these inputs.
+    between exact factors); attention is ``attention_function``'s (SDPA called exactly as transformers'
+    wrapper calls it for these inputs, or the row-invariant attention).
     ``hidden`` gets each layer's output."""
     cos, signed_sin = _rotary_factors(position_embeddings)
     half = signed_sin.shape[-1] // 2
@@ -263,7 +282,10 @@ def _lean_layers(
         query = (query * cos) + (torch.roll(query, half, -1) * signed_sin)
         key = (key * cos) + (torch.roll(key, half, -1) * signed_sin)
         keys, values = cache.layers[attention.layer_idx].update(key, value)
-        out = _sdpa(attention, query, keys, values, attention_mask)
+        if attention_function is sdpa_attention_forward:
+            out = _sdpa(attention, query, keys, values, attention_mask)
+        else:
+            out = attention_function(attention, query, keys, values, attention_mask, scaling=attention.scaling)[0]
         x = x + o(out.view(rows, -1))
         row = _rms_norm(step.post_norm, x).view(rows, width)
         x = x + down(step.act(gate(row)) * up(row))
@@ -329,7 +351,7 @@ def direct_forward_supported(model: nn.Module) -> bool:
     """A plain Llama with SDPA attention in inference mode, whose modules carry no hooks."""
     if not direct_forward_architecture(model) or model.training:
         return False
-    if getattr(model.config, "_attn_implementation", None) != "sdpa":
+    if getattr(model.config, "_attn_implementation", None) not in ("sdpa", ATTENTION):
         return False
     return not any(_has_hooks(module) for module in model.modules())
 
@@ -349,7 +371,9 @@ def _inert(hook: Callable) -> bool:
     return getattr(hook, "__name__", "") == "output_capturing_hook" or getattr(hook, INERT_OUTSIDE_OWNER, False)
 
 
-def direct_forward_for(model: nn.Module, native: bool = True) -> DirectForward | None:
-    """The model's :class:`DirectForward` (``native``: see its constructor), or None where the model's own
-    forward must run."""
-    return DirectForward(model, native) if direct_forward_supported(model) else None
+def direct_forward_for(
+    model: nn.Module, native: bool = True, rows_attention: bool | None = None
+) -> DirectForward | None:
+    """The model's :class:`DirectForward` (``native``, ``rows_attention``: see its constructor), or None
+    where the model's own forward must run."""
+    return DirectForward(model, native, rows_attention) if direct_forward_supported(model) else None

@@ -1,8 +1,11 @@
 // The runtime's C++ kernels, loaded by native.py with torch.utils.cpp_extension:
 // - decoder_layers: the direct forward's lean decoder layers (direct_forward.py, _lean_layers) as one
-//   call. The same ATen operations on the same values in the same order as the Python loop, so the
-//   results are bitwise the same; what goes is the interpreter between them (~4 ms of a ~32 ms SmolLM2
-//   step on a 2-core CPU). See native_layers.py for when it is used.
+//   call, bitwise the Python loop: its reductions through the same ATen calls, everything exact element
+//   by element in plain loops (no interpreter and no ATen call between them). See native_layers.py for
+//   when it is used.
+// - attend: attention computing every row from its query and the keys it sees alone (row-invariant);
+//   attention.py registers it with transformers for the model's own forwards.
+// - stream_linear: the stream kernel's product (packed_gemm.py), the weights read once for all rows.
 // - screen_contenders: the screened head's bound and contender search (greedy_head.py) in two passes
 //   over the vocabulary instead of ten tensor-wide operations.
 // - proven_argmax: the screened head's proof for one row, reading the contenders' weight rows in place.
@@ -33,15 +36,97 @@ constexpr int64_t kProjections = 7;  // kQuery .. kDown
 constexpr int64_t kContenderSpan = 8192;  // tokens per task of screen_contenders
 constexpr int64_t kStreamBlock = 16;  // outputs per block of a stream pack (stream_pack): two vectors
 
-// LlamaRMSNorm.forward for a float32 input (its casts are no-ops there).
+// The glue between a layer's products computes what the Python loop's ATen calls compute, element by
+// element, in plain loops: each element's product, sum or quotient is one IEEE float32 operation whatever
+// the loop's vector width (native.py builds with -ffp-contract=off, so a * b + c * d stays three roundings
+// as ATen's mul, mul and add are), so the results are bitwise the same without ~50 small calls per layer.
+
+// LlamaRMSNorm.forward of float32 x (1, rows, width): weight * (x * rsqrt(mean(x * x) + eps)). The mean
+// stays ATen's (its summation order is the reference's); squaring, the reciprocal square root (1 / sqrt,
+// each correctly rounded, as ATen's rsqrt) and the two products are exact replicas. Returns (rows, width).
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  at::Tensor variance = x.pow(2).mean({-1}, /*keepdim=*/true);
-  return weight * (x * at::rsqrt(variance + eps));
+  const int64_t rows = x.size(1), width = x.size(2);
+  const at::Tensor in = x.contiguous();
+  at::Tensor squares = at::empty_like(in);
+  const float* xp = in.data_ptr<float>();
+  float* sq = squares.data_ptr<float>();
+  for (int64_t i = 0; i < rows * width; ++i) sq[i] = xp[i] * xp[i];
+  const at::Tensor variance = squares.mean({-1}, /*keepdim=*/true).contiguous();
+  const float* var = variance.data_ptr<float>();
+  const at::Tensor scale = weight.contiguous();
+  const float* w = scale.data_ptr<float>();
+  const float epsilon = static_cast<float>(eps);
+  at::Tensor out = at::empty({rows, width}, in.options());
+  float* o = out.data_ptr<float>();
+  for (int64_t r = 0; r < rows; ++r) {
+    const float inverse = 1.0f / std::sqrt(var[r] + epsilon);
+    for (int64_t j = 0; j < width; ++j) o[r * width + j] = w[j] * (xp[r * width + j] * inverse);
+  }
+  return out;
 }
 
-// q * cos + rotate_half(q) * sin, with rotate_half's sign moved onto signed_sin (exact).
-at::Tensor rotate(const at::Tensor& q, const at::Tensor& cos, const at::Tensor& signed_sin, int64_t half) {
-  return (q * cos) + (at::roll(q, {half}, {-1}) * signed_sin);
+// a + b, both (rows, width) float32 (b contiguous, a any dense layout the caller made contiguous):
+// the residual connection, as a new tensor (the caller keeps every layer's output).
+at::Tensor add_rows(const at::Tensor& a, const at::Tensor& b) {
+  const at::Tensor left = a.contiguous(), right = b.contiguous();
+  at::Tensor out = at::empty_like(left);
+  const float* l = left.data_ptr<float>();
+  const float* r = right.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  for (int64_t i = 0; i < left.numel(); ++i) o[i] = l[i] + r[i];
+  return out;
+}
+
+// Columns of a projection's rows as the glue reads them: the rows' first value and their stride.
+struct Columns {
+  at::Tensor rows;  // keeps the product alive
+  const float* first = nullptr;
+  int64_t stride = 0;
+  Columns() = default;
+  Columns(const at::Tensor& all, int64_t start)
+      : rows(all), first(all.data_ptr<float>() + start), stride(all.stride(0)) {}
+};
+
+// Each row's heads rotated by that row's rotary embedding: q * cos + rotate_half(q) * sin, with
+// rotate_half's sign moved onto signed_sin (exact), written head h of row r to to + h * head_stride +
+// r * row_stride. cos and signed_sin: (rows, head_dim).
+void rotate_into(const Columns& from, int64_t rows, int64_t heads, int64_t head_dim, const float* cos,
+                 const float* signed_sin, float* to, int64_t head_stride, int64_t row_stride) {
+  const int64_t half = head_dim / 2;
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* c = cos + r * head_dim;
+    const float* s = signed_sin + r * head_dim;
+    for (int64_t h = 0; h < heads; ++h) {
+      const float* q = from.first + r * from.stride + h * head_dim;
+      float* out = to + h * head_stride + r * row_stride;
+      for (int64_t d = 0; d < half; ++d) out[d] = q[d] * c[d] + q[d + half] * s[d];
+      for (int64_t d = half; d < head_dim; ++d) out[d] = q[d] * c[d] + q[d - half] * s[d];
+    }
+  }
+}
+
+// Each row's heads copied where rotate_into places them.
+void copy_into(const Columns& from, int64_t rows, int64_t heads, int64_t head_dim, float* to, int64_t head_stride,
+               int64_t row_stride) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t h = 0; h < heads; ++h)
+      std::copy_n(from.first + r * from.stride + h * head_dim, head_dim, to + h * head_stride + r * row_stride);
+}
+
+// silu(gate) * up, both (rows, inner) with unit column stride: the activation stays ATen's (its exp is
+// the reference's), the product an exact replica.
+at::Tensor gated_product(const at::Tensor& gate, const at::Tensor& up) {
+  const at::Tensor activated = at::silu(gate).contiguous();
+  const int64_t rows = activated.size(0), inner = activated.size(1);
+  at::Tensor out = at::empty({rows, inner}, activated.options());
+  const float* a = activated.data_ptr<float>();
+  const float* u = up.data_ptr<float>();
+  const int64_t stride = up.stride(0);
+  TORCH_CHECK(up.stride(1) == 1, "gated_product: up");
+  float* o = out.data_ptr<float>();
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t j = 0; j < inner; ++j) o[r * inner + j] = a[r * inner + j] * u[r * stride + j];
+  return out;
 }
 
 // PackedLinear.forward while its MKL pack for these rows is active: MKL's packed GEMM.
@@ -246,8 +331,207 @@ AVX2 void stream_tail(const float* x, int64_t rows, const float* pack, int64_t I
       y[r * O + first + j] = sum;
     }
 }
+
+// e^x for x <= 0 (softmax's shifted scores), lane by lane: Cephes' expf (range reduction by ln 2 in
+// two parts, a degree-5 polynomial), within a few ulp of the exact value. A lane's result depends on
+// that lane alone, so a score's weight is the same in any vector of scores.
+AVX2 inline __m256 exp_lanes(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
+  __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+  const __m256i exponent = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(exponent));
+}
+
+// The sums of four accumulators: accumulator t's is ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)) of
+// its lanes l, whichever slot it takes.
+AVX2 inline __m128 four_sums(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+constexpr int64_t kAttendKeys = 4;  // keys whose dot products with a query are summed side by side
+alignas(32) const float kZeroRow[256] = {};  // the key of an empty slot in a block of keys
+
+// Scores q_i . k * scaling of G queries (one row's heads that share a K/V head) with the keys `seen`,
+// into scores + i * room; returns each query's maximum in top. A key's dot product with a query is
+// summed in one fixed order (four_sums over head_dim's 8-lane vectors, then its last head_dim % 8
+// products in order) whatever block and slot the key takes and whichever queries run beside it.
+template <int G>
+AVX2 void group_scores(const float* const* q, const float* keys, int64_t key_stride, const int32_t* seen,
+                       int64_t count, int64_t head_dim, float scaling, float* scores, int64_t room, float* top) {
+  const int64_t vectors = head_dim / 8;
+  for (int i = 0; i < G; ++i) top[i] = -std::numeric_limits<float>::infinity();
+  for (int64_t j0 = 0; j0 < count; j0 += kAttendKeys) {
+    const float* k[kAttendKeys];
+    for (int64_t t = 0; t < kAttendKeys; ++t) k[t] = j0 + t < count ? keys + seen[j0 + t] * key_stride : kZeroRow;
+    __m256 acc[G][kAttendKeys];
+    for (int i = 0; i < G; ++i)
+      for (int64_t t = 0; t < kAttendKeys; ++t) acc[i][t] = _mm256_setzero_ps();
+    for (int64_t v = 0; v < vectors; ++v) {
+      __m256 kv[kAttendKeys];
+      for (int64_t t = 0; t < kAttendKeys; ++t) kv[t] = _mm256_loadu_ps(k[t] + 8 * v);
+      for (int i = 0; i < G; ++i) {
+        const __m256 qv = _mm256_loadu_ps(q[i] + 8 * v);
+        for (int64_t t = 0; t < kAttendKeys; ++t) acc[i][t] = _mm256_fmadd_ps(qv, kv[t], acc[i][t]);
+      }
+    }
+    const int64_t here = std::min(kAttendKeys, count - j0);
+    for (int i = 0; i < G; ++i) {
+      alignas(16) float dots[kAttendKeys];
+      _mm_store_ps(dots, four_sums(acc[i][0], acc[i][1], acc[i][2], acc[i][3]));
+      for (int64_t t = 0; t < here; ++t) {
+        float dot = dots[t];
+        for (int64_t d = vectors * 8; d < head_dim; ++d) dot = std::fma(q[i][d], k[t][d], dot);
+        scores[i * room + j0 + t] = dot * scaling;
+        top[i] = std::max(top[i], dot * scaling);
+      }
+    }
+  }
+}
+
+// Each query's scores turned into softmax weights in place (e^(score - top), by exp_lanes, 8 at a time;
+// a vector's lanes past count are left out) and their sum (8 lane sums over the keys in order, then
+// lane_sum).
+AVX2 float softmax_weights(float* scores, int64_t count, float top) {
+  const int64_t padded = (count + 7) / 8 * 8;
+  for (int64_t j = count; j < padded; ++j) scores[j] = top;
+  const __m256 shift = _mm256_set1_ps(top);
+  for (int64_t j = 0; j < padded; j += 8)
+    _mm256_storeu_ps(scores + j, exp_lanes(_mm256_sub_ps(_mm256_loadu_ps(scores + j), shift)));
+  for (int64_t j = count; j < padded; ++j) scores[j] = 0.0f;
+  __m256 total = _mm256_setzero_ps();
+  for (int64_t j = 0; j < padded; j += 8) total = _mm256_add_ps(total, _mm256_loadu_ps(scores + j));
+  return lane_sum(total);
+}
+
+// acc_i[8c .. 8c + 8C) = sum over the keys, in order, of weight_ij * value_j (acc_i = acc + i *
+// head_dim), for the C vectors from c: one fused multiply-add per key and lane, the same for any G.
+template <int G, int C>
+AVX2 void group_values(const float* weights, int64_t room, const float* values, int64_t value_stride,
+                       const int32_t* seen, int64_t count, int64_t c, int64_t head_dim, float* acc_out) {
+  __m256 acc[G][C];
+  for (int i = 0; i < G; ++i)
+    for (int u = 0; u < C; ++u) acc[i][u] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < count; ++j) {
+    const float* value = values + seen[j] * value_stride + 8 * c;
+    __m256 vv[C];
+    for (int u = 0; u < C; ++u) vv[u] = _mm256_loadu_ps(value + 8 * u);
+    for (int i = 0; i < G; ++i) {
+      const __m256 weight = _mm256_set1_ps(weights[i * room + j]);
+      for (int u = 0; u < C; ++u) acc[i][u] = _mm256_fmadd_ps(weight, vv[u], acc[i][u]);
+    }
+  }
+  for (int i = 0; i < G; ++i)
+    for (int u = 0; u < C; ++u) _mm256_storeu_ps(acc_out + i * head_dim + 8 * (c + u), acc[i][u]);
+}
+
+// One part of the attention of G queries of one row that read the same K/V head: over the keys `seen`
+// (count of them, ascending), each query's top score (top[i]), the sum of its softmax weights
+// e^(score - top) (sum[i]) and the weighted sum of the values (acc + i * head_dim). Every step computes
+// each query alone (group_scores, softmax_weights, group_values), so a part's result depends on its
+// query and keys only. `scores`: G * room floats, room >= count rounded up to 8.
+template <int G>
+AVX2 void attend_part_simd(const float* const* q, const float* keys, int64_t key_stride, const float* values,
+                           int64_t value_stride, const int32_t* seen, int64_t count, int64_t head_dim, float scaling,
+                           float* scores, int64_t room, float* top, float* sum, float* acc) {
+  group_scores<G>(q, keys, key_stride, seen, count, head_dim, scaling, scores, room, top);
+  for (int i = 0; i < G; ++i) sum[i] = softmax_weights(scores + i * room, count, top[i]);
+  const int64_t vectors = head_dim / 8;
+  int64_t c = 0;
+  for (; c + 4 <= vectors; c += 4) group_values<G, 4>(scores, room, values, value_stride, seen, count, c, head_dim, acc);
+  for (; c < vectors; ++c) group_values<G, 1>(scores, room, values, value_stride, seen, count, c, head_dim, acc);
+  for (int i = 0; i < G; ++i)
+    for (int64_t d = vectors * 8; d < head_dim; ++d) {
+      float total = 0.0f;
+      for (int64_t j = 0; j < count; ++j) total = std::fma(scores[i * room + j], values[seen[j] * value_stride + d], total);
+      acc[i * head_dim + d] = total;
+    }
+}
+
+// attend_part_simd for any number of queries, four or fewer at a time (which ones run together
+// changes no result).
+AVX2 void attend_part_queries_simd(const float* const* q, int64_t queries, const float* keys, int64_t key_stride,
+                                   const float* values, int64_t value_stride, const int32_t* seen, int64_t count,
+                                   int64_t head_dim, float scaling, float* scores, int64_t room, float* top, float* sum,
+                                   float* acc) {
+  for (int64_t i = 0; i < queries;) {
+    const int64_t here = std::min<int64_t>(queries - i, 4);
+    float* a = acc + i * head_dim;
+    if (here == 4) attend_part_simd<4>(q + i, keys, key_stride, values, value_stride, seen, count, head_dim, scaling, scores, room, top + i, sum + i, a);
+    if (here == 3) attend_part_simd<3>(q + i, keys, key_stride, values, value_stride, seen, count, head_dim, scaling, scores, room, top + i, sum + i, a);
+    if (here == 2) attend_part_simd<2>(q + i, keys, key_stride, values, value_stride, seen, count, head_dim, scaling, scores, room, top + i, sum + i, a);
+    if (here == 1) attend_part_simd<1>(q + i, keys, key_stride, values, value_stride, seen, count, head_dim, scaling, scores, room, top + i, sum + i, a);
+    i += here;
+  }
+}
 #undef AVX2
 #endif  // DRAFTSMITH_X86
+
+// attend_part_queries_simd without vectors (CPUs without AVX2 and FMA): the same part for each query
+// alone, each sum in key order.
+void attend_part_queries_scalar(const float* const* q, int64_t queries, const float* keys, int64_t key_stride,
+                                const float* values, int64_t value_stride, const int32_t* seen, int64_t count,
+                                int64_t head_dim, float scaling, float* scores, float* top, float* sum, float* acc) {
+  for (int64_t i = 0; i < queries; ++i) {
+    top[i] = -std::numeric_limits<float>::infinity();
+    for (int64_t j = 0; j < count; ++j) {
+      const float* k = keys + seen[j] * key_stride;
+      float dot = 0.0f;
+      for (int64_t d = 0; d < head_dim; ++d) dot = std::fma(q[i][d], k[d], dot);
+      scores[j] = dot * scaling;
+      top[i] = std::max(top[i], scores[j]);
+    }
+    sum[i] = 0.0f;
+    for (int64_t j = 0; j < count; ++j) sum[i] += scores[j] = std::exp(scores[j] - top[i]);
+    float* a = acc + i * head_dim;
+    std::fill_n(a, head_dim, 0.0f);
+    for (int64_t j = 0; j < count; ++j)
+      for (int64_t d = 0; d < head_dim; ++d) a[d] = std::fma(scores[j], values[seen[j] * value_stride + d], a[d]);
+  }
+}
+
+// Each query's output: its weighted sum of the values divided by the sum of its weights.
+void divide_rows(int64_t queries, int64_t head_dim, const float* sums, const float* accs, float* const* out) {
+  for (int64_t i = 0; i < queries; ++i)
+    for (int64_t d = 0; d < head_dim; ++d) out[i][d] = accs[i * head_dim + d] / sums[i];
+}
+
+// The keys query row r (of rows, over `length` keys) of batch b and head h sees, ascending, into `seen`;
+// returns how many. mask: none (every key, or with `causal` the first length - rows + r + 1), else
+// (batch or 1, heads or 1, rows, length) as `mask_strides` reads it, bool (true: seen) or float (0: seen;
+// -inf or the dtype's lowest: not).
+int64_t seen_keys(const at::Tensor* mask, const int64_t* mask_strides, bool causal, int64_t b, int64_t h, int64_t r,
+                  int64_t rows, int64_t length, int32_t* seen) {
+  int64_t count = 0;
+  if (mask == nullptr) {
+    const int64_t last = causal ? length - rows + r + 1 : length;
+    for (int64_t j = 0; j < last; ++j) seen[count++] = static_cast<int32_t>(j);
+    return count;
+  }
+  const int64_t offset = b * mask_strides[0] + h * mask_strides[1] + r * mask_strides[2];
+  if (mask->scalar_type() == at::kBool) {
+    const bool* m = mask->data_ptr<bool>() + offset;
+    for (int64_t j = 0; j < length; ++j)
+      if (m[j * mask_strides[3]]) seen[count++] = static_cast<int32_t>(j);
+    return count;
+  }
+  const float* m = mask->data_ptr<float>() + offset;
+  for (int64_t j = 0; j < length; ++j) {
+    const float bias = m[j * mask_strides[3]];
+    TORCH_CHECK(bias == 0.0f || bias < -1e30f, "attend: an additive mask holds only 0 (seen) and -inf or the lowest float");
+    if (bias == 0.0f) seen[count++] = static_cast<int32_t>(j);
+  }
+  return count;
+}
 
 }  // namespace
 
@@ -328,6 +612,119 @@ at::Tensor int8_screen(const at::Tensor& input, const at::Tensor& quantized, con
   return screen;
 }
 
+// One attend call's inputs and output, and its work split into items: one per row and K/V head (the
+// query heads reading it share the keys they see), or per row and head where the mask differs between
+// heads.
+struct AttendProblem {
+  at::Tensor q, k, v;
+  const at::Tensor* mask;  // expanded to (batch, heads, rows, length), or null
+  int64_t mask_strides[4];
+  bool causal;
+  float scaling;
+  bool simd;
+  float* out = nullptr;  // (batch, rows, heads, head_dim)
+  int64_t batch = q.size(0), heads = q.size(1), rows = q.size(2), head_dim = q.size(3);
+  int64_t kv_heads = k.size(1), length = k.size(2), groups = heads / kv_heads;
+  int64_t together = groups;  // set_together
+  int64_t per_row = heads / together;
+
+  // Items of `together` query heads each (1 or all of a K/V head's): which heads share an item changes
+  // no result, since each query is computed alone.
+  void set_together(int64_t heads_per_item) {
+    together = heads_per_item;
+    per_row = heads / together;
+  }
+
+  bool mask_heads_differ() const { return mask_strides[1] != 0; }
+  int64_t items() const { return batch * rows * per_row; }
+  int64_t b(int64_t item) const { return item / (rows * per_row); }
+  int64_t r(int64_t item) const { return item / per_row % rows; }
+  int64_t first(int64_t item) const { return item % per_row * together; }
+
+  // the item's seen keys into `seen`; how many
+  int64_t seen(int64_t item, int32_t* seen) const {
+    return seen_keys(mask, mask_strides, causal, b(item), first(item), r(item), rows, length, seen);
+  }
+  const float* query(int64_t item, int64_t i) const {
+    return q.data_ptr<float>() + b(item) * q.stride(0) + (first(item) + i) * q.stride(1) + r(item) * q.stride(2);
+  }
+  // the item's attention over the keys seen[0, count): each query's top score, sum of weights and
+  // weighted sum of the values
+  void weigh(int64_t item, const int32_t* seen, int64_t count, float* scores, int64_t room, float* top, float* sum,
+             float* acc) const {
+    std::vector<const float*> queries(together);
+    for (int64_t i = 0; i < together; ++i) queries[i] = query(item, i);
+    const int64_t kv = first(item) / groups;
+    const float* key = k.data_ptr<float>() + b(item) * k.stride(0) + kv * k.stride(1);
+    const float* value = v.data_ptr<float>() + b(item) * v.stride(0) + kv * v.stride(1);
+#ifdef DRAFTSMITH_X86
+    if (simd) {
+      attend_part_queries_simd(queries.data(), together, key, k.stride(2), value, v.stride(2), seen, count, head_dim,
+                               scaling, scores, room, top, sum, acc);
+      return;
+    }
+#endif
+    attend_part_queries_scalar(queries.data(), together, key, k.stride(2), value, v.stride(2), seen, count, head_dim,
+                               scaling, scores, top, sum, acc);
+  }
+  // the item's outputs from what weigh() computed
+  void finish(int64_t item, const float* sums, const float* accs) const {
+    std::vector<float*> outs(together);
+    for (int64_t i = 0; i < together; ++i) outs[i] = out + ((b(item) * rows + r(item)) * heads + first(item) + i) * head_dim;
+    divide_rows(together, head_dim, sums, accs, outs.data());
+  }
+};
+
+// softmax(q k^T * scaling + mask) v for query (batch, heads, rows, head_dim), keys and values (batch,
+// kv_heads, length, head_dim) (heads a multiple of kv_heads: query head h reads K/V head h / (heads /
+// kv_heads)), mask as seen_keys reads it (broadcast over batch and heads where its size there is 1).
+// Returns (batch, rows, heads, head_dim), contiguous: the layout transformers' attention functions
+// return. Each row and head is computed from its query and the keys it sees alone (attend_row_simd),
+// so a row's result is bitwise the same alone, among other rows, and under any mask that lets it see
+// the same keys: what makes a tree's rows compute exactly what plain steps compute.
+at::Tensor attend(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values,
+                  const std::optional<at::Tensor>& mask, double scaling, bool causal) {
+  TORCH_CHECK(query.dim() == 4 && keys.dim() == 4 && values.dim() == 4, "attend: 4-d query, keys and values");
+  TORCH_CHECK(query.scalar_type() == at::kFloat && keys.scalar_type() == at::kFloat && values.scalar_type() == at::kFloat,
+              "attend: float32");
+  const int64_t batch = query.size(0), heads = query.size(1), rows = query.size(2), head_dim = query.size(3);
+  const int64_t kv_heads = keys.size(1), length = keys.size(2);
+  TORCH_CHECK(keys.size(0) == batch && values.sizes() == keys.sizes() && keys.size(3) == head_dim, "attend: keys, values");
+  TORCH_CHECK(heads % kv_heads == 0 && head_dim <= 256, "attend: heads a multiple of kv_heads, head_dim <= 256");
+  const at::Tensor q = query.stride(3) == 1 ? query : query.contiguous();
+  const at::Tensor k = keys.stride(3) == 1 ? keys : keys.contiguous();
+  const at::Tensor v = values.stride(3) == 1 ? values : values.contiguous();
+  at::Tensor m;
+  int64_t mask_strides[4] = {0, 0, 0, 0};
+  if (mask.has_value()) {
+    m = *mask;
+    TORCH_CHECK(m.dim() == 4 && m.size(2) == rows && m.size(3) == length &&
+                    (m.scalar_type() == at::kBool || m.scalar_type() == at::kFloat),
+                "attend: a bool or float32 mask (batch or 1, heads or 1, rows, keys)");
+    m = m.expand({batch, heads, rows, length});
+    for (int i = 0; i < 4; ++i) mask_strides[i] = m.stride(i);
+  }
+  AttendProblem problem{q, k, v, mask.has_value() ? &m : nullptr, {mask_strides[0], mask_strides[1], mask_strides[2], mask_strides[3]},
+                        causal, static_cast<float>(scaling), simd_supported()};
+  at::Tensor out = at::empty({batch, rows, heads, head_dim}, q.options());
+  problem.out = out.data_ptr<float>();
+  // a K/V head's query heads share an item and read each key once, unless the mask differs between
+  // heads or that leaves a thread idle (one row)
+  const bool alone = problem.mask_heads_differ() || batch * rows * kv_heads < 2 * at::get_num_threads();
+  problem.set_together(alone ? 1 : problem.groups);
+  const int64_t together = problem.together, room = (length + 7) / 8 * 8;
+  at::parallel_for(0, problem.items(), 1, [&](int64_t begin, int64_t end) {
+    std::vector<int32_t> seen(length);
+    std::vector<float> scores(together * room), tops(together), sums(together), accs(together * head_dim);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t count = problem.seen(item, seen.data());
+      problem.weigh(item, seen.data(), count, scores.data(), room, tops.data(), sums.data(), accs.data());
+      problem.finish(item, sums.data(), accs.data());
+    }
+  });
+  return out;
+}
+
 // Runs every layer on x (1, rows, width) whose rows sit at cache rows [start, start + rows): each layer's
 // key and value rows are written into its preallocated buffer (1, kv_heads, capacity, head_dim) there,
 // and attention reads rows [0, start + rows) under `mask` (none: every row is seen; one-token steps).
@@ -335,14 +732,15 @@ at::Tensor int8_screen(const at::Tensor& input, const at::Tensor& quantized, con
 // each one's PackKind. `fused` holds two tensors per layer, packs of [q; k; v] and [gate; up] stacked
 // (empty: separate products) of the kind of q's and gate's packs: oneDNN and the stream kernel compute
 // each output column alone, so a stacked product's columns are bitwise the separate products' (checked
-// when the pack is made, packed_gemm.PackedGemm.fused_pack). Returns each layer's output.
+// when the pack is made, packed_gemm.PackedGemm.fused_pack). Attention is `attend`'s where
+// `rows_attention`, else SDPA's as transformers' wrapper calls it. Returns each layer's output.
 std::vector<at::Tensor> decoder_layers(
     at::Tensor x, const std::vector<at::Tensor>& weights, const std::vector<at::Tensor>& packs,
     const std::vector<double>& norm_eps, const at::Tensor& cos, const at::Tensor& signed_sin,
     const std::optional<at::Tensor>& mask, const std::vector<at::Tensor>& key_buffers,
     const std::vector<at::Tensor>& value_buffers, int64_t start, int64_t heads, int64_t kv_heads,
     int64_t head_dim, double scaling, bool grouped, const std::vector<int64_t>& kinds,
-    const std::vector<at::Tensor>& fused) {
+    const std::vector<at::Tensor>& fused, bool rows_attention) {
   const int64_t layers = static_cast<int64_t>(key_buffers.size());
   TORCH_CHECK(weights.size() == static_cast<size_t>(layers * kWeightsPerLayer), "decoder_layers: weights");
   TORCH_CHECK(packs.size() == static_cast<size_t>(layers * kProjections), "decoder_layers: packs");
@@ -351,48 +749,57 @@ std::vector<at::Tensor> decoder_layers(
   TORCH_CHECK(fused.size() == static_cast<size_t>(layers * 2), "decoder_layers: fused");
   const int64_t rows = x.size(1);
   const int64_t width = x.size(2);
-  const int64_t half = head_dim / 2;
+  const at::Tensor cosines = cos.contiguous(), sines = signed_sin.contiguous();  // (1, 1, rows, head_dim)
+  TORCH_CHECK(cosines.numel() == rows * head_dim && sines.numel() == rows * head_dim, "decoder_layers: cos, sin");
   std::vector<at::Tensor> outputs;
   outputs.reserve(layers);
   for (int64_t i = 0; i < layers; ++i) {
     const at::Tensor* w = &weights[i * kWeightsPerLayer];
     auto p = [&](Weight projection) -> const at::Tensor& { return packs[i * kProjections + projection - kQuery]; };
     auto kind = [&](Weight projection) -> int64_t { return kinds[i * kProjections + projection - kQuery]; };
-    at::Tensor normed = rms_norm(x, w[kInputNorm], norm_eps[2 * i]).view({rows, width});
-    at::Tensor query, key, value;
+    at::Tensor normed = rms_norm(x, w[kInputNorm], norm_eps[2 * i]);
+    Columns query, key, value;
     if (fused[2 * i].numel() > 0) {
-      at::Tensor all = packed_product(normed, fused[2 * i], kind(kQuery), w[kQuery]);
-      query = columns(all, 0, heads * head_dim);
-      key = columns(all, heads * head_dim, kv_heads * head_dim);
-      value = columns(all, (heads + kv_heads) * head_dim, kv_heads * head_dim);
+      const at::Tensor all = packed_product(normed, fused[2 * i], kind(kQuery), w[kQuery]).contiguous();
+      query = Columns(all, 0);
+      key = Columns(all, heads * head_dim);
+      value = Columns(all, (heads + kv_heads) * head_dim);
     } else {
-      query = project(normed, w[kQuery], p(kQuery), kind(kQuery));
-      key = project(normed, w[kKey], p(kKey), kind(kKey));
-      value = project(normed, w[kValue], p(kValue), kind(kValue));
+      query = Columns(project(normed, w[kQuery], p(kQuery), kind(kQuery)).contiguous(), 0);
+      key = Columns(project(normed, w[kKey], p(kKey), kind(kKey)).contiguous(), 0);
+      value = Columns(project(normed, w[kValue], p(kValue), kind(kValue)).contiguous(), 0);
     }
-    query = query.view({1, rows, heads, head_dim}).transpose(1, 2);
-    key = key.view({1, rows, kv_heads, head_dim}).transpose(1, 2);
-    value = value.view({1, rows, kv_heads, head_dim}).transpose(1, 2);
-    query = rotate(query, cos, signed_sin, half);
-    key = rotate(key, cos, signed_sin, half);
-    key_buffers[i].narrow(2, start, rows).copy_(key);
-    value_buffers[i].narrow(2, start, rows).copy_(value);
-    at::Tensor keys = key_buffers[i].narrow(2, 0, start + rows);
-    at::Tensor values = value_buffers[i].narrow(2, 0, start + rows);
-    at::Tensor attended = at::scaled_dot_product_attention(
-        query, keys, values, mask, /*dropout_p=*/0.0, /*is_causal=*/false, scaling, grouped);
-    attended = attended.transpose(1, 2).contiguous();
-    x = x + project(attended.view({rows, -1}), w[kOutput], p(kOutput), kind(kOutput));
-    normed = rms_norm(x, w[kPostNorm], norm_eps[2 * i + 1]).view({rows, width});
+    // the query as ATen's q * cos + roll(q) * sin lays it out: (1, rows, heads, head_dim) in memory
+    at::Tensor rotated = at::empty({1, rows, heads, head_dim}, x.options());
+    rotate_into(query, rows, heads, head_dim, cosines.data_ptr<float>(), sines.data_ptr<float>(),
+                rotated.data_ptr<float>(), head_dim, heads * head_dim);
+    const at::Tensor& keys_buffer = key_buffers[i];
+    const at::Tensor& values_buffer = value_buffers[i];
+    TORCH_CHECK(keys_buffer.stride(3) == 1 && values_buffer.stride(3) == 1, "decoder_layers: cache buffers");
+    rotate_into(key, rows, kv_heads, head_dim, cosines.data_ptr<float>(), sines.data_ptr<float>(),
+                keys_buffer.data_ptr<float>() + start * keys_buffer.stride(2), keys_buffer.stride(1),
+                keys_buffer.stride(2));
+    copy_into(value, rows, kv_heads, head_dim, values_buffer.data_ptr<float>() + start * values_buffer.stride(2),
+              values_buffer.stride(1), values_buffer.stride(2));
+    at::Tensor keys = keys_buffer.narrow(2, 0, start + rows);
+    at::Tensor values = values_buffer.narrow(2, 0, start + rows);
+    at::Tensor attended =
+        rows_attention ? attend(rotated.transpose(1, 2), keys, values, mask, scaling, /*causal=*/false)
+                       : at::scaled_dot_product_attention(rotated.transpose(1, 2), keys, values, mask, /*dropout_p=*/0.0,
+                                                          /*is_causal=*/false, scaling, grouped)
+                             .transpose(1, 2)
+                             .contiguous();
+    x = add_rows(x, project(attended.view({rows, -1}), w[kOutput], p(kOutput), kind(kOutput)));
+    normed = rms_norm(x, w[kPostNorm], norm_eps[2 * i + 1]);
     at::Tensor gated;
     if (fused[2 * i + 1].numel() > 0) {
       at::Tensor all = packed_product(normed, fused[2 * i + 1], kind(kGate), w[kGate]);
       const int64_t inner = all.size(1) / 2;
-      gated = at::silu(columns(all, 0, inner)) * columns(all, inner, inner);
+      gated = gated_product(columns(all, 0, inner), columns(all, inner, inner));
     } else {
-      gated = at::silu(project(normed, w[kGate], p(kGate), kind(kGate))) * project(normed, w[kUp], p(kUp), kind(kUp));
+      gated = gated_product(project(normed, w[kGate], p(kGate), kind(kGate)), project(normed, w[kUp], p(kUp), kind(kUp)));
     }
-    x = x + project(gated, w[kDown], p(kDown), kind(kDown));
+    x = add_rows(x, project(gated, w[kDown], p(kDown), kind(kDown)));
     outputs.push_back(x);
   }
   return outputs;
@@ -513,5 +920,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("simd_supported", &simd_supported, "Whether int8_screen and stream_linear run on this CPU");
   m.def("stream_pack", &stream_pack, "A float32 weight in the stream kernel's layout");
   m.def("stream_linear", &stream_linear, "The stream kernel's product: weights read once for all rows");
+  m.def("attend", &attend, "Attention whose every row is computed alone (row-invariant)");
   m.def("int8_screen", &int8_screen, "The screened head's int8 product, weights read once for all rows");
 }

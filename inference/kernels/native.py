@@ -1,11 +1,13 @@
-"""The runtime's C++ extension (``native.cpp``): its decoder layers (:mod:`native_layers`) and the
-screened head's contender search (:mod:`greedy_head`), each computing what the Python code computes
-without the interpreter between many small calls.
+"""The runtime's C++ extension (``native.cpp``): its decoder layers (:mod:`native_layers`), the
+row-invariant attention (:mod:`attention`), the stream kernel (:mod:`packed_gemm`) and the screened
+head's int8 product, contender search and proof (:mod:`greedy_head`).
 
 It is built by :func:`torch.utils.cpp_extension.load` the first time a process needs it (a C++
 compiler, Python's headers and ninja; tens of seconds) and cached in torch's extensions directory
 (``TORCH_EXTENSIONS_DIR``), so later processes load it in well under a second. Where it cannot be
-built, the runtime says so once and keeps the Python code: the same tokens, a slower step.
+built, the runtime says so once and keeps the Python code and SDPA: the same tokens as plain decoding
+then computes, a slower step. ``-ffp-contract=off``: an expression like ``a * b + c * d`` rounds each
+operation as ATen's separate calls do (the kernels that fuse multiply-adds say so with intrinsics).
 """
 
 from __future__ import annotations
@@ -48,7 +50,9 @@ def native_extension() -> ModuleType | None:
         _put_ninja_on_path()
         if not any(build_directory().glob(f"{_NAME}*.so")):
             print("[native] building the runtime's C++ kernels once (~30 s; cached for later runs)", file=sys.stderr)
-        return load(name=_NAME, sources=[str(_SOURCE)], extra_cflags=["-O3", "-fopenmp"], verbose=False)
+        return load(
+            name=_NAME, sources=[str(_SOURCE)], extra_cflags=["-O3", "-fopenmp", "-ffp-contract=off"], verbose=False
+        )
     except Exception as error:  # no compiler, headers or ninja: the Python code computes the same
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         print(

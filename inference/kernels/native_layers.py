@@ -86,14 +86,21 @@ def native_decoder_layers(
     signed_sin: torch.Tensor,
     attention_mask: torch.Tensor | None,
     cache_layers: list[PreallocatedLayer],
+    rows_attention: bool = False,
 ) -> list[torch.Tensor] | None:
     """Every layer on ``x`` (1, rows, width), appending its key and value rows to the cache; each layer's
     output, or None (nothing done) where transformers would repeat grouped K/V heads instead of letting
     SDPA read them grouped (a mask without the runtime's switch, see ``runtime._grouped_kv_heads``).
     ``cos`` and ``signed_sin`` as :func:`direct_forward._lean_layers` makes them; projections whose
-    :class:`~draftsmith.inference.kernels.packed_gemm.PackedLinear` has an active pack for these rows use it."""
+    :class:`~draftsmith.inference.kernels.packed_gemm.PackedLinear` has an active pack for these rows use it.
+    ``rows_attention``: attention through the extension's row-invariant ``attend`` (:mod:`attention`),
+    which reads grouped K/V heads under any mask."""
     grouped = plan.heads != plan.kv_heads
-    if grouped and not use_gqa_in_sdpa(attention_mask, cache_layers[0].keys, cache_layers[0].values):
+    if (
+        grouped
+        and not rows_attention
+        and not use_gqa_in_sdpa(attention_mask, cache_layers[0].keys, cache_layers[0].values)
+    ):
         return None
     rows = x.shape[1]
     packs = [_active_pack(linear, rows) for linear in plan.linears]
@@ -118,6 +125,7 @@ def native_decoder_layers(
         grouped,
         kinds,
         fused,
+        rows_attention,
     )
 
 

@@ -117,6 +117,31 @@ def test_tree_forwards_through_the_native_layers_are_bitwise_the_models(nodes, p
         assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
 
 
+@pytest.mark.parametrize("packed", ["stream", "onednn"])
+def test_tree_forwards_read_the_packs_again_after_a_weight_changes(packed):
+    """The packs a forward passes to the C++ layers are read once per state of the packs: a weight changed
+    in place is repacked before the next verification, and the C++ layers multiply by the new pack."""
+    if not linear_kernel_available(packed):
+        pytest.skip(f"the {packed} kernel does not run here")
+    model = tiny_llama(VOCAB, seed=11)
+    gemm = PackedGemm(model, packed)
+    direct = direct_forward_for(model)
+    tree = seeded_random_tree(3, 11, VOCAB)
+
+    def verify(forward):
+        cache = preallocated_cache_for(model.config, 64)
+        with torch.no_grad(), model_attention(model), gemm.model_forwards():
+            model(torch.tensor([PROMPT[:-1]]), **cache_kwargs(cache), use_cache=True)
+        with torch.no_grad(), model_attention(model):
+            inputs = TreeInputBuffers(8, 64, torch.float32)
+            return verification_forward(model, cache, inputs, PROMPT[-1], tree, len(PROMPT) - 1, False, gemm, forward)
+
+    verify(direct)
+    with torch.no_grad():
+        model.model.layers[1].mlp.down_proj.weight.mul_(-2.0)
+    assert torch.equal(verify(direct).logits, verify(None).logits)
+
+
 def test_the_native_layers_follow_replaced_and_updated_weights():
     model = tiny_llama(VOCAB, seed=3)
     native = direct_forward_for(model)

@@ -336,3 +336,25 @@ def test_auto_times_real_packs_of_the_model(tmp_path, monkeypatch):
     chosen = packed_gemm.linear_kernel_for(fresh_model(seed=12), "auto")
     assert chosen in packed_gemm.ONE_PACK_KERNELS
     assert list(json.loads((tmp_path / "choices.json").read_text()).values()) == [chosen]
+
+
+def test_huge_page_tensors_hold_their_values_apart():
+    """The extension's huge-page tensors (stream packs, the screen's int8 copy, the floor's buffer): many
+    of several sizes and dtypes share mappings without overlapping, and one larger than a mapping gets
+    its own; each keeps what was written to it after the others are freed."""
+    from draftsmith.inference.kernels.native import native_extension
+
+    extension = native_extension()
+    sizes = [(3, 5), (1000, 577), (4096, 1024), (17 * 2**20,), (1,), (300, 300)]
+    tensors = []
+    for i, shape in enumerate(sizes * 3):
+        dtype = (torch.float32, torch.int8, torch.bfloat16)[i % 3]
+        made = extension.huge_page_empty(list(shape), dtype)
+        assert made.shape == shape and made.dtype == dtype and made.is_contiguous()
+        made.fill_(i % 100)
+        tensors.append((i, made))
+    for i, made in tensors[::2]:
+        assert torch.all(made == i % 100)
+    del tensors[1::2]
+    for i, made in tensors:
+        assert torch.all(made == i % 100)

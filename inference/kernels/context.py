@@ -86,6 +86,8 @@ class KernelContext:
 
     def _screened_head(self) -> GreedyHead:
         head = GreedyHead(self.model.lm_head)
+        if self.direct().extension is not None:
+            head.move_to_huge_pages(self.direct().extension)
         head.full_head_from = self._full_head_from(head)
         return head
 

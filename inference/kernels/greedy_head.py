@@ -108,6 +108,11 @@ class GreedyHead:
         accumulation = (self._gamma32 + _FP32_UNIT) * rounded_norm + self._gamma32 * norm
         return (torch.stack([weight_rounding, input_rounding + accumulation], dim=1) * _SAFETY).float()
 
+    def move_to_huge_pages(self, native: ModuleType) -> None:
+        """Keep the int8 copy in memory backed by huge pages (the extension's ``huge_page_empty``): every
+        screen streams all of it, as a forward streams the stream kernel's packs."""
+        self.quantized = native.huge_page_empty(list(self.quantized.shape), self.quantized.dtype).copy_(self.quantized)
+
     def __call__(self, x: torch.Tensor, native: ModuleType | None = None) -> torch.Tensor:
         """The float32 head's argmax for each row of ``x`` (``(..., hidden)``), as a long tensor of
         ``x.shape[:-1]``. ``native``: the runtime's C++ extension (:mod:`native`), which computes the

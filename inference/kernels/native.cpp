@@ -14,9 +14,16 @@
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
+#ifdef __linux__
+#include <sys/mman.h>
+#endif
+
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <limits>
+#include <memory>
+#include <mutex>
 #include <optional>
 #include <vector>
 
@@ -545,11 +552,67 @@ bool simd_supported() {
 #endif
 }
 
+// Uninitialised tensors carved from 2 MB-aligned mappings of at least kHugeChunk bytes, which the
+// kernel is asked to back with transparent huge pages (Linux, where they are enabled or "madvise"): a
+// forward streams ~0.5 GB of packs, and with 4 KB pages every 4 KB of that stream needs its own address
+// translation. Packs made one after the other share a mapping, so few huge pages are left part-used; a
+// mapping goes when its last tensor and the allocator have let go of it; a tensor of kHugeChunk bytes or
+// more gets a mapping of its own.
+#ifdef __linux__
+struct HugeMapping {
+  void* base;
+  size_t bytes;
+  size_t used = 0;
+  ~HugeMapping() { munmap(base, bytes); }
+};
+
+constexpr size_t kHugePage = size_t(2) << 20;
+constexpr size_t kHugeChunk = size_t(64) << 20;
+
+std::shared_ptr<HugeMapping> map_huge(size_t bytes) {
+  bytes = (bytes + kHugePage - 1) / kHugePage * kHugePage;
+  void* mapped = mmap(nullptr, bytes + kHugePage, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (mapped == MAP_FAILED) return nullptr;
+  const uintptr_t start = reinterpret_cast<uintptr_t>(mapped);
+  const uintptr_t aligned = (start + kHugePage - 1) / kHugePage * kHugePage;
+  if (aligned > start) munmap(mapped, aligned - start);
+  if (start + kHugePage > aligned) munmap(reinterpret_cast<void*>(aligned + bytes), start + kHugePage - aligned);
+  void* base = reinterpret_cast<void*>(aligned);
+  madvise(base, bytes, MADV_HUGEPAGE);  // advice only: ordinary pages where it is not taken
+  return std::shared_ptr<HugeMapping>(new HugeMapping{base, bytes});
+}
+#endif
+
+at::Tensor huge_page_empty(const std::vector<int64_t>& shape, at::ScalarType dtype) {
+  const auto options = at::TensorOptions().dtype(dtype);
+#ifdef __linux__
+  static std::mutex lock;
+  static std::shared_ptr<HugeMapping> current;
+  int64_t count = 1;
+  for (int64_t size : shape) count *= size;
+  const size_t bytes = (std::max<int64_t>(count, 1) * at::elementSize(dtype) + 63) / 64 * 64;
+  std::lock_guard<std::mutex> guard(lock);
+  std::shared_ptr<HugeMapping> holder;
+  if (bytes >= kHugeChunk) {  // a mapping of its own, gone with the tensor
+    holder = map_huge(bytes);
+  } else {
+    if (current == nullptr || current->used + bytes > current->bytes) current = map_huge(kHugeChunk);
+    holder = current;
+  }
+  if (holder == nullptr) return at::empty(shape, options);
+  void* data = static_cast<char*>(holder->base) + holder->used;
+  holder->used += bytes;
+  return torch::from_blob(data, shape, [holder](void*) mutable { holder.reset(); }, options);
+#else
+  return at::empty(shape, options);
+#endif
+}
+
 // The stream pack of a float32 weight (O, I) (see stream_blocks).
 at::Tensor stream_pack(const at::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat, "stream_pack: a float32 (out, in) weight");
   const int64_t O = weight.size(0), I = weight.size(1), full = O / kStreamBlock * kStreamBlock;
-  at::Tensor pack = at::empty({O, I}, weight.options().memory_format(at::MemoryFormat::Contiguous));
+  at::Tensor pack = huge_page_empty({O, I}, at::kFloat);
   pack.narrow(0, 0, full)
       .view({full / kStreamBlock, I, kStreamBlock})
       .copy_(weight.narrow(0, 0, full).reshape({full / kStreamBlock, kStreamBlock, I}).transpose(1, 2));
@@ -918,6 +981,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("screen_contenders", &screen_contenders, "The screened head's floors and contenders per row");
   m.def("proven_argmax", &proven_argmax, "The screened head's proof for one row (-1: not proven)");
   m.def("simd_supported", &simd_supported, "Whether int8_screen and stream_linear run on this CPU");
+  m.def("huge_page_empty", &huge_page_empty, "An uninitialised tensor in memory backed by huge pages where the OS gives them",
+        py::arg("shape"), py::arg("dtype") = at::kFloat);
   m.def("stream_pack", &stream_pack, "A float32 weight in the stream kernel's layout");
   m.def("stream_linear", &stream_linear, "The stream kernel's product: weights read once for all rows");
   m.def("attend", &attend, "Attention whose every row is computed alone (row-invariant)");

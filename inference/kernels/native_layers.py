@@ -14,7 +14,7 @@ reads grouped K/V heads as they are; anything else takes the Python loop.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import ModuleType
 
 import torch
@@ -57,6 +57,9 @@ class NativePlan:
     kv_heads: int
     head_dim: int
     scaling: float
+    # the packs, their kinds and the stacked packs a forward passes, by the state of the packs they were
+    # read from (_pack_state): reading them costs ~500 Python calls, and they change only when packs do
+    pack_inputs: dict = field(default_factory=dict)
 
 
 def native_plan(layers: list[nn.Module]) -> NativePlan:
@@ -103,9 +106,7 @@ def native_decoder_layers(
     ):
         return None
     rows = x.shape[1]
-    packs = [_active_pack(linear, rows) for linear in plan.linears]
-    kinds = [pack_kind(linear) for linear in plan.linears]
-    fused = [_fused_pack(group) for group in plan.siblings]
+    packs, kinds, fused = _pack_inputs(plan, rows)
     rooms = [layer.append_rows(rows) for layer in cache_layers]
     return extension.decoder_layers(
         x,
@@ -130,6 +131,37 @@ def native_decoder_layers(
 
 
 _NO_PACK = torch.empty(0)  # the extension's "not packed"
+_KEPT_PACK_STATES = 8  # pack states whose inputs a plan keeps (MKL: one per row bucket)
+
+
+def _pack_inputs(plan: NativePlan, rows: int) -> tuple[list[torch.Tensor], list[int], list[torch.Tensor]]:
+    """Each projection's active pack for ``rows`` rows and its kind, and each sibling group's stacked
+    pack: read again only when the packs may have changed."""
+    state = _pack_state(plan, rows)
+    made = plan.pack_inputs.get(state) if state is not None else None
+    if made is None:
+        packs = [_active_pack(linear, rows) for linear in plan.linears]
+        kinds = [pack_kind(linear) for linear in plan.linears]
+        fused = [_fused_pack(group) for group in plan.siblings]
+        made = (packs, kinds, fused)
+        if state is not None:
+            if len(plan.pack_inputs) >= _KEPT_PACK_STATES:
+                plan.pack_inputs.clear()
+            plan.pack_inputs[_pack_state(plan, rows)] = made  # the state after any stacked pack made now
+    return made
+
+
+def _pack_state(plan: NativePlan, rows: int) -> tuple | None:
+    """What the pack inputs of a ``rows``-row forward depend on: the one owner of the plan's packed
+    linears (its generation, whether its packs are active, which pack ``rows`` rows take) and autograd;
+    None (not cached) where the linears have several owners."""
+    owners = {id(getattr(linear, "_owner", None)): getattr(linear, "_owner", None) for linear in plan.linears}
+    if len(owners) != 1:
+        return None
+    owner = next(iter(owners.values()))
+    if owner is None:
+        return (None, torch.is_grad_enabled())
+    return (id(owner), owner.generation, owner.active, owner.pack_key(rows), torch.is_grad_enabled())
 
 
 def _active_pack(linear: nn.Module, rows: int) -> torch.Tensor:

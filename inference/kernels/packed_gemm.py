@@ -177,6 +177,7 @@ class PackedGemm:
         # stacked packs of sibling linears (fused_pack), by the modules, with the packs they were made from
         self._fused: dict[tuple[int, ...], tuple[tuple[torch.Tensor, ...], torch.Tensor]] = {}
         self._fusion_exact: bool | None = None  # whether stacking keeps each column bitwise (checked once)
+        self.generation = 0  # counts changes to the packs: what was read from them is current while it stays
 
     @property
     def buckets(self) -> list[int]:
@@ -252,14 +253,16 @@ class PackedGemm:
             if not self._fusion_exact:
                 return None
         self._fused[key] = (packs, fused)
+        self.generation += 1
         return fused
 
     def _drop_stale_packs(self) -> None:
         """A pack is a copy: after a weight is replaced or changed in place (an optimizer step,
         ``load_state_dict``) its packs would multiply by the old values, so they go."""
         for module in self._linears:
-            if module._packs and not module._packed_from.still(module.weight):
+            if module._packs and not module._packed_from.still(module._parameters["weight"]):
                 module._packs.clear()
+                self.generation += 1
 
     @contextmanager
     def rows(self) -> Iterator[None]:
@@ -282,6 +285,7 @@ class PackedGemm:
             for module in missing:
                 module._packs[bucket] = self._pack(module.weight.detach(), bucket)
                 module._packed_from = CopySource(module.weight)
+        self.generation += 1
         self.pack_seconds += time.perf_counter() - start
         return True
 

@@ -33,7 +33,7 @@ from draftsmith.inference.backends import DEFAULT_TREE_ROOM, Backends
 from draftsmith.inference.kernels.options import KernelOptions
 from draftsmith.inference.measure.bench_report import linear_note
 from draftsmith.inference.measure.errors import BenchError
-from draftsmith.inference.measure.floor import floor_note, step_floor
+from draftsmith.inference.measure.floor import ReadSpeed, floor_note, step_floor
 from draftsmith.inference.runtime import PlainDecoding
 
 SHAPES = ("random", "chain")
@@ -118,12 +118,14 @@ def run_tree_bench(
     backends = backends or Backends(KernelOptions())
     forward = _VerificationForward(target, prefix, seed, backends)
     timings: dict[int, list[float]] = {size: [] for size in sizes}
+    speed = ReadSpeed()
     for _ in range(WARMUP):
         for size in sizes:
             forward.seconds(trees[size])
     for _ in tqdm(range(repeats), desc="bench-tree", unit="repeat", dynamic_ncols=True):
-        for size in sizes:
+        for size in sizes:  # every size and the read speed once per round: a drifting machine shifts them alike
             timings[size].append(forward.seconds(trees[size]))
+        speed.sample()
     base = statistics.median(timings[1])
     rows = [
         {
@@ -147,7 +149,7 @@ def run_tree_bench(
         "linear": forward.kernels.linear_record(),
         "greedy_head": forward.kernels.greedy_head() is not None,
         "native": forward.kernels.direct() is not None and forward.kernels.direct().native,
-        "floor": step_floor(target.model, forward.kernels.greedy_head()),
+        "floor": step_floor(target.model, forward.kernels.greedy_head(), speed),
         "rows": rows,
     }
 

@@ -4,18 +4,21 @@ over the speed at which this machine reads memory. ``bench-tree`` prints every f
 A one-token step reads every decoder weight once, the head as the runtime reads it (the screened int8
 copy where greedy verification uses it, else the float32 head) and one embedding row; nothing a step
 does can take less time than reading those bytes once. The read speed is measured here, as torch's
-``sum`` over a buffer far larger than the caches, with torch's current thread count.
+``sum`` over a buffer far larger than the caches, with torch's current thread count, in passes a
+benchmark interleaves with its own (:class:`ReadSpeed`).
 """
 
 from __future__ import annotations
 
+import statistics
+import time
 from typing import Any
 
 import torch
 from torch import nn
 
 from draftsmith.inference.kernels.greedy_head import GreedyHead
-from draftsmith.inference.kernels.linear_choice import median_seconds
+from draftsmith.inference.kernels.native import native_extension
 
 BUFFER_BYTES = 512 * 2**20  # well past any CPU's last-level cache
 REPEATS = 5
@@ -42,22 +45,51 @@ def step_weight_bytes(model: nn.Module, screened: GreedyHead | None) -> int:
     return total + head_bytes + embedding.shape[1] * embedding.element_size()
 
 
-def read_bytes_per_second() -> float:
-    """This machine's memory read speed (median of a few passes of torch's ``sum``)."""
-    buffer = torch.ones(BUFFER_BYTES // 4, dtype=torch.float32)
-    return BUFFER_BYTES / median_seconds(buffer.sum, REPEATS)  # its warm-up touches the pages, starts threads
+class ReadSpeed:
+    """This machine's memory read speed: torch's ``sum`` over a buffer far larger than the caches (in
+    memory backed by huge pages where the runtime's stream packs are, :mod:`native`), timed a pass at a
+    time so that a benchmark can interleave the passes with what it measures. On a shared machine the
+    read speed drifts over minutes; a floor measured apart from the forwards would drift away from them."""
+
+    def __init__(self) -> None:
+        extension = native_extension()
+        count = BUFFER_BYTES // 4
+        self.huge_pages = extension is not None
+        self.buffer = extension.huge_page_empty([count]) if self.huge_pages else torch.empty(count)
+        self.buffer.fill_(1.0)  # touches the pages
+        self.buffer.sum()  # starts the threads
+        self.seconds: list[float] = []
+
+    def sample(self) -> None:
+        start = time.perf_counter()
+        self.buffer.sum()
+        self.seconds.append(time.perf_counter() - start)
+
+    def bytes_per_second(self) -> float:
+        """The median pass's speed (a few passes are taken first where none was)."""
+        while len(self.seconds) < REPEATS:
+            self.sample()
+        return BUFFER_BYTES / statistics.median(self.seconds)
 
 
-def step_floor(model: nn.Module, screened: GreedyHead | None) -> dict[str, Any]:
-    """The weights a step reads, the measured read speed and their ratio: the floor of one step."""
+def step_floor(model: nn.Module, screened: GreedyHead | None, speed: ReadSpeed | None = None) -> dict[str, Any]:
+    """The weights a step reads, the read speed (``speed``'s passes, or a few taken now) and their
+    ratio: the floor of one step."""
     weight_bytes = step_weight_bytes(model, screened)
-    speed = read_bytes_per_second()
-    return {"weight_bytes": weight_bytes, "read_gb_per_s": speed / 1e9, "floor_ms": 1e3 * weight_bytes / speed}
+    speed = speed or ReadSpeed()
+    bytes_per_second = speed.bytes_per_second()
+    return {
+        "weight_bytes": weight_bytes,
+        "read_gb_per_s": bytes_per_second / 1e9,
+        "huge_pages": speed.huge_pages,
+        "floor_ms": 1e3 * weight_bytes / bytes_per_second,
+    }
 
 
 def floor_note(floor: dict[str, Any]) -> str:
     return (
         f"A step reads {floor['weight_bytes'] / 1e6:.0f} MB of weights; this machine reads "
-        f"{floor['read_gb_per_s']:.1f} GB/s (torch sum over {BUFFER_BYTES // 2**20} MiB), so no step can take "
-        f"less than {floor['floor_ms']:.1f} ms (the floor)."
+        f"{floor['read_gb_per_s']:.1f} GB/s (torch sum over {BUFFER_BYTES // 2**20} MiB"
+        f"{' on huge pages' if floor.get('huge_pages') else ''}, median pass), so no step can take less than "
+        f"{floor['floor_ms']:.1f} ms (the floor)."
     )

@@ -22,7 +22,7 @@ from draftsmith.inference.kernels.direct_forward import (
     direct_forward_supported,
 )
 from draftsmith.inference.kernels.greedy_head import GreedyHead, greedy_head_supported
-from draftsmith.inference.kernels.linear_choice import median_seconds
+from draftsmith.inference.kernels.linear_choice import side_by_side_seconds
 from draftsmith.inference.kernels.options import KernelOptions
 from draftsmith.inference.kernels.packed_gemm import ONE_PACK_KERNELS, PackedGemm, linear_kernel_for
 
@@ -103,8 +103,9 @@ class KernelContext:
         with torch.no_grad(), self.gemm.rows():
             for rows in FULL_HEAD_CANDIDATES:
                 x = torch.randn(rows, head.in_features, generator=torch.Generator().manual_seed(rows))
-                screen = median_seconds(lambda: screened.contenders(x, native))
-                full = median_seconds(lambda: head(x).argmax(dim=-1))
+                screen, full = side_by_side_seconds(
+                    [lambda: screened.contenders(x, native), lambda: head(x).argmax(dim=-1)]
+                )
                 faster.append(full < screen)
         return next((rows for i, rows in enumerate(FULL_HEAD_CANDIDATES) if all(faster[i:])), None)
 

@@ -103,6 +103,21 @@ def _seconds(weights: list[torch.Tensor], kernel: str) -> float:
     return total
 
 
+def side_by_side_seconds(runs: list[Callable[[], object]], repeats: int = 7) -> list[float]:
+    """The median seconds of each of ``runs``, timed in turns (each once per round, after an untimed
+    round): on a shared machine whose speed drifts, medians taken one after the other would compare the
+    drift as much as the runs."""
+    for run in runs:
+        run()
+    times: list[list[float]] = [[] for _ in runs]
+    for _ in range(repeats):
+        for run, taken in zip(runs, times, strict=True):
+            start = time.perf_counter()
+            run()
+            taken.append(time.perf_counter() - start)
+    return [statistics.median(taken) for taken in times]
+
+
 def median_seconds(run: Callable[[], object], repeats: int = 5) -> float:
     """The median of ``repeats`` timed calls of ``run`` after one untimed call (a warm-up)."""
     run()

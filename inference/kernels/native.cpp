@@ -376,7 +376,8 @@ template <int G>
 AVX2 void group_scores(const float* const* q, const float* keys, int64_t key_stride, const int32_t* seen,
                        int64_t count, int64_t head_dim, float scaling, float* scores, int64_t room, float* top) {
   const int64_t vectors = head_dim / 8;
-  for (int i = 0; i < G; ++i) top[i] = -std::numeric_limits<float>::infinity();
+  __m128 best[G];  // each query's running maximum, lane by lane
+  for (int i = 0; i < G; ++i) best[i] = _mm_set1_ps(-std::numeric_limits<float>::infinity());
   for (int64_t j0 = 0; j0 < count; j0 += kAttendKeys) {
     const float* k[kAttendKeys];
     for (int64_t t = 0; t < kAttendKeys; ++t) k[t] = j0 + t < count ? keys + seen[j0 + t] * key_stride : kZeroRow;
@@ -392,16 +393,25 @@ AVX2 void group_scores(const float* const* q, const float* keys, int64_t key_str
       }
     }
     const int64_t here = std::min(kAttendKeys, count - j0);
+    const __m128 live = _mm_castsi128_ps(_mm_cmpgt_epi32(_mm_set1_epi32(static_cast<int>(here)), _mm_setr_epi32(0, 1, 2, 3)));
     for (int i = 0; i < G; ++i) {
-      alignas(16) float dots[kAttendKeys];
-      _mm_store_ps(dots, four_sums(acc[i][0], acc[i][1], acc[i][2], acc[i][3]));
-      for (int64_t t = 0; t < here; ++t) {
-        float dot = dots[t];
-        for (int64_t d = vectors * 8; d < head_dim; ++d) dot = std::fma(q[i][d], k[t][d], dot);
-        scores[i * room + j0 + t] = dot * scaling;
-        top[i] = std::max(top[i], dot * scaling);
+      __m128 dots = four_sums(acc[i][0], acc[i][1], acc[i][2], acc[i][3]);
+      if (vectors * 8 < head_dim) {  // the last head_dim % 8 products, in order
+        alignas(16) float sums[kAttendKeys];
+        _mm_store_ps(sums, dots);
+        for (int64_t t = 0; t < here; ++t)
+          for (int64_t d = vectors * 8; d < head_dim; ++d) sums[t] = std::fma(q[i][d], k[t][d], sums[t]);
+        dots = _mm_load_ps(sums);
       }
+      const __m128 scaled = _mm_mul_ps(dots, _mm_set1_ps(scaling));
+      _mm_storeu_ps(scores + i * room + j0, scaled);  // room holds a block past count
+      best[i] = _mm_max_ps(best[i], _mm_blendv_ps(_mm_set1_ps(-std::numeric_limits<float>::infinity()), scaled, live));
     }
+  }
+  for (int i = 0; i < G; ++i) {
+    __m128 m = _mm_max_ps(best[i], _mm_movehl_ps(best[i], best[i]));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    top[i] = _mm_cvtss_f32(m);
   }
 }
 
@@ -445,7 +455,7 @@ AVX2 void group_values(const float* weights, int64_t room, const float* values, 
 // (count of them, ascending), each query's top score (top[i]), the sum of its softmax weights
 // e^(score - top) (sum[i]) and the weighted sum of the values (acc + i * head_dim). Every step computes
 // each query alone (group_scores, softmax_weights, group_values), so a part's result depends on its
-// query and keys only. `scores`: G * room floats, room >= count rounded up to 8.
+// query and keys only. `scores`: G * room floats, room >= count rounded up to 8, plus 8.
 template <int G>
 AVX2 void attend_part_simd(const float* const* q, const float* keys, int64_t key_stride, const float* values,
                            int64_t value_stride, const int32_t* seen, int64_t count, int64_t head_dim, float scaling,
@@ -453,8 +463,10 @@ AVX2 void attend_part_simd(const float* const* q, const float* keys, int64_t key
   group_scores<G>(q, keys, key_stride, seen, count, head_dim, scaling, scores, room, top);
   for (int i = 0; i < G; ++i) sum[i] = softmax_weights(scores + i * room, count, top[i]);
   const int64_t vectors = head_dim / 8;
+  constexpr int C = G >= 3 ? 2 : 4;  // value vectors per pass over the keys: the G * C accumulators, C value
+                                     // vectors and a weight stay in the 16 vector registers
   int64_t c = 0;
-  for (; c + 4 <= vectors; c += 4) group_values<G, 4>(scores, room, values, value_stride, seen, count, c, head_dim, acc);
+  for (; c + C <= vectors; c += C) group_values<G, C>(scores, room, values, value_stride, seen, count, c, head_dim, acc);
   for (; c < vectors; ++c) group_values<G, 1>(scores, room, values, value_stride, seen, count, c, head_dim, acc);
   for (int i = 0; i < G; ++i)
     for (int64_t d = vectors * 8; d < head_dim; ++d) {
@@ -775,7 +787,7 @@ at::Tensor attend(const at::Tensor& query, const at::Tensor& keys, const at::Ten
   // heads or that leaves a thread idle (one row)
   const bool alone = problem.mask_heads_differ() || batch * rows * kv_heads < 2 * at::get_num_threads();
   problem.set_together(alone ? 1 : problem.groups);
-  const int64_t together = problem.together, room = (length + 7) / 8 * 8;
+  const int64_t together = problem.together, room = (length + 7) / 8 * 8 + 8;
   at::parallel_for(0, problem.items(), 1, [&](int64_t begin, int64_t end) {
     std::vector<int32_t> seen(length);
     std::vector<float> scores(together * room), tops(together), sums(together), accs(together * head_dim);

@@ -95,19 +95,30 @@ class KernelContext:
         """The row count from which the float32 head through a row-invariant one-pack kernel beats the
         screen's int8 product and contender search (through the direct forward's extension) on this
         machine (timed once per head); None where the kernel is not row-invariant or the screen always
-        wins. The screen's proof is not timed: on real text it checks a few contenders a row."""
+        wins. The screen's proof is not timed: on real text it checks a few contenders a row. The rows
+        are the model's own last hidden states (random inputs give flat logits, whose many contenders
+        would make the screen look slower than it is on text)."""
         if self.gemm is None or not self.gemm.row_invariant():
             return None
         head, native = self.model.lm_head, self.direct().extension
+        states = self._sample_states(max(FULL_HEAD_CANDIDATES))
         faster = []
         with torch.no_grad(), self.gemm.rows():
             for rows in FULL_HEAD_CANDIDATES:
-                x = torch.randn(rows, head.in_features, generator=torch.Generator().manual_seed(rows))
+                x = states[:rows].contiguous()
                 screen, full = side_by_side_seconds(
                     [lambda: screened.contenders(x, native), lambda: head(x).argmax(dim=-1)]
                 )
                 faster.append(full < screen)
         return next((rows for i, rows in enumerate(FULL_HEAD_CANDIDATES) if all(faster[i:])), None)
+
+    @torch.no_grad()
+    def _sample_states(self, rows: int) -> torch.Tensor:
+        """``rows`` last hidden states (the head's inputs) of the model over a fixed token sequence."""
+        vocabulary = self.model.config.vocab_size
+        tokens = (torch.arange(rows) * 7919 + 101) % vocabulary
+        device = next(self.model.parameters()).device
+        return self.model.model(input_ids=tokens[None].to(device)).last_hidden_state[0]
 
     def linear_record(self) -> dict[str, Any]:
         """Which kernel ran the target's linears, as ``bench`` and ``bench-tree`` record it: a one-pack

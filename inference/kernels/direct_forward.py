@@ -3,9 +3,10 @@
 On a CPU, a small model's one-token forward spends a visible share of its time around the matrix
 multiplies, and part of that is not arithmetic: output-capturing hooks and decorators, mask preparation,
 keyword plumbing through three module levels per layer, the attention-interface lookup. For a Llama
-model with SDPA attention, :class:`DirectForward` runs the same submodules in the same order (the
-norms, the projections, the MLP, the rotary embedding, ``apply_rotary_pos_emb``, the cache's
-``update`` and transformers' own ``sdpa_attention_forward``) and leaves that machinery out, so its
+model, :class:`DirectForward` runs the same submodules in the same order (the norms, the projections,
+the MLP, the rotary embedding, ``apply_rotary_pos_emb``, the cache's ``update`` and the attention
+function: transformers' own ``sdpa_attention_forward``, or the runtime's row-invariant one of
+:mod:`attention`, with the model's own forwards switched to it) and leaves that machinery out, so its
 logits and hidden states are bitwise those of ``model(...)`` (``tests/test_direct_forward.py``
 checks it on one-token and tree forwards). Calling the modules keeps :mod:`packed_gemm`'s linear
 swap and any weights the model holds.

@@ -120,10 +120,4 @@ def side_by_side_seconds(runs: list[Callable[[], object]], repeats: int = 7) -> 
 
 def median_seconds(run: Callable[[], object], repeats: int = 5) -> float:
     """The median of ``repeats`` timed calls of ``run`` after one untimed call (a warm-up)."""
-    run()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return side_by_side_seconds([run], repeats)[0]

@@ -451,15 +451,16 @@ AVX2 void group_values(const float* weights, int64_t room, const float* values, 
     for (int u = 0; u < C; ++u) _mm256_storeu_ps(acc_out + i * head_dim + 8 * (c + u), acc[i][u]);
 }
 
-// One part of the attention of G queries of one row that read the same K/V head: over the keys `seen`
-// (count of them, ascending), each query's top score (top[i]), the sum of its softmax weights
-// e^(score - top) (sum[i]) and the weighted sum of the values (acc + i * head_dim). Every step computes
-// each query alone (group_scores, softmax_weights, group_values), so a part's result depends on its
-// query and keys only. `scores`: G * room floats, room >= count rounded up to 8, plus 8.
+// The attention of G queries of one row that read the same K/V head, over the keys `seen` (count of
+// them, ascending): the sum of each query's softmax weights e^(score - its top score) (sum[i]) and its
+// weighted sum of the values (acc + i * head_dim). Every step computes each query alone (group_scores,
+// softmax_weights, group_values), so the result depends on its query and keys only. `scores`: G * room
+// floats, room >= count rounded up to 8, plus 8.
 template <int G>
-AVX2 void attend_part_simd(const float* const* q, const float* keys, int64_t key_stride, const float* values,
-                           int64_t value_stride, const int32_t* seen, int64_t count, int64_t head_dim, float scaling,
-                           float* scores, int64_t room, float* top, float* sum, float* acc) {
+AVX2 void attend_group_simd(const float* const* q, const float* keys, int64_t key_stride, const float* values,
+                            int64_t value_stride, const int32_t* seen, int64_t count, int64_t head_dim, float scaling,
+                            float* scores, int64_t room, float* sum, float* acc) {
+  float top[G];
   group_scores<G>(q, keys, key_stride, seen, count, head_dim, scaling, scores, room, top);
   for (int i = 0; i < G; ++i) sum[i] = softmax_weights(scores + i * room, count, top[i]);
   const int64_t vectors = head_dim / 8;
@@ -476,41 +477,40 @@ AVX2 void attend_part_simd(const float* const* q, const float* keys, int64_t key
     }
 }
 
-// attend_part_simd for any number of queries, four or fewer at a time (which ones run together
+// attend_group_simd for any number of queries, four or fewer at a time (which ones run together
 // changes no result).
-AVX2 void attend_part_queries_simd(const float* const* q, int64_t queries, const float* keys, int64_t key_stride,
-                                   const float* values, int64_t value_stride, const int32_t* seen, int64_t count,
-                                   int64_t head_dim, float scaling, float* scores, int64_t room, float* top, float* sum,
-                                   float* acc) {
+AVX2 void attend_queries_simd(const float* const* q, int64_t queries, const float* keys, int64_t key_stride,
+                              const float* values, int64_t value_stride, const int32_t* seen, int64_t count,
+                              int64_t head_dim, float scaling, float* scores, int64_t room, float* sum, float* acc) {
   for (int64_t i = 0; i < queries;) {
     const int64_t here = std::min<int64_t>(queries - i, 4);
     float* a = acc + i * head_dim;
-    if (here == 4) attend_part_simd<4>(q + i, keys, key_stride, values, value_stride, seen, count, head_dim, scaling, scores, room, top + i, sum + i, a);
-    if (here == 3) attend_part_simd<3>(q + i, keys, key_stride, values, value_stride, seen, count, head_dim, scaling, scores, room, top + i, sum + i, a);
-    if (here == 2) attend_part_simd<2>(q + i, keys, key_stride, values, value_stride, seen, count, head_dim, scaling, scores, room, top + i, sum + i, a);
-    if (here == 1) attend_part_simd<1>(q + i, keys, key_stride, values, value_stride, seen, count, head_dim, scaling, scores, room, top + i, sum + i, a);
+    if (here == 4) attend_group_simd<4>(q + i, keys, key_stride, values, value_stride, seen, count, head_dim, scaling, scores, room, sum + i, a);
+    if (here == 3) attend_group_simd<3>(q + i, keys, key_stride, values, value_stride, seen, count, head_dim, scaling, scores, room, sum + i, a);
+    if (here == 2) attend_group_simd<2>(q + i, keys, key_stride, values, value_stride, seen, count, head_dim, scaling, scores, room, sum + i, a);
+    if (here == 1) attend_group_simd<1>(q + i, keys, key_stride, values, value_stride, seen, count, head_dim, scaling, scores, room, sum + i, a);
     i += here;
   }
 }
 #undef AVX2
 #endif  // DRAFTSMITH_X86
 
-// attend_part_queries_simd without vectors (CPUs without AVX2 and FMA): the same part for each query
-// alone, each sum in key order.
-void attend_part_queries_scalar(const float* const* q, int64_t queries, const float* keys, int64_t key_stride,
-                                const float* values, int64_t value_stride, const int32_t* seen, int64_t count,
-                                int64_t head_dim, float scaling, float* scores, float* top, float* sum, float* acc) {
+// attend_queries_simd without vectors (CPUs without AVX2 and FMA): the same steps for each query alone,
+// each sum in key order.
+void attend_queries_scalar(const float* const* q, int64_t queries, const float* keys, int64_t key_stride,
+                           const float* values, int64_t value_stride, const int32_t* seen, int64_t count,
+                           int64_t head_dim, float scaling, float* scores, float* sum, float* acc) {
   for (int64_t i = 0; i < queries; ++i) {
-    top[i] = -std::numeric_limits<float>::infinity();
+    float top = -std::numeric_limits<float>::infinity();
     for (int64_t j = 0; j < count; ++j) {
       const float* k = keys + seen[j] * key_stride;
       float dot = 0.0f;
       for (int64_t d = 0; d < head_dim; ++d) dot = std::fma(q[i][d], k[d], dot);
       scores[j] = dot * scaling;
-      top[i] = std::max(top[i], scores[j]);
+      top = std::max(top, scores[j]);
     }
     sum[i] = 0.0f;
-    for (int64_t j = 0; j < count; ++j) sum[i] += scores[j] = std::exp(scores[j] - top[i]);
+    for (int64_t j = 0; j < count; ++j) sum[i] += scores[j] = std::exp(scores[j] - top);
     float* a = acc + i * head_dim;
     std::fill_n(a, head_dim, 0.0f);
     for (int64_t j = 0; j < count; ++j)
@@ -723,9 +723,9 @@ struct AttendProblem {
   const float* query(int64_t item, int64_t i) const {
     return q.data_ptr<float>() + b(item) * q.stride(0) + (first(item) + i) * q.stride(1) + r(item) * q.stride(2);
   }
-  // the item's attention over the keys seen[0, count): each query's top score, sum of weights and
-  // weighted sum of the values
-  void weigh(int64_t item, const int32_t* seen, int64_t count, float* scores, int64_t room, float* top, float* sum,
+  // the item's attention over the keys seen[0, count): each query's sum of weights and weighted sum of
+  // the values
+  void weigh(int64_t item, const int32_t* seen, int64_t count, float* scores, int64_t room, float* sum,
              float* acc) const {
     std::vector<const float*> queries(together);
     for (int64_t i = 0; i < together; ++i) queries[i] = query(item, i);
@@ -734,13 +734,13 @@ struct AttendProblem {
     const float* value = v.data_ptr<float>() + b(item) * v.stride(0) + kv * v.stride(1);
 #ifdef DRAFTSMITH_X86
     if (simd) {
-      attend_part_queries_simd(queries.data(), together, key, k.stride(2), value, v.stride(2), seen, count, head_dim,
-                               scaling, scores, room, top, sum, acc);
+      attend_queries_simd(queries.data(), together, key, k.stride(2), value, v.stride(2), seen, count, head_dim,
+                          scaling, scores, room, sum, acc);
       return;
     }
 #endif
-    attend_part_queries_scalar(queries.data(), together, key, k.stride(2), value, v.stride(2), seen, count, head_dim,
-                               scaling, scores, top, sum, acc);
+    attend_queries_scalar(queries.data(), together, key, k.stride(2), value, v.stride(2), seen, count, head_dim,
+                          scaling, scores, sum, acc);
   }
   // the item's outputs from what weigh() computed
   void finish(int64_t item, const float* sums, const float* accs) const {
@@ -754,7 +754,7 @@ struct AttendProblem {
 // kv_heads, length, head_dim) (heads a multiple of kv_heads: query head h reads K/V head h / (heads /
 // kv_heads)), mask as seen_keys reads it (broadcast over batch and heads where its size there is 1).
 // Returns (batch, rows, heads, head_dim), contiguous: the layout transformers' attention functions
-// return. Each row and head is computed from its query and the keys it sees alone (attend_row_simd),
+// return. Each row and head is computed from its query and the keys it sees alone (attend_group_simd),
 // so a row's result is bitwise the same alone, among other rows, and under any mask that lets it see
 // the same keys: what makes a tree's rows compute exactly what plain steps compute.
 at::Tensor attend(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values,
@@ -790,10 +790,10 @@ at::Tensor attend(const at::Tensor& query, const at::Tensor& keys, const at::Ten
   const int64_t together = problem.together, room = (length + 7) / 8 * 8 + 8;
   at::parallel_for(0, problem.items(), 1, [&](int64_t begin, int64_t end) {
     std::vector<int32_t> seen(length);
-    std::vector<float> scores(together * room), tops(together), sums(together), accs(together * head_dim);
+    std::vector<float> scores(together * room), sums(together), accs(together * head_dim);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t count = problem.seen(item, seen.data());
-      problem.weigh(item, seen.data(), count, scores.data(), room, tops.data(), sums.data(), accs.data());
+      problem.weigh(item, seen.data(), count, scores.data(), room, sums.data(), accs.data());
       problem.finish(item, sums.data(), accs.data());
     }
   });

@@ -112,3 +112,15 @@ def test_the_models_own_forward_attends_through_it_inside_model_attention(attend
     assert model.config._attn_implementation == before
     assert len(calls) == model.config.num_hidden_layers
     torch.testing.assert_close(ours, sdpa, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("extra", [{"softcap": 30.0}, {"position_bias": torch.zeros(1, 2, 3, 3)}])
+def test_what_the_attention_does_not_compute_is_refused_in_one_line(extra):
+    """A model that asks for a softcap or a position bias through the registered attention gets one line
+    naming the attention to use instead, not a silently different result."""
+    from draftsmith.inference.kernels.attention import rows_attention_forward
+
+    module = torch.nn.Module()
+    q, k, v = qkv(2, 2, 3, 3, 8)
+    with pytest.raises(ValueError, match="use 'sdpa' or 'eager'"):
+        rows_attention_forward(module, q, k, v, None, **extra)

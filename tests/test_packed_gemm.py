@@ -303,7 +303,9 @@ def test_auto_times_the_one_pack_kernels_once_per_machine_and_remembers(monkeypa
     monkeypatch.setattr(packed_gemm, "linear_kernel_available", lambda kernel, native=True: True)
     timed = []
     speeds = {"stream": 2.0, "onednn": 1.0}
-    monkeypatch.setattr(linear_choice, "_seconds", lambda weights, kernel: timed.append(kernel) or speeds[kernel])
+    monkeypatch.setattr(
+        linear_choice, "_seconds", lambda weights, kernels: [timed.append(k) or speeds[k] for k in kernels]
+    )
     assert packed_gemm.linear_kernel_for(model, "auto") == "onednn"
     assert sorted(timed) == ["onednn", "stream"] and "using onednn" in capsys.readouterr().err
     speeds = {"stream": 1.0, "onednn": 2.0}
@@ -319,7 +321,7 @@ def test_auto_without_a_choice_takes_what_serves(monkeypatch, tmp_path):
 
     model = fresh_model(seed=11)
     monkeypatch.setattr(linear_choice, "choices_path", lambda: tmp_path / "choices.json")
-    monkeypatch.setattr(linear_choice, "_seconds", lambda weights, kernel: pytest.fail("nothing to choose between"))
+    monkeypatch.setattr(linear_choice, "_seconds", lambda weights, kernels: pytest.fail("nothing to choose between"))
     monkeypatch.setattr(packed_gemm, "linear_kernel_available", lambda kernel, native=True: kernel != "stream")
     assert packed_gemm.linear_kernel_for(model, "auto") == "onednn"
     monkeypatch.setattr(packed_gemm, "linear_kernel_available", lambda kernel, native=True: kernel == "default")

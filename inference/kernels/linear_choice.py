@@ -40,8 +40,7 @@ def chosen_kernel(model: nn.Module, candidates: tuple[str, ...]) -> str:
     choices = _read(path)
     if choices.get(key) in candidates:
         return choices[key]
-    weights = _timed_weights(model)
-    seconds = {kernel: _seconds(weights, kernel) for kernel in candidates}
+    seconds = dict(zip(candidates, _seconds(_timed_weights(model), candidates), strict=True))
     best = min(seconds, key=seconds.__getitem__)
     timings = ", ".join(f"{kernel} {1e3 * value:.1f} ms" for kernel, value in seconds.items())
     print(f"[kernels] linears: timed {timings} on this CPU; using {best} (remembered in {path})", file=sys.stderr)
@@ -84,23 +83,27 @@ def _timed_weights(model: nn.Module) -> list[torch.Tensor]:
     return weights
 
 
-def _seconds(weights: list[torch.Tensor], kernel: str) -> float:
-    """Median seconds of every product of ``weights`` through ``kernel``'s packs, summed over
-    :data:`TIMED_ROWS`."""
+def _seconds(weights: list[torch.Tensor], kernels: tuple[str, ...]) -> list[float]:
+    """Median seconds of every product of ``weights`` through each of ``kernels``' packs, summed over
+    :data:`TIMED_ROWS`; the kernels take turns, so a load that comes and goes weighs on each alike."""
     from draftsmith.inference.kernels.packed_gemm import one_pack, one_pack_product  # it imports this module
 
-    packs = [one_pack(kernel, weight) for weight in weights]
-    total = 0.0
+    packs = {kernel: [one_pack(kernel, weight) for weight in weights] for kernel in kernels}
+    totals = [0.0] * len(kernels)
     with torch.no_grad():
         for rows in TIMED_ROWS:
             inputs = {weight.shape[1]: torch.randn(rows, weight.shape[1]) for weight in weights}
 
-            def products() -> None:
-                for weight, pack in zip(weights, packs, strict=True):
-                    one_pack_product(kernel, inputs[weight.shape[1]], pack)
+            def products(kernel: str) -> Callable[[], None]:
+                def run() -> None:
+                    for weight, pack in zip(weights, packs[kernel], strict=True):
+                        one_pack_product(kernel, inputs[weight.shape[1]], pack)
 
-            total += median_seconds(products)
-    return total
+                return run
+
+            seconds = side_by_side_seconds([products(kernel) for kernel in kernels])
+            totals = [total + value for total, value in zip(totals, seconds, strict=True)]
+    return totals
 
 
 def side_by_side_seconds(runs: list[Callable[[], object]], repeats: int = 7) -> list[float]:

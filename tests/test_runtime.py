@@ -295,6 +295,9 @@ def test_bench_writes_the_contract(tmp_path, tiny_target_dir):
     assert "screened int8 head" in (out / "results.md").read_text()
     assert results["native"] is True  # the C++ kernels, said in the header
     assert "contender search in C++" in (out / "results.md").read_text()
+    speed = results["read_gb_per_s"]  # one pass over memory after each of the 2 questions
+    assert speed["passes"] == 2 and 0 < speed["min"] <= speed["median"] <= speed["max"]
+    assert f"memory read at {speed['median']} GB/s" in (out / "results.md").read_text()
     assert (out / "chart.png").read_bytes()[:4] == b"\x89PNG"
 
 

@@ -35,6 +35,7 @@ from draftsmith.inference.kernels.context import KernelContext
 from draftsmith.inference.kernels.options import KernelOptions
 from draftsmith.inference.measure.bench_resume import BenchProgress
 from draftsmith.inference.measure.errors import BenchError
+from draftsmith.inference.measure.floor import ReadSpeed
 from draftsmith.inference.measure.hf_compiled import NAME as HF_STATIC_COMPILE
 from draftsmith.inference.measure.hf_compiled import StaticCompiledGenerate, greedy_settings
 from draftsmith.inference.measure.vllm_engine import VllmMethod, is_vllm_method, parse_vllm_method, run_vllm
@@ -347,12 +348,17 @@ def run_bench(
             raise BenchError(f"{progress.path} does not follow these questions (at {question.id}); use --overwrite")
     resumed_turns = sum(len(q.turns) for q in questions[: len(finished)])  # counted, but not in the rate
     total_turns = sum(len(q.turns) for q in questions)
+    # One pass over memory after each question: this machine's read speed can change over minutes, and
+    # two runs' tokens/s differ by it too (the ratios inside one run, all methods on the same prompts, do not).
+    read_speed = ReadSpeed() if kernels is not None else None
     bar = tqdm(total=total_turns, initial=resumed_turns, desc="bench", unit="turn", dynamic_ncols=True)
     for index, question in enumerate(questions):
         if index < len(finished):
             record = finished[index]
         else:
             record = _run_question(target, question, plain, drafters, max_new_tokens, backends, bar)
+            if read_speed is not None:
+                read_speed.sample()
             if progress is not None:
                 progress.append(record)
         turns += _tally_question(tallies, record, question.category)
@@ -367,6 +373,7 @@ def run_bench(
         "questions": len(questions),
         **({"resumed_questions": len(finished)} if finished else {}),
         **_kernel_summary(backends, target.model, kernels, head_before),
+        **({"read_gb_per_s": read_speed.summary()} if read_speed is not None and read_speed.seconds else {}),
         **{f"{name}_compile_seconds": round(decode.compile_seconds, 1) for name, decode in plain.items()},
         "baseline": BASELINE,
         "methods": {name: {scope: t.summary() for scope, t in scopes.items()} for name, scopes in tallies.items()},

@@ -65,6 +65,12 @@ def _forward_note(results: dict[str, Any]) -> str:
     linear = results.get("linear")
     if linear:
         notes.append(linear_note(linear))
+    speed = results.get("read_gb_per_s")
+    if speed:
+        notes.append(
+            f"memory read at {speed['median']} GB/s (median of {speed['passes']} passes, one after each question; "
+            f"{speed['min']}-{speed['max']})"
+        )
     return "".join(f"; {note}" for note in notes)
 
 

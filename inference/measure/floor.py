@@ -71,6 +71,17 @@ class ReadSpeed:
             self.sample()
         return BUFFER_BYTES / statistics.median(self.seconds)
 
+    def summary(self) -> dict[str, Any]:
+        """The passes taken so far, for a results file: median, slowest and fastest GB/s."""
+        speeds = sorted(BUFFER_BYTES / seconds / 1e9 for seconds in self.seconds)
+        return {
+            "median": round(statistics.median(speeds), 1),
+            "min": round(speeds[0], 1),
+            "max": round(speeds[-1], 1),
+            "passes": len(speeds),
+            "huge_pages": self.huge_pages,
+        }
+
 
 def step_floor(model: nn.Module, screened: GreedyHead | None, speed: ReadSpeed | None = None) -> dict[str, Any]:
     """The weights a step reads, the read speed (``speed``'s passes, or a few taken now) and their

@@ -14,6 +14,7 @@ import os
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -59,12 +60,15 @@ def verification_forward(
     gemm: PackedGemm | None = None,
     direct: DirectForward | None = None,
     greedy: GreedyHead | None = None,
+    native: ModuleType | None = None,
 ):
     """The verification forward over ``[root, tree]`` on top of ``past`` cached rows, uncompiled. With
     ``gemm``, a multi-row forward is padded to its packed row bucket (rows past ``1 + len(tree)`` of
     the output are padding). With ``direct`` (built for ``model``), the forward skips transformers'
-    per-call machinery, bitwise the same (``direct_forward.py``); adding ``greedy`` (the model's head),
-    it returns a :class:`GreedyForward`: the float32 head's argmax per row, without its logits."""
+    per-call machinery, bitwise the same (``direct_forward.py``). With ``greedy`` (the model's screened
+    head, computed through ``native``, the C++ extension where given), it returns a :class:`GreedyForward`:
+    the float32 head's argmax per row, without its logits, after the direct forward or, without one, the
+    model's own base model (the head's input is its last state: :func:`screened_head_serves`)."""
     device = tree_inputs.device
     rows = gemm.padded_rows(1 + len(tree)) if gemm is not None else 0  # (makes the packs a forward uses)
     if len(tree):
@@ -76,20 +80,21 @@ def verification_forward(
     input_ids = torch.full((1, positions.shape[1]), root, dtype=torch.long)
     input_ids[0, 1 : 1 + len(tree)] = tree.tokens
     with gemm.rows() if gemm is not None else nullcontext(), _grouped_kv_heads(device):
-        if direct is not None and greedy is not None:
-            out = direct(input_ids.to(device), positions, mask, cache, hidden, head=False)
-            tokens = greedy(out.last_hidden_state[0, : 1 + len(tree)], direct.extension)
-            return GreedyForward(tokens, out.hidden_states)
         if direct is not None:
-            return direct(input_ids.to(device), positions, mask, cache, hidden)
-        return model(
-            input_ids.to(device),
-            attention_mask=mask,
-            position_ids=positions,
-            **cache_kwargs(cache),
-            use_cache=True,
-            output_hidden_states=hidden,
-        )
+            out = direct(input_ids.to(device), positions, mask, cache, hidden, head=greedy is None)
+        else:
+            out = (model if greedy is None else model.model)(
+                input_ids.to(device),
+                attention_mask=mask,
+                position_ids=positions,
+                **cache_kwargs(cache),
+                use_cache=True,
+                output_hidden_states=hidden,
+            )
+        if greedy is None:
+            return out
+        tokens = greedy(out.last_hidden_state[0, : 1 + len(tree)], native)
+        return GreedyForward(tokens, out.hidden_states)
 
 
 @contextmanager
@@ -180,7 +185,8 @@ class EagerBackend(_Backend):
         direct = kernels.direct() if kernels is not None else None
         self._gemm = kernels.gemm if kernels is not None else None
         self._direct = direct
-        self._greedy = kernels.greedy_head() if direct is not None and greedy else None
+        self._greedy = kernels.greedy_head() if kernels is not None and greedy else None
+        self._native = kernels.extension() if self._greedy is not None else None
 
     def new_cache(self, capacity: int) -> EagerCache:
         kv = preallocated_cache_for(self.model.config, capacity)
@@ -203,6 +209,7 @@ class EagerBackend(_Backend):
                 self._gemm,
                 self._direct,
                 self._greedy,
+                self._native,
             )
 
     def commit(self, cache: EagerCache, past: int, accepted_nodes: list[int]) -> None:

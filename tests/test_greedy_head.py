@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from conftest import tiny_llama
+from conftest import TINY_TARGETS, tiny_gemma3, tiny_llama
 from draftsmith.core.drafting import DraftContext, Drafter
 from draftsmith.core.tree import DraftTree
 from draftsmith.inference.backends import Backends
@@ -211,8 +211,11 @@ class _LogitReader(Drafter):
         self.seen.append(logits)
 
 
-def test_the_runtime_verifies_through_the_screened_head_and_equals_plain_decoding():
-    model = tiny_llama(97, seed=3)
+@pytest.mark.parametrize("architecture", ["llama", "gemma3"])
+def test_the_runtime_verifies_through_the_screened_head_and_equals_plain_decoding(architecture):
+    """Through the direct forward (Llama) or the model's own base model (Gemma-3, whose sliding window
+    is shorter than these decodes): the screened head's tokens are plain decoding's."""
+    model = TINY_TARGETS[architecture](97, seed=3)
     prompt = [5, 17, 33, 2, 61, 8, 40, 17, 33, 61, 8]
     backends = Backends()
     greedy = backends.kernels(model).greedy_head()
@@ -254,3 +257,12 @@ def test_a_head_changed_after_the_screen_was_built_gets_a_new_screen():
     model.lm_head.weight = nn.Parameter(torch.randn_like(model.lm_head.weight))
     assert kernels.greedy_head() is not second
     assert decodes_greedily()
+
+
+def test_the_screened_head_stands_in_for_an_own_forward_only_where_the_logits_are_the_plain_head():
+    """A final logit softcapping (Gemma-2's) or a hook on the skipped outer forward keeps the logits."""
+    assert Backends().kernels(tiny_gemma3(97)).greedy_head() is not None
+    assert Backends().kernels(tiny_gemma3(97, final_logit_softcapping=30.0)).greedy_head() is None
+    hooked = tiny_gemma3(97)
+    hooked.register_forward_hook(lambda module, args, output: None)
+    assert Backends().kernels(hooked).greedy_head() is None

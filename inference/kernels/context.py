@@ -10,19 +10,23 @@ import sys
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, ExitStack, nullcontext
+from types import ModuleType
 from typing import Any, TypeVar
 
 import torch
 from torch import nn
+from transformers import PreTrainedModel
 
 from draftsmith.inference.kernels.attention import model_attention, rows_attention_available
 from draftsmith.inference.kernels.direct_forward import (
     DirectForward,
     direct_forward_architecture,
     direct_forward_supported,
+    has_foreign_hooks,
 )
 from draftsmith.inference.kernels.greedy_head import GreedyHead, greedy_head_supported
 from draftsmith.inference.kernels.linear_choice import side_by_side_seconds
+from draftsmith.inference.kernels.native import native_extension
 from draftsmith.inference.kernels.options import KernelOptions
 from draftsmith.inference.kernels.packed_gemm import ONE_PACK_KERNELS, PackedGemm, linear_kernel_for
 
@@ -76,18 +80,28 @@ class KernelContext:
         return self._direct
 
     def greedy_head(self) -> GreedyHead | None:
-        """The screened head for greedy verification through the direct forward, remade whenever the
-        head's weight was replaced or changed in place (a stale screen could miss the argmax)."""
-        if not self.options.greedy_head or self.direct() is None or not greedy_head_supported(self.model):
+        """The screened head for greedy verification, after the direct forward or, where none serves, the
+        model's own base model (:func:`screened_head_serves`); remade whenever the head's weight was
+        replaced or changed in place (a stale screen could miss the argmax)."""
+        if not self.options.greedy_head or not greedy_head_supported(self.model):
+            return None
+        if self.direct() is None and not screened_head_serves(self.model):
             return None
         if self._head is None or not self._head.source.still(self.model.lm_head.weight):
             self._head = self._timed(self._screened_head)
         return self._head
 
+    def extension(self) -> ModuleType | None:
+        """The runtime's C++ extension where the options allow it (the direct forward's, if one serves)."""
+        direct = self.direct()
+        if direct is not None:
+            return direct.extension
+        return native_extension() if self.options.native else None
+
     def _screened_head(self) -> GreedyHead:
         head = GreedyHead(self.model.lm_head)
-        if self.direct().extension is not None:
-            head.move_to_huge_pages(self.direct().extension)
+        if self.extension() is not None:
+            head.move_to_huge_pages(self.extension())
         head.full_head_from = self._full_head_from(head)
         return head
 
@@ -100,7 +114,7 @@ class KernelContext:
         would make the screen look slower than it is on text)."""
         if self.gemm is None or not self.gemm.row_invariant():
             return None
-        head, native = self.model.lm_head, self.direct().extension
+        head, native = self.model.lm_head, self.extension()
         states = self._sample_states(max(FULL_HEAD_CANDIDATES))
         faster = []
         with torch.no_grad(), self.gemm.rows():
@@ -146,6 +160,25 @@ class KernelContext:
         return made
 
 
+# Model types whose causal-LM forward is exactly ``lm_head`` over the base model's last state (with an
+# optional final softcapping, which the check below refuses): the screened head can stand in for it.
+HEAD_OVER_BASE_MODEL_TYPES = ("llama", "gemma3_text", "qwen2", "qwen3", "mistral")
+
+
+def screened_head_serves(model: nn.Module) -> bool:
+    """Whether greedy verification through the model's own forward may run its base model and take the
+    screened head instead of its logits: a model type whose logits are the head over the base model's last
+    state, no final logit softcapping, in inference mode, and no hooks the skipped outer forward would run."""
+    config = getattr(model, "config", None)
+    return (
+        getattr(config, "model_type", None) in HEAD_OVER_BASE_MODEL_TYPES
+        and getattr(config, "final_logit_softcapping", None) is None
+        and isinstance(model, PreTrainedModel)  # not a wrapper (a PEFT model) whose ``model`` is not the base
+        and not model.training
+        and not any(has_foreign_hooks(module) for module in model.modules())
+    )
+
+
 def say_own_forward(model: nn.Module) -> None:
     """One line per process and architecture where the fast paths cannot serve a target, so a slower
     decode of a new architecture is explained rather than silent. A wrapper around a Llama (a PEFT
@@ -158,7 +191,7 @@ def say_own_forward(model: nn.Module) -> None:
 @functools.cache
 def _say_once(architecture: str) -> None:
     print(
-        f"[runtime] the direct forward, its C++ layers and the screened head serve Llama only: {architecture} "
-        "decodes through its own forward (the same tokens, a slower step)",
+        f"[runtime] the direct forward and its C++ layers serve Llama only: {architecture} decodes through its "
+        "own forward (the same tokens, a slower step)",
         file=sys.stderr,
     )

@@ -354,10 +354,10 @@ def direct_forward_supported(model: nn.Module) -> bool:
         return False
     if getattr(model.config, "_attn_implementation", None) not in ("sdpa", ATTENTION):
         return False
-    return not any(_has_hooks(module) for module in model.modules())
+    return not any(has_foreign_hooks(module) for module in model.modules())
 
 
-def _has_hooks(module: nn.Module) -> bool:
+def has_foreign_hooks(module: nn.Module) -> bool:
     """Hooks the direct forward would skip: accelerate's, or anyone's but transformers' own output
     capturing (installed on the decoder layers by the first ``output_hidden_states`` call, and only
     active inside the model's forward) and hooks marked :data:`INERT_OUTSIDE_OWNER` (Speculative

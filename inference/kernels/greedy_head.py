@@ -33,7 +33,8 @@ forced near ties, that the bound holds for every token of this machine's kernel,
 without the proof gets tokens wrong). The head's share of a step shrinks with the bytes it reads, most
 for tree verifications, whose rows share one read of the screen.
 
-Used for greedy verification through the direct forward only: sampling and drafters that read the
+Used for greedy verification (after the direct forward, or the model's own base model: see
+``context.screened_head_serves``): sampling and drafters that read the
 logits (SPECTRA) take the float32 head. CPU float32 targets whose head is a bias-free ``nn.Linear``
 with a hidden size that is a multiple of 32 (the int8 kernel reads 16-value blocks).
 """

@@ -52,9 +52,28 @@ def start_engine(request: dict):
         seed=request.get("seed", 0),
         enforce_eager=request.get("enforce_eager", True),
         speculative_config=request.get("speculative_config"),
+        model_impl=model_implementation(request["model"], request.get("speculative_config")),
         disable_log_stats=False,
     )
     return llm, time.perf_counter() - start
+
+
+def model_implementation(model: str, speculative_config: dict | None) -> str:
+    """vLLM's own model class where it serves the request, else its Transformers backend: an EAGLE-3
+    drafter reads the target's intermediate states, which only classes with vLLM's EAGLE-3 interface
+    return (vLLM 0.32's own Gemma3ForCausalLM has none; its Transformers backend has it for every model)."""
+    if (speculative_config or {}).get("method") != "eagle3":
+        return "auto"
+    from vllm.model_executor.models import ModelRegistry
+    from vllm.model_executor.models.interfaces import supports_eagle3
+
+    with open(os.path.join(model, "config.json")) as config:
+        architectures = json.load(config).get("architectures") or []
+    try:
+        own = [ModelRegistry._try_load_model_cls(name) for name in architectures]  # a private helper of vLLM's
+    except AttributeError:  # another vLLM release: let it choose
+        return "auto"
+    return "auto" if any(cls is not None and supports_eagle3(cls) for cls in own) else "transformers"
 
 
 def token_prompts(prompts: list[list[int]]) -> list:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from transformers import LlamaConfig
 
 from draftsmith.core.errors import DraftsmithError
 
@@ -87,8 +88,15 @@ class EngineExport:
 
 
 def llama_layer_config(layer: dict[str, Any], **extra: Any) -> dict[str, Any]:
-    """One Llama decoder layer's settings as engines read them (``model_type: llama``, one layer)."""
+    """One Llama decoder layer's settings as engines read them (``model_type: llama``, one layer). The
+    activation and RoPE settings are the ones the drafter's Llama layer computes with: a target of
+    another architecture (Gemma-3) may name its activation otherwise, which leaves a Llama layer on its
+    default, and give one RoPE per layer type, nested entries a Llama layer ignores and engines cannot read."""
     config = {key: value for key, value in layer.items() if not key.startswith("_")}
+    computed = LlamaConfig(**config)
+    rope = computed.rope_parameters
+    config["rope_parameters"] = {key: value for key, value in rope.items() if not isinstance(value, dict)}
+    config["hidden_act"] = computed.hidden_act
     config.update(model_type="llama", num_hidden_layers=1, **extra)
     return config
 

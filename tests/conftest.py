@@ -251,10 +251,13 @@ def vllm_python() -> str | None:
     return python if has else None
 
 
-def vllm_sized_llama(vocab_size: int):
-    """A tiny Llama that vLLM's CPU attention takes (head_dim 32 and up; the suite's tiny Llama has 16)."""
+def vllm_sized_llama(vocab_size: int, architecture: str = "llama"):
+    """A tiny Llama (or Gemma-3) that vLLM's CPU attention takes (head_dim 32 and up; the suite's tiny
+    targets have 16)."""
     shape = {"hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 2, "num_key_value_heads": 1}
-    return tiny_llama(vocab_size, num_hidden_layers=4, **shape)
+    if architecture == "gemma3":
+        shape.update(head_dim=64, query_pre_attn_scalar=64)
+    return TINY_TARGETS[architecture](vocab_size, num_hidden_layers=4, **shape)
 
 
 # ---- hostile inputs (test_hostile*.py) ----

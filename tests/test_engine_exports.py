@@ -276,13 +276,13 @@ def test_vllm_computes_on_as_many_cores_as_the_runtime_it_is_compared_with(monke
     assert vllm_environment(2)[THREADS_BIND] == "0-15"  # the user's choice wins
 
 
-def vllm_tiny_target(tmp_path, tokenizer, monkeypatch):
+def vllm_tiny_target(tmp_path, tokenizer, monkeypatch, architecture: str = "llama"):
     """A tiny target saved where vLLM can open it, its verifier, and two chat prompts."""
     from draftsmith.core.target import load_target
 
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
     target_dir = tmp_path / "target"
-    vllm_sized_llama(len(tokenizer)).save_pretrained(target_dir)
+    vllm_sized_llama(len(tokenizer), architecture).save_pretrained(target_dir)
     tokenizer.save_pretrained(target_dir)
     tiny = load_target(str(target_dir))
     verifier = Verifier(str(target_dir), embed_tokens=lambda: tiny.model.get_input_embeddings().weight)
@@ -312,6 +312,22 @@ def test_vllm_serves_an_eagle3_export_losslessly(tmp_path, tokenizer, monkeypatc
     served_by_vllm("vllm", target_dir, tiny, prompts)
     results = served_by_vllm(f"vllm={tmp_path / 'e3'}", target_dir, tiny, prompts)
     assert sum(r["drafts"] for r in results) > 0  # the drafter did draft
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(vllm_python() is None, reason="vLLM is not installed (set DRAFTSMITH_VLLM_PYTHON)")
+def test_vllm_serves_an_eagle3_export_for_a_gemma3_target_losslessly(tmp_path, tokenizer, monkeypatch):
+    """On a Gemma-3 target (sliding-window layers, one RoPE per layer type) the export's Llama layer says
+    the activation and RoPE it computes with, and vLLM serves it through its Transformers backend (its
+    own Gemma-3 class has no EAGLE-3 interface) with HF generate's tokens."""
+    target_dir, tiny, verifier, prompts = vllm_tiny_target(tmp_path, tokenizer, monkeypatch, "gemma3")
+    model = get_family("eagle3").build(tiny.model.config, {"aux_layer_ids": [1, 2, 3]})
+    export_for_engine(model, "speculators", verifier, 2, tiny.identity.to_dict(), tmp_path / "e3")
+    layer = json.loads((tmp_path / "e3" / "config.json").read_text())["transformer_layer_config"]
+    assert layer["hidden_act"] == "silu" and not any(isinstance(v, dict) for v in layer["rope_parameters"].values())
+    served_by_vllm("vllm", target_dir, tiny, prompts)
+    results = served_by_vllm(f"vllm={tmp_path / 'e3'}", target_dir, tiny, prompts)
+    assert sum(r["drafts"] for r in results) > 0
 
 
 @pytest.mark.slow

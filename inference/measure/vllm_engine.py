@@ -113,5 +113,6 @@ def run_vllm(
         except subprocess.TimeoutExpired:
             raise VllmError(f"vLLM ({method.name}) did not finish within {timeout:.0f} s") from None
         if done.returncode != 0 or not result_path.is_file():
-            raise VllmError(f"vLLM ({method.name}) failed: {last_error_line(done.stderr)}")
+            # vLLM's engine processes log the root cause on stdout, the generic "engine failed" on stderr
+            raise VllmError(f"vLLM ({method.name}) failed: {last_error_line(done.stdout + done.stderr)}")
         return json.loads(result_path.read_text())

@@ -37,3 +37,19 @@ def test_curves_refuse_runs_that_cannot_be_plotted_and_outputs_inside_a_run(tmp_
     (run / "metrics.jsonl").write_text(json.dumps({"step": 2, "eval/sim/accept_length": 1.2, "tokens_seen": 10}) + "\n")
     assert "lies inside a run it plots" in refused(["curves", run, "--out", run / "c"], capsys)
     assert not (tmp_path / "c").exists()
+
+
+def test_runs_of_different_families_are_labelled_by_family(tmp_path, capsys):
+    """A same-data comparison of families: the one training-samples label would not tell the lines apart."""
+    runs = []
+    for family, value in (("eagle3", 1.4), ("dflash", 1.2)):
+        run = tmp_path / family
+        run.mkdir()
+        (run / "run_info.json").write_text(json.dumps({"family": family, "train_samples": 40}))
+        (run / "metrics.jsonl").write_text(
+            json.dumps({"step": 5, "eval/sim/accept_length": value, "tokens_seen": 100}) + "\n"
+        )
+        runs.append(run)
+    main(["curves", *map(str, runs), "--out", str(tmp_path / "curves")])
+    table = capsys.readouterr().out
+    assert "| eagle3, 40 training samples |" in table and "| dflash, 40 training samples |" in table

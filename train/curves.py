@@ -50,10 +50,25 @@ def read_curve(run: Path, metric: str = DEFAULT_METRIC) -> Curve:
     return Curve(str(run), _label(run), [by_step[step] for step in sorted(by_step)])
 
 
-def _label(run: Path) -> str:
+def _run_info(run: Path) -> dict[str, Any]:
     info = run / "run_info.json"
-    samples = json.loads(info.read_text(encoding="utf-8")).get("train_samples") if info.is_file() else None
+    return json.loads(info.read_text(encoding="utf-8")) if info.is_file() else {}
+
+
+def _label(run: Path) -> str:
+    samples = _run_info(run).get("train_samples")
     return f"{samples:,} training samples" if samples else run.name
+
+
+def read_curves(runs: list[Path], metric: str = DEFAULT_METRIC) -> list[Curve]:
+    """One curve per run; where the runs train different drafter families (a same-data comparison),
+    each label starts with its family."""
+    curves = [read_curve(run, metric) for run in runs]
+    families = [_run_info(run).get("family") for run in runs]
+    if None not in families and len(set(families)) > 1:
+        for curve, family in zip(curves, families, strict=True):
+            curve.label = f"{family}, {curve.label}"
+    return curves
 
 
 def curves_markdown(curves: list[Curve], metric: str) -> str:
@@ -99,7 +114,7 @@ def is_curves_output(path: Path) -> bool:
 
 def write_curves(runs: list[Path], out: Path, metric: str = DEFAULT_METRIC, overwrite: bool = False) -> list[Curve]:
     """curves.json, curves.md and curves.png in ``out``, all or none."""
-    curves = [read_curve(Path(run), metric) for run in runs]
+    curves = read_curves([Path(run) for run in runs], metric)
     keep = tuple(("a run it plots", Path(run)) for run in runs)
     rules = OutputRules("curves written by `draftsmith curves`", is_curves_output, keep, writes=CURVES_FILES)
     with atomic_directory(Path(out), overwrite, rules) as staging:
@@ -121,7 +136,7 @@ def add_curves_command(subparsers: Any) -> None:
         "curves",
         help="plot training runs' held-out acceptance against the tokens they trained on (data-scaling curves)",
         description="One line per run: its held-out figure at each checkpoint against tokens_seen, labelled by "
-        "its training samples. Train the runs with data.eval_samples > 0 (and data.train_samples=N for nested "
+        "its training samples (and its drafter family, where the runs train different ones). Train the runs with data.eval_samples > 0 (and data.train_samples=N for nested "
         "subsets of one prepared set). Writes curves.png, curves.md and curves.json into --out.",
     )
     p.add_argument("runs", nargs="+", help="training runs' output_dir")

@@ -21,6 +21,7 @@ reference reads a reserved mask token's (frozen) embedding where this drafter le
 
 from __future__ import annotations
 
+import io
 from typing import Any
 
 import torch
@@ -43,7 +44,16 @@ from draftsmith.drafters.base import (
 )
 from draftsmith.drafters.eagle import EagleConfig
 from draftsmith.drafters.eagle3 import default_aux_layer_ids
-from draftsmith.drafters.vocab import DraftHead
+from draftsmith.drafters.engine_layouts import (
+    VLLM_DFLASH_REQUIRED,
+    EngineExport,
+    EngineLayoutError,
+    Verifier,
+    check_distinct_aux_layers,
+    decoder_config,
+    engine_tensor,
+)
+from draftsmith.drafters.vocab import DraftHead, unused_token_id
 
 
 class DFlashConfigError(DraftsmithError, ValueError):
@@ -59,7 +69,9 @@ class DFlashConfig(DrafterConfig):
     ``hidden_states`` indices fused into the context (EAGLE-3's default, so its feature cache is shared;
     the reference spreads one per drafter layer). ``depth`` (<= ``block_size - 1``, default all),
     ``top_k`` (1: a chain) and ``total_tokens`` shape what one forward proposes. ``draft_vocab_size`` > 0
-    restricts the target's ``lm_head`` to that many of the training data's most frequent tokens."""
+    restricts the target's ``lm_head`` to that many of the training data's most frequent tokens.
+    ``qk_norm``: RMS-normalise each head's queries and keys before their rotation (Qwen3's layer, the one
+    vLLM's ``dflash`` method runs); off by default, the target-shaped Llama layer."""
 
     model_type = "draftsmith_dflash"
     TREE_OPTIONS = ("depth", "top_k", "total_tokens")
@@ -77,6 +89,7 @@ class DFlashConfig(DrafterConfig):
         top_k: int = 1,
         total_tokens: int | None = None,
         draft_vocab_size: int = 0,
+        qk_norm: bool = False,
         **kwargs: Any,
     ) -> None:
         self.layer = dict(layer or {})
@@ -88,6 +101,7 @@ class DFlashConfig(DrafterConfig):
         self.top_k = top_k
         self.total_tokens = self.depth if total_tokens is None else total_tokens
         self.draft_vocab_size = draft_vocab_size
+        self.qk_norm = qk_norm
         kwargs.setdefault("drafter_family", "dflash")
         super().__init__(**kwargs)
 
@@ -101,6 +115,8 @@ class DFlashConfig(DrafterConfig):
             raise DFlashConfigError(f"drafter.block_size takes a whole number from 2 to 64, got {self.block_size!r}")
         if not isinstance(self.num_layers, int) or not 1 <= self.num_layers <= 64:
             raise DFlashConfigError(f"drafter.num_layers takes a whole number from 1 to 64, got {self.num_layers!r}")
+        if not isinstance(self.qk_norm, bool):
+            raise DFlashConfigError(f"drafter.qk_norm takes true or false, got {self.qk_norm!r}")
         super().check()
         check_depth(self.depth, self.block_size, DFlashConfigError)
         layers = self.target_num_layers
@@ -146,9 +162,10 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 class DFlashAttention(nn.Module):
     """Attention whose queries are the block's and whose keys and values are the context's and the
-    block's: ``k_proj`` / ``v_proj`` of ``cat(context, block)`` (context KV injection)."""
+    block's: ``k_proj`` / ``v_proj`` of ``cat(context, block)`` (context KV injection). With ``qk_norm``
+    each head's queries and keys are RMS-normalised (``q_norm`` / ``k_norm``) before the rotation."""
 
-    def __init__(self, config: LlamaConfig, layer_idx: int) -> None:
+    def __init__(self, config: LlamaConfig, layer_idx: int, qk_norm: bool = False) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.head_dim = config.head_dim
@@ -158,6 +175,9 @@ class DFlashAttention(nn.Module):
         self.k_proj = nn.Linear(h, self.kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(h, self.kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.heads * self.head_dim, h, bias=bias)
+        # absent (not identity weights) without qk_norm: the Llama layer's checkpoints and numbers stay as they were
+        self.q_norm = LlamaRMSNorm(self.head_dim, eps=config.rms_norm_eps) if qk_norm else None
+        self.k_norm = LlamaRMSNorm(self.head_dim, eps=config.rms_norm_eps) if qk_norm else None
 
     def forward(
         self,
@@ -176,6 +196,8 @@ class DFlashAttention(nn.Module):
         q = self.q_proj(block).view(b, t, self.heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(rows).view(b, rows.shape[1], self.kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(rows).view(b, rows.shape[1], self.kv_heads, self.head_dim).transpose(1, 2)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = _rotate(q, cos[:, -t:], sin[:, -t:]), _rotate(k, cos, sin)
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx)
@@ -188,11 +210,11 @@ class DFlashAttention(nn.Module):
 class DFlashLayer(nn.Module):
     """One pre-norm decoder layer (the target's shape) over the block, the context injected in attention."""
 
-    def __init__(self, config: LlamaConfig, layer_idx: int) -> None:
+    def __init__(self, config: LlamaConfig, layer_idx: int, qk_norm: bool = False) -> None:
         super().__init__()
         h, eps = config.hidden_size, config.rms_norm_eps
         self.input_layernorm = LlamaRMSNorm(h, eps=eps)
-        self.self_attn = DFlashAttention(config, layer_idx)
+        self.self_attn = DFlashAttention(config, layer_idx, qk_norm)
         self.post_attention_layernorm = LlamaRMSNorm(h, eps=eps)
         self.mlp = LlamaMLP(config)
 
@@ -213,7 +235,7 @@ class DFlashModel(DraftVocabMixin, DrafterModel):
         h = layer.hidden_size
         self.fc = nn.Linear(len(config.aux_layer_ids) * h, h, bias=False)
         self.hidden_norm = LlamaRMSNorm(h, eps=layer.rms_norm_eps)
-        self.layers = nn.ModuleList(DFlashLayer(layer, i) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(DFlashLayer(layer, i, config.qk_norm) for i in range(config.num_layers))
         self.norm = LlamaRMSNorm(h, eps=layer.rms_norm_eps)
         self.rotary_emb = LlamaRotaryEmbedding(layer)
         self.mask_embedding = nn.Parameter(torch.randn(h) * 0.02)  # until init_from_target
@@ -261,6 +283,103 @@ class DFlashModel(DraftVocabMixin, DrafterModel):
         options = tree.over(self.config.tree_options())
         check_depth(options.depth, self.config.block_size, TreeOptionError)
         return DFlashDrafter(self, frozen, options, name=self.config.drafter_family)
+
+    def engine_layout(self, fmt: str, verifier: Verifier, speculative_tokens: int | None) -> EngineExport:
+        if fmt != "vllm":
+            raise EngineLayoutError(f"DFlash's only engine layout is vLLM's dflash method: --format vllm, not {fmt}")
+        return vllm_dflash_layout(self, speculative_tokens)
+
+
+# vLLM 0.32's ``dflash`` method (model_executor/models/qwen3_dflash.py, v1/spec_decode/dflash.py) runs this
+# drafter with ``qk_norm``: Qwen3 layers whose context keys and values are ``k_proj`` / ``v_proj`` of
+# ``hidden_norm(fc(states))`` (keys ``k_norm``-ed, rotated at the context's positions), whose queries are the
+# block ``[root, mask x K]`` at the K + 1 positions after the context, attending to the whole context and,
+# with ``dflash_config.causal`` false, to the whole block; the logits are the target's ``lm_head``. A mask
+# reads ``embed_tokens[mask_token_id]`` unless ``mask_embedding.pt`` replaces that row for the drafter.
+MASK_EMBEDDING_FILE = "mask_embedding.pt"
+
+
+def vllm_dflash_layout(model: DFlashModel, speculative_tokens: int | None) -> EngineExport:
+    """vLLM's ``DFlashDraftModel`` (method ``dflash``): a Qwen3 config with ``dflash_config``
+    (``mask_token_id``, ``target_layer_ids`` in DFlash's convention, layer outputs, ``causal: false``),
+    the drafter's weights under its own names (vLLM's: ``fc``, ``hidden_norm``, ``layers.i.*``, ``norm``),
+    no embedding and no ``lm_head`` (vLLM shares the target's), and ``mask_embedding.pt``, the learned mask
+    vLLM substitutes for the mask token's embedding. vLLM drafts ``block_size - 1`` tokens per step."""
+    config = model.config
+    check_vllm_dflash(config, speculative_tokens)
+    mask_token = unused_token_id(model.draft_token_ids(), int(config.layer["vocab_size"]))
+    exported = decoder_config(
+        config.layer,
+        "qwen3",
+        config.num_layers,
+        architectures=["DFlashDraftModel"],
+        tie_word_embeddings=False,
+        block_size=config.block_size,
+        dflash_config={
+            "mask_token_id": mask_token,
+            "target_layer_ids": [i - 1 for i in sorted(config.aux_layer_ids)],
+            "causal": False,
+        },
+    )
+    own = {name: t for name, t in model.state_dict().items() if name not in ("mask_embedding", "draft_vocab")}
+    tensors = {name: engine_tensor(t) for name, t in own.items()}
+    tensors["fc.weight"] = columns_by_layer(tensors["fc.weight"], config.aux_layer_ids)
+    return EngineExport(
+        config=exported,
+        tensors=tensors,
+        files={MASK_EMBEDDING_FILE: mask_embedding_file(model.mask_embedding, mask_token)},
+        required=VLLM_DFLASH_REQUIRED,
+        required_tensors=("fc.weight", "hidden_norm.weight", "norm.weight", "layers.0.self_attn.k_norm.weight"),
+        speculative_tokens=config.block_size - 1,
+    )
+
+
+def check_vllm_dflash(config: DFlashConfig, speculative_tokens: int | None) -> None:
+    """Refuse, in one line, a drafter or a step size that vLLM's dflash method would run differently."""
+    layers, aux, act = config.target_num_layers, config.aux_layer_ids, config.layer.get("hidden_act", "silu")
+    if not config.qk_norm:
+        raise EngineLayoutError(
+            "vLLM's dflash drafter is Qwen3's layer, which RMS-normalises each head's queries and keys, and this "
+            "drafter has no such norms: train one with drafter.qk_norm=true"
+        )
+    if config.draft_vocab_size:
+        raise EngineLayoutError(
+            "a reduced draft vocabulary is not exported for vLLM's dflash yet (it needs the target's lm_head rows "
+            "over it and d2t); train with drafter.draft_vocab_size=0"
+        )
+    if act != "silu" or config.layer.get("mlp_bias"):
+        raise EngineLayoutError(
+            f"vLLM's dflash MLP is SiLU without biases; the target's layers have hidden_act={act!r}, "
+            f"mlp_bias={bool(config.layer.get('mlp_bias'))}"
+        )
+    check_distinct_aux_layers(aux)
+    if min(aux) < 1 or max(aux) >= layers:
+        raise EngineLayoutError(
+            f"vLLM's dflash_config.target_layer_ids name layer outputs, so drafter.aux_layer_ids={aux} must lie in "
+            f"1..{layers - 1}: 0 is the embedding and {layers} the final norm's output (vLLM would read the last "
+            "layer's, before the norm)"
+        )
+    if speculative_tokens is not None and speculative_tokens != config.block_size - 1:
+        raise EngineLayoutError(
+            f"vLLM's dflash block is the root and one mask per speculative token, all attending to each other, so "
+            f"a block_size={config.block_size} drafter drafts as trained only with {config.block_size - 1} "
+            f"speculative tokens, not {speculative_tokens}"
+        )
+
+
+def columns_by_layer(fc: torch.Tensor, aux_layer_ids: list[int]) -> torch.Tensor:
+    """``fc``'s input column blocks in ascending target layer order: vLLM concatenates the target's
+    states by layer, draftsmith in ``aux_layer_ids`` order."""
+    blocks = fc.chunk(len(aux_layer_ids), dim=1)
+    order = sorted(range(len(aux_layer_ids)), key=aux_layer_ids.__getitem__)
+    return torch.cat([blocks[i] for i in order], dim=1).contiguous()
+
+
+def mask_embedding_file(mask_embedding: torch.Tensor, mask_token: int) -> bytes:
+    """``mask_embedding.pt`` as vLLM reads it: the mask token id it stands for and the embedding."""
+    buffer = io.BytesIO()
+    torch.save({"mask_token_id": mask_token, "embedding": engine_tensor(mask_embedding)}, buffer)
+    return buffer.getvalue()
 
 
 class DFlashDrafter(Drafter):

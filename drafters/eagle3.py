@@ -49,6 +49,8 @@ from draftsmith.drafters.engine_layouts import (
     EngineExport,
     EngineLayoutError,
     Verifier,
+    check_distinct_aux_layers,
+    engine_tensor,
     llama_layer_config,
     speculators_block,
 )
@@ -283,9 +285,7 @@ def _eagle3_tensors(model: Eagle3Model, layer_prefix: str) -> dict[str, torch.Te
     for name, tensor in model.state_dict().items():
         if name.startswith("layer."):
             name = layer_prefix + name[len("layer.") :]
-        tensors[name] = tensor.detach().cpu().contiguous()
-        if tensors[name].is_floating_point():
-            tensors[name] = tensors[name].float()
+        tensors[name] = engine_tensor(tensor)
     return tensors
 
 
@@ -295,11 +295,7 @@ def speculators_eagle3_layout(model: Eagle3Model, verifier: Verifier, speculativ
     ``fc``, ``layers.0.*``, ``norm``, ``lm_head`` and, for a reduced vocabulary, ``d2t``/``t2d`` (vLLM
     has no place for them when the draft vocabulary is the whole one)."""
     config = model.config
-    if len(set(config.aux_layer_ids)) < len(config.aux_layer_ids):
-        raise EngineLayoutError(
-            f"vLLM collects each layer's state once, so drafter.aux_layer_ids={config.aux_layer_ids} "
-            "(a layer named twice) cannot be served; train with distinct layers"
-        )
+    check_distinct_aux_layers(config.aux_layer_ids)
     vocab, draft_vocab = int(config.layer["vocab_size"]), int(config.draft_vocab_size)
     tensors = _eagle3_tensors(model, "layers.0.")
     embedding = verifier.embedding()

@@ -1,7 +1,8 @@
 """What serving engines load: the parts every family's engine layout shares, and their checks.
 
 A family writes its own layout in its :meth:`DrafterModel.engine_layout` hook (EAGLE: vLLM's EAGLE-1
-``EagleLlamaForCausalLM``; Medusa: vLLM's ``MedusaModel``; EAGLE-3: vLLM ``speculators`` and SGLang);
+``EagleLlamaForCausalLM``; Medusa: vLLM's ``MedusaModel``; EAGLE-3: vLLM ``speculators`` and SGLang;
+DFlash: vLLM's ``DFlashDraftModel``);
 this module holds what those share: the :class:`Verifier` an export is made for, the decoder-layer
 config engines read, the ``speculators_config`` block, and :func:`check_engine_export`, which refuses
 a config missing a field the engine requires instead of writing it.
@@ -51,6 +52,15 @@ SGLANG_EAGLE3_REQUIRED: tuple[tuple[str | int, ...], ...] = (
     ("num_hidden_layers",),
 )
 
+# vLLM's dflash method (DFlashDraftModel): without mask_token_id it refuses to start; without
+# target_layer_ids it would fuse every target layer; causal is written so that no default decides it.
+VLLM_DFLASH_REQUIRED: tuple[tuple[str | int, ...], ...] = (
+    ("architectures",),
+    ("dflash_config", "mask_token_id"),
+    ("dflash_config", "target_layer_ids"),
+    ("dflash_config", "causal"),
+)
+
 
 class EngineLayoutError(DraftsmithError, ValueError):
     """A drafter (or an option of it) that a serving engine's layout cannot express, or an export
@@ -77,28 +87,48 @@ class Verifier:
 
 @dataclass
 class EngineExport:
-    """``config.json`` and the tensors of ``model.safetensors`` in an engine's layout."""
+    """``config.json``, the tensors of ``model.safetensors`` and any other files (by name) in an engine's layout."""
 
     config: dict[str, Any]
     tensors: dict[str, torch.Tensor]
+    files: dict[str, bytes] = field(default_factory=dict)  # e.g. DFlash's mask_embedding.pt
     required: tuple[tuple[str | int, ...], ...] = ()  # config paths the engine cannot do without
     required_tensors: tuple[str, ...] = ()
     speculative_tokens: int = 0  # tokens the engine drafts per step when serving it (``bench`` vllm=DIR)
     caveat: str = ""  # what the engine is known to do differently with it, shown by ``draftsmith export``
 
 
-def llama_layer_config(layer: dict[str, Any], **extra: Any) -> dict[str, Any]:
-    """One Llama decoder layer's settings as engines read them (``model_type: llama``, one layer). The
-    activation and RoPE settings are the ones the drafter's Llama layer computes with: a target of
-    another architecture (Gemma-3) may name its activation otherwise, which leaves a Llama layer on its
-    default, and give one RoPE per layer type, nested entries a Llama layer ignores and engines cannot read."""
+def decoder_config(layer: dict[str, Any], model_type: str, num_hidden_layers: int, **extra: Any) -> dict[str, Any]:
+    """A drafter's decoder-layer settings (a target-shaped ``layer``) as engines read them. The activation
+    and RoPE settings are the ones the drafter's Llama-shaped layers compute with: a target of another
+    architecture (Gemma-3) may name its activation otherwise, which leaves a Llama layer on its default,
+    and give one RoPE per layer type, nested entries a Llama layer ignores and engines cannot read."""
     config = {key: value for key, value in layer.items() if not key.startswith("_")}
     computed = LlamaConfig(**config)
-    rope = computed.rope_parameters
-    config["rope_parameters"] = {key: value for key, value in rope.items() if not isinstance(value, dict)}
+    config["rope_parameters"] = {k: v for k, v in computed.rope_parameters.items() if not isinstance(v, dict)}
     config["hidden_act"] = computed.hidden_act
-    config.update(model_type="llama", num_hidden_layers=1, **extra)
+    config.update(model_type=model_type, num_hidden_layers=num_hidden_layers, **extra)
     return config
+
+
+def llama_layer_config(layer: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    """One Llama decoder layer's settings as engines read them (``model_type: llama``, one layer)."""
+    return decoder_config(layer, "llama", 1, **extra)
+
+
+def engine_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor as an export file holds it: detached, on the CPU, contiguous, floating point as float32."""
+    tensor = tensor.detach().cpu().contiguous()
+    return tensor.float() if tensor.is_floating_point() else tensor
+
+
+def check_distinct_aux_layers(aux_layer_ids: list[int]) -> None:
+    """vLLM keeps one state per target layer (a set), so a layer named twice has no column block to read."""
+    if len(set(aux_layer_ids)) < len(aux_layer_ids):
+        raise EngineLayoutError(
+            f"vLLM collects each layer's state once, so drafter.aux_layer_ids={aux_layer_ids} "
+            "(a layer named twice) cannot be served; train with distinct layers"
+        )
 
 
 def speculators_block(algorithm: str, verifier: Verifier, speculative_tokens: int) -> dict[str, Any]:

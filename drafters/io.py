@@ -274,7 +274,8 @@ def export_for_engine(
     overwrite: bool = False,
     keep: tuple[tuple[str, Path], ...] = (),
 ) -> Path:
-    """The drafter in a serving engine's layout (``config.json`` + ``model.safetensors``), after
+    """The drafter in a serving engine's layout (``config.json`` + ``model.safetensors`` + the layout's
+    other files, e.g. DFlash's ``mask_embedding.pt``), after
     checking that the config holds every field the engine requires; the config also records, under
     :data:`ENGINE_EXPORT_KEY`, the family, format and target identity (engines ignore the key)."""
     export = model.engine_layout(fmt, verifier, speculative_tokens)
@@ -290,6 +291,8 @@ def export_for_engine(
     with atomic_directory(Path(out), overwrite, drafter_output_rules(keep), record_files=True) as staging:
         (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         save_file(export.tensors, str(staging / WEIGHTS_NAME), metadata={"format": "pt"})
+        for name, data in export.files.items():
+            (staging / name).write_bytes(data)
     return Path(out)
 
 

@@ -34,6 +34,7 @@ from draftsmith.drafters.base import FrozenTarget, TreeOptionError, TreeOptions
 from draftsmith.drafters.eagle import EagleConfigError
 from draftsmith.drafters.eagle3 import Eagle3Config, Eagle3Model, speculators_eagle3_layout
 from draftsmith.drafters.engine_layouts import EngineExport, EngineLayoutError, Verifier, speculators_block
+from draftsmith.drafters.vocab import unused_token_id
 
 
 class PEagleConfig(Eagle3Config):
@@ -134,11 +135,7 @@ class PEagleModel(Eagle3Model):
         placeholder's embedding up by id (``mask_token_id``) in the drafter's own table. The highest id
         outside the draft vocabulary: a token the target rarely writes (where it does, vLLM's drafter
         reads the placeholder for it, which can only cost acceptance, never change an output)."""
-        vocab = int(self.config.layer["vocab_size"])
-        drafted = torch.zeros(vocab, dtype=torch.bool)
-        drafted[self.draft_token_ids().cpu()] = True
-        outside = (~drafted).nonzero().flatten()
-        return int(outside[-1]) if outside.numel() else vocab - 1
+        return unused_token_id(self.draft_token_ids(), int(self.config.layer["vocab_size"]))
 
 
 def speculators_peagle_layout(model: PEagleModel, verifier: Verifier, depth: int) -> EngineExport:

@@ -25,6 +25,17 @@ def draft_vocab_maps(token_ids: torch.Tensor, vocab_size: int) -> tuple[torch.Te
     return token_ids - torch.arange(token_ids.numel()), t2d
 
 
+def unused_token_id(drafted: torch.Tensor, vocab_size: int) -> int:
+    """The highest token id outside ``drafted`` (the last id when every one is drafted): where an engine
+    looks a placeholder's embedding up by token id, the one the drafter never proposes and the target
+    rarely writes (where it does, the engine's drafter reads the placeholder for it, which can only cost
+    acceptance, never change an output)."""
+    taken = torch.zeros(vocab_size, dtype=torch.bool)
+    taken[drafted.cpu()] = True
+    outside = (~taken).nonzero().flatten()
+    return int(outside[-1]) if outside.numel() else vocab_size - 1
+
+
 def vocab_token_ids(vocab: torch.Tensor | None, columns: torch.Tensor) -> torch.Tensor:
     """Target token ids of output columns over ``vocab`` (None or empty = the whole vocabulary)."""
     return columns if vocab is None or not vocab.numel() else vocab[columns]

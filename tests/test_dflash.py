@@ -79,8 +79,10 @@ def test_config_defaults_to_a_chain_of_the_block_and_refuses_what_cannot_work(ta
         build(target, aux_layer_ids=[0, 9])
     with pytest.raises(TreeOptionError, match="depth=5 drafts past the 3 masked positions"):
         serve(model, target, depth=5)
-    with pytest.raises(EngineLayoutError, match="no vllm layout"):
+    with pytest.raises(EngineLayoutError, match="train one with drafter.qk_norm=true"):
         model.engine_layout("vllm", None, None)
+    with pytest.raises(DFlashConfigError, match="drafter.qk_norm takes true or false"):
+        build(target, qk_norm="yes")
 
 
 def test_the_block_mask_sees_the_context_before_its_anchor_and_its_own_block():
@@ -140,6 +142,29 @@ def test_runtime_blocks_equal_the_training_blocks_round_after_round(target, trai
             drafted = drafter.block_logits(tokens, states[:-1])
         trained_block = block_features(model, target, tokens, states, len(tokens) - 1)
         torch.testing.assert_close(drafted, drafter.head(trained_block[1:]).float(), rtol=1e-4, atol=1e-5)
+
+
+def test_qk_norm_normalises_each_head_in_training_and_at_decode_time_alike(target):
+    """``qk_norm`` (Qwen3's layer, vLLM's dflash) adds q_norm / k_norm to each layer and only then: the
+    default drafter's weights are the Llama layer's as before. With it the runtime's block still equals
+    the training forward's, and the norms change the drafts."""
+    plain, normed = build(target), build(target, qk_norm=True)
+    assert not any("_norm.weight" in name and "self_attn" in name for name in plain.state_dict())
+    extra = set(normed.state_dict()) - set(plain.state_dict())
+    assert extra == {f"layers.{i}.self_attn.{n}_norm.weight" for i in range(2) for n in "qk"}
+    with torch.no_grad():
+        for parameter in normed.parameters():
+            parameter.add_(torch.randn_like(parameter) * 0.1)
+    plain.load_state_dict({k: v for k, v in normed.state_dict().items() if k not in extra})
+    tokens = random_prompts(1, seed=3, vocab=VOCAB)[0]
+    states = states_of(target, tokens)
+    with torch.no_grad():
+        drafted = serve(normed.eval(), target).block_logits(tokens, states[:-1])
+        without = serve(plain.eval(), target).block_logits(tokens, states[:-1])
+    trained_block = block_features(normed, target, tokens, states, len(tokens) - 1)
+    frozen_head = serve(normed, target).head
+    torch.testing.assert_close(drafted, frozen_head(trained_block[1:]).float(), rtol=1e-4, atol=1e-5)
+    assert (drafted - without).abs().max() > 1e-2
 
 
 def test_a_round_is_one_drafter_forward(target, trained):

@@ -195,6 +195,69 @@ def test_medusa_vllm_layout(target, verifier, tmp_path):
         model.engine_layout("sglang", verifier, None)
 
 
+# DFlash's layer reads the block (width H), not EAGLE's [embedding | feature], and normalises q and k per head
+DFLASH_LAYER_SHAPES = {
+    **{k: v for k, v in LAYER_SHAPES.items() if k.startswith(("input_", "post_", "mlp."))},
+    "self_attn.q_proj.weight": (H, H),
+    "self_attn.k_proj.weight": (KV, H),
+    "self_attn.v_proj.weight": (KV, H),
+    "self_attn.o_proj.weight": (H, H),
+    "self_attn.q_norm.weight": (16,),
+    "self_attn.k_norm.weight": (16,),
+}
+
+
+def dflash(target, **options):
+    """A DFlash drafter for vLLM (Qwen3's layer: ``qk_norm``), fusing ``AUX`` out of order by default."""
+    torch.manual_seed(0)
+    return get_family("dflash").build(target.config, {"aux_layer_ids": [3, 1, 2], "qk_norm": True, **options})
+
+
+def test_dflash_vllm_layout_is_what_vllm_reads(target, verifier, tmp_path):
+    model = dflash(target, num_layers=2)
+    export = model.engine_layout("vllm", verifier, None)
+    config, tensors = export.config, export.tensors
+    assert config["architectures"] == ["DFlashDraftModel"] and config["model_type"] == "qwen3"
+    assert config["num_hidden_layers"] == 2 and config["head_dim"] == 16 and config["vocab_size"] == VOCAB
+    # layer outputs, ascending (vLLM concatenates the states by layer); the mask stands in for the last id
+    assert config["dflash_config"] == {"mask_token_id": VOCAB - 1, "target_layer_ids": [0, 1, 2], "causal": False}
+    assert export.speculative_tokens == 7  # the block's 7 masks: vLLM drafts the whole block
+    assert {k: tuple(v.shape) for k, v in tensors.items()} == {
+        "fc.weight": (H, 3 * H),
+        "hidden_norm.weight": (H,),
+        **{f"layers.{i}.{k}": v for i in range(2) for k, v in DFLASH_LAYER_SHAPES.items()},
+        "norm.weight": (H,),
+    }  # no embedding, no lm_head: vLLM shares the target's
+    fc = model.fc.weight.detach()  # column blocks of the states entering layers 3, 1, 2 -> 1, 2, 3
+    assert torch.equal(tensors["fc.weight"], torch.cat([fc[:, H : 2 * H], fc[:, 2 * H :], fc[:, :H]], dim=1))
+    check_engine_export(export, "vllm")
+    out = export_for_engine(model, "vllm", verifier, None, {"name": "tiny"}, tmp_path / "dflash")
+    mask = torch.load(out / "mask_embedding.pt", weights_only=True)  # as vLLM reads it
+    assert mask["mask_token_id"] == VOCAB - 1 and torch.equal(mask["embedding"], model.mask_embedding.detach())
+    assert read_engine_export(out)["speculative_tokens"] == 7
+
+
+def test_dflash_vllm_export_refuses_what_vllm_would_run_differently(target, verifier):
+    refusals = {
+        "drafter.qk_norm=true": dflash(target, qk_norm=False),
+        "train with drafter.draft_vocab_size=0": dflash(target, draft_vocab_size=40),
+        "must lie in 1..4: 0 is the embedding": dflash(target, aux_layer_ids=[0, 2, 3]),
+        "5 the final norm's output": dflash(target, aux_layer_ids=[1, 2, 5]),
+        "each layer's state once": dflash(target, aux_layer_ids=[1, 1, 3]),
+    }
+    for message, model in refusals.items():
+        with pytest.raises(EngineLayoutError, match=message):
+            model.engine_layout("vllm", verifier, None)
+    with pytest.raises(EngineLayoutError, match="as trained only with 7 speculative tokens, not 4"):
+        dflash(target).engine_layout("vllm", verifier, 4)
+    for fmt in ("speculators", "sglang"):
+        with pytest.raises(EngineLayoutError, match=f"--format vllm, not {fmt}"):
+            dflash(target).engine_layout(fmt, verifier, None)
+    gelu = tiny_llama(VOCAB, num_hidden_layers=5, hidden_act="gelu")
+    with pytest.raises(EngineLayoutError, match="SiLU without biases; the target's layers have hidden_act='gelu'"):
+        dflash(gelu).engine_layout("vllm", verifier, None)
+
+
 def test_engine_export_records_what_it_is(target, verifier, tmp_path):
     out = export_for_engine(eagle3(target), "vllm", verifier, 4, {"name": "tiny"}, tmp_path / "e3")
     record = read_engine_export(out)
@@ -343,6 +406,18 @@ def test_vllm_serves_a_peagle_export_with_parallel_drafting_losslessly(tmp_path,
     assert method.speculative_config()["parallel_drafting"] is True and method.speculative_tokens == 3
     results = served_by_vllm(f"vllm={tmp_path / 'pe'}", target_dir, tiny, prompts)
     assert sum(r["draft_tokens"] for r in results) == 3 * sum(r["drafts"] for r in results) > 0
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(vllm_python() is None, reason="vLLM is not installed (set DRAFTSMITH_VLLM_PYTHON)")
+def test_vllm_serves_a_dflash_export_losslessly(tmp_path, tokenizer, monkeypatch):
+    """vLLM's dflash method loads a (random, qk_norm, out-of-order aux layers) export with its
+    mask_embedding.pt, drafts the whole block (7 tokens) in every step and gives HF generate's tokens."""
+    target_dir, tiny, verifier, prompts = vllm_tiny_target(tmp_path, tokenizer, monkeypatch)
+    model = dflash(tiny.model, num_layers=2)
+    export_for_engine(model, "vllm", verifier, None, tiny.identity.to_dict(), tmp_path / "dflash")
+    results = served_by_vllm(f"vllm={tmp_path / 'dflash'}", target_dir, tiny, prompts)
+    assert sum(r["draft_tokens"] for r in results) == 7 * sum(r["drafts"] for r in results) > 0
 
 
 STUB_ENGINE = """#!/bin/sh

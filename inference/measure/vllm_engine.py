@@ -22,12 +22,14 @@ from draftsmith.drafters.io import check_drafter_target, read_engine_export
 
 VLLM = "vllm"
 # vLLM's speculative_config for each exported family (``draftsmith export --format vllm``) besides
-# the drafter and its tokens: P-EAGLE is eagle3 drafting every token in one forward.
+# the drafter and its tokens: P-EAGLE is eagle3 drafting every token in one forward; DFlash drafts its
+# block in one forward by itself (vLLM turns parallel drafting on for the dflash method).
 VLLM_METHODS: dict[str, dict[str, Any]] = {
     "eagle": {"method": "eagle"},
     "eagle3": {"method": "eagle3"},
     "medusa": {"method": "medusa"},
     "peagle": {"method": "eagle3", "parallel_drafting": True},
+    "dflash": {"method": "dflash"},
 }
 
 

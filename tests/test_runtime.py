@@ -223,6 +223,15 @@ def test_unknown_method_is_a_clear_error(tiny_target_dir):
     assert result.returncode == 2 and "unknown method 'magic'; available: none, pld" in result.stderr
 
 
+def test_a_family_served_under_another_method_name_is_named_in_the_refusal(tiny_target_dir):
+    from draftsmith.core.target import load_target
+    from draftsmith.inference.methods.errors import MethodError
+    from draftsmith.inference.methods.table import build_drafter
+
+    with pytest.raises(MethodError, match=r"unknown method 'medusa2' \(a medusa2 export is served as medusa=DIR\)"):
+        build_drafter("medusa2=somewhere", load_target(str(tiny_target_dir)))
+
+
 def test_pld_takes_its_options_in_the_method_spec_and_drafts_short_chains_on_a_cpu():
     from types import SimpleNamespace
 

@@ -126,5 +126,6 @@ def build_drafter(spec: str, target) -> Drafter | None:
         name, _, options = spec.partition(":")
         arg = ":" + options
     if name not in METHODS:
-        raise MethodError(f"unknown method {name!r}; available: {', '.join(METHODS)}")
+        served_as = f" (a {name} export is served as {FAMILIES[name].method_name}=DIR)" if name in FAMILIES else ""
+        raise MethodError(f"unknown method {name!r}{served_as}; available: {', '.join(METHODS)}")
     return METHODS[name](target, arg or None)

@@ -177,10 +177,17 @@ def masks_per_layer_type(config, mask: torch.Tensor, positions: torch.Tensor) ->
     text = config.get_text_config(decoder=True)
     if "sliding_attention" not in (getattr(text, "layer_types", None) or ()):
         return mask
-    past = mask.shape[-1] - positions.shape[-1]
-    keys = torch.cat([torch.arange(past, device=positions.device), positions[0]])
-    behind = positions[0, :, None] - keys[None, :] >= text.sliding_window
+    behind = outside_sliding_window(text.sliding_window, positions, mask.shape[-1] - positions.shape[-1])
     return {"full_attention": mask, "sliding_attention": mask.masked_fill(behind, torch.finfo(mask.dtype).min)}
+
+
+def outside_sliding_window(window: int, positions: torch.Tensor, past: int) -> torch.Tensor:
+    """(q, past + q) bool: the keys that a sliding-window layer hides from each of a forward's rows, those
+    ``window`` or more positions behind it (transformers' rule: key ``k`` is seen from query ``p`` when
+    ``k > p - window``). The ``past`` committed columns sit at positions ``0 .. past - 1``, then the
+    forward's own rows at ``positions`` (1, q)."""
+    keys = torch.cat([torch.arange(past, device=positions.device), positions[0]])
+    return positions[0, :, None] - keys[None, :] >= window
 
 
 def causal_mask(length: int, dtype: torch.dtype, device: torch.device | str, padding: torch.Tensor | None = None):

@@ -1,13 +1,14 @@
 """Speculative Streaming (Bhendawade et al. 2024): drafting fused into the target by multi-stream attention.
 
-The target itself (a Llama-architecture ``LlamaForCausalLM``) is the model; nothing of it is copied:
+The target itself (a Llama or Gemma-3 causal LM) is the model; nothing of it is copied:
 
 - LoRA adapters are injected into the chosen projections through ``peft``; their weights (and the
   stream embeddings) are this module's own parameters, so a checkpoint holds only them.
 - Forward hooks on the top ``Ns`` decoder layers add the speculative streams: at layer ``L - Ns``
   stream j at position t starts as ``f(M_t) + P_j`` (``f`` = identity, or identity plus a low-rank
   map), then in each hooked layer it attends, in one softmax, to the main stream's keys/values
-  ``<= t`` (read from the layer's KV cache after HF wrote them) and to streams ``1..j`` at t.
+  ``<= t`` (read from the layer's KV cache after HF wrote them) and to streams ``1..j`` at t; in a
+  sliding-window layer (Gemma-3's local layers) only to the main keys the main stream at t sees there.
   Stream states never enter the cache. Stream j's last state through the final norm and lm_head
   predicts ``x_{t+j+1}`` (the main stream at t predicts ``x_{t+1}``).
 - The main stream is the unchanged HF computation (the hooks only read), so its logits are exactly
@@ -35,7 +36,7 @@ from draftsmith.core.cache import keep_positions
 from draftsmith.core.cache_kwarg import cache_in, cache_kwargs, takes_cache_kwarg
 from draftsmith.core.drafting import INERT_OUTSIDE_OWNER, DraftContext, Drafter
 from draftsmith.core.errors import DraftsmithError
-from draftsmith.core.tree import DraftTree, cartesian_tree
+from draftsmith.core.tree import DraftTree, cartesian_tree, outside_sliding_window
 from draftsmith.core.verify import Verdict
 from draftsmith.drafters.base import DrafterModel, TreeOptions
 from draftsmith.drafters.lora import AdaptsTargetConfig, AdaptsTargetMixin, VerifiesAdaptedTarget
@@ -54,6 +55,9 @@ class StreamingConfigError(DraftsmithError, ValueError):
 
 
 PRUNING_EXITS = ("lens", "linear")  # the tree-pruning adapter's early exit (StreamingConfig.pruning_exit)
+# Transformers' names of the decoder layer types (``config.layer_types``); a target that declares none is
+# all full attention.
+FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
 
 
 class StreamingConfig(AdaptsTargetConfig):
@@ -74,9 +78,6 @@ class StreamingConfig(AdaptsTargetConfig):
     model_type = "draftsmith_streaming"
     TREE_OPTIONS = ("top_k", "total_tokens", "prune")
     error = StreamingConfigError
-    # The stream attention (``_stream_layer``) re-computes a Llama decoder layer: no QK-norm, no
-    # Gemma-3's extra norms or sliding windows.
-    ADAPTS = ("llama",)
 
     def __init__(
         self,
@@ -156,7 +157,7 @@ class _StreamRun:
     """State of the streams during one forward."""
 
     rows: torch.Tensor | None  # query rows that carry streams (None = all)
-    allowed: torch.Tensor  # (B, R, S) bool: main-stream keys each stream row may see
+    allowed: dict[str, torch.Tensor]  # per layer type, (B, R, S) bool: main-stream keys each stream row may see
     states: torch.Tensor | None = None  # (B, R, γ, h)
     pruning: TreePruning | None = None  # set when this forward prunes its draft tree
     kept: torch.Tensor | None = None  # rows that survived pruning (None = all)
@@ -200,7 +201,9 @@ class StreamingModel(AdaptsTargetMixin, DrafterModel):
         super().attach_target(target_model)
         layers = target_model.model.layers
         for index in range(self.config.first_stream_layer, len(layers)):
-            hook = layers[index].register_forward_hook(self._make_layer_hook(index), with_kwargs=True)
+            _refuse_what_streams_cannot_compute(layers[index])
+            layer_hook = self._make_layer_hook(index, _layer_type(target_model.config, index))
+            hook = layers[index].register_forward_hook(layer_hook, with_kwargs=True)
             self._hooks.append(hook)
             if self.pruning is not None:
                 prune = layers[index].register_forward_pre_hook(self._make_prune_hook(index), with_kwargs=True)
@@ -234,12 +237,16 @@ class StreamingModel(AdaptsTargetMixin, DrafterModel):
         target = self.target
         original_features = self.original_features(input_ids, attention_mask) if original else None
         if streams and cache is None:
-            cache = DynamicCache(config=target.config)  # the hooks read main keys/values from it
+            # The hooks read main keys/values from it, every row of them: not ``DynamicCache(config=...)``,
+            # whose sliding-window layers keep only the last window of rows.
+            cache = DynamicCache()
         past = cache.get_seq_length() if cache is not None else 0
         run = None
         if streams:
-            allowed = _main_stream_allowed(attention_mask, input_ids.shape, past, input_ids.device)
-            run = _StreamRun(stream_rows, allowed if stream_rows is None else allowed[:, stream_rows])
+            allowed = _main_stream_allowed(target.config, attention_mask, input_ids.shape, past, input_ids.device)
+            if stream_rows is not None:
+                allowed = {kind: seen[:, stream_rows] for kind, seen in allowed.items()}
+            run = _StreamRun(stream_rows, allowed)
             if prune_threshold > 0 and input_ids.shape[1] > 1:
                 run.pruning = self._tree_pruning(input_ids, attention_mask, run, past, prune_threshold)
         self._run = run
@@ -273,11 +280,13 @@ class StreamingModel(AdaptsTargetMixin, DrafterModel):
     ) -> TreePruning:
         if self.pruning is None:
             raise StreamingConfigError("this model has no tree-pruning adapter (drafter.pruning_rank was 0)")
-        if attention_mask is None or attention_mask.dim() != 4 or input_ids.shape[0] != 1 or run.rows is not None:
+        tree_mask = isinstance(attention_mask, dict) or (attention_mask is not None and attention_mask.dim() == 4)
+        if not tree_mask or input_ids.shape[0] != 1 or run.rows is not None:
             raise ValueError("tree pruning needs one draft tree: batch 1, its 4D tree mask, streams on every row")
-        return TreePruning.from_mask(run.allowed[0], input_ids[0], past, threshold)
+        # The tree's shape from the full-attention mask: a sliding window may hide a deep node's ancestors.
+        return TreePruning.from_mask(run.allowed[FULL_ATTENTION][0], input_ids[0], past, threshold)
 
-    def _make_layer_hook(self, index: int):
+    def _make_layer_hook(self, index: int, layer_type: str):
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
             run = self._run
             if run is None:  # streams off, or the target used by someone else
@@ -286,11 +295,13 @@ class StreamingModel(AdaptsTargetMixin, DrafterModel):
                 hidden = args[0] if args else kwargs["hidden_states"]
                 run.fork = hidden
                 run.states = self._init_streams(hidden if run.rows is None else hidden[:, run.rows])
-            layer = cache_in(kwargs).layers[module.self_attn.layer_idx]
+            allowed = run.allowed[layer_type]
+            main = _cached_rows(cache_in(kwargs).layers[module.self_attn.layer_idx], allowed.shape[-1])
+            # HF hands each layer the RoPE table of its own layer type (Gemma-3: local or global base).
             cos, sin = kwargs["position_embeddings"]
             if run.rows is not None:
                 cos, sin = cos[:, run.rows], sin[:, run.rows]
-            self._advance_streams(module, run, (layer.keys, layer.values), (cos, sin))
+            self._advance_streams(module, run, main, (cos, sin), allowed)
             return None  # the main stream's output is left exactly as HF computed it
 
         setattr(hook, INERT_OUTSIDE_OWNER, True)  # a no-op without a stream run: others may skip it
@@ -302,16 +313,17 @@ class StreamingModel(AdaptsTargetMixin, DrafterModel):
         run: _StreamRun,
         main: tuple[torch.Tensor, torch.Tensor],
         rope: tuple[torch.Tensor, torch.Tensor],
+        allowed: torch.Tensor,
     ) -> None:
         """``run.states`` through one MSA layer: :func:`stream_layer` against the main stream's cached
-        (keys, values) and the stream rows' (cos, sin), over chunks of :attr:`STREAM_ROW_CHUNK` query
-        rows. Rows are independent (each sees its allowed main keys and its own streams), and a row's
-        attention scores cover every main key for every stream and head, so a long training sequence's
-        (rows x γ x heads x keys) scores would otherwise all sit in memory, in every MSA layer, until the
-        backward (Ns 8 at batch 2 ran out of 24 GiB). Under autograd each chunk is checkpointed and
-        recomputed in the backward, with this model's LoRA on again (the recompute runs outside
-        :meth:`forward`)."""
-        (main_keys, main_values), (cos, sin), states, allowed = main, rope, run.states, run.allowed
+        (keys, values), the stream rows' (cos, sin) and the main keys they may see in this layer
+        (``allowed``), over chunks of :attr:`STREAM_ROW_CHUNK` query rows. Rows are independent (each
+        sees its allowed main keys and its own streams), and a row's attention scores cover every main key
+        for every stream and head, so a long training sequence's (rows x γ x heads x keys) scores would
+        otherwise all sit in memory, in every MSA layer, until the backward (Ns 8 at batch 2 ran out of
+        24 GiB). Under autograd each chunk is checkpointed and recomputed in the backward, with this
+        model's LoRA on again (the recompute runs outside :meth:`forward`)."""
+        (main_keys, main_values), (cos, sin), states = main, rope, run.states
         rows = states.shape[1]
         if rows <= self.STREAM_ROW_CHUNK:
             run.states = stream_layer(layer, states, main_keys, main_values, cos, sin, allowed)
@@ -355,7 +367,8 @@ class StreamingModel(AdaptsTargetMixin, DrafterModel):
         if len(rows) == hidden.shape[1]:
             return None
         kept = torch.tensor(rows, device=hidden.device)
-        run.allowed = run.allowed[:, kept][:, :, kept_columns(kept, pruning.past)]
+        columns = kept_columns(kept, pruning.past)
+        run.allowed = {kind: seen[:, kept][:, :, columns] for kind, seen in run.allowed.items()}
         return kept
 
     def early_exit(self, main_hidden: torch.Tensor) -> torch.Tensor:
@@ -394,23 +407,93 @@ class StreamingModel(AdaptsTargetMixin, DrafterModel):
 
 
 def _main_stream_allowed(
-    attention_mask: torch.Tensor | None, shape: torch.Size, past: int, device: torch.device
-) -> torch.Tensor:
-    """(B, q, past + q) bool: the main-stream keys a query row sees (a stream row sees the same)."""
+    config: Any, attention_mask: Any, shape: torch.Size, past: int, device: torch.device
+) -> dict[str, torch.Tensor]:
+    """Per layer type of the target (``config.layer_types``; all full attention when it declares none),
+    (B, q, past + q) bool: the main-stream keys a query row sees in such a layer (a stream row sees the
+    same). ``attention_mask`` as :meth:`StreamingModel.forward` takes it, or one 4D mask per layer type
+    (the runtime's tree masks on a sliding-window target, see ``masks_per_layer_type``)."""
     batch, q = shape
-    if attention_mask is not None and attention_mask.dim() == 4:
-        mask = attention_mask[:, 0]
-        allowed = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
-        return allowed.expand(batch, -1, -1)
+    if isinstance(attention_mask, dict):  # HF uses each as it is, in the layers of its type
+        return {kind: _allowed_by_4d_mask(mask, batch) for kind, mask in attention_mask.items()}
+    if attention_mask is not None and attention_mask.dim() == 4:  # HF uses it as it is in every layer, sliding too
+        return dict.fromkeys(_layer_types(config), _allowed_by_4d_mask(attention_mask, batch))
     columns = torch.arange(past + q, device=device)
     allowed = (columns[None, :] <= past + torch.arange(q, device=device)[:, None])[None].expand(batch, -1, -1)
     if attention_mask is not None:  # 2D padding mask over past + q
         allowed = allowed & attention_mask.bool()[:, None, :]
-    return allowed
+    per_type = {FULL_ATTENTION: allowed}
+    if SLIDING_ATTENTION in _layer_types(config):
+        # HF's own sliding mask counts a row's position as its column (its cache position), whatever the
+        # position ids say: so do the windows here.
+        positions = past + torch.arange(q, device=device)[None]
+        window = config.get_text_config(decoder=True).sliding_window
+        per_type[SLIDING_ATTENTION] = allowed & ~outside_sliding_window(window, positions, past)
+    return per_type
+
+
+def _allowed_by_4d_mask(mask: torch.Tensor, batch: int) -> torch.Tensor:
+    """(B, q, S) bool from a 4D additive or bool mask (B or 1, 1, q, S)."""
+    mask = mask[:, 0]
+    allowed = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
+    return allowed.expand(batch, -1, -1)
+
+
+def _layer_types(config: Any) -> tuple[str, ...]:
+    """The distinct decoder layer types of the target (transformers' ``layer_types``)."""
+    declared = getattr(config.get_text_config(decoder=True), "layer_types", None)
+    return tuple(dict.fromkeys(declared or (FULL_ATTENTION,)))
+
+
+def _layer_type(config: Any, index: int) -> str:
+    """The type of decoder layer ``index``: the key by which HF picks its mask and RoPE table."""
+    declared = getattr(config.get_text_config(decoder=True), "layer_types", None)
+    return declared[index] if declared else FULL_ATTENTION
+
+
+def _cached_rows(cache_layer: Any, columns: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The main stream's (keys, values) in one layer's cache, which must hold every row the streams may see."""
+    if cache_layer.keys.shape[-2] != columns:
+        raise ValueError(
+            f"the streams read all {columns} cached rows of each MSA layer, the cache holds "
+            f"{cache_layer.keys.shape[-2]}: use a cache that keeps every row (a DynamicCache without config)"
+        )
+    return cache_layer.keys, cache_layer.values
+
+
+def _refuse_what_streams_cannot_compute(layer: nn.Module) -> None:
+    """:func:`stream_layer` has no attention-logit softcap (Gemma-2's; Gemma-3 sets none): refuse one."""
+    if getattr(layer.self_attn, "attn_logit_softcapping", None) is not None:
+        raise StreamingConfigError("the stream attention has no logit softcap: this target sets attn_logit_softcapping")
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return x * cos + rotate_half(x) * sin
+
+
+def _normed_heads(attn: nn.Module, query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Query and key heads (..., d) through the layer's per-head RMS norms before RoPE, where it has
+    them (Gemma-3's QK-norm ``q_norm`` / ``k_norm``); as they are otherwise (Llama)."""
+    q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+    return (query if q_norm is None else q_norm(query)), (key if k_norm is None else k_norm(key))
+
+
+def _has_sandwich_norms(layer: nn.Module) -> bool:
+    """Whether the layer normalises around its MLP as well as before it (Gemma-3's four norms per layer)."""
+    return getattr(layer, "pre_feedforward_layernorm", None) is not None
+
+
+def _attention_update(layer: nn.Module, attended: torch.Tensor) -> torch.Tensor:
+    """What the attention adds to the residual: Gemma-3 normalises the attention output first (its
+    ``post_attention_layernorm``); Llama adds it as it is (its ``post_attention_layernorm`` is the MLP's)."""
+    return layer.post_attention_layernorm(attended) if _has_sandwich_norms(layer) else attended
+
+
+def _mlp_update(layer: nn.Module, states: torch.Tensor) -> torch.Tensor:
+    """What the MLP adds to the residual: ``post_ff(mlp(pre_ff(x)))`` on Gemma-3, ``mlp(norm(x))`` on Llama."""
+    if _has_sandwich_norms(layer):
+        return layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(states)))
+    return layer.mlp(layer.post_attention_layernorm(states))
 
 
 def stream_layer(
@@ -422,12 +505,13 @@ def stream_layer(
     sin: torch.Tensor,
     allowed: torch.Tensor,
 ) -> torch.Tensor:
-    """One MSA layer for the streams, with the decoder layer's own (LoRA-adapted) modules.
+    """One MSA layer for the streams, with the decoder layer's own (LoRA-adapted) modules: a Llama
+    decoder layer, or a Gemma-3 one (QK-norm, its scaling, the norms around attention and MLP).
 
-    states (B, R, γ, h); main_keys / main_values (B, kvH, S, d), RoPE applied, as in the KV cache;
-    cos / sin (B, R, d) of each stream row's position (a stream sits at its main row's position);
-    allowed (B, R, S). Stream j attends to the allowed main keys and to streams 1..j of its row,
-    all in one softmax."""
+    states (B, R, γ, h); main_keys / main_values (B, kvH, S, d), normed and RoPE applied, as in the KV
+    cache; cos / sin (B, R, d) of each stream row's position (a stream sits at its main row's position),
+    the layer's own RoPE; allowed (B, R, S), the main keys each row sees in this layer (a sliding window
+    included). Stream j attends to the allowed main keys and to streams 1..j of its row, all in one softmax."""
     attn = layer.self_attn
     batch, rows, streams, _ = states.shape
     kv_heads, head_dim = main_keys.shape[1], main_keys.shape[-1]
@@ -436,6 +520,7 @@ def stream_layer(
     query = attn.q_proj(x).view(batch, rows, streams, kv_heads, groups, head_dim)
     key = attn.k_proj(x).view(batch, rows, streams, kv_heads, head_dim)
     value = attn.v_proj(x).view(batch, rows, streams, kv_heads, head_dim)
+    query, key = _normed_heads(attn, query, key)
     cos, sin = cos[:, :, None, None, :].to(x.dtype), sin[:, :, None, None, :].to(x.dtype)
     query = _rope(query, cos[..., None, :], sin[..., None, :])  # (B, R, γ, kvH, g, d)
     key = _rope(key, cos, sin)  # (B, R, γ, kvH, d)
@@ -448,8 +533,8 @@ def stream_layer(
     width = main_keys.shape[-2]
     mixed = torch.einsum("brjkgs,bksd->brjkgd", weights[..., :width], main_values)
     mixed = mixed + torch.einsum("brjkgi,brikd->brjkgd", weights[..., width:], value)
-    states = states + attn.o_proj(mixed.reshape(batch, rows, streams, -1))
-    return states + layer.mlp(layer.post_attention_layernorm(states))
+    states = states + _attention_update(layer, attn.o_proj(mixed.reshape(batch, rows, streams, -1)))
+    return states + _mlp_update(layer, states)
 
 
 # ---- decoding ---------------------------------------------------------------------------------

@@ -26,9 +26,7 @@ TINY_EOS = 2
 
 # (family, architecture) pairs that do not work yet, each with the one-line reason: the conformance tests
 # expect them to fail (strict, so a fix shows) and no recipe is shipped for them on a named target.
-NOT_YET: dict[tuple[str, str], str] = {
-    ("streaming", "gemma3"): "its stream attention re-computes a Llama decoder layer (no QK-norm, Gemma's norms)",
-}
+NOT_YET: dict[tuple[str, str], str] = {}
 
 
 def seeded_random_tree(nodes: int, seed: int, vocab: int) -> DraftTree:

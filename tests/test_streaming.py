@@ -12,7 +12,7 @@ import yaml
 from safetensors.torch import load_file
 from transformers import DynamicCache
 
-from conftest import tiny_llama
+from conftest import tiny_gemma3, tiny_llama
 from draftsmith.core.tree import DraftTree, best_first_tree, cartesian_tree, tree_attention_inputs
 from draftsmith.drafters.streaming import StreamingConfig, StreamingConfigError, StreamingModel
 from draftsmith.inference.runtime import generate
@@ -112,6 +112,41 @@ def test_prompt_rows_select_streams(pair):
         full = model(ids).stream_hidden
         last = model(ids, stream_rows=torch.tensor([7])).stream_hidden
     torch.testing.assert_close(last[:, 0], full[:, 7], rtol=0, atol=1e-6)
+
+
+def test_a_lone_stream_on_gemma3_computes_what_its_decoder_layer_computes():
+    """One stream holding the main stream's own input at row t is that row's query: against the cached
+    main keys it may see, its own key and value at t left out (the stream brings them itself), each
+    layer's stream_layer gives that Gemma-3 layer's output at t. Row t lies past the sliding window,
+    so this needs the QK-norm, the query_pre_attn_scalar scaling, the norms around attention and MLP,
+    the window and each layer type's own RoPE (taken from the kwargs HF hands the layer, as the hook does)."""
+    from draftsmith.drafters.streaming import _main_stream_allowed, stream_layer
+
+    target = tiny_gemma3(VOCAB)  # layer 0 sliding (window 8), layer 1 full attention
+    ids, t = torch.randint(4, VOCAB, (1, 14)), 12  # row 12's window starts at column 5
+    calls = {}
+
+    def keep_call(index):
+        def hook(module, args, kwargs, output):
+            calls[index] = (args[0] if args else kwargs["hidden_states"], kwargs["position_embeddings"], output)
+
+        return hook
+
+    layers = target.model.layers
+    hooks = [layer.register_forward_hook(keep_call(i), with_kwargs=True) for i, layer in enumerate(layers)]
+    cache = DynamicCache()
+    with torch.no_grad():
+        target(ids, cache=cache)
+        for hook in hooks:
+            hook.remove()
+        allowed = _main_stream_allowed(target.config, None, ids.shape, 0, ids.device)
+        for index, layer in enumerate(layers):
+            hidden, (cos, sin), output = calls[index]
+            seen = allowed[target.config.layer_types[index]][:, [t]].clone()
+            seen[..., t] = False
+            keys, values = cache.layers[index].keys, cache.layers[index].values
+            stream = stream_layer(layer, hidden[:, [t], None], keys, values, cos[:, [t]], sin[:, [t]], seen)
+            torch.testing.assert_close(stream[0, 0, 0], output[0, t], rtol=0, atol=1e-5)
 
 
 def test_config_errors_name_the_key():

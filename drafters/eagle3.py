@@ -49,7 +49,7 @@ from draftsmith.drafters.engine_layouts import (
     EngineExport,
     EngineLayoutError,
     Verifier,
-    check_distinct_aux_layers,
+    check_ascending_aux_layers,
     engine_tensor,
     llama_layer_config,
     speculators_block,
@@ -295,7 +295,7 @@ def speculators_eagle3_layout(model: Eagle3Model, verifier: Verifier, speculativ
     ``fc``, ``layers.0.*``, ``norm``, ``lm_head`` and, for a reduced vocabulary, ``d2t``/``t2d`` (vLLM
     has no place for them when the draft vocabulary is the whole one)."""
     config = model.config
-    check_distinct_aux_layers(config.aux_layer_ids)
+    check_ascending_aux_layers(config.aux_layer_ids)
     vocab, draft_vocab = int(config.layer["vocab_size"]), int(config.draft_vocab_size)
     tensors = _eagle3_tensors(model, "layers.0.")
     embedding = verifier.embedding()

@@ -122,6 +122,17 @@ def engine_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.float() if tensor.is_floating_point() else tensor
 
 
+def check_ascending_aux_layers(aux_layer_ids: list[int]) -> None:
+    """vLLM concatenates the target's states in layer order whatever order the config lists them in, so an
+    EAGLE-3 ``fc`` trained on another order would read each block as another layer's state."""
+    check_distinct_aux_layers(aux_layer_ids)
+    if list(aux_layer_ids) != sorted(aux_layer_ids):
+        raise EngineLayoutError(
+            f"vLLM feeds the drafter the target's states in ascending layer order, so drafter.aux_layer_ids="
+            f"{list(aux_layer_ids)} cannot be served as trained; train with them in ascending order"
+        )
+
+
 def check_distinct_aux_layers(aux_layer_ids: list[int]) -> None:
     """vLLM keeps one state per target layer (a set), so a layer named twice has no column block to read."""
     if len(set(aux_layer_ids)) < len(aux_layer_ids):

@@ -87,6 +87,14 @@ def test_eagle3_speculators_layout_is_what_vllm_reads(target, verifier):
     check_engine_export(export, "speculators")
 
 
+@pytest.mark.parametrize("family", ["eagle3", "peagle"])
+def test_aux_layers_out_of_layer_order_are_refused_for_vllm(target, verifier, family):
+    """vLLM concatenates the states in layer order: an fc trained on [3, 1, 2] would read the wrong blocks."""
+    model = eagle3(target, family=family, aux_layer_ids=[3, 1, 2])
+    with pytest.raises(EngineLayoutError, match=r"aux_layer_ids=\[3, 1, 2\] cannot be served as trained"):
+        model.engine_layout("vllm", verifier, 3)
+
+
 def test_eagle3_over_the_whole_vocabulary_has_no_vocabulary_maps(target, verifier):
     """vLLM keeps no d2t buffer when the draft vocabulary is the target's: one in the file fails to load."""
     export = eagle3(target, draft_vocab_size=0).engine_layout("vllm", verifier, 3)

@@ -136,8 +136,9 @@ def add_curves_command(subparsers: Any) -> None:
         "curves",
         help="plot training runs' held-out acceptance against the tokens they trained on (data-scaling curves)",
         description="One line per run: its held-out figure at each checkpoint against tokens_seen, labelled by "
-        "its training samples (and its drafter family, where the runs train different ones). Train the runs with data.eval_samples > 0 (and data.train_samples=N for nested "
-        "subsets of one prepared set). Writes curves.png, curves.md and curves.json into --out.",
+        "its training samples (and its drafter family, where the runs train different ones). Train the runs "
+        "with data.eval_samples > 0 (and data.train_samples=N for nested subsets of one prepared set). Writes "
+        "curves.png, curves.md and curves.json into --out.",
     )
     p.add_argument("runs", nargs="+", help="training runs' output_dir")
     p.add_argument("--out", required=True, help="output directory")

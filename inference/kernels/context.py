@@ -99,9 +99,9 @@ class KernelContext:
         return native_extension() if self.options.native else None
 
     def _screened_head(self) -> GreedyHead:
-        head = GreedyHead(self.model.lm_head)
-        if self.extension() is not None:
-            head.move_to_huge_pages(self.extension())
+        head, extension = GreedyHead(self.model.lm_head), self.extension()
+        if extension is not None:
+            head.move_to_huge_pages(extension)
         head.full_head_from = self._full_head_from(head)
         return head
 

@@ -119,8 +119,3 @@ def side_by_side_seconds(runs: list[Callable[[], object]], repeats: int = 7) -> 
             run()
             taken.append(time.perf_counter() - start)
     return [statistics.median(taken) for taken in times]
-
-
-def median_seconds(run: Callable[[], object], repeats: int = 5) -> float:
-    """The median of ``repeats`` timed calls of ``run`` after one untimed call (a warm-up)."""
-    return side_by_side_seconds([run], repeats)[0]

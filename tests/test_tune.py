@@ -128,9 +128,18 @@ def test_tune_writes_a_tree_the_export_still_verifies_and_generate_uses(
     write_tuned_tree(export, other, {**entry, "tree": {"depth": 5, "top_k": 5, "total_tokens": 20}})
     assert set(read_tuned_trees(export)) == {key.text(), other.text()} and file_problems(export) == {}
     assert fitted_tree(export, key).tree.depth == chosen["depth"]
-    alone = DeviceKey(key.device, key.dtype, key.threads + 1)  # another thread count: not this entry
-    missing = fitted_tree(export, alone)
-    assert missing.tree is None and "no tree fitted for" in missing.note
+    # another thread count or CPU model: the nearest entry of the same kind of device and dtype stands in
+    nearest_first = DeviceKey(key.device, key.dtype, key.threads + 1)
+    write_tuned_tree(export, DeviceKey(key.device, key.dtype, key.threads + 3), {**entry, "tree": {"depth": 6}})
+    write_tuned_tree(export, DeviceKey("cpu:Another CPU", key.dtype, key.threads + 1), {**entry, "tree": {"depth": 7}})
+    stand_in = fitted_tree(export, nearest_first)
+    assert stand_in.tree.depth == chosen["depth"]  # same CPU model and the closest threads, not the exact threads
+    assert f"no tree fitted for {nearest_first.text()}; using the one fitted for {key.text()}" in stand_in.note
+    assert fitted_tree(export, DeviceKey("cpu:Third CPU", key.dtype, key.threads + 1)).tree.depth == 7
+    # no entry of the same kind of device and dtype: the export's default tree, said so
+    for alone in (DeviceKey("cuda:Some other GPU", key.dtype, key.threads), DeviceKey(key.device, "float16", 1)):
+        missing = fitted_tree(export, alone)
+        assert missing.tree is None and "no tree fitted for" in missing.note and "default tree" in missing.note
 
 
 def test_a_stale_entry_is_ignored(tiny, trained_export, tmp_path, capsys):

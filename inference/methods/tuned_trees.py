@@ -78,7 +78,7 @@ def write_tuned_tree(directory: Path, key: DeviceKey, entry: dict[str, Any]) -> 
     the export's ``files.json``."""
     directory = Path(directory)
     entries = read_tuned_trees(directory)
-    entries[key.text()] = {"device": key.device, "dtype": key.dtype, "threads": key.threads, **entry}
+    entries[key.text()] = {**entry, "device": key.device, "dtype": key.dtype, "threads": key.threads}  # the key wins
     atomic_write_json(directory / TUNED_TREES, {"format": TUNED_FORMAT, "entries": entries})
     record_rewritten_file(directory, TUNED_TREES)
     return directory / TUNED_TREES
@@ -91,7 +91,10 @@ class FittedTree:
 
 
 def fitted_tree(directory: Path, key: DeviceKey) -> FittedTree:
-    """The tree ``draftsmith tune`` fitted for ``key`` in this export, if it is there and not stale."""
+    """The tree ``draftsmith tune`` fitted for ``key`` in this export, if it is there and not stale. Where
+    this device has none, the nearest one fitted for the same kind of device and dtype (the same CPU
+    model first, then the closest thread count) stands in, said as such: a tree another CPU chose is a
+    better guess than the export's default (for a shipped drafter, often a single-token chain)."""
     directory = Path(directory)
     try:
         entries = read_tuned_trees(directory)
@@ -100,37 +103,68 @@ def fitted_tree(directory: Path, key: DeviceKey) -> FittedTree:
     if not entries:
         return FittedTree(None, "")
     entry = entries.get(key.text())
-    if entry is None:
+    if entry is not None:
+        tree, problem = _usable_tree(directory, entry)
+        if tree is None:
+            return FittedTree(None, f"[tune] ignoring the tree fitted for {key.text()}: {problem}")
+        return FittedTree(tree, f"[tune] using the tree fitted for {key.text()} ({_described(entry)}")
+    stand_in = _nearest_usable(directory, entries, key)
+    if stand_in is None:
         return FittedTree(
             None,
             f"[tune] {directory} has no tree fitted for {key.text()} (only for: {'; '.join(entries)}); "
             "using its default tree",
         )
+    text, tree = stand_in
+    return FittedTree(
+        tree,
+        f"[tune] {directory} has no tree fitted for {key.text()}; using the one fitted for {text} "
+        f"({_described(entries[text], 'there')}; `draftsmith tune {directory}` fits one for this device",
+    )
+
+
+def _usable_tree(directory: Path, entry: dict[str, Any]) -> tuple[TreeOptions | None, str]:
+    """The entry's tree, or None and why it is not used."""
     if entry.get("weights_sha256") != weights_sha256(directory):
-        return FittedTree(
-            None,
-            f"[tune] ignoring the tree fitted for {key.text()}: the drafter was exported again since; "
-            f"run `draftsmith tune {directory}` again",
-        )
+        return None, f"the drafter was exported again since; run `draftsmith tune {directory}` again"
     if not isinstance(entry.get("kernels"), dict):
-        return FittedTree(
-            None,
-            f"[tune] ignoring the tree fitted for {key.text()}: it was timed before the runtime's kernels were "
-            f"recorded (they have changed since); run `draftsmith tune {directory}` again",
+        return None, (
+            f"it was timed before the runtime's kernels were recorded (they have changed since); "
+            f"run `draftsmith tune {directory}` again"
         )
-    recorded = entry.get("tree") if isinstance(entry.get("tree"), dict) else {}
-    shape = {name: value for name, value in recorded.items() if name in TreeOptions.names()}
-    tree = TreeOptions(**shape)
+    tree = TreeOptions(**_tree_shape(entry))
     if tree.problem():  # a hand-edited file: its numbers get the checks a command line's do
-        return FittedTree(
-            None,
-            f"[tune] ignoring the tree fitted for {key.text()}: {tree.problem()}; "
-            f"run `draftsmith tune {directory}` again",
-        )
-    pays = "" if entry.get("drafting_pays", True) else " (tune predicted plain decoding faster here: --method none)"
-    options = " ".join(f"{name}={value}" for name, value in shape.items())
-    timed = kernels_text(entry["kernels"])
-    return FittedTree(tree, f"[tune] using the tree fitted for {key.text()} ({timed}): {options}{pays}")
+        return None, f"{tree.problem()}; run `draftsmith tune {directory}` again"
+    return tree, ""
+
+
+def _nearest_usable(directory: Path, entries: dict[str, Any], key: DeviceKey) -> tuple[str, TreeOptions] | None:
+    """The usable entry nearest to ``key`` among those for the same kind of device and dtype."""
+    kind = key.device.split(":")[0]
+    candidates = []
+    for text, entry in entries.items():
+        if str(entry.get("device", "")).split(":")[0] != kind or entry.get("dtype") != key.dtype:
+            continue
+        tree, _ = _usable_tree(directory, entry)
+        if tree is not None:
+            distance = (entry.get("device") != key.device, abs(int(entry.get("threads", 0)) - key.threads))
+            candidates.append((distance, text, tree))
+    if not candidates:
+        return None
+    _, text, tree = min(candidates, key=lambda candidate: candidate[:2])
+    return text, tree
+
+
+def _tree_shape(entry: dict[str, Any]) -> dict[str, Any]:
+    recorded = entry.get("tree") if isinstance(entry.get("tree"), dict) else {}
+    return {name: value for name, value in recorded.items() if name in TreeOptions.names()}
+
+
+def _described(entry: dict[str, Any], where: str = "here") -> str:
+    """"timed with ...): depth=2 top_k=2 total_tokens=3" and whether tune predicted drafting to pay."""
+    pays = "" if entry.get("drafting_pays", True) else f" (tune predicted plain decoding faster {where}: --method none)"
+    options = " ".join(f"{name}={value}" for name, value in _tree_shape(entry).items())
+    return f"{kernels_text(entry['kernels'])}): {options}{pays}"
 
 
 def kernels_text(kernels: dict[str, Any]) -> str:

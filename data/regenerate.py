@@ -219,16 +219,30 @@ def _resume_view(key: str, recorded: Any) -> Any:
 
 
 def _check_meta(out: Path, meta: dict[str, Any], resuming: bool) -> None:
+    """Refuse to resume ``out`` with another target, settings or dtype; else write ``meta`` over the old
+    one, keeping what only the old one holds (a maintainer's ``note``, the commands of earlier runs)."""
     path = meta_path(out)
-    if resuming and path.is_file():
-        old = json.loads(path.read_text())
-        for key in ("target", "settings"):
-            if _resume_view(key, old.get(key)) != _resume_view(key, meta[key]):
-                raise RegenerateError(
-                    f"{out} was regenerated with another {key} ({path}); "
-                    "use the same options to resume, or choose another --out"
-                )
-    atomic_write_json(path, meta)
+    old = json.loads(path.read_text()) if resuming and path.is_file() else {}
+    for key in ("target", "settings"):
+        if old and _resume_view(key, old.get(key)) != _resume_view(key, meta[key]):
+            raise RegenerateError(
+                f"{out} was regenerated with another {key} ({path}); "
+                "use the same options to resume, or choose another --out"
+            )
+    if old.get("dtype", meta["dtype"]) != meta["dtype"]:  # files from before dtypes were recorded: unknown
+        raise RegenerateError(
+            f"{out} was regenerated in {old['dtype']}, not {meta['dtype']} ({path}); resume with "
+            f"--dtype {old['dtype']}, or choose another --out (its answers would mix two numerical models)"
+        )
+    atomic_write_json(path, {**old, **meta, **_earlier_commands(old, meta)})
+
+
+def _earlier_commands(old: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any]:
+    """Every other command line that wrote to this output, oldest first (``command`` is the latest)."""
+    earlier = list(old.get("earlier_commands", []))
+    if old.get("command") and old["command"] != meta.get("command") and old["command"] not in earlier:
+        earlier.append(old["command"])
+    return {"earlier_commands": earlier} if earlier else {}
 
 
 def _assistant_slots(conversation: Conversation, max_turns: int | None) -> list[dict[str, str]]:
@@ -381,6 +395,7 @@ def regenerate(
             "target": target.identity.to_dict(),
             "settings": asdict(settings),
             "source": source,
+            "dtype": str(next(target.model.parameters()).dtype).removeprefix("torch."),
             # Not checked on resume: both engines decode the same prompts (greedy fp32 alike).
             "engine": engine.name,
             # Not checked on resume: a larger limit on the same output only adds records.

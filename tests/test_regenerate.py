@@ -148,6 +148,23 @@ def test_resume_with_other_settings_or_target_is_refused(tmp_path, source, tiny_
         regenerate(str(source), out, load_target(str(other_target_dir)), SETTINGS)
 
 
+def test_resume_in_another_dtype_is_refused_and_the_meta_keeps_its_note(tmp_path, source, tiny_target_dir):
+    """Answers of two numerical models never mix in one output; a resume keeps what only the old
+    .meta.json said (a maintainer's note, the earlier command) and records the new command."""
+    out = tmp_path / "out.jsonl"
+    regenerate(str(source), out, load_target(str(tiny_target_dir)), SETTINGS, limit=1, command="first")
+    meta = json.loads(meta_path(out).read_text())
+    assert meta["dtype"] == "float32"
+    meta_path(out).write_text(json.dumps({**meta, "note": "made on a GPU"}))
+    bf16 = load_target(str(tiny_target_dir), dtype="bfloat16")
+    with pytest.raises(RegenerateError, match="regenerated in float32, not bfloat16.*--dtype float32"):
+        regenerate(str(source), out, bf16, SETTINGS, command="second")
+    regenerate(str(source), out, load_target(str(tiny_target_dir)), SETTINGS, limit=2, command="third")
+    meta = json.loads(meta_path(out).read_text())
+    assert meta["note"] == "made on a GPU" and meta["command"] == "third" and meta["earlier_commands"] == ["first"]
+    assert len(read_out(out)) == 2
+
+
 def test_greedy_resume_takes_another_batch_size_and_sampled_resume_does_not(tmp_path, source, tiny_target):
     greedy = tmp_path / "greedy.jsonl"
     regenerate(str(source), greedy, tiny_target, SETTINGS, limit=1)

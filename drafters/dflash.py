@@ -52,6 +52,7 @@ from draftsmith.drafters.engine_layouts import (
     check_distinct_aux_layers,
     decoder_config,
     engine_tensor,
+    llama_layers,
 )
 from draftsmith.drafters.vocab import DraftHead, unused_token_id
 
@@ -136,9 +137,7 @@ class DFlashConfig(DrafterConfig):
         return self.block_size - 1
 
     def layer_config(self) -> LlamaConfig:
-        config = LlamaConfig(**self.layer, num_hidden_layers=self.num_layers)
-        config._attn_implementation = "sdpa"
-        return config
+        return llama_layers(self.layer, self.num_layers)
 
     @property
     def hidden_size(self) -> int:

@@ -29,7 +29,7 @@ from draftsmith.core.drafting import DraftContext, Drafter, committed_features
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.tree import DraftTree, TreeGrowth, causal_mask, causal_mask_after, grow_tree
 from draftsmith.drafters.base import DrafterConfig, DrafterModel, DraftVocabMixin, FrozenTarget, TreeOptions
-from draftsmith.drafters.engine_layouts import EngineExport, EngineLayoutError, Verifier, llama_layer_config
+from draftsmith.drafters.engine_layouts import EngineExport, EngineLayoutError, Verifier, llama_layer_config, llama_layers
 from draftsmith.drafters.vocab import DraftHead
 
 # Target config keys the drafter's layer copies: the shape of one decoder layer and its positions.
@@ -111,9 +111,7 @@ class EagleConfig(DrafterConfig):
             )
 
     def layer_config(self) -> LlamaConfig:
-        config = LlamaConfig(**self.layer, num_hidden_layers=1)
-        config._attn_implementation = "sdpa"
-        return config
+        return llama_layers(self.layer, 1)
 
     @property
     def hidden_size(self) -> int:

@@ -104,10 +104,25 @@ def decoder_config(layer: dict[str, Any], model_type: str, num_hidden_layers: in
     architecture (Gemma-3) may name its activation otherwise, which leaves a Llama layer on its default,
     and give one RoPE per layer type, nested entries a Llama layer ignores and engines cannot read."""
     config = {key: value for key, value in layer.items() if not key.startswith("_")}
-    computed = LlamaConfig(**config)
-    config["rope_parameters"] = {k: v for k, v in computed.rope_parameters.items() if not isinstance(v, dict)}
+    computed = llama_layers(layer, 1)
+    config["rope_parameters"] = computed.rope_parameters
     config["hidden_act"] = computed.hidden_act
     config.update(model_type=model_type, num_hidden_layers=num_hidden_layers, **extra)
+    return config
+
+
+def llama_layers(layer: dict[str, Any], num_hidden_layers: int) -> LlamaConfig:
+    """The config of a drafter's Llama-shaped decoder layers built from a target-shaped ``layer``. A target
+    with one RoPE per layer type (Gemma-3: ``full_attention`` / ``sliding_attention``) gives nested entries a
+    Llama layer ignores (it computes with the top-level ones, Llama's defaults where there are none):
+    dropped here, so transformers does not warn about them at every load and the config says what runs."""
+    settings = {key: value for key, value in layer.items() if not key.startswith("_")}
+    rope = settings.get("rope_parameters")
+    if isinstance(rope, dict):
+        flat = {key: value for key, value in rope.items() if not isinstance(value, dict)}
+        settings["rope_parameters"] = flat or None
+    config = LlamaConfig(**settings, num_hidden_layers=num_hidden_layers)
+    config._attn_implementation = "sdpa"
     return config
 
 

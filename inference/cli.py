@@ -406,7 +406,8 @@ def _add_tune_parser(subparsers: Any) -> None:
         "tuned_trees.json for this device, dtype and thread count (generate and bench then use it), and measure it.",
     )
     p.add_argument(
-        "export", help="a directory written by `draftsmith export` (eagle, fspad, eagle3, fspad3, medusa, medusa2)"
+        "export",
+        help="a directory written by `draftsmith export` (eagle, fspad, eagle3, fspad3, peagle, dflash, medusa, medusa2)",
     )
     p.add_argument(
         "--questions", default=None, help="Spec-Bench-format .jsonl (first turns); default: held-out default prompts"

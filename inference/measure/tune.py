@@ -1,7 +1,8 @@
 """``draftsmith tune``: the draft tree that decodes fastest on this device, for EAGLE-2 dynamic trees
-(depth, top_k, total_tokens of an eagle, fspad, eagle3 or fspad3 drafter) and Medusa's dynamic
-trees (top_k per head, total_tokens) for Medusa-1 and for Medusa-2, whose served model (the target with
-its LoRA merged) stands in for the target throughout: decoded, timed and measured.
+(depth, top_k, total_tokens of an eagle, fspad, eagle3 or fspad3 drafter), one-forward trees (the
+per-position top-k of a peagle or dflash drafter) and Medusa's dynamic trees (top_k per head,
+total_tokens) for Medusa-1 and for Medusa-2, whose served model (the target with its LoRA merged) stands
+in for the target throughout: decoded, timed and measured.
 
 Predicted tokens/s of a tree = mean tokens committed per round / (drafting cost + verification cost),
 with both costs measured here: the target's verification forward per tree size by ``bench-tree``'s

@@ -107,7 +107,7 @@ def fitted_tree(directory: Path, key: DeviceKey) -> FittedTree:
         tree, problem = _usable_tree(directory, entry)
         if tree is None:
             return FittedTree(None, f"[tune] ignoring the tree fitted for {key.text()}: {problem}")
-        return FittedTree(tree, f"[tune] using the tree fitted for {key.text()} ({_described(entry)}")
+        return FittedTree(tree, f"[tune] using the tree fitted for {key.text()} {_described(entry)}")
     stand_in = _nearest_usable(directory, entries, key)
     if stand_in is None:
         return FittedTree(
@@ -119,7 +119,7 @@ def fitted_tree(directory: Path, key: DeviceKey) -> FittedTree:
     return FittedTree(
         tree,
         f"[tune] {directory} has no tree fitted for {key.text()}; using the one fitted for {text} "
-        f"({_described(entries[text], 'there')}; `draftsmith tune {directory}` fits one for this device",
+        f"{_described(entries[text], 'there')}; `draftsmith tune {directory}` fits one for this device",
     )
 
 
@@ -146,8 +146,9 @@ def _nearest_usable(directory: Path, entries: dict[str, Any], key: DeviceKey) ->
         if str(entry.get("device", "")).split(":")[0] != kind or entry.get("dtype") != key.dtype:
             continue
         tree, _ = _usable_tree(directory, entry)
-        if tree is not None:
-            distance = (entry.get("device") != key.device, abs(int(entry.get("threads", 0)) - key.threads))
+        threads = entry.get("threads")
+        if tree is not None and isinstance(threads, int):
+            distance = (entry.get("device") != key.device, abs(threads - key.threads))
             candidates.append((distance, text, tree))
     if not candidates:
         return None
@@ -161,10 +162,10 @@ def _tree_shape(entry: dict[str, Any]) -> dict[str, Any]:
 
 
 def _described(entry: dict[str, Any], where: str = "here") -> str:
-    """"timed with ...): depth=2 top_k=2 total_tokens=3" and whether tune predicted drafting to pay."""
+    """"(timed with ...): depth=2 top_k=2 total_tokens=3" and whether tune predicted drafting to pay."""
     pays = "" if entry.get("drafting_pays", True) else f" (tune predicted plain decoding faster {where}: --method none)"
     options = " ".join(f"{name}={value}" for name, value in _tree_shape(entry).items())
-    return f"{kernels_text(entry['kernels'])}): {options}{pays}"
+    return f"({kernels_text(entry['kernels'])}): {options}{pays}"
 
 
 def kernels_text(kernels: dict[str, Any]) -> str:

@@ -73,10 +73,17 @@ def seed(text: str) -> int:
     return value
 
 
+def usable_cpus() -> list[int]:
+    """The CPU cores this process may run on (its affinity where the OS has one), in order."""
+    if hasattr(os, "sched_getaffinity"):
+        return sorted(os.sched_getaffinity(0))
+    return list(range(os.cpu_count() or 1))
+
+
 def thread_count(text: str) -> int:
     """1 up to the cores this process may use: more threads than cores only wait on each other."""
     value = positive_int(text)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    cores = len(usable_cpus())
     if value > cores:
         raise argparse.ArgumentTypeError(f"must be from 1 to {cores} (the cores available), got {value}")
     return value

@@ -21,6 +21,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from draftsmith.core.arguments import usable_cpus
 from draftsmith.core.errors import DraftsmithError
 
 VLLM_PYTHON_ENV = "DRAFTSMITH_VLLM_PYTHON"
@@ -71,8 +72,7 @@ def cpu_binding(threads: int) -> str:
     """vLLM's CPU list (``"0,1"``) for the first ``threads`` cores this process may run on."""
     if threads < 1:
         raise VllmError(f"vLLM needs at least one thread, got {threads}")
-    usable = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
-    return ",".join(str(cpu) for cpu in usable[:threads])
+    return ",".join(str(cpu) for cpu in usable_cpus()[:threads])
 
 
 def last_error_line(stderr: str) -> str:

@@ -306,6 +306,8 @@ STUB_VLLM = """import json, os, sys
 engine = json.load(open(sys.argv[3]))
 replies = os.fdopen(int(sys.argv[4]), "w")
 print("INFO vLLM stand-in starting on", engine["model"])
+with open(os.path.join(os.path.dirname(sys.argv[0]), "cores"), "w") as cores:  # the binding it was given
+    cores.write(os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "vLLM's own"))
 replies.write(json.dumps({"vllm_version": "stub", "startup_seconds": 0.1}) + "\\n")
 replies.flush()
 for line in sys.stdin:
@@ -331,14 +333,16 @@ def stub_vllm(tmp_path):
     return stub
 
 
-def test_vllm_engine_plumbing_with_a_stand_in(tmp_path, source, tiny_target, tiny_target_dir, capsys):
+def test_vllm_engine_plumbing_with_a_stand_in(tmp_path, source, tiny_target, tiny_target_dir, capsys, monkeypatch):
     """The vLLM path's protocol and bookkeeping, with a stand-in engine (not vLLM): prompts go out as the
     target's chat-template tokens, answers come back in order and are decoded here; a worker that dies
-    is reported by its error line."""
-    from draftsmith.core.vllm_env import VllmError, VllmServer
+    is reported by its error line. vLLM computes on every core unless --threads says otherwise."""
+    from draftsmith.core.arguments import usable_cpus
+    from draftsmith.core.vllm_env import THREADS_BIND, VllmError, VllmServer, cpu_binding
     from draftsmith.data.regenerate import VllmEngine, encode_prompt, vllm_server_settings
     from draftsmith.train.cli import main
 
+    monkeypatch.delenv(THREADS_BIND, raising=False)
     out = tmp_path / "out.jsonl"
     args = ["data", "regenerate", str(source), "--out", str(out), "--target", str(tiny_target_dir)]
     main([*args, "--engine", "vllm", "--vllm-python", str(stub_vllm(tmp_path)), "--max-new-tokens", "4"])
@@ -349,6 +353,9 @@ def test_vllm_engine_plumbing_with_a_stand_in(tmp_path, source, tiny_target, tin
     assert turns[1]["value"] == tiny_target.tokenizer.decode([last_word]).strip() == "?"
     assert json.loads(meta_path(out).read_text())["engine"] == "vllm"
     assert "vLLM stub ready" in capsys.readouterr().err
+    assert (tmp_path / "cores").read_text() == cpu_binding(len(usable_cpus()))
+    main([*args, "--engine", "vllm", "--vllm-python", str(stub_vllm(tmp_path)), "--max-new-tokens", "4", "--threads", "1"])
+    assert (tmp_path / "cores").read_text() == cpu_binding(1)
 
     settings = vllm_server_settings(tiny_target_dir, tiny_target, "float32")
     with VllmServer(str(stub_vllm(tmp_path)), settings) as server:

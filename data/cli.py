@@ -189,7 +189,8 @@ def cmd_regenerate(args: argparse.Namespace) -> None:
         max_turns=args.max_turns,
     )
     with ExitStack() as stack:
-        engine = _start_vllm(stack, vllm, target, settings, args.dtype, args.threads or len(usable_cpus())) if vllm else None
+        cores = args.threads or len(usable_cpus())
+        engine = _start_vllm(stack, vllm, target, settings, args.dtype, cores) if vllm else None
         report = regenerate(
             _source(args.input),
             Path(args.out),

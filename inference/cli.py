@@ -407,7 +407,8 @@ def _add_tune_parser(subparsers: Any) -> None:
     )
     p.add_argument(
         "export",
-        help="a directory written by `draftsmith export` (eagle, fspad, eagle3, fspad3, peagle, dflash, medusa, medusa2)",
+        help="a directory written by `draftsmith export` "
+        "(eagle, fspad, eagle3, fspad3, peagle, dflash, medusa, medusa2)",
     )
     p.add_argument(
         "--questions", default=None, help="Spec-Bench-format .jsonl (first turns); default: held-out default prompts"

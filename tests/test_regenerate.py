@@ -354,7 +354,8 @@ def test_vllm_engine_plumbing_with_a_stand_in(tmp_path, source, tiny_target, tin
     assert json.loads(meta_path(out).read_text())["engine"] == "vllm"
     assert "vLLM stub ready" in capsys.readouterr().err
     assert (tmp_path / "cores").read_text() == cpu_binding(len(usable_cpus()))
-    main([*args, "--engine", "vllm", "--vllm-python", str(stub_vllm(tmp_path)), "--max-new-tokens", "4", "--threads", "1"])
+    vllm = ["--engine", "vllm", "--vllm-python", str(stub_vllm(tmp_path)), "--max-new-tokens", "4"]
+    main([*args, *vllm, "--threads", "1"])
     assert (tmp_path / "cores").read_text() == cpu_binding(1)
 
     settings = vllm_server_settings(tiny_target_dir, tiny_target, "float32")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import hashlib
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -74,6 +75,7 @@ def cmd_prepare(args: argparse.Namespace) -> None:
     tokenizer, identity = _tokenizer_for(args)
     stats = ReadStats()
     dropped_turns = 0
+    first_seen = DuplicateSamples()
 
     def samples():
         nonlocal dropped_turns
@@ -85,6 +87,8 @@ def cmd_prepare(args: argparse.Namespace) -> None:
         ):
             try:
                 sample = tokenize_conversation(tokenizer, conversation, args.max_length)
+                if not args.keep_duplicates:
+                    first_seen.check(sample)
             except RecordError as error:
                 stats.skip(conversation.id, error)
                 continue
@@ -109,6 +113,25 @@ def cmd_prepare(args: argparse.Namespace) -> None:
         f"({manifest['n_supervised'] / manifest['n_tokens']:.0%}); {dropped_turns} trailing turns dropped to fit "
         f"--max-length {args.max_length}; written to {args.out}"
     )
+
+
+class DuplicateSamples:
+    """Refuses a sample whose tokens and loss mask equal an earlier one's. Self-distilled data repeats
+    itself wherever a prompt does (greedy answers to the same prompt are the same tokens): ShareGPT's
+    95 bare "continue" records become one sample instead of outweighing every other, and a held-out
+    sample cannot have its exact copy among the training samples."""
+
+    def __init__(self) -> None:
+        self._first: dict[bytes, str] = {}
+
+    def check(self, sample: Any) -> None:
+        from draftsmith.data.formats import RecordError
+
+        digest = hashlib.sha256(repr((sample.input_ids, sample.loss_mask)).encode()).digest()
+        if digest in self._first:
+            first = self._first[digest]
+            raise RecordError("duplicate", f"the same tokens as record {first} (--keep-duplicates keeps both)")
+        self._first[digest] = sample.id
 
 
 class DataOptionError(DraftsmithError, ValueError):
@@ -337,6 +360,12 @@ def _add_prepare_command(commands: Any) -> None:
     p.add_argument("--chat-template", default=None, help="a Jinja chat template file to use instead of the target's")
     p.add_argument("--split", default="train", help="split, for hub datasets")
     p.add_argument("--limit", type=positive_int, default=None, help="read at most this many records (>= 1)")
+    p.add_argument(
+        "--keep-duplicates",
+        action="store_true",
+        help="keep samples whose tokens equal an earlier sample's (default: each is skipped as 'duplicate'; "
+        "self-distilled data repeats wherever its prompts do)",
+    )
     p.add_argument(
         "--overwrite",
         action="store_true",

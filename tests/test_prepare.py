@@ -36,6 +36,20 @@ def test_prepare_writes_masks_and_counts(tmp_path, tiny_target_dir, chat_records
     assert dataset.identity == identity
 
 
+def test_prepare_skips_a_sample_whose_tokens_repeat_an_earlier_one(tmp_path, tiny_target_dir, chat_records, capsys):
+    twice = [sharegpt(("human", "continue"), ("gpt", "Sure."), id=name) for name in ("a", "b", "c")]
+    other_answer = sharegpt(("human", "continue"), ("gpt", "No."), id="d")
+    data = write_jsonl(tmp_path / "d.jsonl", chat_records + twice + [other_answer])
+    main(["data", "prepare", str(data), "--out", str(tmp_path / "p"), "--target", str(tiny_target_dir)])
+    assert "record b: duplicate: the same tokens as record a" in capsys.readouterr().out
+    dataset = PreparedDataset(tmp_path / "p")
+    assert dataset.sample_ids == ["c0", "c1", "c2", "a", "d"]
+    assert dataset.manifest["counts"]["skipped"] == {"duplicate": 2}
+    flags = ["--target", str(tiny_target_dir), "--keep-duplicates"]
+    main(["data", "prepare", str(data), "--out", str(tmp_path / "k"), *flags])
+    assert PreparedDataset(tmp_path / "k").sample_ids == ["c0", "c1", "c2", "a", "b", "c", "d"]
+
+
 def test_prepare_refuses_to_overwrite_and_prepared_data_checks_target(
     tmp_path, tiny_target_dir, other_target_dir, chat_records
 ):

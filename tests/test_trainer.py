@@ -260,6 +260,25 @@ def test_train_samples_keeps_nested_subsets_and_the_same_held_out_samples():
         TrainData(_Lengths(lengths), eval_samples=8, train_samples=393)
 
 
+def test_held_out_samples_with_a_copy_in_training_are_reported(tmp_path, tiny_target_dir, recipe_path, capsys):
+    from conftest import sharegpt, write_jsonl
+
+    records = [sharegpt(("human", f"What is {i} times 3?"), ("gpt", f"It is {3 * i}."), id=f"r{i}") for i in range(6)]
+    copies = [{**record, "id": record["id"] + "-copy"} for record in records]
+    data = write_jsonl(tmp_path / "twice.jsonl", records + copies)
+    prepared = tmp_path / "twice"
+    main(["data", "prepare", str(data), "--out", str(prepared), "--target", str(tiny_target_dir), "--keep-duplicates"])
+    capsys.readouterr()
+    (tmp_path / "copies").mkdir()
+    recipe = write_recipe(tmp_path / "copies", tiny_target_dir, prepared)
+    Trainer(load_train_recipe(recipe, ["data.eval_samples=3"]))
+    warning = capsys.readouterr().err
+    assert "of the 3 held-out samples have an exact copy among the training samples" in warning
+    assert "draftsmith data prepare" in warning
+    Trainer(load_train_recipe(recipe_path, ["data.eval_samples=3"]))  # distinct samples: nothing to report
+    assert "held-out samples have an exact copy" not in capsys.readouterr().err
+
+
 def test_a_data_subset_alone_shapes_the_draft_vocabulary(recipe_path):
     trainer = Trainer(load_train_recipe(recipe_path, ["data.train_samples=3", "data.eval_samples=2"]))
     vocab = len(trainer.target.tokenizer)

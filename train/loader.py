@@ -144,6 +144,18 @@ class TrainData:
     def offline(self) -> bool:
         return self.cache is not None
 
+    def held_out_copies(self) -> int:
+        """Held-out samples whose tokens and loss mask equal a training sample's. `data prepare` drops
+        such copies now; a set prepared before it did keeps them, and self-distilled data repeats
+        wherever its prompts do, so a drafter is scored on answers it trained on."""
+
+        def key(index: int) -> bytes:
+            sample = self.prepared[index]
+            return sample.input_ids.numpy().tobytes() + b"|" + sample.loss_mask.numpy().tobytes()
+
+        trained = {key(i) for i in self.train_indices}
+        return sum(key(i) in trained for i in self.eval_indices)
+
     def steps_per_epoch(self, plan: BatchPlan) -> int:
         steps = len(self.train_indices) // plan.global_batch
         if steps == 0:

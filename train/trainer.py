@@ -356,12 +356,23 @@ class Trainer:
             length_group,
             recipe.data.train_samples,
         )
+        self._warn_about_held_out_copies()
         self.frozen = FrozenTarget.from_model(self.target.model)
         self.frozen.embed_tokens.to(device)
         self.frozen.lm_head.to(device)
         self.plan = BatchPlan(recipe.train.batch_size, self.accelerator.num_processes, recipe.train.grad_accum)
         self.steps_per_epoch = self.data.steps_per_epoch(self.plan)
         self.total_steps = recipe.train.max_steps or recipe.train.epochs * self.steps_per_epoch
+
+    def _warn_about_held_out_copies(self) -> None:
+        copies = self.data.held_out_copies() if self.accelerator.is_main_process else 0
+        if copies:
+            tqdm.write(
+                f"draftsmith: warning: {copies} of the {len(self.data.eval_indices)} held-out samples have an exact "
+                f"copy among the training samples, so held-out acceptance is inflated; run `draftsmith data prepare` "
+                f"again (it now drops duplicates)",
+                file=sys.stderr,
+            )
 
     def _build_model(self) -> None:
         from accelerate.utils import set_seed

@@ -17,6 +17,7 @@ the shuffled order are sorted by length and cut into micro-batches, which are th
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -151,8 +152,10 @@ class TrainData:
 
         def key(index: int) -> bytes:
             sample = self.prepared[index]
-            return sample.input_ids.numpy().tobytes() + b"|" + sample.loss_mask.numpy().tobytes()
+            return hashlib.sha256(sample.input_ids.numpy().tobytes() + sample.loss_mask.numpy().tobytes()).digest()
 
+        if not self.eval_indices:
+            return 0
         trained = {key(i) for i in self.train_indices}
         return sum(key(i) in trained for i in self.eval_indices)
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import hashlib
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -126,8 +125,9 @@ class DuplicateSamples:
 
     def check(self, sample: Any) -> None:
         from draftsmith.data.formats import RecordError
+        from draftsmith.data.prepared import sample_digest
 
-        digest = hashlib.sha256(repr((sample.input_ids, sample.loss_mask)).encode()).digest()
+        digest = sample_digest(sample.input_ids, sample.loss_mask)
         if digest in self._first:
             first = self._first[digest]
             raise RecordError("duplicate", f"the same tokens as record {first} (--keep-duplicates keeps both)")

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
@@ -52,6 +53,13 @@ def prepared_output_rules(source: str) -> OutputRules:
 
 def template_hash(chat_template: str) -> str:
     return hashlib.sha256(chat_template.encode()).hexdigest()
+
+
+def sample_digest(input_ids: Any, loss_mask: Any) -> bytes:
+    """One sample's identity, its tokens and loss mask (lists or tensors alike): what `data prepare` calls
+    a duplicate and what training checks its held-out samples against."""
+    ids = np.asarray(input_ids, dtype=np.int64).tobytes()
+    return hashlib.sha256(ids + np.asarray(loss_mask, dtype=np.uint8).tobytes()).digest()
 
 
 def write_prepared(

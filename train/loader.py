@@ -17,7 +17,6 @@ the shuffled order are sorted by length and cut into micro-batches, which are th
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,7 +25,7 @@ import torch
 
 from draftsmith.core.target import TargetIdentity
 from draftsmith.data.features import FeatureCache, FeatureCacheError, _dataset_fingerprint
-from draftsmith.data.prepared import PreparedDataError, PreparedDataset
+from draftsmith.data.prepared import PreparedDataError, PreparedDataset, sample_digest
 from draftsmith.train.batch import TrainBatch
 
 EVAL_SPLIT_SEED = 0  # the held-out split does not move when train.seed changes
@@ -152,7 +151,7 @@ class TrainData:
 
         def key(index: int) -> bytes:
             sample = self.prepared[index]
-            return hashlib.sha256(sample.input_ids.numpy().tobytes() + sample.loss_mask.numpy().tobytes()).digest()
+            return sample_digest(sample.input_ids, sample.loss_mask)
 
         if not self.eval_indices:
             return 0

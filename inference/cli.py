@@ -176,7 +176,9 @@ def cmd_bench_tree(args: argparse.Namespace) -> None:
         check_output_directory(Path(args.out), args.overwrite, tree_output_rules())
         check_creatable_directory(Path(args.out))
     target = _load_target(args)
-    results = run_tree_bench(target, sizes, args.prefix, args.repeats, args.shape, backends=backends)
+    results = run_tree_bench(
+        target, sizes, args.prefix, args.repeats, args.shape, backends=backends, profile=args.profile
+    )
     print(tree_markdown(results))
     if args.out:
         write_tree_results(results, Path(args.out), args.overwrite)
@@ -388,6 +390,12 @@ def _add_bench_tree_parser(subparsers: Any) -> None:
     p.add_argument("--prefix", type=int, default=300, help="tokens already in the KV cache")
     p.add_argument("--repeats", type=int, default=7, help="timed forwards per size; the median is reported")
     p.add_argument("--shape", choices=["random", "chain"], default="random", help="tree shape (seeded random tree)")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="also show where each size's milliseconds go: a few more forwards under torch's profiler, "
+        "a table of the operators that take most time (the C++ kernels appear as draftsmith::...)",
+    )
     p.add_argument("--out", default=None, help="also write bench_tree.json and bench_tree.md to this directory")
     p.add_argument("--overwrite", action="store_true", help="replace the results an earlier bench-tree wrote at --out")
     p.set_defaults(func=cmd_bench_tree, output_args=("out",))

@@ -28,6 +28,23 @@ def test_bench_tree_writes_json_and_markdown(tmp_path, tiny_target_dir, capsys):
     assert results["linear"]["kernel"] in ("stream", "onednn", "mkl", "default")
 
 
+def test_profile_names_the_kernels_that_take_each_sizes_time(tmp_path, tiny_target_dir, capsys):
+    from draftsmith.train.cli import main
+
+    out = tmp_path / "tree"
+    args = ["bench-tree", "--target", str(tiny_target_dir), "--sizes", "4", "--prefix", "20", "--repeats", "1"]
+    main([*args, "--threads", "1", "--profile", "--out", str(out)])
+    spent = json.loads((out / "bench_tree.json").read_text())["profile_ms"]
+    assert list(spent) == ["1", "4"]
+    for ops in spent.values():
+        assert all(ms > 0 for ms in ops.values()) and "(outside operators)" in ops
+        # the tiny target runs the C++ layers, whose products and attention record themselves
+        assert "draftsmith::decoder_layers" in ops and "draftsmith::attend" in ops
+    table = (out / "bench_tree.md").read_text()
+    assert "Where a forward's milliseconds go" in table and "| `draftsmith::decoder_layers` |" in table
+    assert "Where a forward's milliseconds go" in capsys.readouterr().out
+
+
 def test_a_step_reads_the_decoder_once_and_the_head_as_the_runtime_reads_it():
     from conftest import tiny_llama
     from draftsmith.inference.kernels.greedy_head import GreedyHead

@@ -20,15 +20,43 @@ from helpers import hf_greedy
 
 VOCAB, HIDDEN = 3000, 64
 # the contender search in Python and in the runtime's C++ extension (which the tests expect to build)
-SEARCHES = pytest.mark.parametrize("native", [False, True], ids=["python", "c++"])
+SEARCHES = pytest.mark.parametrize("native", [False, "avx2", "avx512"], ids=["python", "c++ avx2", "c++ avx512"])
 
 
-def extension(native: bool):
+class FixedInstructions:
+    """The C++ extension with its screen and contender search held to one instruction set (``auto`` picks
+    AVX-512 where the CPU has it, so the other code would otherwise go untested on such a CPU)."""
+
+    def __init__(self, built, isa: str) -> None:
+        self.built, self.isa = built, isa
+
+    def __getattr__(self, name: str):
+        return getattr(self.built, name)
+
+    def int8_screen(self, *args):
+        return self.built.int8_screen(*args, isa=self.isa)
+
+    def screen_contenders(self, *args):
+        return self.built.screen_contenders(*args, isa=self.isa)
+
+
+def extension(native: bool | str):
+    """None (Python and torch), the C++ extension (``True``), or the extension with its vector code held
+    to one instruction set (``"avx2"``, ``"avx512"``; skipped where the CPU lacks it)."""
     if not native:
         return None
     built = native_extension()
     assert built is not None, "the C++ extension should build here"
-    return built
+    if native is True:
+        return built
+    if not built.simd_supported():
+        pytest.skip("the C++ kernels need an x86-64 CPU with AVX2 and FMA")
+    try:
+        zeros = torch.zeros(1, 16, dtype=torch.bfloat16)
+        built.int8_screen(zeros, zeros.to(torch.int8), torch.ones(1, dtype=torch.bfloat16), isa=native)
+    except RuntimeError as error:
+        pytest.skip(str(error).splitlines()[0])
+    return FixedInstructions(built, native)
 
 
 def head(seed: int, vocab: int = VOCAB, hidden: int = HIDDEN) -> nn.Linear:
@@ -84,10 +112,11 @@ def test_a_leading_dimension_is_kept():
 
 
 # the screen's int8 product: torch's, and the C++ extension's (weights read once for all rows) where it runs
-SCREENS = pytest.mark.parametrize("native", [False, True], ids=["torch", "c++"])
+# torch's int8 product, and the C++ one with each of its instruction sets
+SCREENS = pytest.mark.parametrize("native", [False, "avx2", "avx512"], ids=["torch", "c++ avx2", "c++ avx512"])
 
 
-def screen_extension(native: bool):
+def screen_extension(native: bool | str):
     built = extension(native)
     if built is not None and not built.simd_supported():
         pytest.skip("the C++ int8 screen needs an x86-64 CPU with AVX2 and FMA")
@@ -110,11 +139,12 @@ def test_every_token_is_within_its_bound_on_this_machines_kernel(native, count):
     assert bool(((exact - screen).abs() <= bounds).all())
 
 
-def test_the_c_plus_plus_screen_computes_torchs_product_to_its_rounding():
+@pytest.mark.parametrize("isa", ["avx2", "avx512"])
+def test_the_c_plus_plus_screen_computes_torchs_product_to_its_rounding(isa):
     """The same sums in another order: each logit within a bfloat16 step of torch's, most equal."""
     greedy = GreedyHead(head(11, vocab=VOCAB + 3))
     screen_input = rows(9, 12).to(torch.bfloat16)
-    ours = greedy.screen(screen_input, screen_extension(True)).float()
+    ours = greedy.screen(screen_input, screen_extension(isa)).float()
     theirs = greedy.screen(screen_input, None).float()
     assert bool(((ours - theirs).abs() <= theirs.abs() * 2.0**-7 + 1e-30).all())
     assert float((ours == theirs).float().mean()) > 0.99
@@ -152,7 +182,8 @@ def test_a_tie_closer_than_float32_rounding_takes_the_float32_head(native):
     assert greedy.fallback_rows == 1
 
 
-def test_the_c_plus_plus_search_finds_the_python_contenders():
+@pytest.mark.parametrize("isa", ["avx2", "avx512"])
+def test_the_c_plus_plus_search_finds_the_python_contenders(isa):
     """Same floors (to float32 rounding) and the same contender sets on random rows, and the float32
     argmax always among them."""
     layer = head(9)
@@ -161,12 +192,28 @@ def test_the_c_plus_plus_search_finds_the_python_contenders():
     screen_input = x.to(torch.bfloat16)
     screen = torch._weight_int8pack_mm(screen_input, greedy.quantized, greedy.scales)
     python = greedy._contenders(x, screen_input, screen, None)
-    native = greedy._contenders(x, screen_input, screen, extension(True))
+    native = greedy._contenders(x, screen_input, screen, extension(isa))
     assert torch.allclose(native[0], python[0], rtol=1e-6, atol=0)
     best = float32_argmax(layer, x)
     for row, (ours, theirs) in enumerate(zip(native[1], python[1], strict=True)):
         assert torch.equal(ours, theirs)
         assert int(best[row]) in ours.tolist()
+
+
+def test_the_wide_contender_search_computes_the_narrow_ones_floats():
+    """AVX-512 and plain code give bitwise the same floors and contenders, over several spans of the
+    vocabulary, a remainder of tokens and a row with an infinity."""
+    greedy = GreedyHead(head(9, vocab=2 * 8192 + 21))
+    x = rows(6, 13)
+    x[4, 3] = float("inf")
+    screen_input = x.to(torch.bfloat16)
+    screen = torch._weight_int8pack_mm(screen_input, greedy.quantized, greedy.scales)
+    narrow = greedy._contenders(x, screen_input, screen, extension("avx2"))
+    wide = greedy._contenders(x, screen_input, screen, extension("avx512"))
+    assert torch.equal(wide[0].isnan(), narrow[0].isnan()) and bool(narrow[0].isnan().any())
+    assert torch.equal(wide[0].nan_to_num(), narrow[0].nan_to_num())
+    for ours, theirs in zip(wide[1], narrow[1], strict=True):
+        assert torch.equal(ours, theirs)
 
 
 @SEARCHES

@@ -16,6 +16,7 @@ from draftsmith.core.tree import TreeInputBuffers
 from draftsmith.inference.backends import Backends, verification_forward
 from draftsmith.inference.kernels import packed_gemm
 from draftsmith.inference.kernels.context import KernelContext
+from draftsmith.inference.kernels.native import native_extension
 from draftsmith.inference.kernels.options import KernelOptions
 from draftsmith.inference.kernels.packed_gemm import PackedGemm, PackedLinear, linear_kernel_available, row_bucket
 from draftsmith.inference.methods.pld import PromptLookupDrafter
@@ -260,6 +261,26 @@ def test_the_stream_kernel_sums_each_output_alike_for_any_rows_and_threads(outpu
         assert torch.equal(packed_gemm.one_pack_product("stream", rows, pack), together)
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("outputs, inputs", [(37, 13), (80, 300), (16, 1), (96, 129)])
+def test_the_stream_kernels_avx512_tiles_give_the_avx2_tiles_floats(outputs, inputs):
+    """AVX-512 (two blocks of 16 outputs a tile, up to 12 rows a pass, an odd block alone) computes every
+    sum as the AVX2 tiles do, so which one runs is speed only and changes no token."""
+    one_pack_kernel("stream")
+    native = native_extension()
+    generator = torch.Generator().manual_seed(outputs + inputs)
+    weight = torch.randn(outputs, inputs, generator=generator)
+    rows = torch.randn(30, inputs, generator=generator)
+    pack = packed_gemm.one_pack("stream", weight)
+    try:
+        native.stream_linear(rows[:1], pack, isa="avx512")
+    except RuntimeError as error:
+        pytest.skip(str(error).splitlines()[0])
+    for count in (1, 2, 3, 8, 12, 13, 25, 30):
+        narrow = native.stream_linear(rows[:count], pack, isa="avx2")
+        assert torch.equal(native.stream_linear(rows[:count], pack, isa="avx512"), narrow)
+        assert torch.equal(native.stream_linear(rows[:count], pack), narrow)
 
 
 @pytest.mark.parametrize("linear", ["auto", "stream", "onednn", "default"])

@@ -5,13 +5,16 @@
 //   when it is used.
 // - attend: attention computing every row from its query and the keys it sees alone (row-invariant);
 //   attention.py registers it with transformers for the model's own forwards.
-// - stream_linear: the stream kernel's product (packed_gemm.py), the weights read once for all rows.
+// - stream_linear: the stream kernel's product (packed_gemm.py), the weights read once for all rows, with
+//   AVX2 and FMA or, where the CPU has it, AVX-512 (the same floats).
 // - screen_contenders: the screened head's bound and contender search (greedy_head.py) in two passes
 //   over the vocabulary instead of ten tensor-wide operations.
 // - proven_argmax: the screened head's proof for one row, reading the contenders' weight rows in place.
 // - int8_screen: the screened head's int8 product (greedy_head.py) reading each weight row from memory
-//   once for all rows of a tree (torch's int8 product reads the weights once per row), with AVX2 and FMA.
+//   once for all rows of a tree (torch's int8 product reads the weights once per row), with AVX2 and FMA
+//   or, where the CPU has it, AVX-512 (as the stream kernel).
 #include <ATen/Parallel.h>
+#include <ATen/record_function.h>
 #include <torch/extension.h>
 
 #ifdef __linux__
@@ -20,11 +23,13 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstdint>
 #include <limits>
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <string>
 #include <vector>
 
 #if defined(__x86_64__)
@@ -32,7 +37,7 @@
 #define DRAFTSMITH_X86 1
 #endif
 
-at::Tensor stream_linear(const at::Tensor& rows, const at::Tensor& pack);
+at::Tensor stream_linear(const at::Tensor& rows, const at::Tensor& pack, const std::string& isa = "auto");
 
 namespace {
 
@@ -253,6 +258,70 @@ AVX2 void screen_span(const float* x, int64_t rows, const int8_t* q, int64_t K, 
     }
   }
 }
+#define AVX512 __attribute__((target("avx512f")))
+
+// screen_block with AVX-512: 16 inputs a step (K a multiple of 16), so half the instructions a product
+// where the CPU has two 512-bit units. The sums are of the same exact products in another order.
+template <int R, int T>
+AVX512 inline void screen_block_512(const float* x, const int8_t* q, int64_t K, int64_t V, int64_t i, float* sums) {
+  __m512 acc[T][R];
+#pragma GCC unroll 8
+  for (int t = 0; t < T; ++t)
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) acc[t][r] = _mm512_setzero_ps();
+  const int64_t ahead = std::min(i + kPrefetchRows, V - T);
+  for (int64_t k = 0; k < K; k += 16) {
+    if ((k & 63) == 0)
+#pragma GCC unroll 8
+      for (int t = 0; t < T; ++t) _mm_prefetch(reinterpret_cast<const char*>(q + (ahead + t) * K + k), _MM_HINT_T0);
+    __m512 xv[R];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) xv[r] = _mm512_loadu_ps(x + r * K + k);
+#pragma GCC unroll 8
+    for (int t = 0; t < T; ++t) {
+      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + (i + t) * K + k));
+      const __m512 w = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) acc[t][r] = _mm512_fmadd_ps(w, xv[r], acc[t][r]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int t = 0; t < T; ++t)
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) sums[r * V + i + t] = _mm512_reduce_add_ps(acc[t][r]);
+}
+
+template <int R, int T>
+AVX512 void screen_tokens_512(const float* x, const int8_t* q, int64_t K, int64_t V, int64_t begin, int64_t end,
+                              float* sums) {
+  int64_t i = begin;
+  for (; i + T <= end; i += T) screen_block_512<R, T>(x, q, K, V, i, sums);
+  for (; i < end; ++i) screen_block_512<R, 1>(x, q, K, V, i, sums);
+}
+
+// screen_span with AVX-512 (R x T accumulators and R inputs within the 32 vector registers).
+AVX512 void screen_span_512(const float* x, int64_t rows, const int8_t* q, int64_t K, int64_t V, int64_t begin,
+                            int64_t end, float* sums) {
+  constexpr int64_t kTokensPerPass = 24;
+  for (int64_t first = begin; first < end; first += kTokensPerPass) {
+    const int64_t last = std::min(end, first + kTokensPerPass);
+    for (int64_t r = 0; r < rows; r += 8) {
+      const float* xr = x + r * K;
+      float* sr = sums + r * V;
+      switch (std::min<int64_t>(8, rows - r)) {
+        case 1: screen_tokens_512<1, 8>(xr, q, K, V, first, last, sr); break;
+        case 2: screen_tokens_512<2, 6>(xr, q, K, V, first, last, sr); break;
+        case 3: screen_tokens_512<3, 4>(xr, q, K, V, first, last, sr); break;
+        case 4: screen_tokens_512<4, 4>(xr, q, K, V, first, last, sr); break;
+        case 5: screen_tokens_512<5, 3>(xr, q, K, V, first, last, sr); break;
+        case 6: screen_tokens_512<6, 3>(xr, q, K, V, first, last, sr); break;
+        case 7: screen_tokens_512<7, 2>(xr, q, K, V, first, last, sr); break;
+        default: screen_tokens_512<8, 2>(xr, q, K, V, first, last, sr); break;
+      }
+    }
+  }
+}
+
 // ---- the stream linear kernel ----
 // A stream pack has the weight's shape (O, I): its first O / 16 * 16 outputs in blocks of 16, each
 // stored input by input ([I][16]: the 16 outputs' weights for input 0, then for input 1, ...), the last
@@ -323,6 +392,87 @@ AVX2 void stream_blocks(const float* x, int64_t rows, const float* pack, int64_t
         r += here;
       }
     }
+  }
+}
+
+// The same sums with AVX-512, which doubles the multiply-adds a cycle where the CPU has two 512-bit
+// units: a block's 16 outputs are one vector, and B neighbouring blocks go together so that even one
+// row keeps B independent chains of fused multiply-adds in flight. Lane j of a block's vector is output
+// j's sum, input by input from zero, one fused multiply-add per input: the floats of stream_tile.
+template <int R, int B>
+AVX512 inline void stream_tile_512(const float* x, int64_t I, const float* w, int64_t k0, int64_t k1,
+                                   const float* later, float* y, int64_t O, int64_t o) {
+  __m512 acc[B][R];
+#pragma GCC unroll 16
+  for (int b = 0; b < B; ++b)
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r)
+      acc[b][r] = k0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(y + r * O + o + b * kStreamBlock);
+  for (int64_t k = k0; k < k1; ++k) {
+    if (later != nullptr) {
+#pragma GCC unroll 16
+      for (int b = 0; b < B; ++b)
+        _mm_prefetch(reinterpret_cast<const char*>(later + b * kStreamBlock * I + k * kStreamBlock), _MM_HINT_T1);
+    }
+    __m512 wv[B];
+#pragma GCC unroll 16
+    for (int b = 0; b < B; ++b) wv[b] = _mm512_loadu_ps(w + b * kStreamBlock * I + k * kStreamBlock);
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const __m512 xr = _mm512_set1_ps(x[r * I + k]);
+#pragma GCC unroll 16
+      for (int b = 0; b < B; ++b) acc[b][r] = _mm512_fmadd_ps(wv[b], xr, acc[b][r]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int b = 0; b < B; ++b)
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * O + o + b * kStreamBlock, acc[b][r]);
+}
+
+constexpr int64_t kStream512Blocks = 2;  // blocks a tile of stream_blocks_512 sums at once
+constexpr int64_t kStream512MaxRowsPerPass = 12;  // 2 x 12 accumulators, 2 weight vectors, 1 broadcast
+
+template <int B>
+AVX512 void stream_pass_512(int64_t rows, const float* x, int64_t I, const float* w, int64_t k0, int64_t k1,
+                            const float* later, float* y, int64_t O, int64_t o) {
+  switch (rows) {
+    case 1: stream_tile_512<1, B>(x, I, w, k0, k1, later, y, O, o); break;
+    case 2: stream_tile_512<2, B>(x, I, w, k0, k1, later, y, O, o); break;
+    case 3: stream_tile_512<3, B>(x, I, w, k0, k1, later, y, O, o); break;
+    case 4: stream_tile_512<4, B>(x, I, w, k0, k1, later, y, O, o); break;
+    case 5: stream_tile_512<5, B>(x, I, w, k0, k1, later, y, O, o); break;
+    case 6: stream_tile_512<6, B>(x, I, w, k0, k1, later, y, O, o); break;
+    case 7: stream_tile_512<7, B>(x, I, w, k0, k1, later, y, O, o); break;
+    case 8: stream_tile_512<8, B>(x, I, w, k0, k1, later, y, O, o); break;
+    case 9: stream_tile_512<9, B>(x, I, w, k0, k1, later, y, O, o); break;
+    case 10: stream_tile_512<10, B>(x, I, w, k0, k1, later, y, O, o); break;
+    case 11: stream_tile_512<11, B>(x, I, w, k0, k1, later, y, O, o); break;
+    default: stream_tile_512<12, B>(x, I, w, k0, k1, later, y, O, o); break;
+  }
+}
+
+// stream_blocks with AVX-512: blocks [begin, end) kStream512Blocks at a time (an odd last one alone).
+AVX512 void stream_blocks_512(const float* x, int64_t rows, const float* pack, int64_t I, int64_t O,
+                              int64_t begin, int64_t end, float* y) {
+  const int64_t passes = (rows + kStream512MaxRowsPerPass - 1) / kStream512MaxRowsPerPass;
+  for (int64_t block = begin; block < end;) {
+    const int64_t blocks = std::min(kStream512Blocks, end - block);
+    const float* w = pack + block * kStreamBlock * I;
+    const float* later = block + 2 * blocks <= end ? w + blocks * kStreamBlock * I : nullptr;
+    for (int64_t k0 = 0; k0 < I; k0 += kStreamInputsPerTile) {
+      const int64_t k1 = std::min(I, k0 + kStreamInputsPerTile);
+      for (int64_t pass = 0, r = 0; pass < passes; ++pass) {
+        const int64_t here = (rows - r) / (passes - pass);
+        const float* ahead = pass == 0 ? later : nullptr;
+        if (blocks == kStream512Blocks)
+          stream_pass_512<kStream512Blocks>(here, x + r * I, I, w, k0, k1, ahead, y + r * O, O, block * kStreamBlock);
+        else
+          stream_pass_512<1>(here, x + r * I, I, w, k0, k1, ahead, y + r * O, O, block * kStreamBlock);
+        r += here;
+      }
+    }
+    block += blocks;
   }
 }
 
@@ -632,9 +782,31 @@ at::Tensor stream_pack(const at::Tensor& weight) {
   return pack;
 }
 
+// Whether a kernel (`what`: stream_linear, int8_screen, screen_contenders) runs its AVX-512 code: `isa`
+// "auto" (where the CPU has AVX-512F, unless DRAFTSMITH_MAX_CPU_ISA=avx2 is set, as oneDNN's
+// ONEDNN_MAX_CPU_ISA), "avx2" or "avx512". The choice is speed only: the stream kernel's floats are the
+// same either way, the screen's sums are of the same exact products (its bound holds in any order), and
+// the contender search computes the same floats.
+bool wide_vectors(const std::string& isa, const char* what) {
+  TORCH_CHECK(isa == "auto" || isa == "avx2" || isa == "avx512", what, ": isa 'auto', 'avx2' or 'avx512', not '",
+              isa, "'");
+#ifdef DRAFTSMITH_X86
+  const bool has = __builtin_cpu_supports("avx512f");
+  TORCH_CHECK(has || isa != "avx512", what, ": this CPU has no AVX-512F");
+  static const bool capped = [] {
+    const char* cap = std::getenv("DRAFTSMITH_MAX_CPU_ISA");
+    return cap != nullptr && std::string(cap) == "avx2";
+  }();
+  return isa == "avx512" || (isa == "auto" && has && !capped);
+#else
+  return false;
+#endif
+}
+
 // rows (..., I) float32 times the weight packed in `pack` (O, I), bias-free: (..., O). Only where
 // simd_supported().
-at::Tensor stream_linear(const at::Tensor& rows, const at::Tensor& pack) {
+at::Tensor stream_linear(const at::Tensor& rows, const at::Tensor& pack, const std::string& isa) {
+  RECORD_FUNCTION("draftsmith::stream_linear", std::vector<c10::IValue>());  // named in bench-tree --profile
   TORCH_CHECK(simd_supported(), "stream_linear: needs an x86-64 CPU with AVX2 and FMA");
   TORCH_CHECK(pack.dim() == 2 && pack.scalar_type() == at::kFloat && pack.is_contiguous(), "stream_linear: pack");
   TORCH_CHECK(rows.scalar_type() == at::kFloat && rows.size(-1) == pack.size(1), "stream_linear: rows");
@@ -647,8 +819,12 @@ at::Tensor stream_linear(const at::Tensor& rows, const at::Tensor& pack) {
   const float* xp = x.data_ptr<float>();
   const float* pp = pack.data_ptr<float>();
   float* yp = y.data_ptr<float>();
+  const bool wide = wide_vectors(isa, "stream_linear");
   at::parallel_for(0, O / kStreamBlock, 4, [&](int64_t begin, int64_t end) {
-    stream_blocks(xp, count, pp, I, O, begin, end, yp);
+    if (wide)
+      stream_blocks_512(xp, count, pp, I, O, begin, end, yp);
+    else
+      stream_blocks(xp, count, pp, I, O, begin, end, yp);
   });
   stream_tail(xp, count, pp, I, O, yp);
 #endif
@@ -659,7 +835,9 @@ at::Tensor stream_linear(const at::Tensor& rows, const at::Tensor& pack) {
 // it: a_ri = bfloat16(s_i * sum_k x_rk q_ik), the sum in float32 (any order) of exact products, the
 // scale applied after it, rounded to the nearest bfloat16. input (R, K) bfloat16, quantized (V, K) int8
 // with K a multiple of 8, scales (V) bfloat16. Only where simd_supported().
-at::Tensor int8_screen(const at::Tensor& input, const at::Tensor& quantized, const at::Tensor& scales) {
+at::Tensor int8_screen(const at::Tensor& input, const at::Tensor& quantized, const at::Tensor& scales,
+                       const std::string& isa) {
+  RECORD_FUNCTION("draftsmith::int8_screen", std::vector<c10::IValue>());  // named in bench-tree --profile
   TORCH_CHECK(simd_supported(), "int8_screen: needs an x86-64 CPU with AVX2 and FMA");
   TORCH_CHECK(input.dim() == 2 && input.scalar_type() == at::kBFloat16, "int8_screen: input");
   TORCH_CHECK(quantized.dim() == 2 && quantized.scalar_type() == at::kChar && quantized.is_contiguous() &&
@@ -678,8 +856,12 @@ at::Tensor int8_screen(const at::Tensor& input, const at::Tensor& quantized, con
   float* sp = sums.data_ptr<float>();
   const at::BFloat16* scale = scales.data_ptr<at::BFloat16>();
   at::BFloat16* out = screen.data_ptr<at::BFloat16>();
+  const bool wide = wide_vectors(isa, "int8_screen") && K % 16 == 0;
   at::parallel_for(0, V, 2048, [&](int64_t begin, int64_t end) {
-    screen_span(xp, rows, qp, K, V, begin, end, sp);
+    if (wide)
+      screen_span_512(xp, rows, qp, K, V, begin, end, sp);
+    else
+      screen_span(xp, rows, qp, K, V, begin, end, sp);
     for (int64_t r = 0; r < rows; ++r)
       for (int64_t i = begin; i < end; ++i) out[r * V + i] = at::BFloat16(sp[r * V + i] * static_cast<float>(scale[i]));
   });
@@ -759,6 +941,7 @@ struct AttendProblem {
 // the same keys: what makes a tree's rows compute exactly what plain steps compute.
 at::Tensor attend(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values,
                   const std::optional<at::Tensor>& mask, double scaling, bool causal) {
+  RECORD_FUNCTION("draftsmith::attend", std::vector<c10::IValue>());  // named in bench-tree --profile
   TORCH_CHECK(query.dim() == 4 && keys.dim() == 4 && values.dim() == 4, "attend: 4-d query, keys and values");
   TORCH_CHECK(query.scalar_type() == at::kFloat && keys.scalar_type() == at::kFloat && values.scalar_type() == at::kFloat,
               "attend: float32");
@@ -816,6 +999,7 @@ std::vector<at::Tensor> decoder_layers(
     const std::vector<at::Tensor>& value_buffers, int64_t start, int64_t heads, int64_t kv_heads,
     int64_t head_dim, double scaling, bool grouped, const std::vector<int64_t>& kinds,
     const std::vector<at::Tensor>& fused, bool rows_attention) {
+  RECORD_FUNCTION("draftsmith::decoder_layers", std::vector<c10::IValue>());  // named in bench-tree --profile
   const int64_t layers = static_cast<int64_t>(key_buffers.size());
   TORCH_CHECK(weights.size() == static_cast<size_t>(layers * kWeightsPerLayer), "decoder_layers: weights");
   TORCH_CHECK(packs.size() == static_cast<size_t>(layers * kProjections), "decoder_layers: packs");
@@ -880,6 +1064,81 @@ std::vector<at::Tensor> decoder_layers(
   return outputs;
 }
 
+// The bound of screen_contenders for tokens of one row: (c0 * b0_i + c1 * b1_i + out * |a_i|) * slack,
+// each operation rounded to float32 on its own (no fused multiply-add), whatever the code's vector width.
+struct ContenderBound {
+  const at::BFloat16* a;
+  const float* b0;
+  const float* b1;
+  float c0, c1, out, slack;
+
+  float at(int64_t i, float value) const { return (c0 * b0[i] + c1 * b1[i] + out * std::fabs(value)) * slack; }
+};
+
+// max_i (a_i - bound_i) over tokens [begin, end), and whether every a_i there is finite.
+float scalar_floor(const ContenderBound& row, int64_t begin, int64_t end, bool* finite) {
+  float highest = -std::numeric_limits<float>::infinity();
+  for (int64_t i = begin; i < end; ++i) {
+    const float value = static_cast<float>(row.a[i]);
+    *finite = *finite && std::isfinite(value);
+    highest = std::max(highest, value - row.at(i, value));
+  }
+  return highest;
+}
+
+// The tokens of [begin, end) with a_i + bound_i >= floor, in order.
+void scalar_contenders(const ContenderBound& row, int64_t begin, int64_t end, float floor, std::vector<int64_t>* found) {
+  for (int64_t i = begin; i < end; ++i) {
+    const float value = static_cast<float>(row.a[i]);
+    if (value + row.at(i, value) >= floor) found->push_back(i);
+  }
+}
+
+#ifdef DRAFTSMITH_X86
+// 16 tokens' screened values (bfloat16 to float32: the 16 bits above 16 zero bits, exact).
+AVX512 inline __m512 bfloat16_lanes(const at::BFloat16* a) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+AVX512 inline __m512 bound_lanes(const ContenderBound& row, int64_t i, __m512 value) {
+  const __m512 magnitude = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(value), _mm512_set1_epi32(0x7fffffff)));
+  const __m512 sum = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(_mm512_set1_ps(row.c0), _mm512_loadu_ps(row.b0 + i)),
+                                                 _mm512_mul_ps(_mm512_set1_ps(row.c1), _mm512_loadu_ps(row.b1 + i))),
+                                   _mm512_mul_ps(_mm512_set1_ps(row.out), magnitude));
+  return _mm512_mul_ps(sum, _mm512_set1_ps(row.slack));
+}
+
+// scalar_floor 16 tokens at a time (the same floats; the maximum does not depend on the order).
+AVX512 float wide_floor(const ContenderBound& row, int64_t begin, int64_t end, bool* finite) {
+  __m512 highest = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __mmask16 special = 0;  // lanes that held an infinity or NaN
+  const __m512i exponent = _mm512_set1_epi32(0x7f800000);
+  int64_t i = begin;
+  for (; i + 16 <= end; i += 16) {
+    const __m512 value = bfloat16_lanes(row.a + i);
+    special |= _mm512_cmpeq_epi32_mask(_mm512_and_si512(_mm512_castps_si512(value), exponent), exponent);
+    highest = _mm512_max_ps(_mm512_sub_ps(value, bound_lanes(row, i, value)), highest);  // a NaN loses, as in std::max
+  }
+  *finite = *finite && special == 0;
+  return std::max(_mm512_reduce_max_ps(highest), scalar_floor(row, i, end, finite));
+}
+
+// scalar_contenders 16 tokens at a time.
+AVX512 void wide_contenders(const ContenderBound& row, int64_t begin, int64_t end, float floor,
+                            std::vector<int64_t>* found) {
+  const __m512 bar = _mm512_set1_ps(floor);
+  int64_t i = begin;
+  for (; i + 16 <= end; i += 16) {
+    const __m512 value = bfloat16_lanes(row.a + i);
+    for (__mmask16 hits = _mm512_cmp_ps_mask(_mm512_add_ps(value, bound_lanes(row, i, value)), bar, _CMP_GE_OQ);
+         hits != 0; hits &= hits - 1)
+      found->push_back(i + __builtin_ctz(hits));
+  }
+  scalar_contenders(row, i, end, floor, found);
+}
+#endif
+
 // For each row r of the screen (R, V; bfloat16): the bound D_ri = (c_r0 * b_0i + c_r1 * b_1i +
 // output * |a_ri|) * safety on how far token i's float32 logit can be from its screened one a_ri
 // (GreedyHead.screen_bounds, in float32 as there; the safety factor covers a few roundings more or
@@ -888,7 +1147,8 @@ std::vector<at::Tensor> decoder_layers(
 // row's contenders (int64, ascending).
 std::tuple<at::Tensor, std::vector<at::Tensor>> screen_contenders(
     const at::Tensor& screen, const at::Tensor& row_bounds, const at::Tensor& coefficients, double output,
-    double safety) {
+    double safety, const std::string& isa) {
+  RECORD_FUNCTION("draftsmith::screen_contenders", std::vector<c10::IValue>());  // named in bench-tree --profile
   TORCH_CHECK(screen.dim() == 2 && screen.scalar_type() == at::kBFloat16 && screen.is_contiguous(),
               "screen_contenders: screen");
   TORCH_CHECK(row_bounds.scalar_type() == at::kFloat && row_bounds.is_contiguous(), "screen_contenders: row_bounds");
@@ -903,11 +1163,10 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> screen_contenders(
   const float* b1 = b0 + vocab;
   at::Tensor floors = at::empty({rows}, row_bounds.options());
   std::vector<at::Tensor> contenders;
+  const bool wide = wide_vectors(isa, "screen_contenders");
   for (int64_t r = 0; r < rows; ++r) {
-    const at::BFloat16* a = screen.data_ptr<at::BFloat16>() + r * vocab;
-    const float c0 = coefficients.data_ptr<float>()[2 * r];
-    const float c1 = coefficients.data_ptr<float>()[2 * r + 1];
-    auto bound = [&](int64_t i, float value) { return (c0 * b0[i] + c1 * b1[i] + out * std::fabs(value)) * slack; };
+    const float* c = coefficients.data_ptr<float>() + 2 * r;
+    const ContenderBound row{screen.data_ptr<at::BFloat16>() + r * vocab, b0, b1, c[0], c[1], out, slack};
     // Spans of the vocabulary on all threads: the maximum and the contenders' order do not depend on
     // how it is split.
     const int64_t spans = (vocab + kContenderSpan - 1) / kContenderSpan;
@@ -916,14 +1175,13 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> screen_contenders(
     std::vector<char> span_finite(spans, 1);
     at::parallel_for(0, spans, 1, [&](int64_t begin, int64_t end) {
       for (int64_t span = begin; span < end; ++span) {
-        float highest = -std::numeric_limits<float>::infinity();
         bool all_finite = true;
-        for (int64_t i = span * kContenderSpan; i < span_end(span); ++i) {
-          const float value = static_cast<float>(a[i]);
-          all_finite = all_finite && std::isfinite(value);
-          highest = std::max(highest, value - bound(i, value));
-        }
-        span_floors[span] = highest;
+        const int64_t first = span * kContenderSpan, last = span_end(span);
+#ifdef DRAFTSMITH_X86
+        span_floors[span] = wide ? wide_floor(row, first, last, &all_finite) : scalar_floor(row, first, last, &all_finite);
+#else
+        span_floors[span] = scalar_floor(row, first, last, &all_finite);
+#endif
         span_finite[span] = all_finite;
       }
     });
@@ -934,11 +1192,16 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> screen_contenders(
     std::vector<std::vector<int64_t>> span_found(spans);
     if (finite)
       at::parallel_for(0, spans, 1, [&](int64_t begin, int64_t end) {
-        for (int64_t span = begin; span < end; ++span)
-          for (int64_t i = span * kContenderSpan; i < span_end(span); ++i) {
-            const float value = static_cast<float>(a[i]);
-            if (value + bound(i, value) >= floor) span_found[span].push_back(i);
+        for (int64_t span = begin; span < end; ++span) {
+          const int64_t first = span * kContenderSpan, last = span_end(span);
+#ifdef DRAFTSMITH_X86
+          if (wide) {
+            wide_contenders(row, first, last, floor, &span_found[span]);
+            continue;
           }
+#endif
+          scalar_contenders(row, first, last, floor, &span_found[span]);
+        }
       });
     std::vector<int64_t> found;
     for (const auto& part : span_found) found.insert(found.end(), part.begin(), part.end());
@@ -954,6 +1217,7 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> screen_contenders(
 // proven, or a value that is not finite).
 int64_t proven_argmax(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& contenders, double gamma32,
                       double gamma64, double safety) {
+  RECORD_FUNCTION("draftsmith::proven_argmax", std::vector<c10::IValue>());  // named in bench-tree --profile
   TORCH_CHECK(x.dim() == 1 && x.scalar_type() == at::kFloat && x.is_contiguous(), "proven_argmax: x");
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat && weight.is_contiguous() &&
                   weight.size(1) == x.size(0),
@@ -990,13 +1254,17 @@ int64_t proven_argmax(const at::Tensor& x, const at::Tensor& weight, const at::T
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decoder_layers", &decoder_layers, "The lean path's decoder layers (bitwise the same)");
-  m.def("screen_contenders", &screen_contenders, "The screened head's floors and contenders per row");
+  m.def("screen_contenders", &screen_contenders, "The screened head's floors and contenders per row",
+        py::arg("screen"), py::arg("row_bounds"), py::arg("coefficients"), py::arg("output"), py::arg("safety"),
+        py::arg("isa") = "auto");
   m.def("proven_argmax", &proven_argmax, "The screened head's proof for one row (-1: not proven)");
   m.def("simd_supported", &simd_supported, "Whether int8_screen and stream_linear run on this CPU");
   m.def("huge_page_empty", &huge_page_empty, "An uninitialised tensor in memory backed by huge pages where the OS gives them",
         py::arg("shape"), py::arg("dtype") = at::kFloat);
   m.def("stream_pack", &stream_pack, "A float32 weight in the stream kernel's layout");
-  m.def("stream_linear", &stream_linear, "The stream kernel's product: weights read once for all rows");
+  m.def("stream_linear", &stream_linear, "The stream kernel's product: weights read once for all rows",
+        py::arg("rows"), py::arg("pack"), py::arg("isa") = "auto");
   m.def("attend", &attend, "Attention whose every row is computed alone (row-invariant)");
-  m.def("int8_screen", &int8_screen, "The screened head's int8 product, weights read once for all rows");
+  m.def("int8_screen", &int8_screen, "The screened head's int8 product, weights read once for all rows",
+        py::arg("input"), py::arg("quantized"), py::arg("scales"), py::arg("isa") = "auto");
 }

@@ -38,6 +38,8 @@ from draftsmith.inference.runtime import PlainDecoding
 
 SHAPES = ("random", "chain")
 WARMUP = 2  # untimed forwards per size before the timed repeats
+PROFILE_ROUNDS = 5  # profiled forwards per size (--profile), after the timed ones; the median is shown
+PROFILE_TOP = 8  # operators named in the profile table; the rest are summed
 
 
 def build_tree(num_nodes: int, shape: str, seed: int = 0) -> DraftTree:
@@ -104,9 +106,11 @@ def run_tree_bench(
     shape: str = "random",
     seed: int = 0,
     backends: Backends | None = None,
+    profile: bool = False,
 ) -> dict[str, Any]:
     """Median seconds of one verification forward per size, and its ratio to the 1-token forward, through
-    ``backends``' eager kernels (default: the default kernel options)."""
+    ``backends``' eager kernels (default: the default kernel options); with ``profile``, also where each
+    size's milliseconds go (:func:`profile_forwards`)."""
     if repeats < 1:
         raise BenchError(f"--repeats must be at least 1; got {repeats}")
     if prefix < 1:
@@ -127,6 +131,7 @@ def run_tree_bench(
             timings[size].append(forward.seconds(trees[size]))
         speed.sample()
     base = statistics.median(timings[1])
+    spent = profile_forwards(forward, trees) if profile else None
     rows = [
         {
             "size": size,
@@ -151,7 +156,55 @@ def run_tree_bench(
         "native": forward.kernels.direct() is not None and forward.kernels.direct().native,
         "floor": step_floor(target.model, forward.kernels.greedy_head(), speed),
         "rows": rows,
+        **({"profile_ms": spent} if spent is not None else {}),
     }
+
+
+def profile_forwards(forward: _VerificationForward, trees: dict[int, DraftTree]) -> dict[str, dict[str, float]]:
+    """Milliseconds of each operator (its own time, without the operators it calls) per size: the median
+    over :data:`PROFILE_ROUNDS` forwards, each under torch's profiler; the C++ kernels record themselves
+    as ``draftsmith::...``, and ``(outside operators)`` is the forward's wall time that no operator holds
+    (Python)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    rounds: dict[int, list[dict[str, float]]] = {size: [] for size in trees}
+    for _ in range(PROFILE_ROUNDS):
+        for size, tree in trees.items():  # sizes in turns, as the timed repeats
+            with profile(activities=[ProfilerActivity.CPU]) as profiler:
+                wall_ms = forward.seconds(tree) * 1e3
+            ops = {event.key: event.self_cpu_time_total / 1e3 for event in profiler.key_averages()}
+            ops["(outside operators)"] = max(0.0, wall_ms - sum(ops.values()))
+            rounds[size].append(ops)
+    return {str(size): _median_per_operator(taken) for size, taken in rounds.items()}
+
+
+def _median_per_operator(rounds: list[dict[str, float]]) -> dict[str, float]:
+    """Each operator's median milliseconds over the profiled forwards (0 in a forward that did not run it),
+    so that one disturbed forward does not move the table."""
+    names = {name for ops in rounds for name in ops}
+    medians = {name: statistics.median(ops.get(name, 0.0) for ops in rounds) for name in names}
+    return {name: ms for name, ms in medians.items() if ms > 0}
+
+
+def profile_markdown(spent: dict[str, dict[str, float]]) -> str:
+    """The profile as a table: the operators that take most time at any size, then the rest summed."""
+    sizes = list(spent)
+    every = {op for ops in spent.values() for op in ops}
+    heaviest = sorted(every, key=lambda op: -max(spent[size].get(op, 0.0) for size in sizes))
+    named = heaviest[:PROFILE_TOP]
+    lines = [
+        "Where a forward's milliseconds go (own time per operator under torch's profiler, median of "
+        f"{PROFILE_ROUNDS} forwards per size; medians need not add up to a median total):",
+        "",
+        "| operator | " + " | ".join(f"size {size}" for size in sizes) + " |",
+        "| --- |" + " --- |" * len(sizes),
+    ]
+    for op in named:
+        lines.append(f"| `{op}` | " + " | ".join(f"{spent[size].get(op, 0.0):.2f}" for size in sizes) + " |")
+    rest = [sum(ms for op, ms in spent[size].items() if op not in named) for size in sizes]
+    lines.append("| other operators | " + " | ".join(f"{ms:.2f}" for ms in rest) + " |")
+    lines.append("| sum | " + " | ".join(f"{sum(spent[size].values()):.2f}" for size in sizes) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def tree_markdown(results: dict[str, Any]) -> str:
@@ -174,7 +227,8 @@ def tree_markdown(results: dict[str, Any]) -> str:
             f"| {row['size']} | {row['draft_nodes']} | {row['max_depth']} | {row['median_ms']:.2f} | "
             f"{row['relative']:.2f}x | {to_floor} |"
         )
-    return "\n".join(lines) + "\n"
+    profile = f"\n{profile_markdown(results['profile_ms'])}" if results.get("profile_ms") else ""
+    return "\n".join(lines) + "\n" + profile
 
 
 TREE_RESULTS = ("bench_tree.json", "bench_tree.md")

@@ -83,6 +83,29 @@ def test_each_row_is_the_same_alone_among_rows_and_under_any_mask_that_shows_it_
         torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("common", [0, 20, 50])  # keys every row sees first: none, a prefix, all of them
+@pytest.mark.parametrize("head_dim", [64, 40, 12])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_rows_that_share_their_first_keys_compute_what_each_computes_alone(attend, common, head_dim, threads):
+    """Rows read the keys they all see once for all of them; each row's result is still bitwise its own
+    (the same keys, stored contiguously, one row alone), whatever the shared part and the thread count."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        rows, length = 9, 50
+        q, k, v = qkv(6, 2, rows, length, head_dim, seed=common + head_dim)
+        seen = torch.rand(rows, length, generator=torch.Generator().manual_seed(common)) < 0.5
+        seen[:, :common] = True
+        seen[:, 0] = True
+        together = attend(q, k, v, seen[None, None], 0.2, False)
+        for r in range(rows):
+            keys = seen[r].nonzero().flatten()
+            alone = attend(q[:, :, r : r + 1], k[:, :, keys], v[:, :, keys], None, 0.2, False)
+            assert torch.equal(alone[:, 0], together[:, r])
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_a_float_mask_must_only_hide_or_show(attend):
     q, k, v = qkv(4, 2, 2, 6, 16)
     biased = torch.zeros(1, 1, 2, 6)

@@ -582,15 +582,12 @@ AVX2 float softmax_weights(float* scores, int64_t count, float top) {
 
 // acc_i[8c .. 8c + 8C) = sum over the keys, in order, of weight_ij * value_j (acc_i = acc + i *
 // head_dim), for the C vectors from c: one fused multiply-add per key and lane, the same for any G.
-// With `resume`, the sums go on from what acc_i holds (the keys before these, summed the same way).
 template <int G, int C>
 AVX2 void group_values(const float* weights, int64_t room, const float* values, int64_t value_stride,
-                       const int32_t* seen, int64_t count, int64_t c, int64_t head_dim, float* acc_out,
-                       bool resume = false) {
+                       const int32_t* seen, int64_t count, int64_t c, int64_t head_dim, float* acc_out) {
   __m256 acc[G][C];
   for (int i = 0; i < G; ++i)
-    for (int u = 0; u < C; ++u)
-      acc[i][u] = resume ? _mm256_loadu_ps(acc_out + i * head_dim + 8 * (c + u)) : _mm256_setzero_ps();
+    for (int u = 0; u < C; ++u) acc[i][u] = _mm256_setzero_ps();
   for (int64_t j = 0; j < count; ++j) {
     const float* value = values + seen[j] * value_stride + 8 * c;
     __m256 vv[C];
@@ -628,89 +625,6 @@ AVX2 void attend_group_simd(const float* const* q, const float* keys, int64_t ke
       for (int64_t j = 0; j < count; ++j) total = std::fma(scores[i * room + j], values[seen[j] * value_stride + d], total);
       acc[i * head_dim + d] = total;
     }
-}
-
-// group_scores for any number of queries, four or fewer at a time (which ones run together changes no
-// score); query i's scores go to scores + i * room, its maximum to top[i].
-AVX2 void queries_scores(const float* const* q, int64_t queries, const float* keys, int64_t key_stride,
-                         const int32_t* seen, int64_t count, int64_t head_dim, float scaling, float* scores,
-                         int64_t room, float* top) {
-  for (int64_t i = 0; i < queries;) {
-    const int64_t here = std::min<int64_t>(queries - i, 4);
-    float* s = scores + i * room;
-    if (here == 4) group_scores<4>(q + i, keys, key_stride, seen, count, head_dim, scaling, s, room, top + i);
-    if (here == 3) group_scores<3>(q + i, keys, key_stride, seen, count, head_dim, scaling, s, room, top + i);
-    if (here == 2) group_scores<2>(q + i, keys, key_stride, seen, count, head_dim, scaling, s, room, top + i);
-    if (here == 1) group_scores<1>(q + i, keys, key_stride, seen, count, head_dim, scaling, s, room, top + i);
-    i += here;
-  }
-}
-
-// The values half of attend_group_simd for any number of queries (their weights at weights + i * room,
-// their sums at acc + i * head_dim), four or fewer at a time, going on from acc where `resume`.
-AVX2 void queries_values(int64_t queries, const float* weights, int64_t room, const float* values,
-                         int64_t value_stride, const int32_t* seen, int64_t count, int64_t head_dim, float* acc,
-                         bool resume) {
-  const int64_t vectors = head_dim / 8;
-  for (int64_t i = 0; i < queries;) {
-    const int64_t here = std::min<int64_t>(queries - i, 4);
-    const float* w = weights + i * room;
-    float* a = acc + i * head_dim;
-    for (int64_t c = 0; c < vectors;) {
-      if (here >= 3 && c + 2 <= vectors) {
-        if (here == 4) group_values<4, 2>(w, room, values, value_stride, seen, count, c, head_dim, a, resume);
-        if (here == 3) group_values<3, 2>(w, room, values, value_stride, seen, count, c, head_dim, a, resume);
-        c += 2;
-      } else if (here < 3 && c + 4 <= vectors) {
-        if (here == 2) group_values<2, 4>(w, room, values, value_stride, seen, count, c, head_dim, a, resume);
-        if (here == 1) group_values<1, 4>(w, room, values, value_stride, seen, count, c, head_dim, a, resume);
-        c += 4;
-      } else {
-        if (here == 4) group_values<4, 1>(w, room, values, value_stride, seen, count, c, head_dim, a, resume);
-        if (here == 3) group_values<3, 1>(w, room, values, value_stride, seen, count, c, head_dim, a, resume);
-        if (here == 2) group_values<2, 1>(w, room, values, value_stride, seen, count, c, head_dim, a, resume);
-        if (here == 1) group_values<1, 1>(w, room, values, value_stride, seen, count, c, head_dim, a, resume);
-        c += 1;
-      }
-    }
-    for (int64_t g = 0; g < here; ++g)  // the last head_dim % 8 lanes, key by key as in attend_group_simd
-      for (int64_t d = vectors * 8; d < head_dim; ++d) {
-        float total = resume ? a[g * head_dim + d] : 0.0f;
-        for (int64_t j = 0; j < count; ++j) total = std::fma(w[g * room + j], values[seen[j] * value_stride + d], total);
-        a[g * head_dim + d] = total;
-      }
-    i += here;
-  }
-}
-
-// The attention of R rows' queries that read the same K/V head (per_row of them a row; query i of row r
-// at q[r * per_row + i]), row r over the keys seen[r] (counts[r] of them, ascending), whose first `shared`
-// are the same for every row (a tree's cached prefix): those keys are read once for all the rows'
-// queries. Each query's scores, softmax and weighted values are computed as attend_group_simd computes
-// them alone: every dot product in its fixed order, the softmax over the query's own scores, its values
-// summed key by key in the order of its seen keys (the shared ones first), so every result is bitwise
-// the one the query gets alone. sum: R * per_row floats; acc: R * per_row * head_dim; scores: R * per_row
-// * room floats, room >= every count rounded up to 8, plus 8.
-AVX2 void attend_rows_simd(const float* const* q, int64_t R, int64_t per_row, const float* keys, int64_t key_stride,
-                           const float* values, int64_t value_stride, const int32_t* const* seen,
-                           const int64_t* counts, int64_t shared, int64_t head_dim, float scaling, float* scores,
-                           int64_t room, float* sum, float* acc) {
-  const int64_t queries = R * per_row;
-  std::vector<float> top(queries), own(per_row);
-  queries_scores(q, queries, keys, key_stride, seen[0], shared, head_dim, scaling, scores, room, top.data());
-  for (int64_t r = 0; r < R; ++r) {
-    const int64_t first = r * per_row;
-    queries_scores(q + first, per_row, keys, key_stride, seen[r] + shared, counts[r] - shared, head_dim, scaling,
-                   scores + first * room + shared, room, own.data());
-    for (int64_t i = 0; i < per_row; ++i) top[first + i] = std::max(top[first + i], own[i]);
-  }
-  for (int64_t i = 0; i < queries; ++i) sum[i] = softmax_weights(scores + i * room, counts[i / per_row], top[i]);
-  queries_values(queries, scores, room, values, value_stride, seen[0], shared, head_dim, acc, false);
-  for (int64_t r = 0; r < R; ++r) {
-    const int64_t first = r * per_row;
-    queries_values(per_row, scores + first * room + shared, room, values, value_stride, seen[r] + shared,
-                   counts[r] - shared, head_dim, acc + first * head_dim, true);
-  }
 }
 
 // attend_group_simd for any number of queries, four or fewer at a time (which ones run together
@@ -1018,49 +932,6 @@ struct AttendProblem {
   }
 };
 
-// attend() for several rows whose mask is the same for every head: an item per batch, K/V head and span of
-// rows (spans enough for two items a thread), whose keys seen by all its rows are read once for all of
-// them (attend_rows_simd: the same floats as each query alone).
-void attend_shared_rows(const AttendProblem& p) {
-#ifdef DRAFTSMITH_X86
-  const int64_t per_kv = p.batch * p.kv_heads;
-  const int64_t spans = std::min(p.rows, std::max<int64_t>(1, (2 * at::get_num_threads() + per_kv - 1) / per_kv));
-  const int64_t room = (p.length + 7) / 8 * 8 + 8;
-  at::parallel_for(0, per_kv * spans, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / (p.kv_heads * spans), kv = item / spans % p.kv_heads, span = item % spans;
-      const int64_t r0 = p.rows * span / spans, R = p.rows * (span + 1) / spans - r0, queries = R * p.groups;
-      std::vector<int32_t> seen(R * p.length);
-      std::vector<const int32_t*> lists(R);
-      std::vector<int64_t> counts(R);
-      for (int64_t r = 0; r < R; ++r) {
-        lists[r] = seen.data() + r * p.length;
-        counts[r] = seen_keys(p.mask, p.mask_strides, p.causal, b, kv * p.groups, r0 + r, p.rows, p.length,
-                              seen.data() + r * p.length);
-      }
-      int64_t shared = *std::min_element(counts.begin(), counts.end());
-      for (int64_t r = 1; r < R; ++r)
-        shared = std::mismatch(lists[0], lists[0] + shared, lists[r]).first - lists[0];
-      std::vector<const float*> q(queries);
-      std::vector<float*> outs(queries);
-      for (int64_t r = 0; r < R; ++r)
-        for (int64_t g = 0; g < p.groups; ++g) {
-          const int64_t head = kv * p.groups + g;
-          q[r * p.groups + g] =
-              p.q.data_ptr<float>() + b * p.q.stride(0) + head * p.q.stride(1) + (r0 + r) * p.q.stride(2);
-          outs[r * p.groups + g] = p.out + ((b * p.rows + r0 + r) * p.heads + head) * p.head_dim;
-        }
-      const float* keys = p.k.data_ptr<float>() + b * p.k.stride(0) + kv * p.k.stride(1);
-      const float* values = p.v.data_ptr<float>() + b * p.v.stride(0) + kv * p.v.stride(1);
-      std::vector<float> scores(queries * room), sums(queries), accs(queries * p.head_dim);
-      attend_rows_simd(q.data(), R, p.groups, keys, p.k.stride(2), values, p.v.stride(2), lists.data(), counts.data(),
-                       shared, p.head_dim, p.scaling, scores.data(), room, sums.data(), accs.data());
-      divide_rows(queries, p.head_dim, sums.data(), accs.data(), outs.data());
-    }
-  });
-#endif
-}
-
 // softmax(q k^T * scaling + mask) v for query (batch, heads, rows, head_dim), keys and values (batch,
 // kv_heads, length, head_dim) (heads a multiple of kv_heads: query head h reads K/V head h / (heads /
 // kv_heads)), mask as seen_keys reads it (broadcast over batch and heads where its size there is 1).
@@ -1095,10 +966,6 @@ at::Tensor attend(const at::Tensor& query, const at::Tensor& keys, const at::Ten
                         causal, static_cast<float>(scaling), simd_supported()};
   at::Tensor out = at::empty({batch, rows, heads, head_dim}, q.options());
   problem.out = out.data_ptr<float>();
-  if (problem.simd && !problem.mask_heads_differ() && rows > 1) {
-    attend_shared_rows(problem);
-    return out;
-  }
   // a K/V head's query heads share an item and read each key once, unless the mask differs between
   // heads or that leaves a thread idle (one row)
   const bool alone = problem.mask_heads_differ() || batch * rows * kv_heads < 2 * at::get_num_threads();

@@ -361,6 +361,36 @@ def test_auto_times_real_packs_of_the_model(tmp_path, monkeypatch):
     assert list(json.loads((tmp_path / "choices.json").read_text()).values()) == [chosen]
 
 
+def test_the_screened_heads_hand_over_is_timed_once_per_machine_and_remembered(monkeypatch, tmp_path):
+    """The row count from which greedy verification takes the float32 head is timed once, read back
+    after, and timed again where the remembered value is not one it could be (a hand edit)."""
+    from draftsmith.inference.kernels import linear_choice
+
+    one_pack_kernel("stream")
+    path = tmp_path / "choices.json"
+    monkeypatch.setattr(linear_choice, "choices_path", lambda: path)
+    timed = []
+    monkeypatch.setattr(KernelContext, "_time_full_head_from", lambda self, screened: timed.append(1) or 8)
+    model = fresh_model(seed=13)
+
+    def hand_over():
+        return KernelContext(model, KernelOptions(linear="stream")).greedy_head().full_head_from
+
+    assert hand_over() == 8 and hand_over() == 8 and len(timed) == 1
+    path.write_text(json.dumps({key: "8 rows" for key in json.loads(path.read_text())}))
+    assert hand_over() == 8 and len(timed) == 2
+
+
+def test_the_hand_over_timing_runs_on_real_kernels(monkeypatch, tmp_path):
+    """The timing itself (streaming the layers before each timed head): an answer it can hold."""
+    from draftsmith.inference.kernels import context, linear_choice
+
+    one_pack_kernel("stream")
+    monkeypatch.setattr(linear_choice, "choices_path", lambda: tmp_path / "choices.json")
+    head = KernelContext(fresh_model(seed=14), KernelOptions(linear="stream")).greedy_head()
+    assert head.full_head_from in (None, *context.FULL_HEAD_CANDIDATES)
+
+
 def test_huge_page_tensors_hold_their_values_apart():
     """The extension's huge-page tensors (stream packs, the screen's int8 copy, the floor's buffer): many
     of several sizes and dtypes share mappings without overlapping, and one larger than a mapping gets

@@ -25,7 +25,7 @@ from draftsmith.inference.kernels.direct_forward import (
     has_foreign_hooks,
 )
 from draftsmith.inference.kernels.greedy_head import GreedyHead, greedy_head_supported
-from draftsmith.inference.kernels.linear_choice import side_by_side_seconds
+from draftsmith.inference.kernels.linear_choice import remembered, side_by_side_seconds
 from draftsmith.inference.kernels.native import native_extension
 from draftsmith.inference.kernels.options import KernelOptions
 from draftsmith.inference.kernels.packed_gemm import ONE_PACK_KERNELS, PackedGemm, linear_kernel_for
@@ -108,20 +108,36 @@ class KernelContext:
     def _full_head_from(self, screened: GreedyHead) -> int | None:
         """The row count from which the float32 head through a row-invariant one-pack kernel beats the
         screen's int8 product and contender search (through the direct forward's extension) on this
-        machine (timed once per head); None where the kernel is not row-invariant or the screen always
+        machine, timed once per machine, torch release, thread count and head shape and remembered beside
+        the C++ build (:func:`remembered`); None where the kernel is not row-invariant or the screen always
         wins. The screen's proof is not timed: on real text it checks a few contenders a row. The rows
         are the model's own last hidden states (random inputs give flat logits, whose many contenders
-        would make the screen look slower than it is on text)."""
+        would make the screen look slower than it is on text). Before each timed head a one-token forward
+        streams the decoder's weights, so that the caches hold what they hold after a verification's
+        layers (with the head warm in the cache the screen's arithmetic looks dearer than it is)."""
         if self.gemm is None or not self.gemm.row_invariant():
             return None
+        shape = "x".join(str(size) for size in self.model.lm_head.weight.shape)
+        what = f"full head from | {self.gemm.kernel} linears | head {shape} | rows {FULL_HEAD_CANDIDATES}"
+        measure = functools.partial(self._time_full_head_from, screened)
+        return remembered(self.model, what, measure, lambda rows: rows in (None, *FULL_HEAD_CANDIDATES))
+
+    def _time_full_head_from(self, screened: GreedyHead) -> int | None:
         head, native = self.model.lm_head, self.extension()
         states = self._sample_states(max(FULL_HEAD_CANDIDATES))
+        token = torch.zeros(1, 1, dtype=torch.long, device=states.device)
         faster = []
         with torch.no_grad(), self.gemm.rows():
+
+            def stream_the_layers() -> None:
+                self.model.model(input_ids=token, use_cache=False)
+
             for rows in FULL_HEAD_CANDIDATES:
                 x = states[:rows].contiguous()
                 screen, full = side_by_side_seconds(
-                    [lambda: screened.contenders(x, native), lambda: head(x).argmax(dim=-1)]
+                    [lambda: screened.contenders(x, native), lambda: head(x).argmax(dim=-1)],
+                    repeats=5,
+                    before=stream_the_layers,
                 )
                 faster.append(full < screen)
         return next((rows for i, rows in enumerate(FULL_HEAD_CANDIDATES) if all(faster[i:])), None)

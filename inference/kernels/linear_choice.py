@@ -1,5 +1,6 @@
 """``--linear auto`` (the default): which one-pack kernel, ``stream`` or ``onednn``, runs the target's
-linears on this machine, timed once and remembered.
+linears on this machine, timed once and remembered (:func:`remembered` keeps the screened head's
+hand-over row count the same way).
 
 Which of the two reads the weights faster depends on the CPU (its vendor, vector width, caches and
 memory) more than on the model, so the first run on a machine times both on the model's own weight
@@ -19,6 +20,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -27,6 +29,7 @@ from draftsmith.core.devices import device_name
 from draftsmith.core.io import atomic_write_json
 from draftsmith.inference.kernels.native import build_directory, source_digest
 
+T = TypeVar("T")
 CHOICES_FILE = "linear_kernel_choices.json"
 TIMED_ROWS = (1, 4)  # a plain decoding step and a small tree, weighted alike
 TIMED_BYTES = 96 << 20  # weights cycled through per timing: past the last-level cache, as in a forward
@@ -35,34 +38,42 @@ TIMED_BYTES = 96 << 20  # weights cycled through per timing: past the last-level
 def chosen_kernel(model: nn.Module, candidates: tuple[str, ...]) -> str:
     """The fastest of ``candidates`` (one-pack kernels that serve ``model``) on this machine: remembered
     where timed before, else timed now on ``model``'s linears (a second or two) and remembered."""
-    key = _choice_key(model, candidates)
+    shapes = sorted({tuple(module.weight.shape) for module in model.modules() if isinstance(module, nn.Linear)})
+    digest = hashlib.sha256(json.dumps(shapes).encode()).hexdigest()[:16]
+
+    def fastest() -> str:
+        seconds = dict(zip(candidates, _seconds(_timed_weights(model), candidates), strict=True))
+        best = min(seconds, key=seconds.__getitem__)
+        timings = ", ".join(f"{kernel} {1e3 * value:.1f} ms" for kernel, value in seconds.items())
+        where = choices_path()
+        print(f"[kernels] linears: timed {timings} on this CPU; using {best} (remembered in {where})", file=sys.stderr)
+        return best
+
+    return remembered(model, f"linears | {'/'.join(candidates)} | shapes {digest}", fastest, candidates.__contains__)
+
+
+def remembered(model: nn.Module, what: str, measure: Callable[[], T], valid: Callable[[Any], bool]) -> T:
+    """A timed choice for ``model`` on this machine (``what`` names it and the shapes it depends on):
+    read from the choices file where this machine, torch release, thread count and C++ source measured it
+    before (and ``valid`` accepts it: the file may be edited by hand), else ``measure()``, remembered there."""
+    device = device_name(next(model.parameters()).device)
+    threads = torch.get_num_threads()
+    key = f"{device} | torch {torch.__version__} | {threads} threads | native {source_digest()} | {what}"
     path = choices_path()
     choices = _read(path)
-    if choices.get(key) in candidates:
+    if key in choices and valid(choices[key]):
         return choices[key]
-    seconds = dict(zip(candidates, _seconds(_timed_weights(model), candidates), strict=True))
-    best = min(seconds, key=seconds.__getitem__)
-    timings = ", ".join(f"{kernel} {1e3 * value:.1f} ms" for kernel, value in seconds.items())
-    print(f"[kernels] linears: timed {timings} on this CPU; using {best} (remembered in {path})", file=sys.stderr)
+    value = measure()
     try:
-        atomic_write_json(path, {**choices, key: best})
+        atomic_write_json(path, {**choices, key: value})
     except OSError:
-        pass  # a read-only folder: the next run times again
-    return best
+        pass  # a read-only folder: the next run measures again
+    return value
 
 
 def choices_path() -> Path:
     """Beside the runtime's C++ build, whose folder is per torch release."""
     return build_directory() / CHOICES_FILE
-
-
-def _choice_key(model: nn.Module, candidates: tuple[str, ...]) -> str:
-    shapes = sorted({tuple(module.weight.shape) for module in model.modules() if isinstance(module, nn.Linear)})
-    digest = hashlib.sha256(json.dumps(shapes).encode()).hexdigest()[:16]
-    device = device_name(next(model.parameters()).device)
-    threads = torch.get_num_threads()
-    kernels = f"native {source_digest()}" if "stream" in candidates else "no native"
-    return f"{device} | torch {torch.__version__} | {threads} threads | {'/'.join(candidates)} | {kernels} | {digest}"
 
 
 def _read(path: Path) -> dict[str, str]:
@@ -106,15 +117,20 @@ def _seconds(weights: list[torch.Tensor], kernels: tuple[str, ...]) -> list[floa
     return totals
 
 
-def side_by_side_seconds(runs: list[Callable[[], object]], repeats: int = 7) -> list[float]:
+def side_by_side_seconds(
+    runs: list[Callable[[], object]], repeats: int = 7, before: Callable[[], object] | None = None
+) -> list[float]:
     """The median seconds of each of ``runs``, timed in turns (each once per round, after an untimed
     round): on a shared machine whose speed drifts, medians taken one after the other would compare the
-    drift as much as the runs."""
+    drift as much as the runs. ``before``, where given, runs untimed before every timed run (to leave the
+    caches as the runs find them in real use)."""
     for run in runs:
         run()
     times: list[list[float]] = [[] for _ in runs]
     for _ in range(repeats):
         for run, taken in zip(runs, times, strict=True):
+            if before is not None:
+                before()
             start = time.perf_counter()
             run()
             taken.append(time.perf_counter() - start)

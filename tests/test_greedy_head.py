@@ -24,8 +24,8 @@ SEARCHES = pytest.mark.parametrize("native", [False, "avx2", "avx512"], ids=["py
 
 
 class FixedInstructions:
-    """The C++ extension with its screen and contender search held to one instruction set (``auto`` picks
-    AVX-512 where the CPU has it, so the other code would otherwise go untested on such a CPU)."""
+    """The C++ extension with its screen, contender search and proof held to one instruction set (``auto``
+    picks AVX-512 where the CPU has it, so the other code would otherwise go untested on such a CPU)."""
 
     def __init__(self, built, isa: str) -> None:
         self.built, self.isa = built, isa
@@ -38,6 +38,9 @@ class FixedInstructions:
 
     def screen_contenders(self, *args):
         return self.built.screen_contenders(*args, isa=self.isa)
+
+    def proven_argmax(self, *args):
+        return self.built.proven_argmax(*args, isa=self.isa)
 
 
 def extension(native: bool | str):

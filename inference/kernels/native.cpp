@@ -782,11 +782,12 @@ at::Tensor stream_pack(const at::Tensor& weight) {
   return pack;
 }
 
-// Whether a kernel (`what`: stream_linear, int8_screen, screen_contenders) runs its AVX-512 code: `isa`
-// "auto" (where the CPU has AVX-512F, unless DRAFTSMITH_MAX_CPU_ISA=avx2 is set, as oneDNN's
+// Whether a kernel (`what`: stream_linear, int8_screen, screen_contenders, proven_argmax) runs its AVX-512
+// code: `isa` "auto" (where the CPU has AVX-512F, unless DRAFTSMITH_MAX_CPU_ISA=avx2 is set, as oneDNN's
 // ONEDNN_MAX_CPU_ISA), "avx2" or "avx512". The choice is speed only: the stream kernel's floats are the
-// same either way, the screen's sums are of the same exact products (its bound holds in any order), and
-// the contender search computes the same floats.
+// same either way, the screen's sums are of the same exact products (its bound holds in any order), the
+// contender search computes the same floats, and the proof's float64 sums are of the same exact products
+// (its bound holds in any order too).
 bool wide_vectors(const std::string& isa, const char* what) {
   TORCH_CHECK(isa == "auto" || isa == "avx2" || isa == "avx512", what, ": isa 'auto', 'avx2' or 'avx512', not '",
               isa, "'");
@@ -1210,13 +1211,40 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> screen_contenders(
   return {floors, contenders};
 }
 
+// A contender's logit sum_k w_k x_k and magnitude sum_k |w_k x_k| in float64, from exact products (the
+// bound proven_argmax applies holds for float64 sums in any order).
+void contender_sums(const float* w, const float* x, int64_t K, double* logit, double* magnitude) {
+  for (int64_t k = 0; k < K; ++k) {
+    const double product = static_cast<double>(w[k]) * static_cast<double>(x[k]);  // exact
+    *logit += product;
+    *magnitude += std::fabs(product);
+  }
+}
+
+#ifdef DRAFTSMITH_X86
+// contender_sums eight products at a time.
+AVX512 void wide_contender_sums(const float* w, const float* x, int64_t K, double* logit, double* magnitude) {
+  __m512d sums = _mm512_setzero_pd(), sizes = _mm512_setzero_pd();
+  int64_t k = 0;
+  for (; k + 8 <= K; k += 8) {
+    const __m512d product =
+        _mm512_mul_pd(_mm512_cvtps_pd(_mm256_loadu_ps(w + k)), _mm512_cvtps_pd(_mm256_loadu_ps(x + k)));
+    sums = _mm512_add_pd(sums, product);
+    sizes = _mm512_add_pd(sizes, _mm512_abs_pd(product));
+  }
+  *logit = _mm512_reduce_add_pd(sums);
+  *magnitude = _mm512_reduce_add_pd(sizes);
+  contender_sums(w + k, x + k, K - k, logit, magnitude);
+}
+#endif
+
 // GreedyHead._proven_argmax for one row x (K, float32) and its contenders (int64 token ids) of the float32
 // head `weight` (V, K): the contenders' logits and magnitudes sum_k |w_ik x_k| in float64 read straight
 // from the weight rows, each one's float32 error bound (gamma32 + 2 gamma64) * magnitude * safety + 1e-30,
 // and the best one returned where it beats every other contender by more than both bounds (-1: not
 // proven, or a value that is not finite).
 int64_t proven_argmax(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& contenders, double gamma32,
-                      double gamma64, double safety) {
+                      double gamma64, double safety, const std::string& isa) {
   RECORD_FUNCTION("draftsmith::proven_argmax", std::vector<c10::IValue>());  // named in bench-tree --profile
   TORCH_CHECK(x.dim() == 1 && x.scalar_type() == at::kFloat && x.is_contiguous(), "proven_argmax: x");
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat && weight.is_contiguous() &&
@@ -1229,17 +1257,18 @@ int64_t proven_argmax(const at::Tensor& x, const at::Tensor& weight, const at::T
   if (count == 1) return ids[0];
   const float* xp = x.data_ptr<float>();
   const float* wp = weight.data_ptr<float>();
+  const bool wide = wide_vectors(isa, "proven_argmax");
   std::vector<double> logits(count), errors(count);
   int64_t best = -1;
   for (int64_t c = 0; c < count; ++c) {
     TORCH_CHECK(ids[c] >= 0 && ids[c] < V, "proven_argmax: a contender outside the vocabulary");
-    const float* w = wp + ids[c] * K;
     double logit = 0.0, magnitude = 0.0;
-    for (int64_t k = 0; k < K; ++k) {
-      const double product = static_cast<double>(w[k]) * static_cast<double>(xp[k]);  // exact
-      logit += product;
-      magnitude += std::fabs(product);
-    }
+#ifdef DRAFTSMITH_X86
+    if (wide)
+      wide_contender_sums(wp + ids[c] * K, xp, K, &logit, &magnitude);
+    else
+#endif
+      contender_sums(wp + ids[c] * K, xp, K, &logit, &magnitude);
     logits[c] = logit;
     errors[c] = (gamma32 + 2.0 * gamma64) * magnitude * safety + 1e-30;
     if (!std::isfinite(logit) || !std::isfinite(errors[c])) return -1;
@@ -1257,7 +1286,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("screen_contenders", &screen_contenders, "The screened head's floors and contenders per row",
         py::arg("screen"), py::arg("row_bounds"), py::arg("coefficients"), py::arg("output"), py::arg("safety"),
         py::arg("isa") = "auto");
-  m.def("proven_argmax", &proven_argmax, "The screened head's proof for one row (-1: not proven)");
+  m.def("proven_argmax", &proven_argmax, "The screened head's proof for one row (-1: not proven)", py::arg("x"),
+        py::arg("weight"), py::arg("contenders"), py::arg("gamma32"), py::arg("gamma64"), py::arg("safety"),
+        py::arg("isa") = "auto");
   m.def("simd_supported", &simd_supported, "Whether int8_screen and stream_linear run on this CPU");
   m.def("huge_page_empty", &huge_page_empty, "An uninitialised tensor in memory backed by huge pages where the OS gives them",
         py::arg("shape"), py::arg("dtype") = at::kFloat);

@@ -106,6 +106,21 @@ def test_rows_that_share_their_first_keys_compute_what_each_computes_alone(atten
         torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("head_dim", [64, 40, 12, 128])
+def test_the_avx512_values_give_the_avx2_values_floats(attend, head_dim):
+    """With AVX-512 the weighted values take 16 lanes a vector: each lane's sum is the same fused
+    multiply-adds in the same order, so the two codes give bitwise the same output."""
+    q, k, v = qkv(9, 3, 6, 41, head_dim, seed=head_dim)
+    seen = torch.rand(6, 41, generator=torch.Generator().manual_seed(2)) < 0.7
+    seen[:, 0] = True
+    try:
+        wide = attend(q, k, v, seen[None, None], 0.2, False, isa="avx512")
+    except RuntimeError as error:
+        pytest.skip(str(error).splitlines()[0])
+    assert torch.equal(wide, attend(q, k, v, seen[None, None], 0.2, False, isa="avx2"))
+    assert torch.equal(attend(q, k, v, None, 0.2, True, isa="avx512"), attend(q, k, v, None, 0.2, True, isa="avx2"))
+
+
 def test_a_float_mask_must_only_hide_or_show(attend):
     q, k, v = qkv(4, 2, 2, 6, 16)
     biased = torch.zeros(1, 1, 2, 6)

@@ -601,6 +601,41 @@ AVX2 void group_values(const float* weights, int64_t room, const float* values, 
     for (int u = 0; u < C; ++u) _mm256_storeu_ps(acc_out + i * head_dim + 8 * (c + u), acc[i][u]);
 }
 
+// group_values with AVX-512 for the 16-lane vectors [c, c + C) of a head (2C of group_values' vectors), so
+// that a head of 64 takes one pass over the keys: each lane's sum is the same fused multiply-adds in the
+// same order as in group_values.
+template <int G, int C>
+AVX512 void group_values_512(const float* weights, int64_t room, const float* values, int64_t value_stride,
+                             const int32_t* seen, int64_t count, int64_t c, int64_t head_dim, float* acc_out) {
+  __m512 acc[G][C];
+  for (int i = 0; i < G; ++i)
+    for (int u = 0; u < C; ++u) acc[i][u] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < count; ++j) {
+    const float* value = values + seen[j] * value_stride + 16 * c;
+    __m512 vv[C];
+    for (int u = 0; u < C; ++u) vv[u] = _mm512_loadu_ps(value + 16 * u);
+    for (int i = 0; i < G; ++i) {
+      const __m512 weight = _mm512_set1_ps(weights[i * room + j]);
+      for (int u = 0; u < C; ++u) acc[i][u] = _mm512_fmadd_ps(weight, vv[u], acc[i][u]);
+    }
+  }
+  for (int i = 0; i < G; ++i)
+    for (int u = 0; u < C; ++u) _mm512_storeu_ps(acc_out + i * head_dim + 16 * (c + u), acc[i][u]);
+}
+
+// The 16-lane vectors of a head's weighted values through group_values_512, four at a time; returns how
+// many 8-lane vectors that covered.
+template <int G>
+AVX512 int64_t wide_values(const float* weights, int64_t room, const float* values, int64_t value_stride,
+                           const int32_t* seen, int64_t count, int64_t head_dim, float* acc) {
+  const int64_t blocks = head_dim / 16;
+  int64_t c = 0;
+  for (; c + 4 <= blocks; c += 4)
+    group_values_512<G, 4>(weights, room, values, value_stride, seen, count, c, head_dim, acc);
+  for (; c < blocks; ++c) group_values_512<G, 1>(weights, room, values, value_stride, seen, count, c, head_dim, acc);
+  return 2 * blocks;
+}
+
 // The attention of G queries of one row that read the same K/V head, over the keys `seen` (count of
 // them, ascending): the sum of each query's softmax weights e^(score - its top score) (sum[i]) and its
 // weighted sum of the values (acc + i * head_dim). Every step computes each query alone (group_scores,
@@ -609,14 +644,14 @@ AVX2 void group_values(const float* weights, int64_t room, const float* values, 
 template <int G>
 AVX2 void attend_group_simd(const float* const* q, const float* keys, int64_t key_stride, const float* values,
                             int64_t value_stride, const int32_t* seen, int64_t count, int64_t head_dim, float scaling,
-                            float* scores, int64_t room, float* sum, float* acc) {
+                            float* scores, int64_t room, float* sum, float* acc, bool wide) {
   float top[G];
   group_scores<G>(q, keys, key_stride, seen, count, head_dim, scaling, scores, room, top);
   for (int i = 0; i < G; ++i) sum[i] = softmax_weights(scores + i * room, count, top[i]);
   const int64_t vectors = head_dim / 8;
   constexpr int C = G >= 3 ? 2 : 4;  // value vectors per pass over the keys: the G * C accumulators, C value
                                      // vectors and a weight stay in the 16 vector registers
-  int64_t c = 0;
+  int64_t c = wide ? wide_values<G>(scores, room, values, value_stride, seen, count, head_dim, acc) : 0;
   for (; c + C <= vectors; c += C) group_values<G, C>(scores, room, values, value_stride, seen, count, c, head_dim, acc);
   for (; c < vectors; ++c) group_values<G, 1>(scores, room, values, value_stride, seen, count, c, head_dim, acc);
   for (int i = 0; i < G; ++i)
@@ -631,14 +666,15 @@ AVX2 void attend_group_simd(const float* const* q, const float* keys, int64_t ke
 // changes no result).
 AVX2 void attend_queries_simd(const float* const* q, int64_t queries, const float* keys, int64_t key_stride,
                               const float* values, int64_t value_stride, const int32_t* seen, int64_t count,
-                              int64_t head_dim, float scaling, float* scores, int64_t room, float* sum, float* acc) {
+                              int64_t head_dim, float scaling, float* scores, int64_t room, float* sum, float* acc,
+                              bool wide) {
   for (int64_t i = 0; i < queries;) {
     const int64_t here = std::min<int64_t>(queries - i, 4);
     float* a = acc + i * head_dim;
-    if (here == 4) attend_group_simd<4>(q + i, keys, key_stride, values, value_stride, seen, count, head_dim, scaling, scores, room, sum + i, a);
-    if (here == 3) attend_group_simd<3>(q + i, keys, key_stride, values, value_stride, seen, count, head_dim, scaling, scores, room, sum + i, a);
-    if (here == 2) attend_group_simd<2>(q + i, keys, key_stride, values, value_stride, seen, count, head_dim, scaling, scores, room, sum + i, a);
-    if (here == 1) attend_group_simd<1>(q + i, keys, key_stride, values, value_stride, seen, count, head_dim, scaling, scores, room, sum + i, a);
+    if (here == 4) attend_group_simd<4>(q + i, keys, key_stride, values, value_stride, seen, count, head_dim, scaling, scores, room, sum + i, a, wide);
+    if (here == 3) attend_group_simd<3>(q + i, keys, key_stride, values, value_stride, seen, count, head_dim, scaling, scores, room, sum + i, a, wide);
+    if (here == 2) attend_group_simd<2>(q + i, keys, key_stride, values, value_stride, seen, count, head_dim, scaling, scores, room, sum + i, a, wide);
+    if (here == 1) attend_group_simd<1>(q + i, keys, key_stride, values, value_stride, seen, count, head_dim, scaling, scores, room, sum + i, a, wide);
     i += here;
   }
 }
@@ -782,12 +818,12 @@ at::Tensor stream_pack(const at::Tensor& weight) {
   return pack;
 }
 
-// Whether a kernel (`what`: stream_linear, int8_screen, screen_contenders, proven_argmax) runs its AVX-512
-// code: `isa` "auto" (where the CPU has AVX-512F, unless DRAFTSMITH_MAX_CPU_ISA=avx2 is set, as oneDNN's
-// ONEDNN_MAX_CPU_ISA), "avx2" or "avx512". The choice is speed only: the stream kernel's floats are the
-// same either way, the screen's sums are of the same exact products (its bound holds in any order), the
-// contender search computes the same floats, and the proof's float64 sums are of the same exact products
-// (its bound holds in any order too).
+// Whether a kernel (`what`: stream_linear, int8_screen, screen_contenders, proven_argmax, attend) runs its
+// AVX-512 code: `isa` "auto" (where the CPU has AVX-512F, unless DRAFTSMITH_MAX_CPU_ISA=avx2 is set, as
+// oneDNN's ONEDNN_MAX_CPU_ISA), "avx2" or "avx512". The choice is speed only: the stream kernel's floats
+// are the same either way, the screen's sums are of the same exact products (its bound holds in any
+// order), the contender search and the attention compute the same floats, and the proof's float64 sums
+// are of the same exact products (its bound holds in any order too).
 bool wide_vectors(const std::string& isa, const char* what) {
   TORCH_CHECK(isa == "auto" || isa == "avx2" || isa == "avx512", what, ": isa 'auto', 'avx2' or 'avx512', not '",
               isa, "'");
@@ -880,6 +916,7 @@ struct AttendProblem {
   bool causal;
   float scaling;
   bool simd;
+  bool wide = false;  // the weighted values with AVX-512 (the same floats)
   float* out = nullptr;  // (batch, rows, heads, head_dim)
   int64_t batch = q.size(0), heads = q.size(1), rows = q.size(2), head_dim = q.size(3);
   int64_t kv_heads = k.size(1), length = k.size(2), groups = heads / kv_heads;
@@ -918,7 +955,7 @@ struct AttendProblem {
 #ifdef DRAFTSMITH_X86
     if (simd) {
       attend_queries_simd(queries.data(), together, key, k.stride(2), value, v.stride(2), seen, count, head_dim,
-                          scaling, scores, room, sum, acc);
+                          scaling, scores, room, sum, acc, wide);
       return;
     }
 #endif
@@ -941,7 +978,7 @@ struct AttendProblem {
 // so a row's result is bitwise the same alone, among other rows, and under any mask that lets it see
 // the same keys: what makes a tree's rows compute exactly what plain steps compute.
 at::Tensor attend(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values,
-                  const std::optional<at::Tensor>& mask, double scaling, bool causal) {
+                  const std::optional<at::Tensor>& mask, double scaling, bool causal, const std::string& isa) {
   RECORD_FUNCTION("draftsmith::attend", std::vector<c10::IValue>());  // named in bench-tree --profile
   TORCH_CHECK(query.dim() == 4 && keys.dim() == 4 && values.dim() == 4, "attend: 4-d query, keys and values");
   TORCH_CHECK(query.scalar_type() == at::kFloat && keys.scalar_type() == at::kFloat && values.scalar_type() == at::kFloat,
@@ -965,6 +1002,7 @@ at::Tensor attend(const at::Tensor& query, const at::Tensor& keys, const at::Ten
   }
   AttendProblem problem{q, k, v, mask.has_value() ? &m : nullptr, {mask_strides[0], mask_strides[1], mask_strides[2], mask_strides[3]},
                         causal, static_cast<float>(scaling), simd_supported()};
+  problem.wide = problem.simd && wide_vectors(isa, "attend");
   at::Tensor out = at::empty({batch, rows, heads, head_dim}, q.options());
   problem.out = out.data_ptr<float>();
   // a K/V head's query heads share an item and read each key once, unless the mask differs between
@@ -1044,7 +1082,7 @@ std::vector<at::Tensor> decoder_layers(
     at::Tensor keys = keys_buffer.narrow(2, 0, start + rows);
     at::Tensor values = values_buffer.narrow(2, 0, start + rows);
     at::Tensor attended =
-        rows_attention ? attend(rotated.transpose(1, 2), keys, values, mask, scaling, /*causal=*/false)
+        rows_attention ? attend(rotated.transpose(1, 2), keys, values, mask, scaling, /*causal=*/false, "auto")
                        : at::scaled_dot_product_attention(rotated.transpose(1, 2), keys, values, mask, /*dropout_p=*/0.0,
                                                           /*is_causal=*/false, scaling, grouped)
                              .transpose(1, 2)
@@ -1295,7 +1333,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("stream_pack", &stream_pack, "A float32 weight in the stream kernel's layout");
   m.def("stream_linear", &stream_linear, "The stream kernel's product: weights read once for all rows",
         py::arg("rows"), py::arg("pack"), py::arg("isa") = "auto");
-  m.def("attend", &attend, "Attention whose every row is computed alone (row-invariant)");
+  m.def("attend", &attend, "Attention whose every row is computed alone (row-invariant)", py::arg("query"),
+        py::arg("keys"), py::arg("values"), py::arg("mask"), py::arg("scaling"), py::arg("causal"),
+        py::arg("isa") = "auto");
   m.def("int8_screen", &int8_screen, "The screened head's int8 product, weights read once for all rows",
         py::arg("input"), py::arg("quantized"), py::arg("scales"), py::arg("isa") = "auto");
 }

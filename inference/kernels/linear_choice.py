@@ -76,7 +76,7 @@ def choices_path() -> Path:
     return build_directory() / CHOICES_FILE
 
 
-def _read(path: Path) -> dict[str, str]:
+def _read(path: Path) -> dict[str, Any]:
     try:
         choices = json.loads(path.read_text())
     except (OSError, ValueError):

@@ -407,3 +407,14 @@ def assert_one_drafter_forward_per_round(model, target, trees: list[tuple[int, i
             assert len(calls) == len(result.accept_lengths) > 1, (top_k, total)
     finally:
         handle.remove()
+
+
+def skip_without_avx512() -> None:
+    """Skips the test where the runtime's C++ kernels cannot run their AVX-512 code (the CPU lacks it)."""
+    from draftsmith.inference.kernels.native import native_extension
+
+    built = native_extension()
+    try:
+        built.stream_linear(torch.zeros(1, 1), built.stream_pack(torch.zeros(16, 1)), isa="avx512")
+    except RuntimeError as error:
+        pytest.skip(str(error).splitlines()[0])

@@ -21,7 +21,7 @@ from draftsmith.inference.kernels.options import KernelOptions
 from draftsmith.inference.kernels.packed_gemm import PackedGemm, PackedLinear, linear_kernel_available, row_bucket
 from draftsmith.inference.methods.pld import PromptLookupDrafter
 from draftsmith.inference.runtime import generate
-from helpers import TINY_EOS, hf_greedy, seeded_random_tree
+from helpers import TINY_EOS, hf_greedy, seeded_random_tree, skip_without_avx512
 
 VOCAB = 97
 mkl = pytest.mark.skipif(not linear_kernel_available("mkl"), reason="PyTorch built without MKL")
@@ -273,10 +273,7 @@ def test_the_stream_kernels_avx512_tiles_give_the_avx2_tiles_floats(outputs, inp
     weight = torch.randn(outputs, inputs, generator=generator)
     rows = torch.randn(30, inputs, generator=generator)
     pack = packed_gemm.one_pack("stream", weight)
-    try:
-        native.stream_linear(rows[:1], pack, isa="avx512")
-    except RuntimeError as error:
-        pytest.skip(str(error).splitlines()[0])
+    skip_without_avx512()
     for count in (1, 2, 3, 8, 12, 13, 25, 30):
         narrow = native.stream_linear(rows[:count], pack, isa="avx2")
         assert torch.equal(native.stream_linear(rows[:count], pack, isa="avx512"), narrow)

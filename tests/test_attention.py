@@ -108,10 +108,12 @@ def test_rows_that_share_their_first_keys_compute_what_each_computes_alone(atten
 
 
 @pytest.mark.parametrize("head_dim", [64, 40, 12, 128])
-def test_the_avx512_values_give_the_avx2_values_floats(attend, head_dim):
-    """With AVX-512 the weighted values take 16 lanes a vector: each lane's sum is the same fused
-    multiply-adds in the same order, so the two codes give bitwise the same output."""
-    q, k, v = qkv(9, 3, 6, 41, head_dim, seed=head_dim)
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (8, 2), (4, 2), (4, 4)])  # 3, 4, 2 and 1 queries a K/V head
+def test_the_avx512_attention_gives_the_avx2_attentions_floats(attend, head_dim, heads, kv_heads):
+    """With AVX-512 the scores take two queries a vector and the weighted values 16 lanes a vector: each
+    lane's sum is the same fused multiply-adds in the same order, and the scores' lane sums are added
+    in four_sums' order, so the two codes give bitwise the same output."""
+    q, k, v = qkv(heads, kv_heads, 6, 41, head_dim, seed=head_dim)
     seen = torch.rand(6, 41, generator=torch.Generator().manual_seed(2)) < 0.7
     seen[:, 0] = True
     skip_without_avx512()

@@ -5,6 +5,8 @@ that behave as before outside the runtime, and the memory guard."""
 import json
 import os
 import random
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -278,6 +280,21 @@ def test_the_stream_kernels_avx512_tiles_give_the_avx2_tiles_floats(outputs, inp
         narrow = native.stream_linear(rows[:count], pack, isa="avx2")
         assert torch.equal(native.stream_linear(rows[:count], pack, isa="avx512"), narrow)
         assert torch.equal(native.stream_linear(rows[:count], pack), narrow)
+
+
+@pytest.mark.parametrize("cap, warned", [("avx3", True), ("avx2", False), ("", False)])
+def test_an_unknown_instruction_set_cap_is_ignored_with_a_warning(cap, warned):
+    """``DRAFTSMITH_MAX_CPU_ISA`` (read once per process) names avx2 or avx512; a typo must not silently
+    leave a user believing the cap holds."""
+    assert native_extension() is not None  # built (cached) before the child process loads it
+    code = (
+        "import torch; from draftsmith.inference.kernels.native import native_extension as n; e = n(); "
+        "e.stream_linear(torch.zeros(1, 16), e.stream_pack(torch.zeros(16, 16)))"
+    )
+    env = {**os.environ, "DRAFTSMITH_MAX_CPU_ISA": cap}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert ("DRAFTSMITH_MAX_CPU_ISA=avx3 is neither avx2 nor avx512; ignored" in done.stderr) == warned
 
 
 @pytest.mark.parametrize("linear", ["auto", "stream", "onednn", "default"])

@@ -636,6 +636,86 @@ AVX512 int64_t wide_values(const float* weights, int64_t room, const float* valu
   return 2 * blocks;
 }
 
+constexpr int64_t kWideKeys = 8;  // keys per block of group_scores_512
+
+// _mm256_hadd_ps's sums for 512-bit vectors: in each 128-bit lane, [a0 + a1, a2 + a3, b0 + b1, b2 + b3].
+AVX512 inline __m512 pair_sums(__m512 a, __m512 b) {
+  return _mm512_add_ps(_mm512_shuffle_ps(a, b, 0x88), _mm512_shuffle_ps(a, b, 0xDD));
+}
+
+// four_sums of two queries at once: a_t holds query A's accumulator for key t in lanes 0-7 and query B's
+// in lanes 8-15; returns A's four sums in lanes 0-3 and B's in lanes 4-7, each added as four_sums adds it.
+AVX512 inline __m256 four_sums_pair(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+  const __m512 h = pair_sums(pair_sums(a0, a1), pair_sums(a2, a3));  // 128-bit lanes: A 0-3, A 4-7, B 0-3, B 4-7
+  const __m512 low = _mm512_shuffle_f32x4(h, h, _MM_SHUFFLE(2, 0, 2, 0));
+  const __m512 high = _mm512_shuffle_f32x4(h, h, _MM_SHUFFLE(3, 1, 3, 1));
+  return _mm512_castps512_ps256(_mm512_add_ps(low, high));
+}
+
+// group_scores with AVX-512 for G of 2 to 4 queries, kWideKeys keys a block: the queries go in pairs, one
+// per 256-bit half of a vector, and each key's 8-lane vector is broadcast to both halves, so every half
+// accumulates what group_scores' accumulator does and four_sums_pair adds as four_sums does: the same
+// floats. An odd G's last pair repeats its query.
+template <int G>
+AVX512 void group_scores_512(const float* const* q, const float* keys, int64_t key_stride, const int32_t* seen,
+                             int64_t count, int64_t head_dim, float scaling, float* scores, int64_t room, float* top) {
+  constexpr int P = (G + 1) / 2;
+  const int64_t vectors = head_dim / 8;
+  alignas(64) float pairs[P][2 * 256];  // pair p's vector v at 16 * v: query 2p's lanes, then its partner's
+  for (int p = 0; p < P; ++p)
+    for (int64_t v = 0; v < vectors; ++v) {
+      std::copy_n(q[2 * p] + 8 * v, 8, pairs[p] + 16 * v);
+      std::copy_n(q[std::min(2 * p + 1, G - 1)] + 8 * v, 8, pairs[p] + 16 * v + 8);
+    }
+  __m256 best[G];  // each query's running maximum, lane by lane
+  for (int i = 0; i < G; ++i) best[i] = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t j0 = 0; j0 < count; j0 += kWideKeys) {
+    const float* k[kWideKeys];
+    for (int64_t t = 0; t < kWideKeys; ++t) k[t] = j0 + t < count ? keys + seen[j0 + t] * key_stride : kZeroRow;
+    __m512 acc[P][kWideKeys];
+    for (int p = 0; p < P; ++p)
+      for (int64_t t = 0; t < kWideKeys; ++t) acc[p][t] = _mm512_setzero_ps();
+    for (int64_t v = 0; v < vectors; ++v) {
+      __m512 qv[P];
+      for (int p = 0; p < P; ++p) qv[p] = _mm512_load_ps(pairs[p] + 16 * v);
+      for (int64_t t = 0; t < kWideKeys; ++t) {
+        const __m512 kv = _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(_mm256_loadu_ps(k[t] + 8 * v))));
+        for (int p = 0; p < P; ++p) acc[p][t] = _mm512_fmadd_ps(qv[p], kv, acc[p][t]);
+      }
+    }
+    const int64_t here = std::min(kWideKeys, count - j0);
+    const __m256 live = _mm256_castsi256_ps(
+        _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(here)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+#pragma GCC unroll 2  // the accumulators stay in registers
+    for (int p = 0; p < P; ++p) {
+      const __m256 first = four_sums_pair(acc[p][0], acc[p][1], acc[p][2], acc[p][3]);
+      const __m256 second = four_sums_pair(acc[p][4], acc[p][5], acc[p][6], acc[p][7]);
+      for (int half = 0; half < 2 && 2 * p + half < G; ++half) {
+        const int i = 2 * p + half;
+        __m256 dots = half == 0 ? _mm256_permute2f128_ps(first, second, 0x20)
+                                : _mm256_permute2f128_ps(first, second, 0x31);
+        if (vectors * 8 < head_dim) {  // the last head_dim % 8 products, in order
+          alignas(32) float sums[kWideKeys];
+          _mm256_store_ps(sums, dots);
+          for (int64_t t = 0; t < here; ++t)
+            for (int64_t d = vectors * 8; d < head_dim; ++d) sums[t] = std::fma(q[i][d], k[t][d], sums[t]);
+          dots = _mm256_load_ps(sums);
+        }
+        const __m256 scaled = _mm256_mul_ps(dots, _mm256_set1_ps(scaling));
+        _mm256_storeu_ps(scores + i * room + j0, scaled);  // room holds a block past count
+        const __m256 none = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+        best[i] = _mm256_max_ps(best[i], _mm256_blendv_ps(none, scaled, live));
+      }
+    }
+  }
+  for (int i = 0; i < G; ++i) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(best[i]), _mm256_extractf128_ps(best[i], 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    top[i] = _mm_cvtss_f32(m);
+  }
+}
+
 // The attention of G queries of one row that read the same K/V head, over the keys `seen` (count of
 // them, ascending): the sum of each query's softmax weights e^(score - its top score) (sum[i]) and its
 // weighted sum of the values (acc + i * head_dim). Every step computes each query alone (group_scores,
@@ -646,7 +726,10 @@ AVX2 void attend_group_simd(const float* const* q, const float* keys, int64_t ke
                             int64_t value_stride, const int32_t* seen, int64_t count, int64_t head_dim, float scaling,
                             float* scores, int64_t room, float* sum, float* acc, bool wide) {
   float top[G];
-  group_scores<G>(q, keys, key_stride, seen, count, head_dim, scaling, scores, room, top);
+  if (wide && G > 1)  // a lone query would fill half of each vector: group_scores is as fast
+    group_scores_512<G>(q, keys, key_stride, seen, count, head_dim, scaling, scores, room, top);
+  else
+    group_scores<G>(q, keys, key_stride, seen, count, head_dim, scaling, scores, room, top);
   for (int i = 0; i < G; ++i) sum[i] = softmax_weights(scores + i * room, count, top[i]);
   const int64_t vectors = head_dim / 8;
   constexpr int C = G >= 3 ? 2 : 4;  // value vectors per pass over the keys: the G * C accumulators, C value
@@ -831,8 +914,11 @@ bool wide_vectors(const std::string& isa, const char* what) {
   const bool has = __builtin_cpu_supports("avx512f");
   TORCH_CHECK(has || isa != "avx512", what, ": this CPU has no AVX-512F");
   static const bool capped = [] {
-    const char* cap = std::getenv("DRAFTSMITH_MAX_CPU_ISA");
-    return cap != nullptr && std::string(cap) == "avx2";
+    const std::string cap = std::getenv("DRAFTSMITH_MAX_CPU_ISA") ? std::getenv("DRAFTSMITH_MAX_CPU_ISA") : "";
+    if (!cap.empty() && cap != "avx2" && cap != "avx512")
+      TORCH_WARN("DRAFTSMITH_MAX_CPU_ISA=", cap, " is neither avx2 nor avx512; ignored (the kernels take AVX-512 ",
+                 "where this CPU has it)");
+    return cap == "avx2";
   }();
   return isa == "avx512" || (isa == "auto" && has && !capped);
 #else
@@ -916,7 +1002,7 @@ struct AttendProblem {
   bool causal;
   float scaling;
   bool simd;
-  bool wide = false;  // the weighted values with AVX-512 (the same floats)
+  bool wide = false;  // the scores and weighted values with AVX-512 (the same floats)
   float* out = nullptr;  // (batch, rows, heads, head_dim)
   int64_t batch = q.size(0), heads = q.size(1), rows = q.size(2), head_dim = q.size(3);
   int64_t kv_heads = k.size(1), length = k.size(2), groups = heads / kv_heads;

@@ -20,18 +20,27 @@ from helpers import hf_greedy, skip_without_avx512
 
 VOCAB, HIDDEN = 3000, 64
 # the contender search in Python and in the runtime's C++ extension (which the tests expect to build)
-SEARCHES = pytest.mark.parametrize("native", [False, "avx2", "avx512"], ids=["python", "c++ avx2", "c++ avx512"])
+SEARCHES = pytest.mark.parametrize(
+    "native", [False, "avx2", "avx512", "vnni"], ids=["python", "c++ avx2", "c++ avx512", "c++ vnni"]
+)
 
 
 class FixedInstructions:
     """The C++ extension with its screen, contender search and proof held to one instruction set (``auto``
-    picks AVX-512 where the CPU has it, so the other code would otherwise go untested on such a CPU)."""
+    picks AVX-512 where the CPU has it, so the other code would otherwise go untested on such a CPU), and
+    its screen to the bfloat16 rows' int8 product or to the 16-bit integer rows' VNNI one."""
 
-    def __init__(self, built, isa: str) -> None:
-        self.built, self.isa = built, isa
+    def __init__(self, built, isa: str, vnni: bool = False) -> None:
+        self.built, self.isa, self.vnni = built, isa, vnni
 
     def __getattr__(self, name: str):
         return getattr(self.built, name)
+
+    def int16_screen_available(self):
+        return self.vnni and self.built.int16_screen_available(isa=self.isa)
+
+    def int16_screen(self, *args):
+        return self.built.int16_screen(*args, isa=self.isa)
 
     def int8_screen(self, *args):
         return self.built.int8_screen(*args, isa=self.isa)
@@ -45,7 +54,8 @@ class FixedInstructions:
 
 def extension(native: bool | str):
     """None (Python and torch), the C++ extension (``True``), or the extension with its vector code held
-    to one instruction set (``"avx2"``, ``"avx512"``; skipped where the CPU lacks it)."""
+    to one instruction set (``"avx2"``, ``"avx512"``, or ``"vnni"``: AVX-512 with the 16-bit integer
+    screen; skipped where the CPU lacks it)."""
     if not native:
         return None
     built = native_extension()
@@ -54,9 +64,11 @@ def extension(native: bool | str):
         return built
     if not built.simd_supported():
         pytest.skip("the C++ kernels need an x86-64 CPU with AVX2 and FMA")
-    if native == "avx512":
+    if native in ("avx512", "vnni"):
         skip_without_avx512()
-    return FixedInstructions(built, native)
+    if native == "vnni" and not built.int16_screen_available():
+        pytest.skip("this CPU has no AVX-512 VNNI")
+    return FixedInstructions(built, "avx512" if native == "vnni" else native, vnni=native == "vnni")
 
 
 def head(seed: int, vocab: int = VOCAB, hidden: int = HIDDEN) -> nn.Linear:
@@ -113,7 +125,9 @@ def test_a_leading_dimension_is_kept():
 
 # the screen's int8 product: torch's, and the C++ extension's (weights read once for all rows) where it runs
 # torch's int8 product, and the C++ one with each of its instruction sets
-SCREENS = pytest.mark.parametrize("native", [False, "avx2", "avx512"], ids=["torch", "c++ avx2", "c++ avx512"])
+SCREENS = pytest.mark.parametrize(
+    "native", [False, "avx2", "avx512", "vnni"], ids=["torch", "c++ avx2", "c++ avx512", "c++ vnni"]
+)
 
 
 def screen_extension(native: bool | str):
@@ -132,8 +146,8 @@ def test_every_token_is_within_its_bound_on_this_machines_kernel(native, count):
     layer = head(4, vocab=VOCAB + 3)
     greedy = GreedyHead(layer)
     x = rows(count, 5)
-    screen_input = x.to(torch.bfloat16)
-    screen = greedy.screen(screen_input, screen_extension(native)).float()
+    screen_input, screen = greedy.screen_rows(x, screen_extension(native))
+    screen = screen.float()
     bounds = greedy.screen_bounds(x, screen_input, screen.clone())
     exact = (x.double() @ layer.weight.double().T).float()
     assert bool(((exact - screen).abs() <= bounds).all())
@@ -148,6 +162,20 @@ def test_the_c_plus_plus_screen_computes_torchs_product_to_its_rounding(isa):
     theirs = greedy.screen(screen_input, None).float()
     assert bool(((ours - theirs).abs() <= theirs.abs() * 2.0**-7 + 1e-30).all())
     assert float((ours == theirs).float().mean()) > 0.99
+
+
+def test_the_vnni_screen_is_the_integer_rows_product_to_its_output_rounding():
+    """Exact integer sums, then three float32 products and the bfloat16 rounding; and on rows with an
+    outlier feature (real hidden states have them) its 16-bit rows are far closer to the float32 ones
+    than bfloat16 rows, so its bound is tighter."""
+    greedy = GreedyHead(head(11, vocab=VOCAB + 3))
+    x = rows(9, 12)
+    x[:, 5] *= 30
+    screen_input, screen = greedy.screen_rows(x, extension("vnni"))
+    exact = screen_input @ (greedy.quantized.double() * greedy.scales.double()[:, None]).T
+    assert bool(((screen.double() - exact).abs() <= exact.abs() * (2.0**-8 + 4 * 2.0**-24) + 1e-30).all())
+    bfloat16 = greedy.screen_rows(x, extension("avx512"))[0].double()
+    assert bool(((x.double() - screen_input).norm(dim=1) < (x.double() - bfloat16).norm(dim=1) / 4).all())
 
 
 def near_tie(margin: float) -> tuple[nn.Linear, torch.Tensor, int, int]:

@@ -7,13 +7,15 @@ the head's argmax. :class:`GreedyHead` keeps
 an int8 copy of the head (a bfloat16 scale per row; a quarter of the bytes) and returns, for each row
 ``x``, exactly ``argmax(F.linear(x, W))`` as the float32 head computes it:
 
-1. **Screen.** ``a = bf16(x) @ (q * s).T`` (float32 accumulation, bfloat16 output: the C++ extension's
-   int8 product, or ``torch._weight_int8pack_mm`` where that does not run). For every token ``i`` a
-   bound ``D_i`` holds: ``|f_i - a_i| <= D_i``, where ``f_i`` is the float32 head's logit in whatever
-   summation order its kernel uses (``|f_i - x.W_i| <= gamma_K sum_k |x_k W_ik|``, Higham's bound).
-   ``D_i`` adds the weight rounding (``||x|| ||W_i - Q_i||``, Cauchy-Schwarz with the row's measured
-   error), the input's rounding to bfloat16, both float32 accumulations and the bfloat16 output
-   rounding (:meth:`GreedyHead.screen_bounds`).
+1. **Screen.** ``a = x' @ (q * s).T`` with a bfloat16 output, where ``x'`` is ``x`` rounded: to
+   16-bit integers times a scale per row where the C++ extension's VNNI product runs (AVX-512 VNNI:
+   exact integer sums, and a finer input than bfloat16 on hidden states whose largest value is ~10x
+   their RMS), else to bfloat16 (the extension's int8 product or ``torch._weight_int8pack_mm``: float32
+   accumulation). For every token ``i`` a bound ``D_i`` holds: ``|f_i - a_i| <= D_i``, where ``f_i`` is
+   the float32 head's logit in whatever summation order its kernel uses (``|f_i - x.W_i| <= gamma_K
+   sum_k |x_k W_ik|``, Higham's bound). ``D_i`` adds the weight rounding (``||x|| ||W_i - Q_i||``,
+   Cauchy-Schwarz with the row's measured error), the input's rounding (``||x - x'||``, measured), the
+   accumulations and the output rounding (:meth:`GreedyHead.screen_bounds`).
 2. **Candidates.** Some token's ``f`` is at least ``L = max_i (a_i - D_i)``; a token with ``a_i + D_i
    < L`` cannot be the argmax. The rest are the candidates (a handful per row on real text).
 3. **Proof.** The candidates' logits are recomputed in float64 (``T_i``) with their float32 error
@@ -93,7 +95,8 @@ class GreedyHead:
 
     def screen_bounds(self, rows: torch.Tensor, screen_input: torch.Tensor, screen: torch.Tensor) -> torch.Tensor:
         """``D`` (``(R, V)``): ``|f_ri - a_ri| <= D_ri`` for every row r of ``rows`` (float32, ``(R, K)``)
-        and token i, given the rows' bfloat16 copies and their screen ``a`` (float32)."""
+        and token i, given the rows as the screen read them (:meth:`screen_rows`) and their screen ``a``
+        (float32)."""
         bounds = self._coefficients(rows, screen_input) @ self._row_bounds
         return bounds.add_(screen.abs(), alpha=_OUTPUT_ROUNDING).mul_(_SAFETY)
 
@@ -105,7 +108,8 @@ class GreedyHead:
         weight_rounding = norm  # times ||W_i - Q_i||
         input_rounding = (exact - rounded).norm(dim=1)  # times max(||W_i||, ||Q_i||)
         # float32 accumulation of exact products (and a scale applied after the sum), in the screen
-        # and in the float32 head itself
+        # and in the float32 head itself; the integer screen's exact sum and its three float32 products
+        # after it take far less of the first term
         accumulation = (self._gamma32 + _FP32_UNIT) * rounded_norm + self._gamma32 * norm
         return (torch.stack([weight_rounding, input_rounding + accumulation], dim=1) * _SAFETY).float()
 
@@ -136,8 +140,20 @@ class GreedyHead:
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Steps 1 and 2 for float32 ``rows`` (``(R, K)``): each row's floor and contenders (the part of
         a call whose cost does not depend on how many contenders the proof then checks)."""
+        screen_input, screen = self.screen_rows(rows, native)
+        return self._contenders(rows, screen_input, screen, native)
+
+    def screen_rows(self, rows: torch.Tensor, native: ModuleType | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows as the screen reads them (``x'``: float64 for 16-bit integer rows, else bfloat16) and
+        their screen ``a`` (``(R, V)``, bfloat16): 16-bit integer rows through the extension's VNNI
+        product where it runs on this CPU (exact sums, twice the products an instruction), else
+        :meth:`screen` of the bfloat16 rows."""
+        if native is not None and native.simd_supported() and native.int16_screen_available():
+            integers, row_scales = _int16_rows(rows)
+            screen = native.int16_screen(integers, row_scales, self.quantized, self.scales)
+            return integers.double() * row_scales.double()[:, None], screen
         screen_input = rows.to(torch.bfloat16)
-        return self._contenders(rows, screen_input, self.screen(screen_input, native), native)
+        return screen_input, self.screen(screen_input, native)
 
     def screen(self, screen_input: torch.Tensor, native: ModuleType | None = None) -> torch.Tensor:
         """``a`` for bfloat16 rows (``(R, V)``, bfloat16): through the C++ extension's int8 product where it
@@ -191,6 +207,15 @@ def _int8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scales = (weight.abs().amax(dim=1) / 127.0).clamp_min(torch.finfo(torch.bfloat16).tiny).to(torch.bfloat16)
     quantized = torch.round(weight / scales.float()[:, None]).clamp_(-127, 127).to(torch.int8)
     return scales, quantized
+
+
+def _int16_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each float32 row as int16 times a float32 scale (``max |x| / top``), with ``top`` small enough that
+    no int32 sum of the screen can overflow (``K * top * 127 < 2**31``): the VNNI screen's input."""
+    top = min(2**15 - 1, (2**31 - 1) // (127 * rows.shape[1]))
+    scales = (rows.abs().amax(dim=1) / top).clamp_min(torch.finfo(torch.float32).tiny)
+    integers = torch.round(rows / scales[:, None]).clamp_(-top, top).to(torch.int16)
+    return integers, scales
 
 
 def greedy_head_supported(model: nn.Module) -> bool:

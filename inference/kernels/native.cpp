@@ -13,6 +13,8 @@
 // - int8_screen: the screened head's int8 product (greedy_head.py) reading each weight row from memory
 //   once for all rows of a tree (torch's int8 product reads the weights once per row), with AVX2 and FMA
 //   or, where the CPU has it, AVX-512 (as the stream kernel).
+// - int16_screen: the same product for rows rounded to 16-bit integers, summed exactly with AVX-512 VNNI
+//   (greedy_head.py takes it where the CPU has it).
 #include <ATen/Parallel.h>
 #include <ATen/record_function.h>
 #include <torch/extension.h>
@@ -317,6 +319,71 @@ AVX512 void screen_span_512(const float* x, int64_t rows, const int8_t* q, int64
         case 6: screen_tokens_512<6, 3>(xr, q, K, V, first, last, sr); break;
         case 7: screen_tokens_512<7, 2>(xr, q, K, V, first, last, sr); break;
         default: screen_tokens_512<8, 2>(xr, q, K, V, first, last, sr); break;
+      }
+    }
+  }
+}
+
+#define AVX512VNNI __attribute__((target("avx512f,avx512bw,avx512vnni")))
+
+// sums[r * V + i + t] = sum_k x_rk q_(i+t)k for R rows of x (int16, R x K, K a multiple of 32) and tokens
+// [i, i + T) of q (int8, V x K): exact int32 sums (the caller keeps sum_k |x_rk| 127 below 2^31), each
+// instruction adding 32 products (vpdpwssd: two int16 products a lane), the int8 weights widened to int16
+// on the way in.
+template <int R, int T>
+AVX512VNNI inline void vnni_block(const int16_t* x, const int8_t* q, int64_t K, int64_t V, int64_t i, int32_t* sums) {
+  __m512i acc[T][R];
+#pragma GCC unroll 8
+  for (int t = 0; t < T; ++t)
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) acc[t][r] = _mm512_setzero_si512();
+  const int64_t ahead = std::min(i + kPrefetchRows, V - T);
+  for (int64_t k = 0; k < K; k += 32) {
+    if ((k & 63) == 0)
+#pragma GCC unroll 8
+      for (int t = 0; t < T; ++t) _mm_prefetch(reinterpret_cast<const char*>(q + (ahead + t) * K + k), _MM_HINT_T0);
+    __m512i xv[R];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) xv[r] = _mm512_loadu_si512(x + r * K + k);
+#pragma GCC unroll 8
+    for (int t = 0; t < T; ++t) {
+      const __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + (i + t) * K + k)));
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) acc[t][r] = _mm512_dpwssd_epi32(acc[t][r], w, xv[r]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int t = 0; t < T; ++t)
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) sums[r * V + i + t] = _mm512_reduce_add_epi32(acc[t][r]);
+}
+
+template <int R, int T>
+AVX512VNNI void vnni_tokens(const int16_t* x, const int8_t* q, int64_t K, int64_t V, int64_t begin, int64_t end,
+                            int32_t* sums) {
+  int64_t i = begin;
+  for (; i + T <= end; i += T) vnni_block<R, T>(x, q, K, V, i, sums);
+  for (; i < end; ++i) vnni_block<R, 1>(x, q, K, V, i, sums);
+}
+
+// Tokens [begin, end) for every row, as screen_span goes through them.
+AVX512VNNI void vnni_span(const int16_t* x, int64_t rows, const int8_t* q, int64_t K, int64_t V, int64_t begin,
+                          int64_t end, int32_t* sums) {
+  constexpr int64_t kTokensPerPass = 24;
+  for (int64_t first = begin; first < end; first += kTokensPerPass) {
+    const int64_t last = std::min(end, first + kTokensPerPass);
+    for (int64_t r = 0; r < rows; r += 8) {
+      const int16_t* xr = x + r * K;
+      int32_t* sr = sums + r * V;
+      switch (std::min<int64_t>(8, rows - r)) {
+        case 1: vnni_tokens<1, 8>(xr, q, K, V, first, last, sr); break;
+        case 2: vnni_tokens<2, 6>(xr, q, K, V, first, last, sr); break;
+        case 3: vnni_tokens<3, 4>(xr, q, K, V, first, last, sr); break;
+        case 4: vnni_tokens<4, 4>(xr, q, K, V, first, last, sr); break;
+        case 5: vnni_tokens<5, 3>(xr, q, K, V, first, last, sr); break;
+        case 6: vnni_tokens<6, 3>(xr, q, K, V, first, last, sr); break;
+        case 7: vnni_tokens<7, 2>(xr, q, K, V, first, last, sr); break;
+        default: vnni_tokens<8, 2>(xr, q, K, V, first, last, sr); break;
       }
     }
   }
@@ -992,6 +1059,55 @@ at::Tensor int8_screen(const at::Tensor& input, const at::Tensor& quantized, con
   return screen;
 }
 
+// Whether int16_screen runs on this CPU for `isa` ("auto" or "avx512": AVX-512 with its byte/word
+// instructions and VNNI, Intel since Cascade Lake, AMD since Zen 4; "avx2": never).
+bool int16_screen_available(const std::string& isa) {
+#ifdef DRAFTSMITH_X86
+  return simd_supported() && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni") &&
+         isa != "avx2" && wide_vectors(isa, "int16_screen");
+#else
+  return false;
+#endif
+}
+
+// The screened head's product for 16-bit integer rows: a_ri = bfloat16((float(S_ri) * x_scales_r) * s_i) with
+// S_ri = sum_k x_rk q_ik exact in int32 (greedy_head.py picks |x| so that it cannot overflow) and each
+// product after it rounded to float32. input (R, K) int16, x_scales (R) float32, quantized (V, K) int8 with
+// K a multiple of 32, scales (V) bfloat16. Only where int16_screen_available(isa).
+at::Tensor int16_screen(const at::Tensor& input, const at::Tensor& x_scales, const at::Tensor& quantized,
+                        const at::Tensor& scales, const std::string& isa) {
+  RECORD_FUNCTION("draftsmith::int16_screen", std::vector<c10::IValue>());  // named in bench-tree --profile
+  TORCH_CHECK(int16_screen_available(isa), "int16_screen: needs AVX-512 with VNNI (isa 'auto' or 'avx512')");
+  TORCH_CHECK(input.dim() == 2 && input.scalar_type() == at::kShort, "int16_screen: input");
+  TORCH_CHECK(x_scales.dim() == 1 && x_scales.scalar_type() == at::kFloat && x_scales.size(0) == input.size(0),
+              "int16_screen: x_scales");
+  TORCH_CHECK(quantized.dim() == 2 && quantized.scalar_type() == at::kChar && quantized.is_contiguous() &&
+                  quantized.size(1) == input.size(1) && quantized.size(1) % 32 == 0,
+              "int16_screen: quantized");
+  TORCH_CHECK(scales.dim() == 1 && scales.scalar_type() == at::kBFloat16 && scales.is_contiguous() &&
+                  scales.size(0) == quantized.size(0),
+              "int16_screen: scales");
+  const int64_t rows = input.size(0), K = input.size(1), V = quantized.size(0);
+  const at::Tensor x = input.contiguous(), row_scales = x_scales.contiguous();
+  at::Tensor sums = at::empty({rows, V}, x.options().dtype(at::kInt));
+  at::Tensor screen = at::empty({rows, V}, x.options().dtype(at::kBFloat16));
+#ifdef DRAFTSMITH_X86
+  const int16_t* xp = x.data_ptr<int16_t>();
+  const float* xs = row_scales.data_ptr<float>();
+  const int8_t* qp = quantized.data_ptr<int8_t>();
+  int32_t* sp = sums.data_ptr<int32_t>();
+  const at::BFloat16* scale = scales.data_ptr<at::BFloat16>();
+  at::BFloat16* out = screen.data_ptr<at::BFloat16>();
+  at::parallel_for(0, V, 2048, [&](int64_t begin, int64_t end) {
+    vnni_span(xp, rows, qp, K, V, begin, end, sp);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t i = begin; i < end; ++i)
+        out[r * V + i] = at::BFloat16(static_cast<float>(sp[r * V + i]) * xs[r] * static_cast<float>(scale[i]));
+  });
+#endif
+  return screen;
+}
+
 // One attend call's inputs and output, and its work split into items: one per row and K/V head (the
 // query heads reading it share the keys they see), or per row and head where the mask differs between
 // heads.
@@ -1424,4 +1540,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("isa") = "auto");
   m.def("int8_screen", &int8_screen, "The screened head's int8 product, weights read once for all rows",
         py::arg("input"), py::arg("quantized"), py::arg("scales"), py::arg("isa") = "auto");
+  m.def("int16_screen_available", &int16_screen_available, "Whether int16_screen runs on this CPU",
+        py::arg("isa") = "auto");
+  m.def("int16_screen", &int16_screen, "The screened head's product for 16-bit integer rows (VNNI, exact sums)",
+        py::arg("input"), py::arg("x_scales"), py::arg("quantized"), py::arg("scales"), py::arg("isa") = "auto");
 }

@@ -282,6 +282,36 @@ def test_the_stream_kernels_avx512_tiles_give_the_avx2_tiles_floats(outputs, inp
         assert torch.equal(native.stream_linear(rows[:count], pack), narrow)
 
 
+@pytest.mark.parametrize("outputs, inputs", [(37, 13), (80, 300), (16, 1), (96, 129)])
+def test_a_bfloat16_weight_packs_in_half_the_bytes_and_gives_the_same_floats(outputs, inputs):
+    """A weight whose values are all bfloat16 (a drafter exported in bfloat16) is packed as bfloat16 and
+    widened exactly as it is read: bitwise the float32 pack's products, with both instruction sets; one
+    value that is not a bfloat16 keeps the float32 pack."""
+    one_pack_kernel("stream")
+    native = native_extension()
+    generator = torch.Generator().manual_seed(outputs * inputs)
+    weight = torch.randn(outputs, inputs, generator=generator).bfloat16().float()
+    weight[0, 0] = -0.0
+    rows = torch.randn(13, inputs, generator=generator)
+    narrow, wide = native.stream_pack(weight), native.stream_pack(weight, narrow=False)
+    assert narrow.dtype == torch.bfloat16 and wide.dtype == torch.float32
+    for isa in ["avx2"] + (["avx512"] if _has_avx512() else []):
+        for count in (1, 4, 13):
+            assert torch.equal(
+                native.stream_linear(rows[:count], narrow, isa=isa), native.stream_linear(rows[:count], wide, isa=isa)
+            )
+    weight[-1, -1] = 1.0 + 2.0**-12  # 13 significant bits
+    assert native.stream_pack(weight).dtype == torch.float32
+
+
+def _has_avx512() -> bool:
+    try:
+        skip_without_avx512()
+    except pytest.skip.Exception:
+        return False
+    return True
+
+
 @pytest.mark.parametrize("cap, warned", [("avx3", True), ("avx2", False), ("", False)])
 def test_an_unknown_instruction_set_cap_is_ignored_with_a_warning(cap, warned):
     """``DRAFTSMITH_MAX_CPU_ISA`` (read once per process) names avx2 or avx512; a typo must not silently

@@ -27,6 +27,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <memory>
 #include <mutex>
@@ -169,7 +170,7 @@ at::Tensor columns(const at::Tensor& all, int64_t start, int64_t width) { return
 enum PackKind { kMklPack = 0, kOneDnnPack = 1, kStreamPack = 2 };
 
 // A pack's product with `rows` (rows, width), bias-free: MKL's and oneDNN's packs are mkldnn-layout
-// tensors, the stream kernel's a float32 one (stream_pack).
+// tensors, the stream kernel's a float32 or bfloat16 one (stream_pack).
 at::Tensor packed_product(const at::Tensor& rows, const at::Tensor& pack, int64_t kind, const at::Tensor& transposed) {
   if (kind == kOneDnnPack) return onednn_packed_linear(rows, pack);
   if (kind == kStreamPack) return stream_linear(rows, pack);
@@ -399,11 +400,30 @@ AVX512VNNI void vnni_span(const int16_t* x, int64_t rows, const int8_t* q, int64
 constexpr int64_t kStreamInputsPerTile = 128;  // a tile's 8 KB of a block stay in L1 across row passes
 constexpr int64_t kStreamMaxRowsPerPass = 6;   // 2 x 6 accumulators, 2 weight vectors, 1 broadcast
 
+// A pack holds float32 weights, or bfloat16 ones where every weight is a bfloat16 value (stream_pack):
+// those are widened to float32 exactly (their bits shifted up 16) as they are read, so both packs give
+// the same floats, and the bfloat16 one streams half the bytes (a drafter exported in bfloat16).
+using Bfloat16Bits = uint16_t;
+
+inline float widen(float w) { return w; }
+inline float widen(Bfloat16Bits w) {
+  const uint32_t bits = static_cast<uint32_t>(w) << 16;
+  float value;
+  std::memcpy(&value, &bits, sizeof value);
+  return value;
+}
+
+AVX2 inline __m256 widen8(const float* w) { return _mm256_loadu_ps(w); }
+AVX2 inline __m256 widen8(const Bfloat16Bits* w) {
+  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+
 // Outputs [o, o + 16) for R rows of x (R x I), over inputs [k0, k1) of their block `w` ([I][16]); the
 // sums so far are in y (k0 > 0: stored and reloaded exactly). Asks the L2 cache for the same inputs of
 // `later` (a later block), one line per input, so memory streams while the rows are multiplied.
-template <int R>
-AVX2 inline void stream_tile(const float* x, int64_t I, const float* w, int64_t k0, int64_t k1, const float* later,
+template <int R, typename W>
+AVX2 inline void stream_tile(const float* x, int64_t I, const W* w, int64_t k0, int64_t k1, const W* later,
                              float* y, int64_t O, int64_t o) {
   __m256 low[R], high[R];
 #pragma GCC unroll 8
@@ -413,8 +433,8 @@ AVX2 inline void stream_tile(const float* x, int64_t I, const float* w, int64_t 
   }
   for (int64_t k = k0; k < k1; ++k) {
     if (later != nullptr) _mm_prefetch(reinterpret_cast<const char*>(later + k * kStreamBlock), _MM_HINT_T1);
-    const __m256 w0 = _mm256_loadu_ps(w + k * kStreamBlock);
-    const __m256 w1 = _mm256_loadu_ps(w + k * kStreamBlock + 8);
+    const __m256 w0 = widen8(w + k * kStreamBlock);
+    const __m256 w1 = widen8(w + k * kStreamBlock + 8);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const __m256 xr = _mm256_broadcast_ss(x + r * I + k);
@@ -429,8 +449,9 @@ AVX2 inline void stream_tile(const float* x, int64_t I, const float* w, int64_t 
   }
 }
 
-AVX2 void stream_pass(int64_t rows, const float* x, int64_t I, const float* w, int64_t k0, int64_t k1,
-                      const float* later, float* y, int64_t O, int64_t o) {
+template <typename W>
+AVX2 void stream_pass(int64_t rows, const float* x, int64_t I, const W* w, int64_t k0, int64_t k1, const W* later,
+                      float* y, int64_t O, int64_t o) {
   switch (rows) {
     case 1: stream_tile<1>(x, I, w, k0, k1, later, y, O, o); break;
     case 2: stream_tile<2>(x, I, w, k0, k1, later, y, O, o); break;
@@ -444,12 +465,13 @@ AVX2 void stream_pass(int64_t rows, const float* x, int64_t I, const float* w, i
 // Blocks [begin, end) of the pack for every row, a tile of inputs at a time: the first pass of rows
 // reads the tile from memory, the others find it in L1. Rows go in passes of equal size (8 rows: two
 // of 4), each at most kStreamMaxRowsPerPass.
-AVX2 void stream_blocks(const float* x, int64_t rows, const float* pack, int64_t I, int64_t O, int64_t begin,
+template <typename W>
+AVX2 void stream_blocks(const float* x, int64_t rows, const W* pack, int64_t I, int64_t O, int64_t begin,
                         int64_t end, float* y) {
   const int64_t passes = (rows + kStreamMaxRowsPerPass - 1) / kStreamMaxRowsPerPass;
   for (int64_t block = begin; block < end; ++block) {
-    const float* w = pack + block * kStreamBlock * I;
-    const float* later = block + 1 < end ? w + kStreamBlock * I : nullptr;
+    const W* w = pack + block * kStreamBlock * I;
+    const W* later = block + 1 < end ? w + kStreamBlock * I : nullptr;
     for (int64_t k0 = 0; k0 < I; k0 += kStreamInputsPerTile) {
       const int64_t k1 = std::min(I, k0 + kStreamInputsPerTile);
       for (int64_t pass = 0, r = 0; pass < passes; ++pass) {
@@ -466,9 +488,15 @@ AVX2 void stream_blocks(const float* x, int64_t rows, const float* pack, int64_t
 // units: a block's 16 outputs are one vector, and B neighbouring blocks go together so that even one
 // row keeps B independent chains of fused multiply-adds in flight. Lane j of a block's vector is output
 // j's sum, input by input from zero, one fused multiply-add per input: the floats of stream_tile.
-template <int R, int B>
-AVX512 inline void stream_tile_512(const float* x, int64_t I, const float* w, int64_t k0, int64_t k1,
-                                   const float* later, float* y, int64_t O, int64_t o) {
+AVX512 inline __m512 widen16(const float* w) { return _mm512_loadu_ps(w); }
+AVX512 inline __m512 widen16(const Bfloat16Bits* w) {
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
+template <int R, int B, typename W>
+AVX512 inline void stream_tile_512(const float* x, int64_t I, const W* w, int64_t k0, int64_t k1, const W* later,
+                                   float* y, int64_t O, int64_t o) {
   __m512 acc[B][R];
 #pragma GCC unroll 16
   for (int b = 0; b < B; ++b)
@@ -483,7 +511,7 @@ AVX512 inline void stream_tile_512(const float* x, int64_t I, const float* w, in
     }
     __m512 wv[B];
 #pragma GCC unroll 16
-    for (int b = 0; b < B; ++b) wv[b] = _mm512_loadu_ps(w + b * kStreamBlock * I + k * kStreamBlock);
+    for (int b = 0; b < B; ++b) wv[b] = widen16(w + b * kStreamBlock * I + k * kStreamBlock);
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       const __m512 xr = _mm512_set1_ps(x[r * I + k]);
@@ -500,9 +528,9 @@ AVX512 inline void stream_tile_512(const float* x, int64_t I, const float* w, in
 constexpr int64_t kStream512Blocks = 2;  // blocks a tile of stream_blocks_512 sums at once
 constexpr int64_t kStream512MaxRowsPerPass = 12;  // 2 x 12 accumulators, 2 weight vectors, 1 broadcast
 
-template <int B>
-AVX512 void stream_pass_512(int64_t rows, const float* x, int64_t I, const float* w, int64_t k0, int64_t k1,
-                            const float* later, float* y, int64_t O, int64_t o) {
+template <int B, typename W>
+AVX512 void stream_pass_512(int64_t rows, const float* x, int64_t I, const W* w, int64_t k0, int64_t k1,
+                            const W* later, float* y, int64_t O, int64_t o) {
   switch (rows) {
     case 1: stream_tile_512<1, B>(x, I, w, k0, k1, later, y, O, o); break;
     case 2: stream_tile_512<2, B>(x, I, w, k0, k1, later, y, O, o); break;
@@ -520,18 +548,19 @@ AVX512 void stream_pass_512(int64_t rows, const float* x, int64_t I, const float
 }
 
 // stream_blocks with AVX-512: blocks [begin, end) kStream512Blocks at a time (an odd last one alone).
-AVX512 void stream_blocks_512(const float* x, int64_t rows, const float* pack, int64_t I, int64_t O,
-                              int64_t begin, int64_t end, float* y) {
+template <typename W>
+AVX512 void stream_blocks_512(const float* x, int64_t rows, const W* pack, int64_t I, int64_t O, int64_t begin,
+                              int64_t end, float* y) {
   const int64_t passes = (rows + kStream512MaxRowsPerPass - 1) / kStream512MaxRowsPerPass;
   for (int64_t block = begin; block < end;) {
     const int64_t blocks = std::min(kStream512Blocks, end - block);
-    const float* w = pack + block * kStreamBlock * I;
-    const float* later = block + 2 * blocks <= end ? w + blocks * kStreamBlock * I : nullptr;
+    const W* w = pack + block * kStreamBlock * I;
+    const W* later = block + 2 * blocks <= end ? w + blocks * kStreamBlock * I : nullptr;
     for (int64_t k0 = 0; k0 < I; k0 += kStreamInputsPerTile) {
       const int64_t k1 = std::min(I, k0 + kStreamInputsPerTile);
       for (int64_t pass = 0, r = 0; pass < passes; ++pass) {
         const int64_t here = (rows - r) / (passes - pass);
-        const float* ahead = pass == 0 ? later : nullptr;
+        const W* ahead = pass == 0 ? later : nullptr;
         if (blocks == kStream512Blocks)
           stream_pass_512<kStream512Blocks>(here, x + r * I, I, w, k0, k1, ahead, y + r * O, O, block * kStreamBlock);
         else
@@ -545,13 +574,14 @@ AVX512 void stream_blocks_512(const float* x, int64_t rows, const float* pack, i
 
 // The last O % 16 outputs (stored [I][tail] after the blocks): the same sums, one output at a time
 // (std::fma rounds as a vector lane's fused multiply-add does).
-AVX2 void stream_tail(const float* x, int64_t rows, const float* pack, int64_t I, int64_t O, float* y) {
+template <typename W>
+AVX2 void stream_tail(const float* x, int64_t rows, const W* pack, int64_t I, int64_t O, float* y) {
   const int64_t first = O / kStreamBlock * kStreamBlock, tail = O - first;
-  const float* w = pack + first * I;
+  const W* w = pack + first * I;
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t j = 0; j < tail; ++j) {
       float sum = 0.0f;
-      for (int64_t k = 0; k < I; ++k) sum = std::fma(w[k * tail + j], x[r * I + k], sum);
+      for (int64_t k = 0; k < I; ++k) sum = std::fma(widen(w[k * tail + j]), x[r * I + k], sum);
       y[r * O + first + j] = sum;
     }
 }
@@ -956,15 +986,20 @@ at::Tensor huge_page_empty(const std::vector<int64_t>& shape, at::ScalarType dty
 #endif
 }
 
-// The stream pack of a float32 weight (O, I) (see stream_blocks).
-at::Tensor stream_pack(const at::Tensor& weight) {
+// The stream pack of a float32 weight (O, I) (see stream_blocks): with `narrow`, bfloat16 where every
+// weight is a bfloat16 value (bit for bit: -0 and +0 kept apart), else float32.
+at::Tensor stream_pack(const at::Tensor& weight, bool narrow) {
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat, "stream_pack: a float32 (out, in) weight");
   const int64_t O = weight.size(0), I = weight.size(1), full = O / kStreamBlock * kStreamBlock;
-  at::Tensor pack = huge_page_empty({O, I}, at::kFloat);
+  const at::Tensor halves = weight.to(at::kBFloat16);
+  const bool exact = narrow && at::equal(halves.view(at::kShort).to(at::kInt).bitwise_left_shift(16),
+                                         weight.contiguous().view(at::kInt));
+  const at::Tensor values = exact ? halves : weight;
+  at::Tensor pack = huge_page_empty({O, I}, values.scalar_type());
   pack.narrow(0, 0, full)
       .view({full / kStreamBlock, I, kStreamBlock})
-      .copy_(weight.narrow(0, 0, full).reshape({full / kStreamBlock, kStreamBlock, I}).transpose(1, 2));
-  pack.narrow(0, full, O - full).view({I, O - full}).copy_(weight.narrow(0, full, O - full).t());
+      .copy_(values.narrow(0, 0, full).reshape({full / kStreamBlock, kStreamBlock, I}).transpose(1, 2));
+  pack.narrow(0, full, O - full).view({I, O - full}).copy_(values.narrow(0, full, O - full).t());
   return pack;
 }
 
@@ -998,7 +1033,9 @@ bool wide_vectors(const std::string& isa, const char* what) {
 at::Tensor stream_linear(const at::Tensor& rows, const at::Tensor& pack, const std::string& isa) {
   RECORD_FUNCTION("draftsmith::stream_linear", std::vector<c10::IValue>());  // named in bench-tree --profile
   TORCH_CHECK(simd_supported(), "stream_linear: needs an x86-64 CPU with AVX2 and FMA");
-  TORCH_CHECK(pack.dim() == 2 && pack.scalar_type() == at::kFloat && pack.is_contiguous(), "stream_linear: pack");
+  TORCH_CHECK(pack.dim() == 2 && (pack.scalar_type() == at::kFloat || pack.scalar_type() == at::kBFloat16) &&
+                  pack.is_contiguous(),
+              "stream_linear: pack");
   TORCH_CHECK(rows.scalar_type() == at::kFloat && rows.size(-1) == pack.size(1), "stream_linear: rows");
   const int64_t O = pack.size(0), I = pack.size(1), count = rows.numel() / I;
   const at::Tensor x = rows.reshape({count, I}).contiguous();
@@ -1007,16 +1044,21 @@ at::Tensor stream_linear(const at::Tensor& rows, const at::Tensor& pack, const s
   at::Tensor y = at::empty({count, O}, x.options());
 #ifdef DRAFTSMITH_X86
   const float* xp = x.data_ptr<float>();
-  const float* pp = pack.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const bool wide = wide_vectors(isa, "stream_linear");
-  at::parallel_for(0, O / kStreamBlock, 4, [&](int64_t begin, int64_t end) {
-    if (wide)
-      stream_blocks_512(xp, count, pp, I, O, begin, end, yp);
-    else
-      stream_blocks(xp, count, pp, I, O, begin, end, yp);
-  });
-  stream_tail(xp, count, pp, I, O, yp);
+  auto product = [&](auto* pp) {
+    at::parallel_for(0, O / kStreamBlock, 4, [&](int64_t begin, int64_t end) {
+      if (wide)
+        stream_blocks_512(xp, count, pp, I, O, begin, end, yp);
+      else
+        stream_blocks(xp, count, pp, I, O, begin, end, yp);
+    });
+    stream_tail(xp, count, pp, I, O, yp);
+  };
+  if (pack.scalar_type() == at::kBFloat16)
+    product(reinterpret_cast<const Bfloat16Bits*>(pack.data_ptr<at::BFloat16>()));
+  else
+    product(pack.data_ptr<float>());
 #endif
   return y.view(shape);
 }
@@ -1532,7 +1574,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("simd_supported", &simd_supported, "Whether int8_screen and stream_linear run on this CPU");
   m.def("huge_page_empty", &huge_page_empty, "An uninitialised tensor in memory backed by huge pages where the OS gives them",
         py::arg("shape"), py::arg("dtype") = at::kFloat);
-  m.def("stream_pack", &stream_pack, "A float32 weight in the stream kernel's layout");
+  m.def("stream_pack", &stream_pack, "A float32 weight in the stream kernel's layout (bfloat16 where exact)",
+        py::arg("weight"), py::arg("narrow") = true);
   m.def("stream_linear", &stream_linear, "The stream kernel's product: weights read once for all rows",
         py::arg("rows"), py::arg("pack"), py::arg("isa") = "auto");
   m.def("attend", &attend, "Attention whose every row is computed alone (row-invariant)", py::arg("query"),

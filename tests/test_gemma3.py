@@ -73,6 +73,7 @@ def test_runtime_is_lossless_on_gemma3_and_says_once_that_it_takes_the_models_fo
         reference, _ = hf_greedy(gemma3.model, prompt, 16, eos)
         for drafter in (None, PromptLookupDrafter()):
             assert generate(gemma3.model, prompt, drafter, max_new_tokens=16, eos_token_ids=eos).tokens == reference
-    said = capsys.readouterr().err.strip().splitlines()
+    # the linear kernel's one-time timing on a machine that has not timed Gemma's shapes yet is not the runtime's
+    said = [line for line in capsys.readouterr().err.strip().splitlines() if not line.startswith("[kernels] linears:")]
     assert said == [line for line in said if "Gemma3ForCausalLM decodes through its own forward" in line]
     assert len(said) == 1

@@ -7,15 +7,15 @@ the head's argmax. :class:`GreedyHead` keeps
 an int8 copy of the head (a bfloat16 scale per row; a quarter of the bytes) and returns, for each row
 ``x``, exactly ``argmax(F.linear(x, W))`` as the float32 head computes it:
 
-1. **Screen.** ``a = x' @ (q * s).T`` with a bfloat16 output, where ``x'`` is ``x`` rounded: to
-   16-bit integers times a scale per row where the C++ extension's VNNI product runs (AVX-512 VNNI:
-   exact integer sums, and a ~20x finer input than bfloat16 on SmolLM2's hidden states, whose largest
-   value is ~10x their RMS), else to bfloat16 (the extension's int8 product or
-   ``torch._weight_int8pack_mm``: float32 accumulation). For every token ``i`` a bound ``D_i`` holds: ``|f_i - a_i| <= D_i``, where ``f_i`` is
-   the float32 head's logit in whatever summation order its kernel uses (``|f_i - x.W_i| <= gamma_K
-   sum_k |x_k W_ik|``, Higham's bound). ``D_i`` adds the weight rounding (``||x|| ||W_i - Q_i||``,
-   Cauchy-Schwarz with the row's measured error), the input's rounding (``||x - x'||``, measured), the
-   accumulations and the output rounding (:meth:`GreedyHead.screen_bounds`).
+1. **Screen.** ``a = x' @ (q * s).T`` with a bfloat16 output, where ``x'`` is ``x`` rounded: to 16-bit
+   integers times a scale per row where the C++ extension's VNNI product runs (AVX-512 VNNI: exact
+   integer sums, and a ~20x finer input than bfloat16 on SmolLM2's hidden states, whose largest value is
+   ~10x their RMS), else to bfloat16 (the extension's int8 product or ``torch._weight_int8pack_mm``:
+   float32 accumulation). For every token ``i`` a bound ``D_i`` holds: ``|f_i - a_i| <= D_i``, where
+   ``f_i`` is the float32 head's logit in whatever summation order its kernel uses (``|f_i - x.W_i| <=
+   gamma_K sum_k |x_k W_ik|``, Higham's bound). ``D_i`` adds the weight rounding
+   (``||x|| ||W_i - Q_i||``, Cauchy-Schwarz with the row's measured error), the input's rounding
+   (``||x - x'||``, measured), the accumulations and the output rounding (:meth:`GreedyHead.screen_bounds`).
 2. **Candidates.** Some token's ``f`` is at least ``L = max_i (a_i - D_i)``; a token with ``a_i + D_i
    < L`` cannot be the argmax. The rest are the candidates (a handful per row on real text).
 3. **Proof.** The candidates' logits are recomputed in float64 (``T_i``) with their float32 error

@@ -54,7 +54,7 @@ from draftsmith.drafters.engine_layouts import (
     engine_tensor,
     llama_layers,
 )
-from draftsmith.drafters.vocab import DraftHead, unused_token_id
+from draftsmith.drafters.vocab import DraftHead, modules_with_head, unused_token_id
 
 
 class DFlashConfigError(DraftsmithError, ValueError):
@@ -397,6 +397,7 @@ class DFlashDrafter(Drafter):
         self.feature_layers = model.config.feature_layers()
         self.embed_tokens = frozen.embed_tokens
         self.head = model.head(frozen)
+        self._own_modules = modules_with_head(self.model, self.head)
         self.block_size = model.config.block_size
         self.depth, self.top_k, self.total_tokens = tree.depth, tree.top_k, tree.total_tokens
         self.name = name
@@ -404,7 +405,7 @@ class DFlashDrafter(Drafter):
         self._fed: list[int] = []  # the tokens whose context rows the cache holds
 
     def own_modules(self) -> nn.Module:
-        return self.model
+        return self._own_modules
 
     @torch.no_grad()
     def propose(self, context: DraftContext) -> DraftTree:

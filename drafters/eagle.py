@@ -30,7 +30,7 @@ from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.tree import DraftTree, TreeGrowth, causal_mask, causal_mask_after, grow_tree
 from draftsmith.drafters.base import DrafterConfig, DrafterModel, DraftVocabMixin, FrozenTarget, TreeOptions
 from draftsmith.drafters.engine_layouts import EngineExport, EngineLayoutError, Verifier, llama_layer_config, llama_layers
-from draftsmith.drafters.vocab import DraftHead
+from draftsmith.drafters.vocab import DraftHead, modules_with_head
 
 # Target config keys the drafter's layer copies: the shape of one decoder layer and its positions.
 _LAYER_KEYS = (
@@ -254,6 +254,7 @@ class EagleTreeDrafter(Drafter):
         self.feature_layers = model.config.feature_layers()
         self.embed_tokens = embed_tokens
         self.head = head
+        self._own_modules = modules_with_head(self.model, head)
         self.depth, self.top_k, self.total_tokens = tree.depth, tree.top_k, tree.total_tokens
         self.name = name
         self._reset()
@@ -264,7 +265,7 @@ class EagleTreeDrafter(Drafter):
         self._last_feature: torch.Tensor | None = None  # predicted feature at the root position
 
     def own_modules(self) -> nn.Module:
-        return self.model
+        return self._own_modules
 
     def propose(self, context: DraftContext) -> DraftTree:
         return self.grow(context)[0]

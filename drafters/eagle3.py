@@ -373,3 +373,7 @@ class Eagle3Head:
 
     def token_ids(self, columns: torch.Tensor) -> torch.Tensor:
         return self.model.token_ids(columns)
+
+    def runtime_module(self) -> None:
+        """None: the head is one of the drafter's own modules already."""
+        return None

@@ -6,6 +6,8 @@ proposes only frequent tokens stays lossless, because verification never depends
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -50,9 +52,24 @@ class DraftHead:
         self.weight = lm_head.weight if self.vocab is None else lm_head.weight[self.vocab]
         bias = getattr(lm_head, "bias", None)
         self.bias = bias if bias is None or self.vocab is None else bias[self.vocab]
+        self._linear: nn.Linear | None = None
 
     def __call__(self, features: torch.Tensor) -> torch.Tensor:
+        if self._linear is not None and features.dtype == self.weight.dtype:
+            return self._linear(features)
         return F.linear(features, self.weight.to(features.dtype), self.bias)
+
+    def runtime_module(self) -> nn.Linear:
+        """The head as a frozen ``nn.Linear`` over the same rows (made once), which every later call goes
+        through: the runtime runs it through the faster kernel it gives the drafter's own linears."""
+        if self._linear is None:
+            out_features, in_features = self.weight.shape
+            linear = nn.Linear(in_features, out_features, bias=self.bias is not None, device="meta")
+            linear.weight = nn.Parameter(self.weight.detach(), requires_grad=False)
+            if self.bias is not None:
+                linear.bias = nn.Parameter(self.bias.detach(), requires_grad=False)
+            self._linear = linear
+        return self._linear
 
     def token_ids(self, columns: torch.Tensor) -> torch.Tensor:
         """Token ids of logit columns."""
@@ -60,3 +77,10 @@ class DraftHead:
 
     def top1(self, features: torch.Tensor) -> torch.Tensor:
         return self.token_ids(self(features).argmax(-1))
+
+
+def modules_with_head(model: nn.Module, head: DraftHead | Any) -> nn.Module:
+    """A drafter's own modules for the runtime's kernels (:meth:`Drafter.own_modules`): ``model``, plus the
+    head's linear where the head is not one of them (:meth:`DraftHead.runtime_module`)."""
+    linear = head.runtime_module()
+    return model if linear is None else nn.ModuleList([model, linear])

@@ -327,9 +327,11 @@ def test_an_unknown_instruction_set_cap_is_ignored_with_a_warning(cap, warned):
     assert ("DRAFTSMITH_MAX_CPU_ISA=avx3 is neither avx2 nor avx512; ignored" in done.stderr) == warned
 
 
+@pytest.mark.parametrize("family", ["eagle3", "fspad"])
 @pytest.mark.parametrize("linear", ["auto", "stream", "onednn", "default"])
-def test_an_eagle_drafter_drafts_through_its_own_packs_and_decodes_the_same(linear, monkeypatch):
-    """The drafter's own linears run through the options' one-pack kernel during its rounds; the target
+def test_an_eagle_drafter_drafts_through_its_own_packs_and_decodes_the_same(linear, family, monkeypatch):
+    """The drafter's own linears run through the options' one-pack kernel during its rounds, and so does
+    an EAGLE-1 family's head (the target's lm_head rows over its draft vocabulary, copied); the target
     keeps its own packs, and the tokens stay plain decoding's."""
     from draftsmith.drafters.base import TreeOptions
     from draftsmith.drafters.registry import get_family
@@ -338,7 +340,7 @@ def test_an_eagle_drafter_drafts_through_its_own_packs_and_decodes_the_same(line
         one_pack_kernel(linear)
     model = fresh_model(seed=2)
     torch.manual_seed(0)
-    drafter_model = get_family("eagle3").build(model.config, {"draft_vocab_size": 32}).eval()
+    drafter_model = get_family(family).build(model.config, {"draft_vocab_size": 32}).eval()
     drafter = drafter_model.runtime_drafter(model, TreeOptions(depth=2, top_k=2, total_tokens=3))
     backends = Backends(KernelOptions(linear=linear))
     gemm = backends.drafter_gemm(drafter)
@@ -353,7 +355,9 @@ def test_an_eagle_drafter_drafts_through_its_own_packs_and_decodes_the_same(line
     assert ours.tokens == generate(model, prompt, None, max_new_tokens=12, backends=backends).tokens
     assert packed_during_rounds and all(packed_during_rounds) == (linear != "default")
     if gemm is not None:
-        linears = [m for m in drafter_model.modules() if isinstance(m, torch.nn.Linear)]
+        linears = [m for m in drafter.own_modules().modules() if isinstance(m, torch.nn.Linear)]
+        head = drafter.head.runtime_module()  # None: the head is the drafter's own (EAGLE-3)
+        assert (head is None) == (family == "eagle3") and (head is None or any(m is head for m in linears))
         assert all(type(m) is PackedLinear and m._owner is gemm and m._packs for m in linears)
         assert backends.kernels(model).gemm is not gemm and model.lm_head._owner is not gemm
 

@@ -197,6 +197,41 @@ AVX2 inline float lane_sum(__m256 v) {
 // prefetcher alone leaves a single core far below the memory's bandwidth on these interleaved rows.
 constexpr int64_t kPrefetchRows = 8;
 
+// The screen kernels' order of work, shared by their instruction sets: tokens [begin, end) for every row, a
+// few tokens at a time, so that after the first group of up to 8 rows has read their weights from memory,
+// the next groups find them in the L1 cache; within a group, T tokens a block (Kernel::kTokens[R]: R x T
+// accumulators fit the kernel's vector registers). Kernel::block<R, T> sums one block.
+template <class Kernel, int R, class X, class S>
+void screen_tokens(const X* x, const int8_t* q, int64_t K, int64_t V, int64_t begin, int64_t end, S* sums) {
+  constexpr int T = Kernel::kTokens[R];
+  int64_t i = begin;
+  for (; i + T <= end; i += T) Kernel::template block<R, T>(x, q, K, V, i, sums);
+  for (; i < end; ++i) Kernel::template block<R, 1>(x, q, K, V, i, sums);
+}
+
+template <class Kernel, class X, class S>
+void screen_rows(const X* x, int64_t rows, const int8_t* q, int64_t K, int64_t V, int64_t begin, int64_t end,
+                 S* sums) {
+  constexpr int64_t kTokensPerPass = 24;
+  for (int64_t first = begin; first < end; first += kTokensPerPass) {
+    const int64_t last = std::min(end, first + kTokensPerPass);
+    for (int64_t r = 0; r < rows; r += 8) {
+      const X* xr = x + r * K;
+      S* sr = sums + r * V;
+      switch (std::min<int64_t>(8, rows - r)) {
+        case 1: screen_tokens<Kernel, 1>(xr, q, K, V, first, last, sr); break;
+        case 2: screen_tokens<Kernel, 2>(xr, q, K, V, first, last, sr); break;
+        case 3: screen_tokens<Kernel, 3>(xr, q, K, V, first, last, sr); break;
+        case 4: screen_tokens<Kernel, 4>(xr, q, K, V, first, last, sr); break;
+        case 5: screen_tokens<Kernel, 5>(xr, q, K, V, first, last, sr); break;
+        case 6: screen_tokens<Kernel, 6>(xr, q, K, V, first, last, sr); break;
+        case 7: screen_tokens<Kernel, 7>(xr, q, K, V, first, last, sr); break;
+        default: screen_tokens<Kernel, 8>(xr, q, K, V, first, last, sr); break;
+      }
+    }
+  }
+}
+
 // sums[r * V + i + t] for R rows of x (float32, R x K) and tokens [i, i + T) of q (int8, V x K): float32
 // sums of products that are exact (a bfloat16 value times an int8 one needs 15 significant bits).
 template <int R, int T>
@@ -229,38 +264,6 @@ AVX2 inline void screen_block(const float* x, const int8_t* q, int64_t K, int64_
     for (int r = 0; r < R; ++r) sums[r * V + i + t] = lane_sum(acc[t][r]);
 }
 
-// Tokens [begin, end) for R rows, T tokens at a time (R x T accumulators fit the 16 vector registers).
-template <int R, int T>
-AVX2 void screen_tokens(const float* x, const int8_t* q, int64_t K, int64_t V, int64_t begin, int64_t end,
-                        float* sums) {
-  int64_t i = begin;
-  for (; i + T <= end; i += T) screen_block<R, T>(x, q, K, V, i, sums);
-  for (; i < end; ++i) screen_block<R, 1>(x, q, K, V, i, sums);
-}
-
-// Tokens [begin, end) for every row: a few tokens at a time, so that after the first group of up to 8
-// rows has read their weights from memory, the next groups find them in the L1 cache.
-AVX2 void screen_span(const float* x, int64_t rows, const int8_t* q, int64_t K, int64_t V, int64_t begin,
-                      int64_t end, float* sums) {
-  constexpr int64_t kTokensPerPass = 24;
-  for (int64_t first = begin; first < end; first += kTokensPerPass) {
-    const int64_t last = std::min(end, first + kTokensPerPass);
-    for (int64_t r = 0; r < rows; r += 8) {
-      const float* xr = x + r * K;
-      float* sr = sums + r * V;
-      switch (std::min<int64_t>(8, rows - r)) {
-        case 1: screen_tokens<1, 4>(xr, q, K, V, first, last, sr); break;
-        case 2: screen_tokens<2, 4>(xr, q, K, V, first, last, sr); break;
-        case 3: screen_tokens<3, 3>(xr, q, K, V, first, last, sr); break;
-        case 4: screen_tokens<4, 2>(xr, q, K, V, first, last, sr); break;
-        case 5: screen_tokens<5, 2>(xr, q, K, V, first, last, sr); break;
-        case 6: screen_tokens<6, 2>(xr, q, K, V, first, last, sr); break;
-        case 7: screen_tokens<7, 1>(xr, q, K, V, first, last, sr); break;
-        default: screen_tokens<8, 1>(xr, q, K, V, first, last, sr); break;
-      }
-    }
-  }
-}
 #define AVX512 __attribute__((target("avx512f")))
 
 // screen_block with AVX-512: 16 inputs a step (K a multiple of 16), so half the instructions a product
@@ -292,37 +295,6 @@ AVX512 inline void screen_block_512(const float* x, const int8_t* q, int64_t K, 
   for (int t = 0; t < T; ++t)
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) sums[r * V + i + t] = _mm512_reduce_add_ps(acc[t][r]);
-}
-
-template <int R, int T>
-AVX512 void screen_tokens_512(const float* x, const int8_t* q, int64_t K, int64_t V, int64_t begin, int64_t end,
-                              float* sums) {
-  int64_t i = begin;
-  for (; i + T <= end; i += T) screen_block_512<R, T>(x, q, K, V, i, sums);
-  for (; i < end; ++i) screen_block_512<R, 1>(x, q, K, V, i, sums);
-}
-
-// screen_span with AVX-512 (R x T accumulators and R inputs within the 32 vector registers).
-AVX512 void screen_span_512(const float* x, int64_t rows, const int8_t* q, int64_t K, int64_t V, int64_t begin,
-                            int64_t end, float* sums) {
-  constexpr int64_t kTokensPerPass = 24;
-  for (int64_t first = begin; first < end; first += kTokensPerPass) {
-    const int64_t last = std::min(end, first + kTokensPerPass);
-    for (int64_t r = 0; r < rows; r += 8) {
-      const float* xr = x + r * K;
-      float* sr = sums + r * V;
-      switch (std::min<int64_t>(8, rows - r)) {
-        case 1: screen_tokens_512<1, 8>(xr, q, K, V, first, last, sr); break;
-        case 2: screen_tokens_512<2, 6>(xr, q, K, V, first, last, sr); break;
-        case 3: screen_tokens_512<3, 4>(xr, q, K, V, first, last, sr); break;
-        case 4: screen_tokens_512<4, 4>(xr, q, K, V, first, last, sr); break;
-        case 5: screen_tokens_512<5, 3>(xr, q, K, V, first, last, sr); break;
-        case 6: screen_tokens_512<6, 3>(xr, q, K, V, first, last, sr); break;
-        case 7: screen_tokens_512<7, 2>(xr, q, K, V, first, last, sr); break;
-        default: screen_tokens_512<8, 2>(xr, q, K, V, first, last, sr); break;
-      }
-    }
-  }
 }
 
 #define AVX512VNNI __attribute__((target("avx512f,avx512bw,avx512vnni")))
@@ -359,36 +331,31 @@ AVX512VNNI inline void vnni_block(const int16_t* x, const int8_t* q, int64_t K, 
     for (int r = 0; r < R; ++r) sums[r * V + i + t] = _mm512_reduce_add_epi32(acc[t][r]);
 }
 
-template <int R, int T>
-AVX512VNNI void vnni_tokens(const int16_t* x, const int8_t* q, int64_t K, int64_t V, int64_t begin, int64_t end,
-                            int32_t* sums) {
-  int64_t i = begin;
-  for (; i + T <= end; i += T) vnni_block<R, T>(x, q, K, V, i, sums);
-  for (; i < end; ++i) vnni_block<R, 1>(x, q, K, V, i, sums);
-}
-
-// Tokens [begin, end) for every row, as screen_span goes through them.
-AVX512VNNI void vnni_span(const int16_t* x, int64_t rows, const int8_t* q, int64_t K, int64_t V, int64_t begin,
-                          int64_t end, int32_t* sums) {
-  constexpr int64_t kTokensPerPass = 24;
-  for (int64_t first = begin; first < end; first += kTokensPerPass) {
-    const int64_t last = std::min(end, first + kTokensPerPass);
-    for (int64_t r = 0; r < rows; r += 8) {
-      const int16_t* xr = x + r * K;
-      int32_t* sr = sums + r * V;
-      switch (std::min<int64_t>(8, rows - r)) {
-        case 1: vnni_tokens<1, 8>(xr, q, K, V, first, last, sr); break;
-        case 2: vnni_tokens<2, 6>(xr, q, K, V, first, last, sr); break;
-        case 3: vnni_tokens<3, 4>(xr, q, K, V, first, last, sr); break;
-        case 4: vnni_tokens<4, 4>(xr, q, K, V, first, last, sr); break;
-        case 5: vnni_tokens<5, 3>(xr, q, K, V, first, last, sr); break;
-        case 6: vnni_tokens<6, 3>(xr, q, K, V, first, last, sr); break;
-        case 7: vnni_tokens<7, 2>(xr, q, K, V, first, last, sr); break;
-        default: vnni_tokens<8, 2>(xr, q, K, V, first, last, sr); break;
-      }
-    }
+// The three screen kernels for screen_rows: float32 sums with AVX2 and with AVX-512, exact int32 ones with
+// AVX-512 VNNI (more tokens a block where there are 32 vector registers).
+struct Avx2Screen {
+  static constexpr int kTokens[9] = {0, 4, 4, 3, 2, 2, 2, 1, 1};
+  template <int R, int T>
+  AVX2 static void block(const float* x, const int8_t* q, int64_t K, int64_t V, int64_t i, float* sums) {
+    screen_block<R, T>(x, q, K, V, i, sums);
   }
-}
+};
+
+struct Avx512Screen {
+  static constexpr int kTokens[9] = {0, 8, 6, 4, 4, 3, 3, 2, 2};
+  template <int R, int T>
+  AVX512 static void block(const float* x, const int8_t* q, int64_t K, int64_t V, int64_t i, float* sums) {
+    screen_block_512<R, T>(x, q, K, V, i, sums);
+  }
+};
+
+struct VnniScreen {
+  static constexpr int kTokens[9] = {0, 8, 6, 4, 4, 3, 3, 2, 2};
+  template <int R, int T>
+  AVX512VNNI static void block(const int16_t* x, const int8_t* q, int64_t K, int64_t V, int64_t i, int32_t* sums) {
+    vnni_block<R, T>(x, q, K, V, i, sums);
+  }
+};
 
 // ---- the stream linear kernel ----
 // A stream pack has the weight's shape (O, I): its first O / 16 * 16 outputs in blocks of 16, each
@@ -1091,9 +1058,9 @@ at::Tensor int8_screen(const at::Tensor& input, const at::Tensor& quantized, con
   const bool wide = wide_vectors(isa, "int8_screen") && K % 16 == 0;
   at::parallel_for(0, V, 2048, [&](int64_t begin, int64_t end) {
     if (wide)
-      screen_span_512(xp, rows, qp, K, V, begin, end, sp);
+      screen_rows<Avx512Screen>(xp, rows, qp, K, V, begin, end, sp);
     else
-      screen_span(xp, rows, qp, K, V, begin, end, sp);
+      screen_rows<Avx2Screen>(xp, rows, qp, K, V, begin, end, sp);
     for (int64_t r = 0; r < rows; ++r)
       for (int64_t i = begin; i < end; ++i) out[r * V + i] = at::BFloat16(sp[r * V + i] * static_cast<float>(scale[i]));
   });
@@ -1141,7 +1108,7 @@ at::Tensor int16_screen(const at::Tensor& input, const at::Tensor& x_scales, con
   const at::BFloat16* scale = scales.data_ptr<at::BFloat16>();
   at::BFloat16* out = screen.data_ptr<at::BFloat16>();
   at::parallel_for(0, V, 2048, [&](int64_t begin, int64_t end) {
-    vnni_span(xp, rows, qp, K, V, begin, end, sp);
+    screen_rows<VnniScreen>(xp, rows, qp, K, V, begin, end, sp);
     for (int64_t r = 0; r < rows; ++r)
       for (int64_t i = begin; i < end; ++i)
         out[r * V + i] = at::BFloat16(static_cast<float>(sp[r * V + i]) * xs[r] * static_cast<float>(scale[i]));

@@ -8,8 +8,14 @@ shard's sha256 is checked when it is read, so a truncated or tampered shard is r
 
 Layout::
 
-    manifest.json              target, dataset, dtype, layers, shards (file, ids, tokens, sha256, bytes)
-    shard-00000.safetensors    input_ids, loss_mask, offsets, feature, hidden_states.<layer> ...
+    manifest.json              target, dataset, dtype, layers, target_argmax, shards (file, ids, tokens, sha256, bytes)
+    shard-00000.safetensors    input_ids, loss_mask, offsets, feature, target_argmax, hidden_states.<layer> ...
+
+``target_argmax`` (int32 a token) is the target's greedy token at every position: ``lm_head``'s argmax
+over the whole vocabulary, from the feature as stored. The EAGLE-3 losses need it at every position
+they teach, and computing it there means a full-vocabulary product at every step of every epoch (on
+a small target, a quarter of an EAGLE-3 step's arithmetic); cached, a step computes only the draft
+vocabulary's columns. Caches written before it was kept have none, and their losses compute it.
 """
 
 from __future__ import annotations
@@ -90,11 +96,28 @@ def _batches(dataset: PreparedDataset, indices: list[int], batch_tokens: int) ->
     return batches
 
 
+ARGMAX_CHUNK_ROWS = 512  # rows of full-vocabulary logits at a time (a 2,048-token sample's would be ~0.4 GB)
+
+
+@torch.no_grad()
+def target_argmax(
+    lm_head: torch.nn.Module, features: torch.Tensor, chunk_rows: int = ARGMAX_CHUNK_ROWS
+) -> torch.Tensor:
+    """(..., h) features -> (...) int32: ``lm_head``'s argmax over its whole vocabulary (the first of equal
+    maxima), ``chunk_rows`` rows at a time, on the features as float32."""
+    rows = features.reshape(-1, features.shape[-1]).float()
+    tops = [torch.zeros(0, dtype=torch.long, device=rows.device)]
+    tops += [lm_head(rows[start : start + chunk_rows]).argmax(-1) for start in range(0, rows.shape[0], chunk_rows)]
+    return torch.cat(tops).to(torch.int32).reshape(features.shape[:-1])
+
+
 @torch.no_grad()
 def target_features(
-    target: Target, input_ids: list[torch.Tensor], layers: tuple[int, ...]
+    target: Target, input_ids: list[torch.Tensor], layers: tuple[int, ...], argmax_dtype: torch.dtype | None = None
 ) -> list[dict[str, torch.Tensor]]:
-    """Run the target over right-padded sequences; per sequence, ``feature`` (T, h) and extra layers."""
+    """Run the target over right-padded sequences; per sequence, ``feature`` (T, h) and extra layers; with
+    ``argmax_dtype``, also ``target_argmax`` (T,): :func:`target_argmax` of the feature as stored in that
+    dtype (what a training step reads back)."""
     model = target.model
     device = next(model.parameters()).device
     lengths = [len(ids) for ids in input_ids]
@@ -112,6 +135,9 @@ def target_features(
     results = []
     for row, length in enumerate(lengths):
         item = {"feature": out.last_hidden_state[row, :length].float().cpu()}
+        if argmax_dtype is not None:
+            stored = out.last_hidden_state[row, :length].to(argmax_dtype)
+            item["target_argmax"] = target_argmax(model.get_output_embeddings(), stored).cpu()
         for layer in layers:
             item[f"hidden_states.{layer}"] = hidden[layer][row, :length].float().cpu()
         results.append(item)
@@ -131,7 +157,8 @@ def _shard_bytes(
         "offsets": torch.tensor(offsets, dtype=torch.int64),
     }
     for key in features[indices[0]]:
-        tensors[key] = torch.cat([features[i][key] for i in indices]).to(dtype).contiguous()
+        kept = dtype if features[indices[0]][key].is_floating_point() else None  # target_argmax stays int32
+        tensors[key] = torch.cat([features[i][key] for i in indices]).to(kept).contiguous()
     return save_safetensors(tensors)
 
 
@@ -144,6 +171,7 @@ def _new_manifest(dataset: PreparedDataset, target: Target, settings: CacheSetti
         "hidden_size": target.hidden_size,
         "dtype": settings.dtype,
         "layers": list(settings.layers),
+        "target_argmax": True,
         "shard_tokens": settings.shard_tokens,
         "shards": [],
         "complete": False,
@@ -206,6 +234,7 @@ def build_feature_cache(
         existing = json.loads(manifest_path.read_text())
         _check_resumable(existing, manifest, out)
         manifest["shards"] = existing["shards"]
+        manifest["target_argmax"] = bool(existing.get("target_argmax"))  # its shards all have it, or none
     elif out.exists() and any(out.iterdir()) and not overwrite and not manifest_path.is_file():
         raise FeatureCacheError(f"{out} is not empty and holds no feature cache; choose another --out")
     out.mkdir(parents=True, exist_ok=True)
@@ -220,7 +249,8 @@ def build_feature_cache(
         indices = plan[shard_index]
         features: dict[int, dict[str, torch.Tensor]] = {}
         for batch in _batches(dataset, indices, settings.batch_tokens):
-            outputs = target_features(target, [dataset[i].input_ids for i in batch], settings.layers)
+            argmax_dtype = DTYPES[settings.dtype] if manifest["target_argmax"] else None
+            outputs = target_features(target, [dataset[i].input_ids for i in batch], settings.layers, argmax_dtype)
             features.update(zip(batch, outputs))
             progress.update(sum(map(dataset.sample_length, batch)))
         blob = _shard_bytes(dataset, indices, features, DTYPES[settings.dtype])
@@ -252,8 +282,9 @@ def _size(n_bytes: int) -> str:
 
 def _check_free_space(out: Path, tokens: int, hidden: int, settings: CacheSettings) -> None:
     """Refuse, before the first forward, a cache the disk under ``out`` cannot hold: each token stores
-    (1 + extra layers) hidden vectors plus its id and mask bit; 5% is added for headers and offsets."""
-    per_token = (1 + len(settings.layers)) * hidden * DTYPES[settings.dtype].itemsize + 5
+    (1 + extra layers) hidden vectors plus its id, mask bit and greedy token; 5% is added for headers and
+    offsets."""
+    per_token = (1 + len(settings.layers)) * hidden * DTYPES[settings.dtype].itemsize + 9
     needed, free = int(tokens * per_token * 1.05), shutil.disk_usage(out).free
     if needed > free:
         raise FeatureCacheError(

@@ -237,6 +237,34 @@ def test_teacher_chunks_do_not_change_the_loss(target):
     assert chunked.metrics == pytest.approx(whole.metrics, rel=1e-6)
 
 
+@pytest.mark.parametrize("family", ["eagle3", "dflash"])
+def test_the_cached_greedy_tokens_leave_the_loss_as_it_was(target, family):
+    """A batch carrying the target's greedy tokens (as a feature cache keeps them) computes only the draft
+    vocabulary's columns of the teacher, and the loss and its metrics stay what the full product gives;
+    wrong tokens would change them (the loss masks and scores by them)."""
+    from draftsmith.data.features import target_argmax
+
+    batch = fused_batch(target, LAYERS, n=3, new_tokens=10)
+    batch.loss_mask[:, :6] = 0
+    torch.manual_seed(0)
+    options = {"aux_layer_ids": LAYERS} if family == "eagle3" else {}
+    model = get_family(family).build(target.config, {"draft_vocab_size": 50, **options})
+    model.fit_data(torch.bincount(batch.input_ids.flatten(), minlength=VOCAB))
+    frozen, loss = FrozenTarget.from_model(target), family_loss(get_family(family))
+
+    def run(argmax):
+        batch.target_argmax = argmax
+        torch.manual_seed(1)  # DFlash samples its anchors
+        return loss(model, batch, frozen)
+
+    computed = run(None)
+    cached = run(target_argmax(frozen.lm_head, batch.hidden_states).long())
+    torch.testing.assert_close(cached.loss, computed.loss)
+    assert cached.metrics == pytest.approx(computed.metrics, rel=1e-6)
+    shifted = run((target_argmax(frozen.lm_head, batch.hidden_states).long() + 1) % VOCAB)
+    assert shifted.metrics != pytest.approx(computed.metrics, rel=1e-3)
+
+
 def _eagle3_loss_case(target, **build):
     """A batch with prompt rows and a drafter over a 50-token draft vocabulary (some target argmaxes not
     drafted): what the loss options below are checked on."""

@@ -1,9 +1,12 @@
 """Feature cache: round trip against a direct target forward, resume, and corruption detection."""
 
+import hashlib
 import json
 
 import pytest
 import torch
+from safetensors.torch import load as safetensors_load
+from safetensors.torch import save as safetensors_save
 
 from conftest import sharegpt, write_jsonl
 from draftsmith.core.target import load_target
@@ -46,7 +49,34 @@ def test_round_trip_matches_the_target_forward(tmp_path, prepared, tiny_target):
         torch.testing.assert_close(item["feature"], direct[-1][0], rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(item["hidden_states.0"], direct[0][0], rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(item["hidden_states.1"], direct[1][0], rtol=1e-4, atol=1e-5)
-    assert cache.identity == tiny_target.identity
+        # the target's greedy token from the feature as stored: what a step would compute from it
+        assert item["target_argmax"].dtype == torch.int32
+        assert torch.equal(item["target_argmax"].long(), tiny_target.model.lm_head(item["feature"]).argmax(-1))
+    assert cache.identity == tiny_target.identity and manifest["target_argmax"]
+
+
+def test_a_cache_begun_without_greedy_tokens_is_finished_without_them(tmp_path, prepared, tiny_target):
+    """A cache started before the target's greedy tokens were kept resumes as it began (its shards all
+    lack them), and training computes them in the step."""
+    out = tmp_path / "cache"
+
+    def stop_after_first_shard(index):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        build_feature_cache(prepared, tiny_target, out, small_shards(), on_shard=stop_after_first_shard)
+    manifest = json.loads((out / "manifest.json").read_text())
+    del manifest["target_argmax"]  # as the older release wrote it, and its first shard without the tokens
+    shard = out / manifest["shards"][0]["file"]
+    tensors = safetensors_load(shard.read_bytes())
+    del tensors["target_argmax"]
+    blob = safetensors_save(tensors)
+    shard.write_bytes(blob)
+    manifest["shards"][0].update(bytes=len(blob), sha256=hashlib.sha256(blob).hexdigest())
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    assert not build_feature_cache(prepared, tiny_target, out, small_shards())["target_argmax"]
+    cache = FeatureCache(out)
+    assert all("target_argmax" not in cache[i] for i in range(len(cache)))
 
 
 def test_bf16_is_the_default_and_halves_the_bytes(tmp_path, prepared, tiny_target):
@@ -127,8 +157,8 @@ def test_cli_prints_bytes_per_token_and_verifies(tmp_path, prepared, tiny_target
         ]
     )
     printed = capsys.readouterr().out
-    # bf16 feature (64 x 2 bytes) + int32 id + uint8 mask per token, plus headers
+    # bf16 feature (64 x 2 bytes) + int32 id + uint8 mask + int32 greedy token per token, plus headers
     per_token = int(printed.split(" bytes per token")[0].split("= ")[-1])
-    assert 64 * 2 + 5 <= per_token < 64 * 2 + 40
+    assert 64 * 2 + 9 <= per_token < 64 * 2 + 44
     main(["data", "cache-features", "--out", str(out), "--verify"])
     assert "verified" in capsys.readouterr().out

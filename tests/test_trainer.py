@@ -545,6 +545,9 @@ def test_eagle3_reads_its_declared_layers_offline_and_online(tmp_path, tiny_targ
     assert cached.drafter_states.shape[-1] == 2 * cached.hidden_states.shape[-1]
     torch.testing.assert_close(cached.drafter_states[real], computed.drafter_states[real], rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(cached.hidden_states[real], computed.hidden_states[real], rtol=1e-4, atol=1e-5)
+    # the target's greedy tokens come with the cached batch alone, as its lm_head gives them
+    greedy = trainer.frozen.lm_head(cached.hidden_states).argmax(-1)
+    assert computed.target_argmax is None and torch.equal(cached.target_argmax[real], greedy[real])
 
 
 def test_throughput_times_the_recipes_step_and_reports_padding(recipe_path, prepared_dir, tmp_path, capsys):

@@ -28,6 +28,7 @@ class TrainBatch:
     attention_mask: torch.Tensor  # (B, T) long: 1 on real tokens, 0 on padding
     hidden_states: torch.Tensor | None = None  # (B, T, h)
     drafter_states: torch.Tensor | None = None  # (B, T, layers x h)
+    target_argmax: torch.Tensor | None = None  # (B, T) long: the target's greedy token, where the cache holds it
 
     def to(self, device: torch.device | str) -> TrainBatch:
         hidden = None if self.hidden_states is None else self.hidden_states.to(device)
@@ -38,6 +39,7 @@ class TrainBatch:
             *(t.to(device) if t is not None else None for t in (self.input_ids, self.loss_mask, self.attention_mask)),
             hidden_states=hidden,
             drafter_states=states,
+            target_argmax=None if self.target_argmax is None else self.target_argmax.to(device),
         )
 
 

@@ -231,13 +231,16 @@ class TrainData:
             counts += torch.bincount(sample.input_ids[sample.loss_mask.bool()].long(), minlength=vocab_size)
         return counts
 
-    def sample(self, index: int) -> tuple[torch.Tensor, torch.Tensor, dict[int, torch.Tensor] | None]:
+    def sample(self, index: int) -> tuple[torch.Tensor, torch.Tensor, dict[int | str, torch.Tensor] | None]:
         """(input_ids, loss_mask, {layer: cached state} or None) of one sample, cut to ``max_length``;
-        the states are the feature (-1) and :attr:`layers`."""
+        the states are the feature (-1) and :attr:`layers`, and ``"target_argmax"`` where the cache
+        holds the target's greedy tokens."""
         if self.cache is not None:
             item = self.cache[index]
             ids, mask = item["input_ids"], item["loss_mask"]
             states = {layer: item[state_key(layer)] for layer in {-1, *self.layers}}
+            if "target_argmax" in item:
+                states["target_argmax"] = item["target_argmax"]
         else:
             item = self.prepared[index]
             ids, mask, states = item.input_ids, item.loss_mask, None
@@ -255,18 +258,26 @@ class TrainData:
         attention_mask = torch.zeros(len(samples), width, dtype=torch.long)
         padded = None
         if self.offline:
-            shapes = {layer: state.shape[-1] for layer, state in samples[0][2].items()}
-            padded = {layer: torch.zeros(len(samples), width, size) for layer, size in shapes.items()}
+            shapes = {key: state.shape[1:] for key, state in samples[0][2].items()}  # () for target_argmax
+            padded = {key: torch.zeros(len(samples), width, *shape) for key, shape in shapes.items()}
         for row, (ids, mask, states) in enumerate(samples):
             length = len(ids)
             input_ids[row, :length] = ids
             loss_mask[row, :length] = mask.float()
             attention_mask[row, :length] = 1
-            for layer, state in (states or {}).items():
-                padded[layer][row, :length] = state.float()
+            for key, state in (states or {}).items():
+                padded[key][row, :length] = state.float()
         if padded is None:
             return TrainBatch(input_ids, loss_mask, attention_mask)
-        return TrainBatch(input_ids, loss_mask, attention_mask, padded[-1], drafter_states(padded, self.layers))
+        argmax = padded.pop("target_argmax", None)
+        return TrainBatch(
+            input_ids,
+            loss_mask,
+            attention_mask,
+            padded[-1],
+            drafter_states(padded, self.layers),
+            None if argmax is None else argmax.long(),
+        )
 
 
 @torch.no_grad()

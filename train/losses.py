@@ -172,7 +172,7 @@ def eagle3_loss(
     core = getattr(model, "module", model)  # DDP / DeepSpeed wrap the drafter; compute goes through model()
     supervised = (batch.loss_mask * batch.attention_mask).bool()
     needed = _shift_left(supervised, 1)  # f_s teaches x_{s+1}: needed where that is an assistant token
-    teacher = _draft_vocab_teacher(frozen, core, batch.hidden_states.float(), needed, teacher_chunk_rows)
+    teacher = _draft_vocab_teacher(frozen, core, batch, needed, teacher_chunk_rows)
     drafted = needed & core.t2d[teacher.argmax]  # (B, T): the target's argmax at f_s is in the draft vocabulary
     total, metrics, accuracies = 0.0, {}, []
     labels = [_shift_left(supervised, 2 + step) for step in range(core.config.ttt_steps)]  # x_{t+2+i} supervised
@@ -283,7 +283,7 @@ def dflash_loss(
     before_all = (at - 1).clamp(min=0).flatten(1)  # the target's state at a+k-1 teaches x_{a+k}
     needed = torch.zeros(supervised.shape, dtype=torch.long, device=supervised.device)
     needed = needed.scatter_add_(1, before_all, labelled.flatten(1).long()) > 0
-    teacher = _draft_vocab_teacher(frozen, core, batch.hidden_states.float(), needed, teacher_chunk_rows)
+    teacher = _draft_vocab_teacher(frozen, core, batch, needed, teacher_chunk_rows)
     rows = labelled.flatten(1)
     logits = core.head(frozen)(features[rows]).float()  # (n, N') over the draft vocabulary
     before = before_all[rows]
@@ -449,22 +449,28 @@ class DraftVocabTeacher:
 
 @torch.no_grad()
 def _draft_vocab_teacher(
-    frozen: FrozenTarget, core, features: torch.Tensor, needed: torch.Tensor, chunk_rows: int
+    frozen: FrozenTarget, core, batch: TrainBatch, needed: torch.Tensor, chunk_rows: int
 ) -> DraftVocabTeacher:
     """The teacher at the ``needed`` (B, T) positions only: ``chunk_rows`` rows of full-vocabulary
-    logits at a time (0 = all at once)."""
+    logits at a time (0 = all at once). Where the batch carries the target's greedy tokens (a feature
+    cache keeps them), only the draft vocabulary's columns are computed."""
+    features = batch.hidden_states.float()
     rows = features[needed]
     vocab = core.draft_token_ids()
     size = chunk_rows if chunk_rows > 0 else max(rows.shape[0], 1)
     parts, tops = [features.new_zeros(0, vocab.numel())], [torch.zeros(0, dtype=torch.long, device=features.device)]
+    head = DraftHead(frozen.lm_head, vocab) if batch.target_argmax is not None else None
     for start in range(0, rows.shape[0], size):
+        if head is not None:
+            parts.append(head(rows[start : start + size]).float())
+            continue
         logits = frozen.lm_head(rows[start : start + size]).float()
         parts.append(logits[:, vocab])
         tops.append(logits.argmax(-1))
     row = torch.full(needed.shape, -1, dtype=torch.long, device=features.device)
     row[needed] = torch.arange(rows.shape[0], device=features.device)
     argmax = torch.zeros(needed.shape, dtype=torch.long, device=features.device)
-    argmax[needed] = torch.cat(tops)
+    argmax[needed] = torch.cat(tops) if head is None else batch.target_argmax[needed]
     return DraftVocabTeacher(torch.cat(parts), row, argmax)
 
 

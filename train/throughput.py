@@ -2,9 +2,9 @@
 
 Builds the recipe's Trainer on a prepared dataset, computes the target's features for the first
 ``--steps + 2`` global batches before the timer (as offline training reads them from a feature
-cache), then times loss + backward + optimizer step over ``--steps`` of them after two untimed
-ones. Prints real (unpadded) tokens per second and the padding overhead. Nothing is written but a
-scratch run directory, removed first.
+cache, with the target's greedy tokens), then times loss + backward + optimizer step over ``--steps``
+of them after two untimed ones. Prints real (unpadded) tokens per second and the padding overhead.
+Nothing is written but a scratch run directory, removed first.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import time
 
 import torch
 
+from draftsmith.data.features import target_argmax
 from draftsmith.train.loader import online_features
 from draftsmith.train.recipe import load_train_recipe
 from draftsmith.train.trainer import Trainer
@@ -29,6 +30,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=30, help="timed optimizer steps (default 30)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--scratch", default="runs/throughput-scratch", help="scratch output_dir, removed first")
+    parser.add_argument(
+        "--without-greedy-tokens",
+        action="store_true",
+        help="leave out the target's greedy tokens that a feature cache keeps (as caches made before they were "
+        "kept): the loss then computes them from the full vocabulary in every step",
+    )
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="recipe overrides")
     return parser.parse_intermixed_args(argv)
 
@@ -47,6 +54,8 @@ def main(argv: list[str] | None = None) -> None:
         batch = trainer.data.collate(trainer.data.global_batch(step, trainer.plan, recipe.train.seed))
         with torch.no_grad():
             batch.hidden_states, batch.drafter_states = online_features(trainer.target.model, batch, trainer.layers)
+        if not args.without_greedy_tokens:
+            batch.target_argmax = target_argmax(trainer.frozen.lm_head, batch.hidden_states).long()
         batches.append(batch)
 
     def step(batch) -> None:

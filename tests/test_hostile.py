@@ -730,7 +730,7 @@ def test_a_feature_cache_the_disk_cannot_hold_is_refused_before_the_first_forwar
     monkeypatch.setattr("draftsmith.data.features.target_features", failing(AssertionError("a forward ran")))
     out = tmp_path / "cache"
     line = refused(["data", "cache-features", prepared_dir, "--out", out, "--target", tiny_target_dir], capsys)
-    assert "the feature cache needs about 0.2 MB more (1,474 tokens x 133 bytes) but" in line
+    assert "the feature cache needs about 0.2 MB more (1,474 tokens x 137 bytes) but" in line
     assert "has 0.0 MB free; free space, store --dtype bf16 or fewer --layers, or choose another --out" in line
 
 

@@ -245,11 +245,11 @@ def build_feature_cache(
     total_tokens = int(dataset.offsets[-1])
     progress = tqdm(total=total_tokens, unit="tok", desc="caching features", dynamic_ncols=True)
     progress.update(int(sum(s["n_tokens"] for s in manifest["shards"])))
+    argmax_dtype = DTYPES[settings.dtype] if manifest["target_argmax"] else None
     for shard_index in range(done, len(plan)):
         indices = plan[shard_index]
         features: dict[int, dict[str, torch.Tensor]] = {}
         for batch in _batches(dataset, indices, settings.batch_tokens):
-            argmax_dtype = DTYPES[settings.dtype] if manifest["target_argmax"] else None
             outputs = target_features(target, [dataset[i].input_ids for i in batch], settings.layers, argmax_dtype)
             features.update(zip(batch, outputs))
             progress.update(sum(map(dataset.sample_length, batch)))

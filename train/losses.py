@@ -459,7 +459,8 @@ def _draft_vocab_teacher(
     vocab = core.draft_token_ids()
     size = chunk_rows if chunk_rows > 0 else max(rows.shape[0], 1)
     parts, tops = [features.new_zeros(0, vocab.numel())], [torch.zeros(0, dtype=torch.long, device=features.device)]
-    head = DraftHead(frozen.lm_head, vocab) if batch.target_argmax is not None else None
+    whole = vocab.numel() == frozen.lm_head.weight.shape[0]  # ascending ids: every token, so no rows to gather
+    head = DraftHead(frozen.lm_head, vocab[:0] if whole else vocab) if batch.target_argmax is not None else None
     for start in range(0, rows.shape[0], size):
         if head is not None:
             parts.append(head(rows[start : start + size]).float())

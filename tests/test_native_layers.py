@@ -3,8 +3,10 @@ state, the cache) on one-token steps and tree forwards, packed or not; used only
 failed build leaves decoding to the Python loop with one line saying so."""
 
 import os
+import shutil
 import subprocess
 import sys
+import time
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -16,7 +18,7 @@ from draftsmith.core.cache import preallocated_cache_for
 from draftsmith.core.cache_kwarg import cache_kwargs
 from draftsmith.core.tree import TreeInputBuffers
 from draftsmith.inference.backends import Backends, verification_forward
-from draftsmith.inference.kernels import native_layers
+from draftsmith.inference.kernels import native, native_layers
 from draftsmith.inference.kernels.attention import model_attention
 from draftsmith.inference.kernels.direct_forward import direct_forward_for
 from draftsmith.inference.kernels.options import KernelOptions
@@ -210,3 +212,53 @@ print("decoded the same")
     assert "decoded the same" in run.stdout
     assert run.stderr.count("could not build the runtime's C++ kernels") == 1
     assert "--no-native" in run.stderr
+
+
+LOAD_THE_EXTENSION = """
+import sys
+import torch.utils.cpp_extension
+from draftsmith.inference.kernels import native
+if sys.argv[1] == "without-load":
+    def refuse(*args, **kwargs):
+        raise RuntimeError("torch's load was called")
+    torch.utils.cpp_extension.load = refuse
+print("loaded" if native.native_extension() is not None else "none")
+"""
+
+
+def load_from_a_copy_of_this_build(tmp_path, mode, prepare):
+    """A fresh process's ``native_extension()`` with its extensions folder holding a copy of this
+    process's finished build, changed first by ``prepare(build_folder)``."""
+    if native.native_extension() is None:
+        pytest.skip("the C++ kernels cannot be built here")
+    root = tmp_path / "extensions"
+    copy = root / native.extension_name()
+    shutil.copytree(native.build_directory(), copy)
+    prepare(copy)
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(root)}
+    run = subprocess.run(
+        [sys.executable, "-c", LOAD_THE_EXTENSION, mode], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run, copy
+
+
+def test_a_finished_build_loads_without_torchs_build_lock(tmp_path):
+    """torch's ``load`` takes its build lock even to import a finished build, and a process stopped at
+    that moment (a test's timeout, Ctrl-C twice) left the lock for every later process to wait on forever."""
+    run, copy = load_from_a_copy_of_this_build(tmp_path, "without-load", lambda copy: None)
+    assert run.stdout.strip() == "loaded", run.stderr[-3000:]
+    assert not (copy / "lock").exists()
+
+
+def test_a_build_lock_left_by_a_stopped_process_is_removed_in_one_line(tmp_path):
+    def leave_an_old_lock(copy):
+        lock = copy / "lock"
+        lock.touch()
+        an_hour_ago = time.time() - 3600
+        os.utime(lock, (an_hour_ago, an_hour_ago))
+
+    run, copy = load_from_a_copy_of_this_build(tmp_path, "with-load", leave_an_old_lock)
+    assert run.stdout.strip() == "loaded", run.stderr[-3000:]
+    assert not (copy / "lock").exists()
+    assert run.stderr.count("a build lock left by a process that was stopped") == 1

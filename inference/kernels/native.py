@@ -82,15 +82,19 @@ def _wait_for_a_build_in_progress(lock: Path) -> None:
         if age > _STALE_LOCK_SECONDS:
             print(f"[native] removing {lock}: a build lock left by a process that was stopped", file=sys.stderr)
             lock.unlink(missing_ok=True)
-            (lock.parent / f"{extension_name()}.so").unlink(missing_ok=True)  # its link may be unfinished
+            _library_path(lock.parent).unlink(missing_ok=True)  # its link may be unfinished
             return
         time.sleep(0.5)
+
+
+def _library_path(directory: Path) -> Path:
+    return directory / f"{extension_name()}.so"
 
 
 def _import_built(directory: Path) -> ModuleType | None:
     """The library a finished build left, imported without torch's ``load``: ``load`` takes the build lock
     even to import, so a process stopped at that moment would leave the lock behind."""
-    library = directory / f"{extension_name()}.so"
+    library = _library_path(directory)
     if not library.is_file():
         return None
     spec = importlib.util.spec_from_file_location(extension_name(), library)

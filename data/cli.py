@@ -213,7 +213,7 @@ def cmd_regenerate(args: argparse.Namespace) -> None:
     )
     with ExitStack() as stack:
         cores = args.threads or len(usable_cpus())
-        engine = _start_vllm(stack, vllm, target, settings, args.dtype, cores) if vllm else None
+        engine = _start_vllm(stack, vllm, target, settings, args.dtype, cores, args.window_batches) if vllm else None
         report = regenerate(
             _source(args.input),
             Path(args.out),
@@ -225,6 +225,7 @@ def cmd_regenerate(args: argparse.Namespace) -> None:
             or TransformersEngine(target, settings, batch_tokens=args.batch_tokens, static_cache=args.static_cache),
             command=getattr(args, "command_line", None),
             time_limit_s=args.time_limit * 60 if args.time_limit is not None else None,
+            window_batches=args.window_batches,
         )
     print(report.stats.summary())
     print(
@@ -251,7 +252,9 @@ def _vllm_for_regeneration(args: argparse.Namespace) -> tuple[str, Path]:
     return python, model_dir
 
 
-def _start_vllm(stack: Any, vllm: tuple[str, Path], target: Any, settings: Any, dtype: str, threads: int | None) -> Any:
+def _start_vllm(
+    stack: Any, vllm: tuple[str, Path], target: Any, settings: Any, dtype: str, threads: int | None, window_batches: int
+) -> Any:
     from draftsmith.core.vllm_env import VllmServer
     from draftsmith.data.regenerate import VllmEngine, vllm_server_settings
 
@@ -259,7 +262,7 @@ def _start_vllm(stack: Any, vllm: tuple[str, Path], target: Any, settings: Any, 
     print(f"starting vLLM ({python}) on {model_dir} ...", file=sys.stderr)
     server = stack.enter_context(VllmServer(python, vllm_server_settings(model_dir, target, dtype), threads))
     print(f"vLLM {server.version} ready in {server.startup_seconds:.0f} s", file=sys.stderr)
-    return VllmEngine(server, target, settings)
+    return VllmEngine(server, target, settings, window_batches)
 
 
 def _parse_shard(text: str) -> tuple[int, int]:
@@ -424,7 +427,17 @@ def _add_regenerate_command(commands: Any) -> None:
         "--batch-size",
         type=positive_int,
         default=8,
-        help="conversations per transformers batch (>= 1); vLLM gets 8 batches' worth per call and batches them itself",
+        help="conversations per transformers batch (>= 1); vLLM gets a window's worth per call and batches them "
+        "itself",
+    )
+    p.add_argument(
+        "--window-batches",
+        type=positive_int,
+        default=8,
+        help="batches per window (default %(default)s): every first turn of a window is answered, then every "
+        "second turn, and a conversation is written when its last turn is done, so a run stopped mid-window "
+        "loses that window's answers; fewer batches lose less (for a short lease or a slow CPU), more sort "
+        "more later turns by length. Not part of the recorded settings (greedy answers do not depend on it)",
     )
     p.add_argument(
         "--max-turns",

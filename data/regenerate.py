@@ -6,7 +6,8 @@ at a time (``WINDOW_BATCHES`` batches): every first turn of the window is genera
 second turn, and so on; each round's prompts are sorted by length before they are cut into
 batches, so left padding wastes little compute. A conversation is written to ShareGPT JSONL as
 soon as its last turn is done, and a rerun skips every id already in the output, so an
-interrupted run loses at most the conversations of one window.
+interrupted run loses at most the conversations of one window (``window_batches``, ``--window-batches``:
+smaller windows lose less to an interruption, larger ones sort more later turns by length).
 
 Two engines generate the turns: transformers ``generate`` on the loaded target (batches of
 ``batch_size``, left-padded), or vLLM (``--engine vllm``: one engine kept running in vLLM's own
@@ -153,9 +154,11 @@ class VllmEngine:
 
     name = "vllm"
 
-    def __init__(self, server: VllmServer, target: Target, settings: RegenerateSettings) -> None:
+    def __init__(
+        self, server: VllmServer, target: Target, settings: RegenerateSettings, window_batches: int = WINDOW_BATCHES
+    ) -> None:
         self.server = server
-        self.prompts_per_call = settings.batch_size * WINDOW_BATCHES
+        self.prompts_per_call = settings.batch_size * window_batches
         self.sampling: dict[str, Any] = {
             "max_tokens": settings.max_new_tokens,
             "stop_token_ids": target.eos_token_ids,
@@ -366,12 +369,15 @@ def regenerate(
     engine: TurnEngine | None = None,
     command: str | None = None,
     time_limit_s: float | None = None,
+    window_batches: int = WINDOW_BATCHES,
 ) -> RegenerateReport:
     """Regenerate ``source`` into ``out`` (ShareGPT JSONL), resuming if ``out`` exists. ``limit`` and
     ``shard`` (index, count) pick a deterministic subset spread over the whole source (RecordSample).
     ``engine`` generates the turns (default: transformers on ``target``); ``command`` (the command
     line, when there is one) is recorded in the ``.meta.json``. With ``time_limit_s`` no new window is
-    started once that many seconds have passed (``report.stopped_early``); a rerun goes on from there."""
+    started once that many seconds have passed (``report.stopped_early``); a rerun goes on from there.
+    ``window_batches``: batches of conversations per window (a window's conversations are written once all
+    their turns are done); like the batch size, it does not change greedy answers."""
     out = Path(out)
     engine = engine or TransformersEngine(target, settings)
     done = _read_done_ids(out)
@@ -384,7 +390,7 @@ def regenerate(
     start = time.perf_counter()
     deadline = _Deadline(start + time_limit_s if time_limit_s is not None else None)
     room = context_length(target) - settings.max_new_tokens
-    windows = _windows(pending, settings.batch_size * WINDOW_BATCHES, settings.max_turns, deadline)
+    windows = _windows(pending, settings.batch_size * window_batches, settings.max_turns, deadline)
     # The first window reads the whole source: a file that cannot be read is refused before `out` and its
     # .meta.json exist (they would tie a rerun to the broken file).
     first = next(windows, None)

@@ -80,6 +80,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="transformers regenerates with a static KV cache (`data regenerate --static-cache`; on a GPU "
         "transformers then compiles the step per batch shape: its speed there is not measured yet)",
     )
+    p.add_argument(
+        "--regen-window-batches",
+        type=int,
+        default=8,
+        help="batches per window of each process (`data regenerate --window-batches`): a window is written when "
+        "its last turns are done, so one cut off by the end of a lease is lost; fewer batches lose less",
+    )
     p.add_argument("--max-new-tokens", type=int, default=256, help="tokens per regenerated answer")
     p.add_argument("--max-turns", type=int, default=2, help="user turns answered per conversation")
     p.add_argument("--regen-dtype", default="float32", help="dtype the target regenerates in (default float32)")
@@ -186,6 +193,7 @@ class Pipeline:
         argv += ["--target", args.target, "--device", args.device, "--dtype", args.regen_dtype]
         engine = regeneration_engine()
         argv += ["--engine", engine, "--batch-size", str(args.regen_batch_size)]
+        argv += ["--window-batches", str(args.regen_window_batches)]
         if engine == "transformers":
             argv += ["--batch-tokens", str(args.regen_batch_tokens)]
             argv += ["--static-cache"] if args.regen_static_cache else []

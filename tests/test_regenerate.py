@@ -94,11 +94,10 @@ def test_batched_generation_writes_every_conversation(tmp_path, source, tiny_tar
 def test_time_limit_stops_between_windows_and_a_rerun_goes_on(tmp_path, source, tiny_target, monkeypatch):
     import draftsmith.data.regenerate as module
 
-    monkeypatch.setattr(module, "WINDOW_BATCHES", 1)  # one conversation per window
     out = tmp_path / "timed.jsonl"
     clock = iter(range(0, 10_000, 10))  # every reading of the clock is 10 s later
     monkeypatch.setattr(module.time, "perf_counter", lambda: next(clock))
-    first = regenerate(str(source), out, tiny_target, SETTINGS, time_limit_s=25)
+    first = regenerate(str(source), out, tiny_target, SETTINGS, time_limit_s=25, window_batches=1)
     assert first.stopped_early and 1 <= first.written < 4
     assert first.stats.used + first.stats.n_skipped == first.stats.read  # nothing read was left unwritten
     rest = regenerate(str(source), out, tiny_target, SETTINGS)
@@ -242,6 +241,35 @@ def test_batches_hold_prompts_of_similar_length_first_turns_first(tmp_path, tiny
     assert first_round == sorted(first_round) and len(set(first_round)) > 4
     assert not any(second for call in calls[:3] for _, second in call)
     assert all(second for call in calls[3:] for _, second in call)  # second turns only after every first one
+
+
+def test_a_window_is_written_before_the_next_one_starts(tmp_path, tiny_target):
+    """With one batch per window, a run that dies in its third window has written the first two."""
+    records = [
+        sharegpt(("human", f"question {i}"), ("gpt", "old"), ("human", "again?"), ("gpt", "old"), id=f"c{i}")
+        for i in range(6)
+    ]
+    source = write_jsonl(tmp_path / "six.jsonl", records)
+    out = tmp_path / "o.jsonl"
+    calls = []
+
+    class DiesInTheThirdWindow(TransformersEngine):
+        def generate(self, prompts):
+            calls.append(len(prompts))
+            if len(calls) > 4:  # two calls (first turns, then second turns) per window of 2
+                raise KeyboardInterrupt
+            return super().generate(prompts)
+
+    settings = RegenerateSettings(max_new_tokens=2, batch_size=2)
+    with pytest.raises(KeyboardInterrupt):
+        engine = DiesInTheThirdWindow(tiny_target, settings)
+        regenerate(str(source), out, tiny_target, settings, engine=engine, window_batches=1)
+    assert calls == [2, 2, 2, 2, 2] and len(read_out(out)) == 4
+    rest = regenerate(str(source), out, tiny_target, settings)  # the default window: all 6 at once
+    assert rest.already_done == 4 and rest.written == 2
+    whole = tmp_path / "whole.jsonl"
+    regenerate(str(source), whole, tiny_target, settings)
+    assert read_out(out) == read_out(whole)
 
 
 def test_max_turns_keeps_the_first_user_turns(tmp_path, source, tiny_target):

@@ -16,6 +16,7 @@ from draftsmith.inference.runtime import generate
 from draftsmith.train.losses import (
     _soft_cross_entropy,
     _teacher_cross_entropies,
+    answer_starts,
     check_loss_options,
     eagle3_loss,
     family_loss,
@@ -159,11 +160,17 @@ def test_loss_is_finite_trains_only_the_drafter_and_overfits(target, family):
     assert all(p.grad is not None for p in model.parameters())
     assert frozen.lm_head.weight.grad is None and frozen.embed_tokens.weight.grad is None
     assert {"loss/step0", "loss/step2", "acc/step1", "acc/step3", "sim/accept_length"} <= set(out.metrics)
-    assert out.metrics["sim/accept_length"] < 1.5
+    assert out.metrics["sim/accept_length"] < 1.5 and out.metrics["sim/answer_start_accept_length"] < 1.5
     # the soft CE's floor is the random target's entropy (near log V): the KL part is what drops
     trained, losses = train(family, target, batch, 60)
     assert losses[-1] < losses[0] - 0.03
     assert family_loss(get_family(family))(trained, batch, frozen).metrics["sim/accept_length"] > 2.5
+
+
+def test_answer_starts_are_the_first_tokens_of_every_answer():
+    supervised = torch.tensor([[0, 1, 1, 1, 1, 0, 0, 1, 1, 1], [1, 1, 0, 1, 0, 0, 0, 0, 0, 0]], dtype=torch.bool)
+    expected = [[0, 1, 1, 0, 0, 0, 0, 1, 1, 0], [1, 1, 0, 1, 0, 0, 0, 0, 0, 0]]
+    assert answer_starts(supervised, 2).int().tolist() == expected
 
 
 def _context(target, prompt, extra, layers):

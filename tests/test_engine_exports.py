@@ -18,7 +18,7 @@ from draftsmith.drafters.engine_layouts import (
     Verifier,
     check_engine_export,
 )
-from draftsmith.drafters.io import export_for_engine, is_exported_drafter, read_engine_export
+from draftsmith.drafters.io import export_drafter, export_for_engine, is_exported_drafter, read_engine_export
 from draftsmith.drafters.registry import get_family
 
 VOCAB = 97
@@ -278,6 +278,37 @@ def test_engine_export_records_what_it_is(target, verifier, tmp_path):
     assert is_exported_drafter(out) and set(load_file(str(out / "model.safetensors"))) >= {"fc.weight", "d2t"}
     with pytest.raises(FileExistsError):  # never replaced without --overwrite
         export_for_engine(eagle3(target), "vllm", verifier, 4, {"name": "tiny"}, out)
+
+
+def test_an_exported_drafter_converts_to_an_engine_layout_as_its_run_would(tmp_path, tiny_target_dir):
+    """`draftsmith export EXPORT --format vllm`: the layout written from an export equals the one written
+    from the model itself, for the export's own target by default; the draftsmith layout and checkpoint
+    choices are refused (an export has neither)."""
+    from transformers import AutoConfig
+
+    from draftsmith.core.target import load_tokenizer
+    from draftsmith.train.checkpoint import CheckpointError
+    from draftsmith.train.export import engine_verifier, export_run
+
+    _, identity = load_tokenizer(str(tiny_target_dir))
+    torch.manual_seed(0)
+    options = {"draft_vocab_size": 40, "aux_layer_ids": [0, 1]}
+    model = get_family("eagle3").build(AutoConfig.from_pretrained(tiny_target_dir), options)
+    exported = export_drafter(model, identity.to_dict(), tmp_path / "export")
+    converted = export_run(exported, tmp_path / "vllm", fmt="vllm")  # no --verifier: the export's target
+    direct = export_for_engine(
+        model, "vllm", engine_verifier(str(tiny_target_dir), identity.to_dict()), None, identity.to_dict(),
+        tmp_path / "direct",
+    )
+    a, b = load_file(str(converted / "model.safetensors")), load_file(str(direct / "model.safetensors"))
+    assert set(a) == set(b) and all(torch.equal(a[name], b[name]) for name in a)
+    assert json.loads((converted / "config.json").read_text()) == json.loads((direct / "config.json").read_text())
+    with pytest.raises(CheckpointError, match="already in draftsmith's layout"):
+        export_run(exported, tmp_path / "again")
+    with pytest.raises(CheckpointError, match="no checkpoints to choose from"):
+        export_run(exported, tmp_path / "again", fmt="vllm", checkpoint="step-1")
+    with pytest.raises(CheckpointError, match="nor an exported drafter"):
+        export_run(tmp_path / "nothing-here", tmp_path / "again", fmt="vllm")
 
 
 # ---- vLLM as a bench method ----------------------------------------------------------------------

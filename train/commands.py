@@ -86,13 +86,12 @@ def cmd_export(args: argparse.Namespace) -> None:
 def _target_option(config: dict[str, Any]) -> str:
     """`` --target NAME`` for a drafter of another target than the default (the commands printed after
     an export would otherwise load the default target), else nothing."""
-    from draftsmith.core.target import DEFAULT_TARGET, EMBEDDED_TARGETS
+    from draftsmith.core.target import DEFAULT_TARGET, target_name
 
     name = (config.get("target_identity") or {}).get("name")
-    named = next((entry for entry in EMBEDDED_TARGETS.values() if entry.display_name == name), None)
-    if named is not None:
-        return "" if named.name == DEFAULT_TARGET else f" --target {named.name}"
-    return f" --target {name}" if name else ""
+    if not name:
+        return ""
+    return "" if target_name(name) == DEFAULT_TARGET else f" --target {target_name(name)}"
 
 
 def add_train_commands(subparsers: Any) -> None:
@@ -108,9 +107,14 @@ def add_train_commands(subparsers: Any) -> None:
         "export",
         help="export a training run as a safetensors drafter directory",
         description="Write a run's last complete checkpoint (or --checkpoint step-N, or --best) as config.json + "
-        "model.safetensors, ready for `draftsmith generate` and `draftsmith bench`.",
+        "model.safetensors, ready for `draftsmith generate` and `draftsmith bench`; or, with an engine --format, "
+        "convert a drafter already exported (or a shipped one, by name) to that engine's layout.",
     )
-    p.add_argument("run_dir", help="the run's output_dir")
+    p.add_argument(
+        "run_dir",
+        help="the run's output_dir; with --format vllm, speculators or sglang also an exported drafter directory or "
+        "a shipped drafter's name (eagle3-smollm2)",
+    )
     p.add_argument("--out", required=True, help="output directory (outside the run directory)")
     p.add_argument("--checkpoint", default=None, help="a checkpoint name such as step-500 (default: the last)")
     p.add_argument(
@@ -134,8 +138,8 @@ def add_train_commands(subparsers: Any) -> None:
     p.add_argument(
         "--verifier",
         default=None,
-        help="engine formats: the target to record (default: the recipe's; a local one is checked against the "
-        "drafter's target)",
+        help="engine formats: the target to record (default: the recipe's, or an export's own target; a local one "
+        "is checked against the drafter's target)",
     )
     p.add_argument(
         "--speculative-tokens",

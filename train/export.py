@@ -16,7 +16,7 @@ import yaml
 from safetensors import safe_open
 
 from draftsmith.core.io import check_creatable_directory, check_output_directory, verify_files
-from draftsmith.core.target import TargetIdentity, load_tokenizer, safetensors_directory
+from draftsmith.core.target import TargetIdentity, load_tokenizer, safetensors_directory, target_name
 from draftsmith.drafters.engine_layouts import ENGINE_FORMATS, EngineLayoutError, Verifier
 from draftsmith.drafters.io import (
     check_finite_weights,
@@ -25,6 +25,7 @@ from draftsmith.drafters.io import (
     export_for_engine,
     read_drafter_config,
 )
+from draftsmith.drafters.pretrained import ROOT, bundled_names
 from draftsmith.drafters.registry import get_family
 from draftsmith.train.checkpoint import (
     DRAFTER_DIR,
@@ -64,8 +65,19 @@ def export_run(
     if fmt not in FORMATS:
         raise CheckpointError(f"unknown export format {fmt!r}; use one of {', '.join(FORMATS)}")
     recipe_path = run_dir / RESOLVED_RECIPE
+    exported = exported_drafter_source(run_dir) if not recipe_path.is_file() else None
+    if exported is not None:
+        if fmt == "draftsmith" or checkpoint is not None or best:
+            raise CheckpointError(
+                f"{run_dir} is an exported drafter, not a training run: it has no checkpoints to choose from, and "
+                "it is already in draftsmith's layout; give --format vllm, speculators or sglang to convert it"
+            )
+        return export_exported_drafter(exported, out, overwrite, fmt, verifier, speculative_tokens)
     if not recipe_path.is_file():
-        raise CheckpointError(f"{run_dir} is not a training run (no {RESOLVED_RECIPE}); give the run's output_dir")
+        raise CheckpointError(
+            f"{run_dir} is not a training run (no {RESOLVED_RECIPE}) nor an exported drafter; give the run's "
+            f"output_dir, an export, or a shipped drafter's name ({', '.join(bundled_names()) or 'none shipped'})"
+        )
     keep = (("the training run", run_dir),)
     check_output_directory(Path(out), overwrite, drafter_output_rules(keep))
     check_creatable_directory(Path(out))
@@ -90,6 +102,36 @@ def export_run(
         )
     except EngineLayoutError as error:  # a family or option the layout cannot express
         raise CheckpointError(f"cannot export {run_dir} as {fmt}: {error}") from None
+
+
+def exported_drafter_source(path: Path) -> Path | None:
+    """The exported drafter ``path`` names: a directory ``draftsmith export`` wrote, or a shipped drafter's
+    folder name (``eagle3-smollm2``) when no such path exists; None when it is neither."""
+    if not path.exists() and str(path) in bundled_names():
+        return ROOT / str(path)
+    config = path / "config.json"
+    if config.is_file() and "drafter_family" in json.loads(config.read_text(encoding="utf-8")):
+        return path
+    return None
+
+
+def export_exported_drafter(
+    directory: Path, out: Path, overwrite: bool, fmt: str, verifier: str | None, speculative_tokens: int | None
+) -> Path:
+    """An exported drafter (its files checked first) in a serving engine's layout, for ``verifier``
+    (default: the target it was exported for, by its embedded name where it has one)."""
+    config = read_drafter_config(directory)
+    family = get_family(config["drafter_family"])
+    keep = (("the exported drafter", directory),)
+    check_output_directory(Path(out), overwrite, drafter_output_rules(keep))
+    check_creatable_directory(Path(out))
+    model = family.model_class.from_pretrained(str(directory)).float()
+    identity = config["target_identity"]
+    try:
+        engine_target = engine_verifier(verifier or target_name(identity["name"]), identity)
+        return export_for_engine(model, fmt, engine_target, speculative_tokens, identity, out, overwrite, keep)
+    except EngineLayoutError as error:
+        raise CheckpointError(f"cannot export {directory} as {fmt}: {error}") from None
 
 
 def engine_verifier(name: str, trained_for: dict[str, str]) -> Verifier:

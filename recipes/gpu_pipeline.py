@@ -89,9 +89,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--regen-window-batches",
         type=int,
-        default=8,
-        help="batches per window of each process (`data regenerate --window-batches`): a window is written when "
-        "its last turns are done, so one cut off by the end of a lease is lost; fewer batches lose less",
+        default=None,
+        help="batches per window of each process (`data regenerate --window-batches`, whose default it keeps when "
+        "not given): a window is written when its last turns are done, so one cut off by the end of a lease is "
+        "lost; fewer batches lose less",
     )
     p.add_argument("--max-new-tokens", type=int, default=256, help="tokens per regenerated answer")
     p.add_argument("--max-turns", type=int, default=2, help="user turns answered per conversation")
@@ -200,7 +201,7 @@ class Pipeline:
         argv += ["--target", args.target, "--device", args.device, "--dtype", args.regen_dtype]
         engine = regeneration_engine()
         argv += ["--engine", engine, "--batch-size", str(args.regen_batch_size)]
-        argv += ["--window-batches", str(args.regen_window_batches)]
+        argv += ["--window-batches", str(args.regen_window_batches)] if args.regen_window_batches is not None else []
         if engine == "transformers":
             argv += ["--batch-tokens", str(args.regen_batch_tokens)]
             argv += ["--static-cache"] if args.regen_static_cache else []

@@ -61,16 +61,18 @@ def verification_forward(
     direct: DirectForward | None = None,
     greedy: GreedyHead | None = None,
     native: ModuleType | None = None,
+    packs_checked: bool = False,
 ):
     """The verification forward over ``[root, tree]`` on top of ``past`` cached rows, uncompiled. With
     ``gemm``, a multi-row forward is padded to its packed row bucket (rows past ``1 + len(tree)`` of
-    the output are padding). With ``direct`` (built for ``model``), the forward skips transformers'
+    the output are padding); ``packs_checked``: its packs were made fresh earlier in this generation
+    (:meth:`PackedGemm.padded_rows`). With ``direct`` (built for ``model``), the forward skips transformers'
     per-call machinery, bitwise the same (``direct_forward.py``). With ``greedy`` (the model's screened
     head, computed through ``native``, the C++ extension where given), it returns a :class:`GreedyForward`:
     the float32 head's argmax per row, without its logits, after the direct forward or, without one, the
     model's own base model (the head's input is its last state: :func:`screened_head_serves`)."""
     device = tree_inputs.device
-    rows = gemm.padded_rows(1 + len(tree)) if gemm is not None else 0  # (makes the packs a forward uses)
+    rows = gemm.padded_rows(1 + len(tree), packs_checked) if gemm is not None else 0  # (makes the packs it uses)
     if len(tree):
         mask, positions = tree_inputs.build(tree, past, rows)
         if direct is None:  # the direct forward serves full-attention Llamas only
@@ -210,6 +212,7 @@ class EagerBackend(_Backend):
                 self._direct,
                 self._greedy,
                 self._native,
+                packs_checked=self.kernels is not None,  # by this generation's prefill (model_forwards)
             )
 
     def commit(self, cache: EagerCache, past: int, accepted_nodes: list[int]) -> None:

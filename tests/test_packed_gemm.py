@@ -221,6 +221,29 @@ def test_greedy_identity_with_one_pack_and_the_reference_on_the_same_kernel(kern
     assert backends.kernels(model).linear == kernel
 
 
+@ONE_PACK
+def test_a_generation_checks_its_packs_at_its_prefill_not_at_every_forward(kernel, monkeypatch):
+    """Weights stay put inside one generation: its prefill makes the packs fresh and its verification
+    forwards use them without looking at every weight again, while a weight changed between two
+    generations is multiplied by its new values in the next one."""
+    model = fresh_model(seed=10)
+    backends = Backends(KernelOptions(linear=one_pack_kernel(kernel)))
+    prompt = [5, 6, 7, 8, 9] * 3
+    before = generate(model, prompt, None, max_new_tokens=12, eos_token_ids=[], backends=backends).tokens
+    gemm = backends.kernels(model).gemm
+    checks = []
+    real = PackedGemm._drop_stale_packs
+    monkeypatch.setattr(PackedGemm, "_drop_stale_packs", lambda self: (checks.append(self), real(self))[1])
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mlp.down_proj.weight.mul_(-3.0)
+    changed = generate(model, prompt, None, max_new_tokens=12, eos_token_ids=[], backends=backends)
+    assert changed.target_forwards == 12 and checks.count(gemm) == 1  # the prefill's check alone
+    with backends.reference_forwards(model):
+        expected = hf_greedy(model, prompt, 12, eos=())
+    assert changed.tokens == expected != before
+
+
 def test_a_kernel_this_build_lacks_falls_to_the_next(monkeypatch):
     model = fresh_model(seed=9)
     monkeypatch.setattr(packed_gemm, "linear_kernel_available", lambda kernel, native=True: kernel != "onednn")

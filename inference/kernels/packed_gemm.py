@@ -188,14 +188,17 @@ class PackedGemm:
         """The key of the pack a ``rows``-row input uses."""
         return ANY_ROWS if self.kernel in ONE_PACK_KERNELS else rows
 
-    def padded_rows(self, rows: int) -> int:
+    def padded_rows(self, rows: int, checked: bool = False) -> int:
         """How many rows a ``rows``-row verification forward should run with, its packs made: a MKL
-        bucket when that bucket is (or can be) packed, else ``rows`` itself."""
+        bucket when that bucket is (or can be) packed, else ``rows`` itself. ``checked``: the packs were
+        made fresh earlier in the same generation (its prefill, through :meth:`model_forwards`), so a
+        one-pack kernel's pack serves as it is, without looking at every weight again."""
         if not self._linears:
             return rows
         if self.kernel in ONE_PACK_KERNELS:
-            self._drop_stale_packs()
-            self._ensure(ANY_ROWS)
+            if not (checked and ANY_ROWS in self._linears[0]._packs):
+                self._drop_stale_packs()
+                self._ensure(ANY_ROWS)
             return rows
         bucket = row_bucket(rows)
         if bucket is None:

@@ -560,3 +560,17 @@ def test_throughput_times_the_recipes_step_and_reports_padding(recipe_path, prep
     line = capsys.readouterr().out.strip().splitlines()[-1]
     assert line.startswith("fspad: ") and " tokens/s (" in line and "padded/real 1." in line
     assert not scratch.exists()
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_auto_precision_on_a_cpu_stays_float32_and_names_bf16_where_it_is_native(monkeypatch, capsys, native):
+    """auto keeps float32 on a CPU (every process alike, runs reproducible across machines); where the
+    CPU multiplies bfloat16 in hardware, one line says what bf16 would give."""
+    from draftsmith.train import trainer
+    from draftsmith.train.recipe import TrainSection
+
+    monkeypatch.setattr(trainer, "native_bf16_cpu", lambda: native)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    accelerator = trainer.build_accelerator(TrainSection())
+    assert str(accelerator.mixed_precision) == "no"
+    assert (trainer.BF16_HINT in capsys.readouterr().err) == native

@@ -62,7 +62,8 @@ class TrainSection:
     save_every: int = 500  # steps between checkpoints (a final one is always written)
     log_every: int = 10
     keep_last: int = 2  # complete checkpoints kept; older ones are deleted
-    mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "auto"  # auto: the launcher's choice on GPU, no on CPU
+    # auto: the launcher's choice on a GPU, no on a CPU (bf16 is faster where the CPU has native bfloat16)
+    mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "auto"
     resume: bool = False  # continue from the last complete checkpoint in output_dir
     # with resume: go on even if the checkpoint's random states are missing or damaged (the run then
     # draws other noise than an uninterrupted one would); without it that is an error

@@ -87,6 +87,18 @@ def uses_deepspeed() -> bool:
     return os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() in {"1", "true", "yes"}
 
 
+def native_bf16_cpu() -> bool:
+    """Whether this CPU multiplies bfloat16 in hardware (AVX512-BF16 or AMX tiles)."""
+    checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return any(getattr(torch.cpu, name, lambda: False)() for name in checks)
+
+
+BF16_HINT = (
+    "note: this CPU multiplies bfloat16 in hardware; train.mixed_precision=bf16 trained 1.2-1.6x faster here "
+    "at equal held-out acceptance (docs/training.md#throughput); auto keeps float32 on a CPU"
+)
+
+
 def build_accelerator(train: TrainSection) -> Any:
     """An ``Accelerator`` for this machine. On a CPU-only machine DeepSpeed needs its CPU accelerator
     and the gloo backend named before the accelerator exists, else accelerate runs it as one process."""
@@ -99,6 +111,8 @@ def build_accelerator(train: TrainSection) -> Any:
     precision = train.mixed_precision
     if precision == "auto":
         precision = "no" if on_cpu else os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
+        if on_cpu and native_bf16_cpu() and is_launch_main_process():
+            print(BF16_HINT, file=sys.stderr)
     accelerator = Accelerator(
         mixed_precision=precision,
         gradient_accumulation_steps=train.grad_accum,

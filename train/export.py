@@ -95,13 +95,8 @@ def export_run(
     check_finite_weights(model.state_dict(), f"{source.name} of {run_dir}", rebuild, CheckpointError)
     if fmt == "draftsmith":
         return export_drafter(model, state["target_identity"], out, overwrite=overwrite, keep=keep)
-    try:
-        engine_target = engine_verifier(verifier or recipe.target.name, state["target_identity"])
-        return export_for_engine(
-            model, fmt, engine_target, speculative_tokens, state["target_identity"], out, overwrite, keep
-        )
-    except EngineLayoutError as error:  # a family or option the layout cannot express
-        raise CheckpointError(f"cannot export {run_dir} as {fmt}: {error}") from None
+    verifier = verifier or recipe.target.name
+    return write_engine_layout(model, fmt, verifier, state["target_identity"], speculative_tokens, out, overwrite, keep)
 
 
 def exported_drafter_source(path: Path) -> Path | None:
@@ -127,11 +122,27 @@ def export_exported_drafter(
     check_creatable_directory(Path(out))
     model = family.model_class.from_pretrained(str(directory)).float()
     identity = config["target_identity"]
+    verifier = verifier or target_name(identity["name"])
+    return write_engine_layout(model, fmt, verifier, identity, speculative_tokens, out, overwrite, keep)
+
+
+def write_engine_layout(
+    model: torch.nn.Module,
+    fmt: str,
+    verifier: str,
+    trained_for: dict[str, str],
+    speculative_tokens: int | None,
+    out: Path,
+    overwrite: bool,
+    keep: tuple[tuple[str, Path], ...],
+) -> Path:
+    """``model`` (trained for the target ``trained_for``) in serving engine layout ``fmt`` for ``verifier``;
+    a family or option the layout cannot express is one line naming what ``keep`` says was exported."""
     try:
-        engine_target = engine_verifier(verifier or target_name(identity["name"]), identity)
-        return export_for_engine(model, fmt, engine_target, speculative_tokens, identity, out, overwrite, keep)
+        engine_target = engine_verifier(verifier, trained_for)
+        return export_for_engine(model, fmt, engine_target, speculative_tokens, trained_for, out, overwrite, keep)
     except EngineLayoutError as error:
-        raise CheckpointError(f"cannot export {directory} as {fmt}: {error}") from None
+        raise CheckpointError(f"cannot export {keep[0][1]} as {fmt}: {error}") from None
 
 
 def engine_verifier(name: str, trained_for: dict[str, str]) -> Verifier:

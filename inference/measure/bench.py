@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import time
 from collections import defaultdict
 from contextlib import nullcontext
 from dataclasses import dataclass, field

@@ -104,10 +104,16 @@ def target_argmax(
     lm_head: torch.nn.Module, features: torch.Tensor, chunk_rows: int = ARGMAX_CHUNK_ROWS
 ) -> torch.Tensor:
     """(..., h) features -> (...) int32: ``lm_head``'s argmax over its whole vocabulary (the first of equal
-    maxima), ``chunk_rows`` rows at a time, on the features as float32."""
+    maxima), ``chunk_rows`` rows at a time, in float32 (features and weights: a target loaded in bf16 gets
+    the tokens a float32 step computes from the stored features)."""
     rows = features.reshape(-1, features.shape[-1]).float()
+    weight = lm_head.weight.float()
+    bias = None if lm_head.bias is None else lm_head.bias.float()
     tops = [torch.zeros(0, dtype=torch.long, device=rows.device)]
-    tops += [lm_head(rows[start : start + chunk_rows]).argmax(-1) for start in range(0, rows.shape[0], chunk_rows)]
+    tops += [
+        torch.nn.functional.linear(rows[start : start + chunk_rows], weight, bias).argmax(-1)
+        for start in range(0, rows.shape[0], chunk_rows)
+    ]
     return torch.cat(tops).to(torch.int32).reshape(features.shape[:-1])
 
 

@@ -13,6 +13,8 @@ from draftsmith.drafters.io import export_drafter
 from draftsmith.drafters.registry import get_family
 from draftsmith.drafters.vocab import draft_vocab_maps
 from draftsmith.inference.runtime import generate
+from draftsmith.train.batch import TrainBatch
+from draftsmith.train.loader import online_features
 from draftsmith.train.losses import (
     _soft_cross_entropy,
     _teacher_cross_entropies,
@@ -24,10 +26,11 @@ from draftsmith.train.losses import (
     read_rows,
     ttt_mask,
     ttt_unroll,
+    walked_tau,
 )
 from draftsmith.train.recipe_loader import RecipeError
 from helpers import fused_batch as _fused_batch
-from helpers import hf_greedy, serve, train_from_target
+from helpers import hf_greedy, padded, serve, train_from_target
 from helpers import random_prompts as _random_prompts
 
 VOCAB = 97
@@ -171,6 +174,37 @@ def test_answer_starts_are_the_first_tokens_of_every_answer():
     supervised = torch.tensor([[0, 1, 1, 1, 1, 0, 0, 1, 1, 1], [1, 1, 0, 1, 0, 0, 0, 0, 0, 0]], dtype=torch.bool)
     expected = [[0, 1, 1, 0, 0, 0, 0, 1, 1, 0], [1, 1, 0, 1, 0, 0, 0, 0, 0, 0]]
     assert answer_starts(supervised, 2).int().tolist() == expected
+
+
+def test_walked_tau_counts_rounds_as_the_runtime_does():
+    window = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 0]], dtype=torch.bool)  # an 8-token answer after a prompt
+    assert walked_tau([torch.ones_like(window)] * 3, window) == 8 / 3  # the prompt's forward, then 4 and 3 (of 4) tokens a round
+    assert walked_tau([torch.zeros_like(window)] * 3, window) == 1.0
+    hit, miss = torch.ones_like(window), torch.zeros_like(window)
+    assert walked_tau([miss, hit, hit], window) == 1.0  # only leading hits are accepted
+    assert walked_tau([hit, miss, hit], window) == 8 / 5  # two tokens a round
+
+
+def test_the_walked_tau_is_the_runtimes_tau_for_a_chain(target, trained_eagle3):
+    """``sim/answer_start_tau`` of the training-time test on the runtime's own greedy answers equals the τ
+    the runtime measured decoding them with a top-1 chain of the drafter's ``ttt_steps`` tokens."""
+    drafter = serve(trained_eagle3, target, depth=3, top_k=1, total_tokens=3)
+    prompts, tokens, forwards = random_prompts(6, seed=21), [], 0
+    for prompt in prompts:
+        result = generate(target, prompt, drafter, max_new_tokens=30, eos_token_ids=[EOS])
+        tokens.append(result.tokens)
+        forwards += result.target_forwards
+    ids, attention = padded([prompt + answer for prompt, answer in zip(prompts, tokens)])
+    loss_mask = torch.zeros_like(attention, dtype=torch.float)
+    for row, (prompt, answer) in enumerate(zip(prompts, tokens)):
+        loss_mask[row, len(prompt) : len(prompt) + len(answer)] = 1
+    batch = TrainBatch(ids, loss_mask, attention)
+    batch.hidden_states, batch.drafter_states = online_features(target, batch, tuple(LAYERS))
+    with torch.no_grad():
+        metrics = eagle3_loss(trained_eagle3, batch, FrozenTarget.from_model(target)).metrics
+    runtime_tau = sum(map(len, tokens)) / forwards
+    assert 1.3 < runtime_tau and metrics["sim/answer_start_tau"] == pytest.approx(runtime_tau)
+    assert metrics["sim/answer_start_tau"] < metrics["sim/answer_start_accept_length"]
 
 
 def _context(target, prompt, extra, layers):

@@ -172,7 +172,8 @@ def eagle3_loss(
     ``sim/answer_start_accept_length``, the same over the first ``ANSWER_START_TOKENS`` tokens of every
     answer only (what a bench of that many new tokens per turn decodes: the hardest stretch of an
     answer, where the whole-answer figure, lifted by long predictable answers, overstates the runtime's
-    τ); with ``topk_distill``, ``loss/topk{i}``; with ``align_mask``, ``align/step{i}``, the share of
+    τ), and ``sim/answer_start_tau``, :func:`walked_tau` of those tokens (what a 64-token bench with a
+    chain of ``ttt_steps`` drafts measures); with ``topk_distill``, ``loss/topk{i}``; with ``align_mask``, ``align/step{i}``, the share of
     labelled positions step i trains."""
     if align_mask and align_topk < 1:
         raise RecipeError(f"loss.align_topk must be >= 1 with loss.align_mask, got {align_topk}")
@@ -186,7 +187,7 @@ def eagle3_loss(
     read = read_rows(labels) if core.feeds_back else labels
     steps = ttt_unroll(model, frozen, batch.input_ids, batch.attention_mask, batch.drafter_states.float(), read=read)
     on_chain = torch.ones_like(supervised)  # (B, T): the drafter proposed every token step i at t has read
-    answer_start, start_accuracies = answer_starts(supervised, ANSWER_START_TOKENS), []
+    answer_start, start_accuracies, hit_grids = answer_starts(supervised, ANSWER_START_TOKENS), [], []
     for step, out in enumerate(steps):
         labelled = labels[step]
         # the head only where a label is: its logits over the draft vocabulary are the step's largest tensor
@@ -210,6 +211,7 @@ def eagle3_loss(
         if labelled.any():
             hits = core.token_ids(logits.detach().argmax(-1)) == _shift_left(teacher.argmax, 1 + step)[labelled]
             accuracies.append(float(hits.float().mean()))
+            hit_grids.append(torch.zeros_like(supervised).masked_scatter(labelled, hits))
             metrics[f"acc/step{step + 1}"] = accuracies[-1]
             early = _shift_left(answer_start, 2 + step)[labelled]  # the token step i predicts is x_{t+2+i}
             if early.any():
@@ -218,7 +220,40 @@ def eagle3_loss(
         metrics["sim/accept_length"] = chain_length(accuracies)
     if start_accuracies and len(start_accuracies) == len(accuracies):
         metrics["sim/answer_start_accept_length"] = chain_length(start_accuracies)
+    if len(hit_grids) == core.config.ttt_steps and answer_start.any():
+        metrics["sim/answer_start_tau"] = walked_tau(hit_grids, answer_start)
     return LossOutput(total, metrics)
+
+
+def walked_tau(hits: list[torch.Tensor], windows: torch.Tensor) -> float:
+    """The τ a runtime drafting top-1 chains of ``len(hits)`` tokens measures decoding each window.
+
+    ``hits[i][b, t]``: draft step i at position t (reading the target's states at t and ``x_{t+1}``)
+    proposes ``x_{t+2+i}``. ``windows`` (B, T) marks the tokens decoded (each answer's first
+    ``ANSWER_START_TOKENS``). Walked as the runtime decodes: the prompt's forward makes a window's first
+    token; each round after the last token ``x_p`` drafts from ``t = p - 1``, accepts its leading hits
+    and adds the target's own next token. τ = tokens / target forwards, the prompt's included, as
+    ``bench`` counts. A round starts right after the drafter missed, where its next guesses are
+    harder than average, so this sits below the chain length of the per-step accuracies over every
+    position (``sim/answer_start_accept_length``)."""
+    grids, tokens, forwards = [grid.tolist() for grid in hits], 0, 0
+    for row, marks in enumerate(windows.tolist()):
+        start = 0
+        while start < len(marks):
+            if not marks[start]:
+                start += 1
+                continue
+            end = start
+            while end < len(marks) and marks[end]:
+                end += 1
+            tokens, forwards, last = tokens + end - start, forwards + 1, start
+            while last + 1 < end:
+                accepted = 0
+                while last > 0 and accepted < len(grids) and grids[accepted][row][last - 1]:
+                    accepted += 1
+                last, forwards = last + accepted + 1, forwards + 1
+            start = end
+    return tokens / forwards
 
 
 def answer_starts(supervised: torch.Tensor, tokens: int) -> torch.Tensor:

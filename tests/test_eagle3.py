@@ -178,7 +178,8 @@ def test_answer_starts_are_the_first_tokens_of_every_answer():
 
 def test_walked_tau_counts_rounds_as_the_runtime_does():
     window = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 0]], dtype=torch.bool)  # an 8-token answer after a prompt
-    assert walked_tau([torch.ones_like(window)] * 3, window) == 8 / 3  # the prompt's forward, then 4 and 3 (of 4) tokens a round
+    # the prompt's forward, then rounds of 4 and of 3 (of 4) tokens
+    assert walked_tau([torch.ones_like(window)] * 3, window) == 8 / 3
     assert walked_tau([torch.zeros_like(window)] * 3, window) == 1.0
     hit, miss = torch.ones_like(window), torch.zeros_like(window)
     assert walked_tau([miss, hit, hit], window) == 1.0  # only leading hits are accepted

@@ -173,8 +173,8 @@ def eagle3_loss(
     answer only (what a bench of that many new tokens per turn decodes: the hardest stretch of an
     answer, where the whole-answer figure, lifted by long predictable answers, overstates the runtime's
     τ), and ``sim/answer_start_tau``, :func:`walked_tau` of those tokens (what a 64-token bench with a
-    chain of ``ttt_steps`` drafts measures); with ``topk_distill``, ``loss/topk{i}``; with ``align_mask``, ``align/step{i}``, the share of
-    labelled positions step i trains."""
+    chain of ``ttt_steps`` drafts measures); with ``topk_distill``, ``loss/topk{i}``; with ``align_mask``,
+    ``align/step{i}``, the share of labelled positions step i trains."""
     if align_mask and align_topk < 1:
         raise RecipeError(f"loss.align_topk must be >= 1 with loss.align_mask, got {align_topk}")
     core = getattr(model, "module", model)  # DDP / DeepSpeed wrap the drafter; compute goes through model()

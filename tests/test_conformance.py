@@ -25,6 +25,7 @@ from draftsmith.core.verify import SamplingConfig
 from draftsmith.drafters.io import DrafterCheckpointError, export_drafter
 from draftsmith.drafters.registry import FAMILIES
 from draftsmith.inference.backends import Backends
+from draftsmith.inference.methods.lookup import WithPromptLookup
 from draftsmith.inference.methods.table import build_drafter
 from draftsmith.train.recipe import load_train_recipe
 from draftsmith.train.trainer import train
@@ -178,6 +179,10 @@ def test_the_export_round_trips(runs, family):
 def test_greedy_decoding_is_token_identical_to_plain_decoding(drafter, family, target):
     assert drafter.name == family
     assert_decodes_like_plain_greedy(target, drafter, NEW_TOKENS)
+
+
+def test_greedy_decoding_with_prompt_lookup_grafted_on_is_token_identical(drafter, target):
+    assert_decodes_like_plain_greedy(target, WithPromptLookup(drafter, 4), NEW_TOKENS)
 
 
 def test_sampled_decoding_is_reproducible_and_draws_the_exact_distribution(drafter, target):

@@ -16,17 +16,15 @@ import torch
 from draftsmith.core.drafting import DraftContext, Drafter
 from draftsmith.core.tree import DraftTree
 from draftsmith.core.verify import Verdict
-from draftsmith.inference.backends import DEFAULT_TREE_ROOM
 from draftsmith.inference.methods.pld import PromptLookupDrafter
 
 LOOKUP_MAX_NGRAM = 3  # prompt lookup's own default
-MAX_NODES = DEFAULT_TREE_ROOM - 1  # a verification forward holds the root and at most this many nodes
 
 
-def graft_chain(tree: DraftTree, chain: list[int], max_nodes: int = MAX_NODES) -> DraftTree:
+def graft_chain(tree: DraftTree, chain: list[int]) -> DraftTree:
     """``tree`` with ``chain`` hung from the root: the chain follows the tree's own nodes while they hold
-    its tokens (a shared prefix adds nothing), and the rest becomes new nodes after the tree's, up to
-    ``max_nodes`` in all. The tree's nodes keep their numbers."""
+    its tokens (a shared prefix adds nothing), and the rest becomes new nodes after the tree's. The
+    tree's nodes keep their numbers."""
     tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
     child = {(parent, token): node for node, (token, parent) in reversed(list(enumerate(zip(tokens, parents))))}
     node, grown = -1, False
@@ -34,8 +32,6 @@ def graft_chain(tree: DraftTree, chain: list[int], max_nodes: int = MAX_NODES) -
         if not grown and (node, token) in child:
             node = child[(node, token)]
             continue
-        if len(tokens) >= max_nodes:
-            break
         tokens.append(token)
         parents.append(node)
         node, grown = len(tokens) - 1, True

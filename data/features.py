@@ -20,6 +20,7 @@ vocabulary's columns. Caches written before it was kept have none, and their los
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import shutil
@@ -107,14 +108,18 @@ def target_argmax(
     maxima), ``chunk_rows`` rows at a time, in float32 (features and weights: a target loaded in bf16 gets
     the tokens a float32 step computes from the stored features)."""
     rows = features.reshape(-1, features.shape[-1]).float()
-    weight = lm_head.weight.float()
-    bias = None if lm_head.bias is None else lm_head.bias.float()
+    head = float32_head(lm_head)
     tops = [torch.zeros(0, dtype=torch.long, device=rows.device)]
-    tops += [
-        torch.nn.functional.linear(rows[start : start + chunk_rows], weight, bias).argmax(-1)
-        for start in range(0, rows.shape[0], chunk_rows)
-    ]
+    tops += [head(rows[start : start + chunk_rows]).argmax(-1) for start in range(0, rows.shape[0], chunk_rows)]
     return torch.cat(tops).to(torch.int32).reshape(features.shape[:-1])
+
+
+def float32_head(lm_head: torch.nn.Module) -> torch.nn.Module:
+    """``lm_head`` itself when it is float32, else a float32 copy of it (one per batch of sequences, not
+    one per sequence: the head is the model's largest matrix)."""
+    if lm_head.weight.dtype == torch.float32:
+        return lm_head
+    return copy.deepcopy(lm_head).float()
 
 
 @torch.no_grad()
@@ -139,11 +144,12 @@ def target_features(
     )
     hidden = out.hidden_states
     results = []
+    head = float32_head(model.get_output_embeddings()) if argmax_dtype is not None else None
     for row, length in enumerate(lengths):
         item = {"feature": out.last_hidden_state[row, :length].float().cpu()}
-        if argmax_dtype is not None:
+        if head is not None:
             stored = out.last_hidden_state[row, :length].to(argmax_dtype)
-            item["target_argmax"] = target_argmax(model.get_output_embeddings(), stored).cpu()
+            item["target_argmax"] = target_argmax(head, stored).cpu()
         for layer in layers:
             item[f"hidden_states.{layer}"] = hidden[layer][row, :length].float().cpu()
         results.append(item)

@@ -1132,20 +1132,40 @@ struct AttendProblem {
   int64_t batch = q.size(0), heads = q.size(1), rows = q.size(2), head_dim = q.size(3);
   int64_t kv_heads = k.size(1), length = k.size(2), groups = heads / kv_heads;
   int64_t together = groups;  // set_together
-  int64_t per_row = heads / together;
+  int64_t chunks = 1;  // items per K/V head and row: its query heads `together` at a time
 
-  // Items of `together` query heads each (1 or all of a K/V head's): which heads share an item changes
-  // no result, since each query is computed alone.
+  // Items of up to `together` query heads of one K/V head each (the last of a K/V head's may have
+  // fewer): which heads share an item changes no result, since each query is computed alone.
   void set_together(int64_t heads_per_item) {
     together = heads_per_item;
-    per_row = heads / together;
+    chunks = (groups + together - 1) / together;
   }
 
   bool mask_heads_differ() const { return mask_strides[1] != 0; }
-  int64_t items() const { return batch * rows * per_row; }
-  int64_t b(int64_t item) const { return item / (rows * per_row); }
-  int64_t r(int64_t item) const { return item / per_row % rows; }
-  int64_t first(int64_t item) const { return item % per_row * together; }
+  // Items go head by head, every row of a head in turn: a thread's consecutive items read the same K/V
+  // head, which then stays in its core's cache instead of being fetched again for every row.
+  int64_t items() const { return batch * kv_heads * chunks * rows; }
+  int64_t b(int64_t item) const { return item / (rows * kv_heads * chunks); }
+  int64_t r(int64_t item) const { return item % rows; }
+  int64_t first(int64_t item) const {
+    const int64_t chunk = item / rows % (kv_heads * chunks);
+    return chunk / chunks * groups + chunk % chunks * together;
+  }
+  // the item's query heads: first(item) onwards
+  int64_t heads_of(int64_t item) const { return std::min(together, (first(item) / groups + 1) * groups - first(item)); }
+  // Whether every head of a row sees the same keys, listed once per row by list_seen_rows.
+  bool seen_per_row() const { return mask != nullptr && !mask_heads_differ(); }
+
+  // Every row's seen keys (seen_per_row), each row's list at row * length in `seen` and its length in
+  // `counts`, so an item reads its row's list instead of scanning the mask again for every head.
+  void list_seen_rows(std::vector<int32_t>& seen, std::vector<int64_t>& counts) const {
+    seen.resize(batch * rows * length);
+    counts.resize(batch * rows);
+    at::parallel_for(0, batch * rows, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i)
+        counts[i] = seen_keys(mask, mask_strides, causal, i / rows, 0, i % rows, rows, length, seen.data() + i * length);
+    });
+  }
 
   // the item's seen keys into `seen`; how many
   int64_t seen(int64_t item, int32_t* seen) const {
@@ -1158,6 +1178,7 @@ struct AttendProblem {
   // the values
   void weigh(int64_t item, const int32_t* seen, int64_t count, float* scores, int64_t room, float* sum,
              float* acc) const {
+    const int64_t together = heads_of(item);
     std::vector<const float*> queries(together);
     for (int64_t i = 0; i < together; ++i) queries[i] = query(item, i);
     const int64_t kv = first(item) / groups;
@@ -1175,6 +1196,7 @@ struct AttendProblem {
   }
   // the item's outputs from what weigh() computed
   void finish(int64_t item, const float* sums, const float* accs) const {
+    const int64_t together = heads_of(item);
     std::vector<float*> outs(together);
     for (int64_t i = 0; i < together; ++i) outs[i] = out + ((b(item) * rows + r(item)) * heads + first(item) + i) * head_dim;
     divide_rows(together, head_dim, sums, accs, outs.data());
@@ -1217,16 +1239,21 @@ at::Tensor attend(const at::Tensor& query, const at::Tensor& keys, const at::Ten
   at::Tensor out = at::empty({batch, rows, heads, head_dim}, q.options());
   problem.out = out.data_ptr<float>();
   // a K/V head's query heads share an item and read each key once, unless the mask differs between
-  // heads or that leaves a thread idle (one row)
-  const bool alone = problem.mask_heads_differ() || batch * rows * kv_heads < 2 * at::get_num_threads();
-  problem.set_together(alone ? 1 : problem.groups);
+  // heads; where that leaves too few items to keep every thread busy (one row), they share it in chunks
+  const int64_t per_kv_head = (2 * at::get_num_threads() + batch * rows * kv_heads - 1) / (batch * rows * kv_heads);
+  problem.set_together(problem.mask_heads_differ() ? 1 : (problem.groups + per_kv_head - 1) / per_kv_head);
   const int64_t together = problem.together, room = (length + 7) / 8 * 8 + 8;
+  std::vector<int32_t> row_seen;
+  std::vector<int64_t> row_counts;
+  if (problem.seen_per_row()) problem.list_seen_rows(row_seen, row_counts);
   at::parallel_for(0, problem.items(), 1, [&](int64_t begin, int64_t end) {
-    std::vector<int32_t> seen(length);
+    std::vector<int32_t> own(row_seen.empty() ? length : 0);
     std::vector<float> scores(together * room), sums(together), accs(together * head_dim);
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t count = problem.seen(item, seen.data());
-      problem.weigh(item, seen.data(), count, scores.data(), room, sums.data(), accs.data());
+      const int64_t row = problem.b(item) * rows + problem.r(item);
+      const int32_t* seen = row_seen.empty() ? own.data() : row_seen.data() + row * length;
+      const int64_t count = row_seen.empty() ? problem.seen(item, own.data()) : row_counts[row];
+      problem.weigh(item, seen, count, scores.data(), room, sums.data(), accs.data());
       problem.finish(item, sums.data(), accs.data());
     }
   });

@@ -1163,7 +1163,8 @@ struct AttendProblem {
     counts.resize(batch * rows);
     at::parallel_for(0, batch * rows, 1, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i)
-        counts[i] = seen_keys(mask, mask_strides, causal, i / rows, 0, i % rows, rows, length, seen.data() + i * length);
+        counts[i] =
+            seen_keys(mask, mask_strides, causal, i / rows, 0, i % rows, rows, length, seen.data() + i * length);
     });
   }
 

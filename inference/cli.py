@@ -190,6 +190,7 @@ def cmd_tune(args: argparse.Namespace) -> None:
 
     backends = _backends(args)
     top_ks, totals = parse_numbers(args.top_k, "--top-k"), parse_numbers(args.total_tokens, "--total-tokens")
+    lookups = parse_numbers(args.lookup, "--lookup", least=0)
     target = _load_target(args)
     run_tune(
         Path(args.export),
@@ -202,6 +203,7 @@ def cmd_tune(args: argparse.Namespace) -> None:
         totals=totals,
         repeats=args.repeats,
         backends=backends,
+        lookups=lookups,
     )
 
 
@@ -433,6 +435,12 @@ def _add_tune_parser(subparsers: Any) -> None:
     p.add_argument("--top-k", default="1,2,4,8", help="comma-separated top_k values tried")
     p.add_argument(
         "--total-tokens", default="1,2,3,4,6,8,12,16,24,32,48,64", help="comma-separated total_tokens values tried"
+    )
+    p.add_argument(
+        "--lookup",
+        default="0,3",
+        help="comma-separated lengths of the prompt-lookup chain grafted onto EAGLE-2 trees that are tried "
+        "(0: none); the fitted length is served as the tree's lookup=N",
     )
     p.add_argument("--repeats", type=positive_int, default=5, help="timed verification forwards per tree size")
     _add_target_arguments(p)

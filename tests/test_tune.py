@@ -15,6 +15,7 @@ from draftsmith.inference.measure.tune import (
     Shape,
     record_counted_prompt,
     record_prompt,
+    round_rows,
     run_tune,
     runtime_drafter_for_tune,
     serving_target,
@@ -22,6 +23,7 @@ from draftsmith.inference.measure.tune import (
     tune_base,
 )
 from draftsmith.inference.methods.learned import load_drafter
+from draftsmith.inference.methods.lookup import WithPromptLookup
 from draftsmith.inference.methods.table import build_drafter
 from draftsmith.inference.methods.tuned_trees import (
     TUNED_TREES,
@@ -81,6 +83,33 @@ def test_acceptance_read_from_the_record_equals_decoding_with_each_smaller_tree(
     assert drafted > 20  # draft tokens were accepted, so the comparison says something
 
 
+def test_acceptance_and_rows_with_a_grafted_lookup_chain_equal_decoding_with_it(tiny, trained_export):
+    """With prompt lookup's chain grafted on (lookup=N), the record gives every round's accepted length
+    and verified rows exactly as decoding with the grafted trees does, for chains shorter than the one
+    recorded too."""
+    max_depth, max_new = 3, 24
+    drafters = {k: runtime_drafter_for_tune(trained_export, tiny, max_depth, k) for k in (1, 2)}
+    eos = tiny.eos_token_ids
+    shapes = [Shape(3, 2, 4, lookup=4), Shape(2, 1, 2, lookup=2), Shape(1, 2, 1, lookup=1), Shape(2, 2, 3)]
+    chain_wins = grafted = 0
+    for prompt in random_prompts(4, seed=3, vocab=int(tiny.model.config.vocab_size)):
+        record = record_prompt(tiny, drafters, prompt, max_new, max_depth, lookup=4)
+        for shape in shapes:
+            drafter = drafters[1].model.runtime_drafter(tiny.model, shape.options())
+            if shape.lookup:
+                drafter = WithPromptLookup(drafter, shape.lookup)
+            rows = []
+            propose = drafter.propose
+            drafter.propose = lambda context: rows.append(1 + len(tree := propose(context))) or tree
+            real = generate(tiny.model, prompt, drafter, max_new_tokens=max_new, eos_token_ids=eos)
+            assert simulate_rounds(record, shape, max_new, set(eos)) == real.accept_lengths, shape
+            assert round_rows(record, shape, real.accept_lengths) == rows, shape
+            plain = Shape(shape.depth, shape.top_k, shape.total_tokens)
+            chain_wins += sum(record.accepted(shape, t) > record.accepted(plain, t) for t in range(1, max_new))
+            grafted += sum(rows) - len(rows) * (1 + shape.total_tokens)
+    assert chain_wins > 20 and grafted > 40  # chains ran past the trees and added rows: the check says something
+
+
 def test_tune_writes_a_tree_the_export_still_verifies_and_generate_uses(
     tiny, tiny_target_dir, trained_export, tmp_path, capsys
 ):
@@ -103,12 +132,15 @@ def test_tune_writes_a_tree_the_export_still_verifies_and_generate_uses(
     entry = read_tuned_trees(export)[key.text()]
     chosen = entry["tree"]
     assert chosen["depth"] <= 3 and chosen["top_k"] in (1, 2) and chosen["total_tokens"] in (1, 2, 4, 8)
+    assert chosen.get("lookup", 0) in (0, 3) and entry["calibration"]["search"]["lookup"] == [0, 3]
     assert entry["measured"]["prompts"] == 2 and entry["threads"] == torch.get_num_threads()
     assert set(entry["kernels"]) == {"native", "linear", "greedy_head"}  # what bench-tree timed with
 
-    # generate and bench build drafters through build_drafter: the fitted tree, said in one line
+    # generate and bench build drafters through build_drafter: the fitted tree and chain, said in one line
     drafter = build_drafter(f"fspad={export}", tiny)
-    assert (drafter.depth, drafter.top_k, drafter.total_tokens) == (
+    assert (drafter.lookup.num_draft if isinstance(drafter, WithPromptLookup) else 0) == chosen.get("lookup", 0)
+    tree_drafter = getattr(drafter, "inner", drafter)
+    assert (tree_drafter.depth, tree_drafter.top_k, tree_drafter.total_tokens) == (
         chosen["depth"],
         chosen["top_k"],
         chosen["total_tokens"],
@@ -122,6 +154,13 @@ def test_tune_writes_a_tree_the_export_still_verifies_and_generate_uses(
     explicit = build_drafter(f"fspad={export}:depth=2", tiny)
     assert (explicit.depth, explicit.top_k, explicit.total_tokens) == (2, 4, 12)  # the export's own defaults else
     assert "[tune]" not in capsys.readouterr().err
+    # a fitted chain is served with the fitted tree; lookup=0 turns it off
+    write_tuned_tree(export, key, {**entry, "tree": {**chosen, "lookup": 2}})
+    served = build_drafter(f"fspad={export}", tiny)
+    assert isinstance(served, WithPromptLookup) and served.lookup.num_draft == 2
+    assert "lookup=2" in capsys.readouterr().err
+    assert not isinstance(build_drafter(f"fspad={export}:lookup=0", tiny), WithPromptLookup)
+    write_tuned_tree(export, key, entry)
 
     # a tune for another device adds to the file; this device's entry is kept and still used
     other = DeviceKey("cuda:Some GPU", "bfloat16", 8)

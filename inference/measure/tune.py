@@ -63,11 +63,14 @@ from draftsmith.inference.context import check_fits_context
 from draftsmith.inference.measure.bench import read_questions
 from draftsmith.inference.measure.bench_tree import run_tree_bench
 from draftsmith.inference.methods.learned import load_drafter
+from draftsmith.inference.methods.lookup import LOOKUP_MAX_NGRAM, WithPromptLookup
+from draftsmith.inference.methods.pld import PromptLookupDrafter
 from draftsmith.inference.methods.tuned_trees import DeviceKey, weights_sha256, write_tuned_tree
 from draftsmith.inference.runtime import generate
 
 DEFAULT_TOP_K = (1, 2, 4, 8)
 DEFAULT_TOTAL_TOKENS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+DEFAULT_LOOKUP = (0, 3)  # prompt-lookup chains grafted onto EAGLE-2 trees (0: none)
 TIMED_POSITIONS = 12  # drafter rounds timed per (depth, top_k), after one untimed warm-up round
 # read before each timed drafting round: in decoding, the target's forward has just streamed its
 # weights through the caches, so a round finds the drafter's weights in memory, not in the caches
@@ -84,6 +87,7 @@ class Shape:
     top_k: int
     total_tokens: int
     medusa: bool = False  # Medusa's dynamic tree: depth (heads that run) follows from the budget, not an option
+    lookup: int = 0  # a prompt-lookup chain of up to this many tokens grafted onto each tree (lookup=N)
 
     def options(self) -> TreeOptions:
         if self.medusa:
@@ -94,7 +98,8 @@ class Shape:
         """The tree options as ``tuned_trees.json`` and serve-time options name them."""
         options = self.options()
         names = sorted(TreeOptions.names(), key=lambda name: name != "tree")  # Medusa's mode reads first
-        return {name: getattr(options, name) for name in names if getattr(options, name) is not None}
+        entry = {name: getattr(options, name) for name in names if getattr(options, name) is not None}
+        return entry | ({"lookup": self.lookup} if self.lookup else {})
 
     def text(self) -> str:
         return " ".join(f"{name}={value}" for name, value in self.entry().items())
@@ -116,10 +121,33 @@ class PromptRecord:
     continuation: list[int]
     features: torch.Tensor  # the target's features at the prompt and the continuation (drafter input)
     ranks: dict[int, list[list[tuple[int, ...]]]] = field(default_factory=dict)  # [top_k][t][depth - 1]
+    # prompt lookup's chain at every round start t (the longest tried), and the admission ranks of the
+    # candidates spelling it, as ``ranks`` holds them for the continuation
+    chains: list[list[int]] = field(default_factory=list)  # [t]
+    chain_ranks: dict[int, list[list[tuple[int, ...]]]] = field(default_factory=dict)  # [top_k][t][depth - 1]
 
     def accepted(self, shape: Shape, t: int) -> int:
-        """Draft tokens a round starting at ``t`` accepts with ``shape`` (greedy)."""
-        return sum(1 for rank in self.ranks[shape.top_k][t][shape.depth - 1] if rank < shape.total_tokens)
+        """Draft tokens a round starting at ``t`` accepts with ``shape`` (greedy): the tree's path along the
+        continuation, or the grafted chain's where that runs further (the grafted tree holds both paths)."""
+        tree = _admitted(self.ranks[shape.top_k][t][shape.depth - 1], shape)
+        if not shape.lookup:
+            return tree
+        chain = self.chains[t][: shape.lookup]
+        matched = next((i for i, (a, b) in enumerate(zip(chain, self.continuation[t:])) if a != b), len(chain))
+        return max(tree, min(matched, len(self.continuation) - t))
+
+    def grafted_rows(self, shape: Shape, t: int) -> int:
+        """The rows the chain adds to the tree of a round starting at ``t``: its tokens past those the
+        tree already holds (:func:`~draftsmith.inference.methods.lookup.graft_chain`)."""
+        if not shape.lookup:
+            return 0
+        chain = self.chains[t][: shape.lookup]
+        return len(chain) - min(len(chain), _admitted(self.chain_ranks[shape.top_k][t][shape.depth - 1], shape))
+
+
+def _admitted(ranks: tuple[int, ...], shape: Shape) -> int:
+    """How many of a path's candidates (ranked in admission order, parents first) ``shape``'s tree holds."""
+    return sum(1 for rank in ranks if rank < shape.total_tokens)
 
 
 @dataclass
@@ -134,6 +162,9 @@ class CountedRecord:
 
     def accepted(self, shape: Shape, t: int) -> int:
         return self.counts[shape][t]
+
+    def grafted_rows(self, shape: Shape, t: int) -> int:
+        return 0  # no chain is grafted onto these trees
 
 
 def simulate_rounds(
@@ -152,6 +183,16 @@ def simulate_rounds(
         done = any(token in eos for token in g[t : min(end, max_new_tokens)]) or end >= max_new_tokens
         t = end
     return lengths
+
+
+def round_rows(record: PromptRecord | CountedRecord, shape: Shape | None, lengths: list[int]) -> list[int]:
+    """The rows of each round's verification forward (the root, the tree, any grafted chain), for the
+    rounds ``simulate_rounds`` gave."""
+    rows, t = [], 1
+    for length in lengths:
+        rows.append(1 + (shape.total_tokens + record.grafted_rows(shape, t) if shape is not None else 0))
+        t += length
+    return rows
 
 
 class _FeatureRecorder(Drafter):
@@ -206,19 +247,28 @@ def record_prompt(
     max_new_tokens: int,
     max_depth: int,
     backends: Backends | None = None,
+    lookup: int = 0,
 ) -> PromptRecord:
-    """The greedy continuation and every top_k's candidate ranks at every round start."""
+    """The greedy continuation and every top_k's candidate ranks at every round start; with ``lookup``,
+    prompt lookup's chain of up to that many tokens there and the ranks of the candidates spelling it."""
     any_drafter = next(iter(drafters.values()))
     layers = any_drafter.feature_layers
-    g, features = greedy_continuation(target, prompt, max_new_tokens + max_depth, layers, backends)
+    g, features = greedy_continuation(target, prompt, max_new_tokens + max(max_depth, lookup), layers, backends)
     record = PromptRecord(prompt, g, features)
+    looker = PromptLookupDrafter(max_ngram=LOOKUP_MAX_NGRAM, num_draft=lookup) if lookup else None
+    contexts = [
+        DraftContext(prompt + g[:t], len(prompt), features=features[: len(prompt) + t - 1])
+        for t in range(max_new_tokens)
+    ]
+    record.chains = [looker.propose(context).tokens.tolist() if looker else [] for context in contexts]
     for top_k, drafter in drafters.items():
         per_t: list[list[tuple[int, ...]]] = [[]]  # t = 0 never starts a round
+        chains_t: list[list[tuple[int, ...]]] = [[]]
         for t in range(1, max_new_tokens):
-            tokens = prompt + g[:t]
-            _, growth = drafter.grow(DraftContext(tokens, len(prompt), features=features[: len(tokens) - 1]))
+            _, growth = drafter.grow(contexts[t])
             per_t.append(chain_ranks(growth, g[t:], max_depth))
-        record.ranks[top_k] = per_t
+            chains_t.append(chain_ranks(growth, record.chains[t], max_depth))
+        record.ranks[top_k], record.chain_ranks[top_k] = per_t, chains_t
     return record
 
 
@@ -317,19 +367,31 @@ def predictions(
     """Every shape's predicted speed, plain decoding first."""
     out = [Prediction(None, 1.0, verify_ms[1])]
     for shape in shapes:
-        lengths = [n for record in records for n in simulate_rounds(record, shape, max_new_tokens, eos)]
+        lengths, verifying = [], []
+        for record in records:
+            rounds = simulate_rounds(record, shape, max_new_tokens, eos)
+            lengths += rounds
+            verifying += [verify_ms[rows] for rows in round_rows(record, shape, rounds)]
         if not lengths:
             continue
         drafting = draft_ms[shape.depth, shape.top_k]
-        out.append(Prediction(shape, statistics.fmean(lengths), drafting + verify_ms[1 + shape.total_tokens], drafting))
+        out.append(Prediction(shape, statistics.fmean(lengths), drafting + statistics.fmean(verifying), drafting))
     return out
 
 
-def search_space(max_depth: int, top_ks: Sequence[int], totals: Sequence[int]) -> list[Shape]:
+def verified_sizes(shapes: Sequence[Shape]) -> list[int]:
+    """The verification forwards' sizes the shapes' rounds may take (a grafted chain adds 0 to lookup rows)."""
+    return sorted({1} | {1 + shape.total_tokens + extra for shape in shapes for extra in range(shape.lookup + 1)})
+
+
+def search_space(
+    max_depth: int, top_ks: Sequence[int], totals: Sequence[int], lookups: Sequence[int] = (0,)
+) -> list[Shape]:
     """Every (depth, top_k, total_tokens) whose budget the growth can fill (a larger budget would
-    verify the same tree)."""
+    verify the same tree), with each prompt-lookup chain length in ``lookups``."""
     return [
-        Shape(depth, top_k, total)
+        Shape(depth, top_k, total, lookup=lookup)
+        for lookup in lookups
         for top_k in top_ks
         for depth in range(1, max_depth + 1)
         for total in totals
@@ -337,14 +399,15 @@ def search_space(max_depth: int, top_ks: Sequence[int], totals: Sequence[int]) -
     ]
 
 
-def parse_numbers(text: str, option: str) -> list[int]:
-    """``1,2,4`` -> [1, 2, 4], each >= 1."""
+def parse_numbers(text: str, option: str, least: int = 1) -> list[int]:
+    """``1,2,4`` -> [1, 2, 4], each >= ``least``."""
     try:
         numbers = sorted({int(part) for part in text.split(",") if part.strip()})
     except ValueError:
         numbers = []
-    if not numbers or numbers[0] < 1:
-        raise TuneError(f"{option} takes comma-separated whole numbers >= 1, e.g. 1,2,4; got {text!r}")
+    if not numbers or numbers[0] < least:
+        example = "0,3" if least == 0 else "1,2,4"
+        raise TuneError(f"{option} takes comma-separated whole numbers >= {least}, e.g. {example}; got {text!r}")
     return numbers
 
 
@@ -438,13 +501,15 @@ def eagle_plan(
     top_ks: Sequence[int],
     totals: Sequence[int],
     backends: Backends,
+    lookups: Sequence[int] = (0,),
 ) -> TunePlan:
     drafters = {k: eagle_growth(base, target, max_depth, k) for k in top_ks}
+    longest = max(lookups)
     return TunePlan(
-        search_space(max_depth, top_ks, totals),
-        [record_prompt(target, drafters, prompt, max_new_tokens, max_depth, backends) for prompt in prompts],
+        search_space(max_depth, top_ks, totals, lookups),
+        [record_prompt(target, drafters, prompt, max_new_tokens, max_depth, backends, longest) for prompt in prompts],
         eagle_drafters_per_round_shape(base, target, range(1, max_depth + 1), top_ks),
-        {"max_depth": max_depth, "top_k": list(top_ks), "total_tokens": list(totals)},
+        {"max_depth": max_depth, "top_k": list(top_ks), "total_tokens": list(totals), "lookup": list(lookups)},
     )
 
 
@@ -510,10 +575,11 @@ class Search:
 
     deepest: Callable[[Drafter, int], int]
     plan: Callable[..., TunePlan]  # (target, base, prompts, max_new_tokens, max_depth, top_ks, totals, backends)
+    grafts_lookup: bool = False  # whether its trees are tried with prompt lookup's chain grafted on (--lookup)
 
 
 SEARCHES = {
-    TreeSearch.GROWTH: Search(lambda base, max_depth: max_depth, eagle_plan),
+    TreeSearch.GROWTH: Search(lambda base, max_depth: max_depth, eagle_plan, grafts_lookup=True),
     # a Medusa tree is as deep as its heads: --max-depth does not apply
     TreeSearch.HEADS: Search(
         lambda base, max_depth: base.model.config.num_heads,
@@ -582,6 +648,7 @@ def run_tune(
     measure_choice: bool = True,
     say=print,
     backends: Backends | None = None,
+    lookups: Sequence[int] = DEFAULT_LOOKUP,
 ) -> dict[str, Any]:
     """Fit the tree, write it into the export's ``tuned_trees.json`` and return the entry written; the
     verification forwards are timed and measured through ``backends`` (default: the default kernels)."""
@@ -590,6 +657,9 @@ def run_tune(
     top_ks, totals = sorted(set(top_ks)), sorted(set(totals))
     if max_depth < 1 or not top_ks or min(top_ks) < 1 or not totals or min(totals) < 1:
         raise TuneError("--max-depth, --top-k and --total-tokens take whole numbers >= 1")
+    lookups = sorted(set(lookups))
+    if not lookups or min(lookups) < 0:
+        raise TuneError("--lookup takes whole numbers >= 0 (0: no prompt-lookup chain)")
     if max_new_tokens < 2:
         raise TuneError(f"--max-new-tokens must be at least 2 for a drafting round to happen; got {max_new_tokens}")
     base = tune_base(directory, target)
@@ -598,13 +668,18 @@ def run_tune(
     depth = search.deepest(base, max_depth)
     prompts = calibration_prompts(target, questions, limit)
     for i, prompt in enumerate(prompts):
-        check_fits_context(target.model, len(prompt), max_new_tokens + depth + max(totals), f"calibration prompt {i}")
+        rows = max_new_tokens + depth + max(totals) + max(lookups)
+        check_fits_context(target.model, len(prompt), rows, f"calibration prompt {i}")
     say(f"recording the drafter's candidates at every position of {len(prompts)} prompts ({max_new_tokens} tokens)")
-    plan = search.plan(target, base, prompts, max_new_tokens, max_depth, top_ks, totals, backends)
+    plan = (
+        search.plan(target, base, prompts, max_new_tokens, max_depth, top_ks, totals, backends, lookups)
+        if search.grafts_lookup
+        else search.plan(target, base, prompts, max_new_tokens, max_depth, top_ks, totals, backends)
+    )
     shapes, records = plan.shapes, plan.records
     say("timing drafting rounds, and verification forwards per tree size (bench-tree)")
     draft_ms = drafting_ms(plan.round_drafters, records[0], backends)
-    sizes = sorted({1} | {1 + shape.total_tokens for shape in shapes})
+    sizes = verified_sizes(shapes)
     prefix = int(statistics.fmean(len(p) for p in prompts)) + max_new_tokens // 2
     bench = run_tree_bench(target, sizes, prefix, repeats, backends=backends)
     verify_ms = {row["size"]: row["median_ms"] for row in bench["rows"]}
@@ -661,6 +736,8 @@ def measure_chosen(
     """Decode the calibration prompts with the chosen tree and without drafting, interleaved prompt by
     prompt (machine noise hits both alike), and compare with the prediction."""
     drafter = base.model.runtime_drafter(target.model, best.shape.options())
+    if best.shape.lookup:
+        drafter = WithPromptLookup(drafter, best.shape.lookup)
     eos = target.eos_token_ids
     tree, without = Measured(), Measured()
     for record in records:

@@ -13,7 +13,6 @@ from draftsmith.drafters.registry import FAMILIES, families_served_by
 from draftsmith.inference.methods.draft_model import build_draft_model_drafter
 from draftsmith.inference.methods.errors import MethodError
 from draftsmith.inference.methods.learned import load_drafter
-from draftsmith.inference.methods.lookup import WithPromptLookup
 from draftsmith.inference.methods.pld import PromptLookupDrafter, default_num_draft
 from draftsmith.inference.methods.spectra import build_spectra_drafter
 
@@ -46,17 +45,17 @@ def _trained(method: str) -> Callable[..., Drafter]:
         directory, values = split_tree_options(arg)
         lookup = _lookup_option(method, values.pop("lookup", None))
         tree = TreeOptions.parse(values, method_tree_options(method), method)
-        drafter = load_drafter(directory, target, expect=method, tree=tree)
-        return WithPromptLookup(drafter, lookup) if lookup else drafter
+        return load_drafter(directory, target, expect=method, tree=tree, lookup=lookup)
 
     return build
 
 
-def _lookup_option(method: str, text: str | None) -> int:
+def _lookup_option(method: str, text: str | None) -> int | None:
     """``lookup=N`` of any trained method: graft a prompt-lookup chain of up to N tokens onto each tree
-    (:mod:`lookup`); 0 or absent: none."""
+    (:mod:`lookup`); 0: none; absent (None): the length ``draftsmith tune`` fitted with the tree, where
+    the fitted tree is used."""
     if text is None:
-        return 0
+        return None
     if not text.isdigit():
         raise MethodError(f"{method} option lookup={text}: lookup takes a whole number of tokens >= 0, e.g. lookup=3")
     return int(text)

@@ -88,6 +88,7 @@ def write_tuned_tree(directory: Path, key: DeviceKey, entry: dict[str, Any]) -> 
 class FittedTree:
     tree: TreeOptions | None  # None: no usable entry
     note: str  # one line saying what was found and used
+    lookup: int = 0  # the prompt-lookup chain fitted with the tree (lookup=N), 0: none
 
 
 def fitted_tree(directory: Path, key: DeviceKey) -> FittedTree:
@@ -107,7 +108,8 @@ def fitted_tree(directory: Path, key: DeviceKey) -> FittedTree:
         tree, problem = _usable_tree(directory, entry)
         if tree is None:
             return FittedTree(None, f"[tune] ignoring the tree fitted for {key.text()}: {problem}")
-        return FittedTree(tree, f"[tune] using the tree fitted for {key.text()} {_described(entry)}")
+        note = f"[tune] using the tree fitted for {key.text()} {_described(entry)}"
+        return FittedTree(tree, note, _lookup(entry))
     stand_in = _nearest_usable(directory, entries, key)
     if stand_in is None:
         return FittedTree(
@@ -120,6 +122,7 @@ def fitted_tree(directory: Path, key: DeviceKey) -> FittedTree:
         tree,
         f"[tune] {directory} has no tree fitted for {key.text()}; using the one fitted for {text} "
         f"{_described(entries[text], 'there')}; `draftsmith tune {directory}` fits one for this device",
+        _lookup(entries[text]),
     )
 
 
@@ -156,6 +159,12 @@ def _nearest_usable(directory: Path, entries: dict[str, Any], key: DeviceKey) ->
     return text, tree
 
 
+def _lookup(entry: dict[str, Any]) -> int:
+    """The entry's prompt-lookup chain length (trees fitted before tune tried lookup have none)."""
+    value = entry["tree"].get("lookup", 0) if isinstance(entry.get("tree"), dict) else 0
+    return value if isinstance(value, int) and value > 0 else 0
+
+
 def _tree_shape(entry: dict[str, Any]) -> dict[str, Any]:
     recorded = entry.get("tree") if isinstance(entry.get("tree"), dict) else {}
     return {name: value for name, value in recorded.items() if name in TreeOptions.names()}
@@ -164,7 +173,8 @@ def _tree_shape(entry: dict[str, Any]) -> dict[str, Any]:
 def _described(entry: dict[str, Any], where: str = "here") -> str:
     """"(timed with ...): depth=2 top_k=2 total_tokens=3" and whether tune predicted drafting to pay."""
     pays = "" if entry.get("drafting_pays", True) else f" (tune predicted plain decoding faster {where}: --method none)"
-    options = " ".join(f"{name}={value}" for name, value in _tree_shape(entry).items())
+    shape = _tree_shape(entry) | ({"lookup": _lookup(entry)} if _lookup(entry) else {})
+    options = " ".join(f"{name}={value}" for name, value in shape.items())
     return f"({kernels_text(entry['kernels'])}): {options}{pays}"
 
 

@@ -35,8 +35,9 @@ class PromptLookupDrafter(Drafter):
         tokens = context.tokens
         for n in range(min(self.max_ngram, len(tokens) - 1), self.min_ngram - 1, -1):
             pattern = tokens[-n:]
-            # most recent earlier occurrence whose continuation is non-empty
+            # most recent earlier occurrence whose continuation is non-empty (its first token compared
+            # before a slice is made: this runs every round, over the whole context where nothing matches)
             for start in range(len(tokens) - n - 1, -1, -1):
-                if tokens[start : start + n] == pattern:
+                if tokens[start] == pattern[0] and tokens[start : start + n] == pattern:
                     return DraftTree.chain(tokens[start + n : start + n + self.num_draft])
         return DraftTree.empty()

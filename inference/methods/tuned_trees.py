@@ -173,7 +173,8 @@ def _tree_shape(entry: dict[str, Any]) -> dict[str, Any]:
 def _described(entry: dict[str, Any], where: str = "here") -> str:
     """"(timed with ...): depth=2 top_k=2 total_tokens=3" and whether tune predicted drafting to pay."""
     pays = "" if entry.get("drafting_pays", True) else f" (tune predicted plain decoding faster {where}: --method none)"
-    shape = _tree_shape(entry) | ({"lookup": _lookup(entry)} if _lookup(entry) else {})
+    lookup = _lookup(entry)
+    shape = _tree_shape(entry) | ({"lookup": lookup} if lookup else {})
     options = " ".join(f"{name}={value}" for name, value in shape.items())
     return f"({kernels_text(entry['kernels'])}): {options}{pays}"
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import torch
 
@@ -46,6 +46,27 @@ def committed_features(context: DraftContext, drafter: str) -> torch.Tensor:
     return features
 
 
+class LayerKernel(Protocol):
+    """A faster forward of a feature drafter's decoder layer that the runtime may offer (its C++ layers on
+    a CPU, ``inference/kernels/native_drafter.py``): given the layer's attention module, post-attention
+    norm and MLP, its attention input and the residual that attention adds to, the rotary
+    ``position_embeddings``, the additive mask and the drafter's cache (a ``PreallocatedCache``), it
+    appends the rows' keys and values to the cache and returns ``(residual + attention, MLP output)``;
+    or None, touching nothing, where it cannot serve the layer (the drafter then runs its own forward)."""
+
+    def __call__(
+        self,
+        attention: torch.nn.Module,
+        post_norm: torch.nn.Module,
+        mlp: torch.nn.Module,
+        attention_input: torch.Tensor,
+        residual: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        mask: torch.Tensor | None,
+        cache: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None: ...
+
+
 class Drafter:
     """Proposes a token tree from the committed context; the runtime verifies it losslessly.
 
@@ -76,6 +97,10 @@ class Drafter:
         through a faster kernel than PyTorch's default: their rounding changes which tokens are proposed,
         never what verification commits. None: the runtime leaves the drafter as it is."""
         return None
+
+    def use_layer_kernel(self, kernel: LayerKernel | None) -> None:
+        """Called by the runtime before a generation with the faster layer forward it offers for the
+        drafter's own rounds (None: none); a drafter whose layers it fits runs them through it."""
 
     def served_model(self) -> torch.nn.Module | None:
         """A plain model of the target's class that the runtime decodes with instead of the target, with

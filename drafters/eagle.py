@@ -23,9 +23,9 @@ from transformers import DynamicCache, LlamaConfig, PretrainedConfig
 from transformers.activations import ACT2FN
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRMSNorm, LlamaRotaryEmbedding
 
-from draftsmith.core.cache import cache_length, keep_positions
+from draftsmith.core.cache import PreallocatedCache, cache_length, keep_positions
 from draftsmith.core.cache_kwarg import cache_kwargs
-from draftsmith.core.drafting import DraftContext, Drafter, committed_features
+from draftsmith.core.drafting import DraftContext, Drafter, LayerKernel, committed_features
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.tree import DraftTree, TreeGrowth, causal_mask, causal_mask_after, grow_tree
 from draftsmith.drafters.base import DrafterConfig, DrafterModel, DraftVocabMixin, FrozenTarget, TreeOptions
@@ -147,6 +147,42 @@ class DrafterMLP(nn.Module):
         return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
 
 
+def attention_and_mlp(
+    layer: nn.Module,
+    attention_input: torch.Tensor,
+    residual: torch.Tensor,
+    position_embeddings: tuple[torch.Tensor, torch.Tensor],
+    attention_mask: torch.Tensor,
+    cache: DynamicCache | None,
+    rows: torch.Tensor | None,
+    kernel: LayerKernel | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A feature drafter's decoder layer after its input: ``(residual + attention, MLP output)``, the MLP
+    only at ``rows`` (:func:`at_rows`). ``layer`` holds ``self_attn``, ``post_attention_layernorm`` and
+    ``mlp``; ``kernel`` (the runtime's, :meth:`Drafter.use_layer_kernel`) computes it where it can."""
+    if kernel is not None and rows is None:
+        done = kernel(
+            layer.self_attn,
+            layer.post_attention_layernorm,
+            layer.mlp,
+            attention_input,
+            residual,
+            position_embeddings,
+            attention_mask,
+            cache,
+        )
+        if done is not None:
+            return done
+    attended, _ = layer.self_attn(
+        attention_input,
+        position_embeddings=position_embeddings,
+        attention_mask=attention_mask,
+        **cache_kwargs(cache),
+    )
+    residual = residual + attended
+    return residual, at_rows(lambda r: layer.mlp(layer.post_attention_layernorm(r)), residual, rows)
+
+
 def at_rows(fn: Any, x: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
     """``fn`` (a position-wise map) of ``x`` (B, T, h) only where ``rows`` (B, T) is True, zeros
     elsewhere; everywhere when ``rows`` is None. Training passes the positions its loss reads, so the
@@ -193,23 +229,18 @@ class EagleModel(DraftVocabMixin, DrafterModel):
         attention_mask: torch.Tensor | None = None,
         cache: DynamicCache | None = None,
         rows: torch.Tensor | None = None,
+        kernel: LayerKernel | None = None,
     ) -> DrafterOutput:
         """``attention_mask``: a 4D additive mask ``(B, 1, T, past + T)``; None = causal over the inputs.
         ``rows`` (B, T) bool: the positions whose outputs are read (the MLP runs there only, see
-        :func:`at_rows`); None = all."""
+        :func:`at_rows`); None = all. ``kernel``: the runtime's layer forward (:func:`attention_and_mlp`)."""
         x = self.fc(torch.cat([embeds, features], dim=-1))  # (B, T, h)
         if self.feature_sampler is not None:
             x = self.feature_sampler(x, embeds)
         if attention_mask is None:
             attention_mask = causal_mask(x.shape[1], x.dtype, x.device)
-        attended, _ = self.self_attn(
-            x,
-            position_embeddings=self.rotary_emb(x, position_ids),
-            attention_mask=attention_mask,
-            **cache_kwargs(cache),
-        )
-        residual = x + attended
-        out = at_rows(lambda r: self.mlp(self.post_attention_layernorm(r)), residual, rows)
+        rotary = self.rotary_emb(x, position_ids)
+        residual, out = attention_and_mlp(self, x, x, rotary, attention_mask, cache, rows, kernel)
         if self.config.partial_alignment:
             out = torch.cat([residual, residual], dim=-1) + out
             h = residual.shape[-1]
@@ -229,6 +260,9 @@ class EagleModel(DraftVocabMixin, DrafterModel):
 
     def engine_layout(self, fmt: str, verifier: Verifier, speculative_tokens: int | None) -> EngineExport:
         return vllm_eagle_layout(self, fmt, verifier, speculative_tokens or self.config.depth)
+
+
+_CACHE_ROOM = 1024  # the drafter cache's first capacity in rows (it doubles when a context outgrows it)
 
 
 class EagleTreeDrafter(Drafter):
@@ -257,10 +291,15 @@ class EagleTreeDrafter(Drafter):
         self._own_modules = modules_with_head(self.model, head)
         self.depth, self.top_k, self.total_tokens = tree.depth, tree.top_k, tree.total_tokens
         self.name = name
+        self._kernel: LayerKernel | None = None
         self._reset()
 
+    def use_layer_kernel(self, kernel: LayerKernel | None) -> None:
+        self._kernel = kernel
+
     def _reset(self) -> None:
-        self._cache = DynamicCache()
+        # keys and values written in place (no concatenation per forward), as the layer kernel needs them
+        self._cache = PreallocatedCache(1, _CACHE_ROOM)
         self._fed: list[int] = []  # tokens[: positions in cache + 1]
         self._last_feature: torch.Tensor | None = None  # predicted feature at the root position
 
@@ -313,7 +352,9 @@ class EagleTreeDrafter(Drafter):
         embeds = self.embed_tokens(ids)[None].to(features.dtype)
         positions = torch.arange(start, end, device=device)[None]
         mask = causal_mask_after(start, end - start, features.dtype, device)
-        out = self.model.read_target(embeds, features[start:end][None], positions, mask, self._cache)
+        out = self.model.read_target(
+            embeds, features[start:end][None], positions, mask, self._cache, kernel=self._kernel
+        )
         self._fed = list(tokens)
         self._root_token_features = out.token_features[0, -1]
         self._last_feature = out.next_features[0, -1]
@@ -339,7 +380,7 @@ class EagleTreeDrafter(Drafter):
         embeds = self.embed_tokens(ids)[None].to(dtype)
         feats = torch.stack([growth.payloads[i] for i in frontier])[None]
         positions = torch.full((1, len(frontier)), position, device=device)
-        return self.model(embeds, feats, positions, mask.to(device), self._cache)
+        return self.model(embeds, feats, positions, mask.to(device), self._cache, kernel=self._kernel)
 
     def _drop_tree_kv(self, committed: int) -> None:
         if cache_length(self._cache) > committed:

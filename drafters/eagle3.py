@@ -29,7 +29,7 @@ from torch import nn
 from transformers import DynamicCache, PretrainedConfig
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRMSNorm, LlamaRotaryEmbedding
 
-from draftsmith.core.cache_kwarg import cache_kwargs
+from draftsmith.core.drafting import LayerKernel
 from draftsmith.core.tree import causal_mask
 from draftsmith.drafters.base import DrafterModel, FrozenTarget, TreeOptions
 from draftsmith.drafters.eagle import (
@@ -39,7 +39,7 @@ from draftsmith.drafters.eagle import (
     EagleConfigError,
     EagleTreeDrafter,
     FeatureSampler,
-    at_rows,
+    attention_and_mlp,
 )
 from draftsmith.drafters.engine_layouts import (
     EAGLE3_SPECULATORS_REQUIRED,
@@ -133,18 +133,15 @@ class Eagle3DecoderLayer(nn.Module):
         attention_mask: torch.Tensor,
         cache: DynamicCache | None,
         rows: torch.Tensor | None = None,
+        kernel: LayerKernel | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(residual after attention, MLP output) for the caller to combine; the MLP only at ``rows``
-        (:func:`~draftsmith.drafters.eagle.at_rows`)."""
+        (:func:`~draftsmith.drafters.eagle.attention_and_mlp`)."""
         residual = self.hidden_norm(hidden)  # norm_before_residual: the residual is the normed hidden
-        attended, _ = self.self_attn(
-            torch.cat([self.input_layernorm(embeds), residual], dim=-1),
-            position_embeddings=position_embeddings,
-            attention_mask=attention_mask,
-            **cache_kwargs(cache),
+        attention_input = torch.cat([self.input_layernorm(embeds), residual], dim=-1)
+        return attention_and_mlp(
+            self, attention_input, residual, position_embeddings, attention_mask, cache, rows, kernel
         )
-        residual = residual + attended
-        return residual, at_rows(lambda r: self.mlp(self.post_attention_layernorm(r)), residual, rows)
 
 
 class Eagle3Model(DrafterModel):
@@ -231,6 +228,7 @@ class Eagle3Model(DrafterModel):
         cache: DynamicCache | None = None,
         from_target: bool = False,
         rows: torch.Tensor | None = None,
+        kernel: LayerKernel | None = None,
     ) -> DrafterOutput:
         """``attention_mask``: a 4D additive mask ``(B, 1, T, past + T)``; None = causal over the inputs.
         ``from_target``: ``hidden`` is the target's concatenated layer states, fused first. ``rows``
@@ -240,7 +238,7 @@ class Eagle3Model(DrafterModel):
         if attention_mask is None:
             attention_mask = causal_mask(hidden.shape[1], hidden.dtype, hidden.device)
         rotary = self.rotary_emb(hidden, position_ids)
-        residual, out = self.layer(embeds, hidden, rotary, attention_mask, cache, rows)
+        residual, out = self.layer(embeds, hidden, rotary, attention_mask, cache, rows, kernel)
         if self.config.partial_alignment:  # [token half | fed-back half] over a duplicated residual
             out = torch.cat([residual, residual], dim=-1) + out
             h = residual.shape[-1]

@@ -34,6 +34,8 @@ from draftsmith.inference.kernels.compiled import (
 from draftsmith.inference.kernels.context import KernelContext
 from draftsmith.inference.kernels.direct_forward import DirectForward
 from draftsmith.inference.kernels.greedy_head import GreedyHead
+from draftsmith.inference.kernels.native import native_extension
+from draftsmith.inference.kernels.native_drafter import NativeDrafterLayer
 from draftsmith.inference.kernels.options import KernelOptions
 from draftsmith.inference.kernels.packed_gemm import ONE_PACK_KERNELS, PackedGemm, linear_kernel_for
 
@@ -273,6 +275,7 @@ class Backends:
         self._kernels: dict[int, KernelContext] = {}  # by id(model); the context holds the model alive
         self._drafter_gemms: dict[int, PackedGemm] = {}  # by id(drafter module); the packs hold it alive
         self._compiled: CompiledTarget | None = None
+        self._drafter_layer: NativeDrafterLayer | None = None
 
     def kernels(self, model: nn.Module) -> KernelContext:
         """``model``'s kernel context."""
@@ -294,6 +297,16 @@ class Backends:
         if id(module) not in self._drafter_gemms:
             self._drafter_gemms[id(module)] = PackedGemm(module, kernel)
         return self._drafter_gemms[id(module)]
+
+    def drafter_layer_kernel(self) -> NativeDrafterLayer | None:
+        """The C++ layer forward offered to feature drafters (:mod:`kernels.native_drafter`) where the
+        options allow the extension and it builds; it serves only what it can (float32 on the CPU)."""
+        if not self.options.native:
+            return None
+        if self._drafter_layer is None:
+            extension = native_extension()
+            self._drafter_layer = NativeDrafterLayer(extension) if extension is not None else None
+        return self._drafter_layer
 
     def compiled(self, model: nn.Module) -> CompiledTarget:
         """The compiled forwards of ``model`` (the run's target: one per run)."""
@@ -326,6 +339,7 @@ class Backends:
         will not do (sampling, or a drafter that reads the logits)."""
         verifier = drafter.verifier_model()
         gemm = self.drafter_gemm(drafter)
+        drafter.use_layer_kernel(self.drafter_layer_kernel())
         if verifier is not None:
             return EagerBackend(verifier, None, greedy=False, drafter_gemm=gemm)
         served = drafter.served_model()

@@ -3,6 +3,8 @@
 //   call, bitwise the Python loop: its reductions through the same ATen calls, everything exact element
 //   by element in plain loops (no interpreter and no ATen call between them). See native_layers.py for
 //   when it is used.
+// - drafter_layer: a feature drafter's one decoder layer (EAGLE, EAGLE-3) from its attention input and
+//   residual, with decoder_layers' attention and MLP blocks (native_drafter.py).
 // - attend: attention computing every row from its query and the keys it sees alone (row-invariant);
 //   attention.py registers it with transformers for the model's own forwards.
 // - stream_linear: the stream kernel's product (packed_gemm.py), the weights read once for all rows, with
@@ -1261,6 +1263,84 @@ at::Tensor attend(const at::Tensor& query, const at::Tensor& keys, const at::Ten
   return out;
 }
 
+namespace {
+
+// One layer's packs as decoder_layers and drafter_layer receive them: kProjections packs (empty: not
+// packed) and their PackKinds from kQuery on, and the two stacked packs ([q; k; v], [gate; up]; empty:
+// separate products).
+struct LayerPacks {
+  const at::Tensor* packs;
+  const int64_t* kinds;
+  const at::Tensor* fused;
+  const at::Tensor& pack(Weight projection) const { return packs[projection - kQuery]; }
+  int64_t kind(Weight projection) const { return kinds[projection - kQuery]; }
+  at::Tensor product(const at::Tensor& rows, const at::Tensor* w, Weight projection) const {
+    return project(rows, w[projection], pack(projection), kind(projection));
+  }
+};
+
+struct AttentionShape {
+  int64_t heads, kv_heads, head_dim;
+  double scaling;
+  bool grouped, rows_attention;
+};
+
+// A layer's attention block on its normed input (rows, in): the q, k and v products, the rotary
+// embedding, this forward's key and value rows written into the layer's buffers at [start, start + rows),
+// attention over rows [0, start + rows) under `mask`, and the output projection: (rows, width).
+at::Tensor attention_block(const at::Tensor& normed, const at::Tensor* w, const LayerPacks& packs,
+                           const AttentionShape& shape, const at::Tensor& cosines, const at::Tensor& sines,
+                           const std::optional<at::Tensor>& mask, const at::Tensor& keys_buffer,
+                           const at::Tensor& values_buffer, int64_t start) {
+  const int64_t rows = normed.size(0), heads = shape.heads, kv_heads = shape.kv_heads, head_dim = shape.head_dim;
+  Columns query, key, value;
+  if (packs.fused[0].numel() > 0) {
+    const at::Tensor all = packed_product(normed, packs.fused[0], packs.kind(kQuery), w[kQuery]).contiguous();
+    query = Columns(all, 0);
+    key = Columns(all, heads * head_dim);
+    value = Columns(all, (heads + kv_heads) * head_dim);
+  } else {
+    query = Columns(packs.product(normed, w, kQuery).contiguous(), 0);
+    key = Columns(packs.product(normed, w, kKey).contiguous(), 0);
+    value = Columns(packs.product(normed, w, kValue).contiguous(), 0);
+  }
+  // the query as ATen's q * cos + roll(q) * sin lays it out: (1, rows, heads, head_dim) in memory
+  at::Tensor rotated = at::empty({1, rows, heads, head_dim}, normed.options());
+  rotate_into(query, rows, heads, head_dim, cosines.data_ptr<float>(), sines.data_ptr<float>(),
+              rotated.data_ptr<float>(), head_dim, heads * head_dim);
+  TORCH_CHECK(keys_buffer.stride(3) == 1 && values_buffer.stride(3) == 1, "decoder layers: cache buffers");
+  rotate_into(key, rows, kv_heads, head_dim, cosines.data_ptr<float>(), sines.data_ptr<float>(),
+              keys_buffer.data_ptr<float>() + start * keys_buffer.stride(2), keys_buffer.stride(1),
+              keys_buffer.stride(2));
+  copy_into(value, rows, kv_heads, head_dim, values_buffer.data_ptr<float>() + start * values_buffer.stride(2),
+            values_buffer.stride(1), values_buffer.stride(2));
+  at::Tensor keys = keys_buffer.narrow(2, 0, start + rows);
+  at::Tensor values = values_buffer.narrow(2, 0, start + rows);
+  at::Tensor attended =
+      shape.rows_attention
+          ? attend(rotated.transpose(1, 2), keys, values, mask, shape.scaling, /*causal=*/false, "auto")
+          : at::scaled_dot_product_attention(rotated.transpose(1, 2), keys, values, mask, /*dropout_p=*/0.0,
+                                             /*is_causal=*/false, shape.scaling, shape.grouped)
+                .transpose(1, 2)
+                .contiguous();
+  return packs.product(attended.view({rows, -1}), w, kOutput);
+}
+
+// A layer's gated MLP on its normed input (rows, width): down(silu(gate(x)) * up(x)).
+at::Tensor mlp_block(const at::Tensor& normed, const at::Tensor* w, const LayerPacks& packs) {
+  at::Tensor gated;
+  if (packs.fused[1].numel() > 0) {
+    at::Tensor all = packed_product(normed, packs.fused[1], packs.kind(kGate), w[kGate]);
+    const int64_t inner = all.size(1) / 2;
+    gated = gated_product(columns(all, 0, inner), columns(all, inner, inner));
+  } else {
+    gated = gated_product(packs.product(normed, w, kGate), packs.product(normed, w, kUp));
+  }
+  return packs.product(gated, w, kDown);
+}
+
+}  // namespace
+
 // Runs every layer on x (1, rows, width) whose rows sit at cache rows [start, start + rows): each layer's
 // key and value rows are written into its preallocated buffer (1, kv_heads, capacity, head_dim) there,
 // and attention reads rows [0, start + rows) under `mask` (none: every row is seen; one-token steps).
@@ -1285,61 +1365,56 @@ std::vector<at::Tensor> decoder_layers(
   TORCH_CHECK(norm_eps.size() == static_cast<size_t>(layers * 2), "decoder_layers: norm_eps");
   TORCH_CHECK(fused.size() == static_cast<size_t>(layers * 2), "decoder_layers: fused");
   const int64_t rows = x.size(1);
-  const int64_t width = x.size(2);
   const at::Tensor cosines = cos.contiguous(), sines = signed_sin.contiguous();  // (1, 1, rows, head_dim)
   TORCH_CHECK(cosines.numel() == rows * head_dim && sines.numel() == rows * head_dim, "decoder_layers: cos, sin");
+  const AttentionShape shape{heads, kv_heads, head_dim, scaling, grouped, rows_attention};
   std::vector<at::Tensor> outputs;
   outputs.reserve(layers);
   for (int64_t i = 0; i < layers; ++i) {
     const at::Tensor* w = &weights[i * kWeightsPerLayer];
-    auto p = [&](Weight projection) -> const at::Tensor& { return packs[i * kProjections + projection - kQuery]; };
-    auto kind = [&](Weight projection) -> int64_t { return kinds[i * kProjections + projection - kQuery]; };
+    const LayerPacks layer_packs{&packs[i * kProjections], &kinds[i * kProjections], &fused[2 * i]};
     at::Tensor normed = rms_norm(x, w[kInputNorm], norm_eps[2 * i]);
-    Columns query, key, value;
-    if (fused[2 * i].numel() > 0) {
-      const at::Tensor all = packed_product(normed, fused[2 * i], kind(kQuery), w[kQuery]).contiguous();
-      query = Columns(all, 0);
-      key = Columns(all, heads * head_dim);
-      value = Columns(all, (heads + kv_heads) * head_dim);
-    } else {
-      query = Columns(project(normed, w[kQuery], p(kQuery), kind(kQuery)).contiguous(), 0);
-      key = Columns(project(normed, w[kKey], p(kKey), kind(kKey)).contiguous(), 0);
-      value = Columns(project(normed, w[kValue], p(kValue), kind(kValue)).contiguous(), 0);
-    }
-    // the query as ATen's q * cos + roll(q) * sin lays it out: (1, rows, heads, head_dim) in memory
-    at::Tensor rotated = at::empty({1, rows, heads, head_dim}, x.options());
-    rotate_into(query, rows, heads, head_dim, cosines.data_ptr<float>(), sines.data_ptr<float>(),
-                rotated.data_ptr<float>(), head_dim, heads * head_dim);
-    const at::Tensor& keys_buffer = key_buffers[i];
-    const at::Tensor& values_buffer = value_buffers[i];
-    TORCH_CHECK(keys_buffer.stride(3) == 1 && values_buffer.stride(3) == 1, "decoder_layers: cache buffers");
-    rotate_into(key, rows, kv_heads, head_dim, cosines.data_ptr<float>(), sines.data_ptr<float>(),
-                keys_buffer.data_ptr<float>() + start * keys_buffer.stride(2), keys_buffer.stride(1),
-                keys_buffer.stride(2));
-    copy_into(value, rows, kv_heads, head_dim, values_buffer.data_ptr<float>() + start * values_buffer.stride(2),
-              values_buffer.stride(1), values_buffer.stride(2));
-    at::Tensor keys = keys_buffer.narrow(2, 0, start + rows);
-    at::Tensor values = values_buffer.narrow(2, 0, start + rows);
-    at::Tensor attended =
-        rows_attention ? attend(rotated.transpose(1, 2), keys, values, mask, scaling, /*causal=*/false, "auto")
-                       : at::scaled_dot_product_attention(rotated.transpose(1, 2), keys, values, mask, /*dropout_p=*/0.0,
-                                                          /*is_causal=*/false, scaling, grouped)
-                             .transpose(1, 2)
-                             .contiguous();
-    x = add_rows(x, project(attended.view({rows, -1}), w[kOutput], p(kOutput), kind(kOutput)));
+    x = add_rows(x, attention_block(normed, w, layer_packs, shape, cosines, sines, mask, key_buffers[i],
+                                    value_buffers[i], start));
     normed = rms_norm(x, w[kPostNorm], norm_eps[2 * i + 1]);
-    at::Tensor gated;
-    if (fused[2 * i + 1].numel() > 0) {
-      at::Tensor all = packed_product(normed, fused[2 * i + 1], kind(kGate), w[kGate]);
-      const int64_t inner = all.size(1) / 2;
-      gated = gated_product(columns(all, 0, inner), columns(all, inner, inner));
-    } else {
-      gated = gated_product(project(normed, w[kGate], p(kGate), kind(kGate)), project(normed, w[kUp], p(kUp), kind(kUp)));
-    }
-    x = add_rows(x, project(gated, w[kDown], p(kDown), kind(kDown)));
+    x = add_rows(x, mlp_block(normed, w, layer_packs));
     outputs.push_back(x);
   }
   return outputs;
+}
+
+// A feature drafter's decoder layer (EAGLE's, EAGLE-3's) given its attention input (1, rows, in), already
+// normed or fused as the drafter makes it, and the residual (1, rows, width) that input's attention adds
+// to: returns (residual + attention, the MLP's output on the post-attention norm of that), which the
+// drafter combines itself (partial alignment's MLP is two features wide). The weights are decoder_layers'
+// nine of one layer (the input norm's is not read); the key and value rows go into the buffers at
+// [start, start + rows), and attention through `attend` reads rows [0, start + rows) under `mask`.
+std::vector<at::Tensor> drafter_layer(
+    const at::Tensor& attention_input, const at::Tensor& residual, const std::vector<at::Tensor>& weights,
+    const std::vector<at::Tensor>& packs, const std::vector<int64_t>& kinds, const std::vector<at::Tensor>& fused,
+    double post_norm_eps, const at::Tensor& cos, const at::Tensor& signed_sin, const std::optional<at::Tensor>& mask,
+    const at::Tensor& key_buffer, const at::Tensor& value_buffer, int64_t start, int64_t heads, int64_t kv_heads,
+    int64_t head_dim, double scaling) {
+  RECORD_FUNCTION("draftsmith::drafter_layer", std::vector<c10::IValue>());
+  TORCH_CHECK(weights.size() == static_cast<size_t>(kWeightsPerLayer), "drafter_layer: weights");
+  TORCH_CHECK(packs.size() == static_cast<size_t>(kProjections) && kinds.size() == packs.size(),
+              "drafter_layer: packs");
+  TORCH_CHECK(fused.size() == 2, "drafter_layer: fused");
+  TORCH_CHECK(attention_input.dim() == 3 && residual.dim() == 3 && attention_input.size(1) == residual.size(1),
+              "drafter_layer: attention input and residual (1, rows, width)");
+  TORCH_CHECK(attention_input.scalar_type() == at::kFloat && residual.scalar_type() == at::kFloat,
+              "drafter_layer: float32");
+  const int64_t rows = attention_input.size(1);
+  const at::Tensor cosines = cos.contiguous(), sines = signed_sin.contiguous();
+  TORCH_CHECK(cosines.numel() == rows * head_dim && sines.numel() == rows * head_dim, "drafter_layer: cos, sin");
+  const AttentionShape shape{heads, kv_heads, head_dim, scaling, /*grouped=*/heads != kv_heads,
+                             /*rows_attention=*/true};
+  const LayerPacks layer_packs{packs.data(), kinds.data(), fused.data()};
+  const at::Tensor input = attention_input.reshape({rows, attention_input.size(2)}).contiguous();
+  at::Tensor after = add_rows(residual, attention_block(input, weights.data(), layer_packs, shape, cosines, sines, mask,
+                                                        key_buffer, value_buffer, start));
+  const at::Tensor normed = rms_norm(after, weights[kPostNorm], post_norm_eps);
+  return {after, mlp_block(normed, weights.data(), layer_packs)};
 }
 
 // The bound of screen_contenders for tokens of one row: (c0 * b0_i + c1 * b1_i + out * |a_i|) * slack,
@@ -1560,6 +1635,7 @@ int64_t proven_argmax(const at::Tensor& x, const at::Tensor& weight, const at::T
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decoder_layers", &decoder_layers, "The lean path's decoder layers (bitwise the same)");
+  m.def("drafter_layer", &drafter_layer, "A feature drafter's decoder layer from its attention input and residual");
   m.def("screen_contenders", &screen_contenders, "The screened head's floors and contenders per row",
         py::arg("screen"), py::arg("row_bounds"), py::arg("coefficients"), py::arg("output"), py::arg("safety"),
         py::arg("isa") = "auto");

@@ -66,6 +66,9 @@ class WithPromptLookup(Drafter):
     def own_modules(self):
         return self.inner.own_modules()
 
+    def use_layer_kernel(self, kernel):
+        self.inner.use_layer_kernel(kernel)
+
     def served_model(self):
         return self.inner.served_model()
 

@@ -366,14 +366,18 @@ class EagleTreeDrafter(Drafter):
         past = committed + len(columns)
         dtype = self._last_feature.dtype
         device = self._last_feature.device
-        mask = torch.full((1, 1, len(frontier), past + len(frontier)), torch.finfo(dtype).min, dtype=dtype)
-        mask[..., :committed] = 0
+        rows, seen = [], []  # every (row, tree column) a frontier node sees: its ancestors and itself
         for row, node in enumerate(frontier):
             ancestor = growth.parents[node]
             while ancestor >= 0:
-                mask[0, 0, row, columns[ancestor]] = 0
+                rows.append(row)
+                seen.append(columns[ancestor])
                 ancestor = growth.parents[ancestor]
-            mask[0, 0, row, past + row] = 0
+            rows.append(row)
+            seen.append(past + row)
+        mask = torch.full((1, 1, len(frontier), past + len(frontier)), torch.finfo(dtype).min, dtype=dtype)
+        mask[..., :committed] = 0
+        mask[0, 0, rows, seen] = 0  # one write: a round's drafting makes many small tensor calls already
         for row, node in enumerate(frontier):
             columns[node] = past + row
         ids = torch.tensor([growth.tokens[i] for i in frontier], device=device)

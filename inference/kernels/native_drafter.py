@@ -15,7 +15,7 @@ which needs autograd) keeps the module's forward.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import ModuleType
 
 import torch
@@ -24,21 +24,25 @@ from transformers.activations import SiLUActivation
 
 from draftsmith.core.cache import PreallocatedCache
 from draftsmith.inference.kernels.direct_forward import _rotary_factors
-from draftsmith.inference.kernels.native_layers import _active_pack, _fused_pack
-from draftsmith.inference.kernels.packed_gemm import pack_kind
+from draftsmith.inference.kernels.native_layers import _pack_inputs
 
 _UNREAD = torch.empty(0)  # the input norm's slot in the extension's nine weights: the drafter norms itself
 
 
 @dataclass(frozen=True)
 class _LayerPlan:
+    """What the extension reads, gathered once per layer; ``linears``, ``siblings`` and ``pack_inputs``
+    as :class:`~draftsmith.inference.kernels.native_layers.NativePlan` holds them (its pack reader)."""
+
     weights: list[torch.Tensor]
-    linears: tuple[nn.Module, ...]  # q, k, v, o, gate, up, down
+    linears: list[nn.Module]  # q, k, v, o, gate, up, down
+    siblings: list[tuple[nn.Module, ...]]  # (q, k, v) and (gate, up), which read one input
     post_norm_eps: float
     heads: int
     kv_heads: int
     head_dim: int
     scaling: float
+    pack_inputs: dict = field(default_factory=dict)
 
 
 class NativeDrafterLayer:
@@ -72,14 +76,13 @@ class NativeDrafterLayer:
             layer.lazy_initialization(empty, empty)
         key_buffer, value_buffer, start = layer.append_rows(rows)
         cos, signed_sin = _rotary_factors(position_embeddings)
-        packs = [_active_pack(linear, rows) for linear in plan.linears]
-        fused = [_fused_pack(plan.linears[:3]), _fused_pack(plan.linears[4:6])]
+        packs, kinds, fused = _pack_inputs(plan, rows)
         after, out = self.extension.drafter_layer(
             attention_input,
             residual,
             plan.weights,
             packs,
-            [pack_kind(linear) for linear in plan.linears],
+            kinds,
             fused,
             plan.post_norm_eps,
             cos,
@@ -105,8 +108,8 @@ class NativeDrafterLayer:
 def _layer_plan(attention: nn.Module, post_norm: nn.Module, mlp: nn.Module) -> _LayerPlan | None:
     """The extension's view of a layer (the projections' transposed weights: views, so in-place updates
     show through), or None for a layer it does not compute."""
-    linears = (attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj)
-    linears += (mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+    linears = [attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj]
+    linears += [mlp.gate_proj, mlp.up_proj, mlp.down_proj]
     act = mlp.act_fn
     if type(act) not in (SiLUActivation, nn.SiLU) or "forward" in vars(act):
         return None
@@ -119,6 +122,7 @@ def _layer_plan(attention: nn.Module, post_norm: nn.Module, mlp: nn.Module) -> _
     return _LayerPlan(
         weights=weights,
         linears=linears,
+        siblings=[tuple(linears[:3]), tuple(linears[4:6])],
         post_norm_eps=post_norm.variance_epsilon,
         heads=attention.q_proj.out_features // head_dim,
         kv_heads=attention.k_proj.out_features // head_dim,

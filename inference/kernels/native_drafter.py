@@ -20,11 +20,10 @@ from types import ModuleType
 
 import torch
 from torch import nn
-from transformers.activations import SiLUActivation
 
 from draftsmith.core.cache import PreallocatedCache
 from draftsmith.inference.kernels.direct_forward import _rotary_factors
-from draftsmith.inference.kernels.native_layers import _pack_inputs
+from draftsmith.inference.kernels.native_layers import _pack_inputs, projections_of, silu_gated
 
 _UNREAD = torch.empty(0)  # the input norm's slot in the extension's nine weights: the drafter norms itself
 
@@ -108,10 +107,8 @@ class NativeDrafterLayer:
 def _layer_plan(attention: nn.Module, post_norm: nn.Module, mlp: nn.Module) -> _LayerPlan | None:
     """The extension's view of a layer (the projections' transposed weights: views, so in-place updates
     show through), or None for a layer it does not compute."""
-    linears = [attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj]
-    linears += [mlp.gate_proj, mlp.up_proj, mlp.down_proj]
-    act = mlp.act_fn
-    if type(act) not in (SiLUActivation, nn.SiLU) or "forward" in vars(act):
+    linears = list(projections_of(attention, mlp))
+    if not silu_gated(mlp):
         return None
     if any(linear.bias is not None for linear in linears) or attention.head_dim > 256:
         return None

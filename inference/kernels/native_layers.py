@@ -33,13 +33,19 @@ def native_layers_supported(layers: list[nn.Module], dtype: torch.dtype, device:
     if dtype != torch.float32 or device.type != "cpu" or not layers:
         return False
     for layer in layers:
-        attention, mlp = layer.self_attn, layer.mlp
-        act = mlp.act_fn
-        if type(act) not in (SiLUActivation, nn.SiLU) or "forward" in vars(act):
-            return False  # another activation, or a hub kernel swapped into this instance
+        attention = layer.self_attn
+        if not silu_gated(layer.mlp):
+            return False
         if attention.num_key_value_groups > 1 and attention.head_dim > 256:
             return False  # use_gqa_in_sdpa says no there: transformers' wrapper packs the heads instead
     return True
+
+
+def silu_gated(mlp: nn.Module) -> bool:
+    """Whether ``mlp``'s activation is the SiLU the extension's gated product computes: not another one,
+    nor a hub kernel swapped into this instance."""
+    act = mlp.act_fn
+    return type(act) in (SiLUActivation, nn.SiLU) and "forward" not in vars(act)
 
 
 @dataclass(frozen=True)
@@ -68,7 +74,7 @@ def native_plan(layers: list[nn.Module]) -> NativePlan:
     linears: list[nn.Module] = []
     siblings: list[tuple[nn.Module, ...]] = []
     for layer in layers:
-        projections = _projections(layer)
+        projections = projections_of(layer.self_attn, layer.mlp)
         linears += projections
         siblings += [projections[:3], projections[4:6]]
         weights += [layer.input_layernorm.weight, *(linear.weight.t() for linear in projections)]
@@ -176,9 +182,8 @@ def _fused_pack(group: tuple[nn.Module, ...]) -> torch.Tensor:
     return _NO_PACK if pack is None else pack
 
 
-def _projections(layer: nn.Module) -> tuple[nn.Module, ...]:
+def projections_of(attention: nn.Module, mlp: nn.Module) -> tuple[nn.Module, ...]:
     """q, k, v, o, gate, up, down: the extension's order."""
-    attention, mlp = layer.self_attn, layer.mlp
     return (attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj) + (
         mlp.gate_proj,
         mlp.up_proj,

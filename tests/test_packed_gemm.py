@@ -288,10 +288,11 @@ def test_the_stream_kernel_sums_each_output_alike_for_any_rows_and_threads(outpu
         torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("outputs, inputs", [(37, 13), (80, 300), (16, 1), (96, 129)])
+@pytest.mark.parametrize("outputs, inputs", [(37, 13), (80, 300), (16, 1), (96, 129), (112, 64)])
 def test_the_stream_kernels_avx512_tiles_give_the_avx2_tiles_floats(outputs, inputs):
-    """AVX-512 (two blocks of 16 outputs a tile, up to 12 rows a pass, an odd block alone) computes every
-    sum as the AVX2 tiles do, so which one runs is speed only and changes no token."""
+    """AVX-512 (four blocks of 16 outputs a tile for up to 4 rows, two blocks and up to 12 rows a pass for
+    more, the last blocks alone) computes every sum as the AVX2 tiles do, so which one runs is speed only
+    and changes no token."""
     one_pack_kernel("stream")
     native = native_extension()
     generator = torch.Generator().manual_seed(outputs + inputs)

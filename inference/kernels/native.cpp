@@ -496,8 +496,12 @@ AVX512 inline void stream_tile_512(const float* x, int64_t I, const W* w, int64_
     for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * O + o + b * kStreamBlock, acc[b][r]);
 }
 
-constexpr int64_t kStream512Blocks = 2;  // blocks a tile of stream_blocks_512 sums at once
-constexpr int64_t kStream512MaxRowsPerPass = 12;  // 2 x 12 accumulators, 2 weight vectors, 1 broadcast
+// Blocks a tile of stream_blocks_512 sums at once: four where a pass holds a few rows (more independent
+// chains of multiply-adds and more of the pack in flight, which a memory-bound pass of one row needs),
+// two for more rows (that many accumulators per block still fit the registers).
+constexpr int64_t kStream512WideBlocks = 4;
+constexpr int64_t kStream512WideRows = 4;  // the most rows that take four blocks a tile
+constexpr int64_t kStream512Registers = 24;  // accumulators a pass may hold: blocks x rows
 
 template <int B, typename W>
 AVX512 void stream_pass_512(int64_t rows, const float* x, int64_t I, const W* w, int64_t k0, int64_t k1,
@@ -518,13 +522,15 @@ AVX512 void stream_pass_512(int64_t rows, const float* x, int64_t I, const W* w,
   }
 }
 
-// stream_blocks with AVX-512: blocks [begin, end) kStream512Blocks at a time (an odd last one alone).
-template <typename W>
-AVX512 void stream_blocks_512(const float* x, int64_t rows, const W* pack, int64_t I, int64_t O, int64_t begin,
-                              int64_t end, float* y) {
-  const int64_t passes = (rows + kStream512MaxRowsPerPass - 1) / kStream512MaxRowsPerPass;
+// stream_blocks with AVX-512: blocks [begin, end) B at a time (the last ones alone), rows in passes of at
+// most kStream512Registers / B.
+template <int B, typename W>
+AVX512 void stream_blocks_512_by(const float* x, int64_t rows, const W* pack, int64_t I, int64_t O, int64_t begin,
+                                 int64_t end, float* y) {
+  constexpr int64_t max_rows = kStream512Registers / B;
+  const int64_t passes = (rows + max_rows - 1) / max_rows;
   for (int64_t block = begin; block < end;) {
-    const int64_t blocks = std::min(kStream512Blocks, end - block);
+    const int64_t blocks = end - block >= B ? B : 1;
     const W* w = pack + block * kStreamBlock * I;
     const W* later = block + 2 * blocks <= end ? w + blocks * kStreamBlock * I : nullptr;
     for (int64_t k0 = 0; k0 < I; k0 += kStreamInputsPerTile) {
@@ -532,8 +538,8 @@ AVX512 void stream_blocks_512(const float* x, int64_t rows, const W* pack, int64
       for (int64_t pass = 0, r = 0; pass < passes; ++pass) {
         const int64_t here = (rows - r) / (passes - pass);
         const W* ahead = pass == 0 ? later : nullptr;
-        if (blocks == kStream512Blocks)
-          stream_pass_512<kStream512Blocks>(here, x + r * I, I, w, k0, k1, ahead, y + r * O, O, block * kStreamBlock);
+        if (blocks == B)
+          stream_pass_512<B>(here, x + r * I, I, w, k0, k1, ahead, y + r * O, O, block * kStreamBlock);
         else
           stream_pass_512<1>(here, x + r * I, I, w, k0, k1, ahead, y + r * O, O, block * kStreamBlock);
         r += here;
@@ -541,6 +547,16 @@ AVX512 void stream_blocks_512(const float* x, int64_t rows, const W* pack, int64
     }
     block += blocks;
   }
+}
+
+// Which way blocks are grouped changes no sum (each lane's is its output's, input by input).
+template <typename W>
+AVX512 void stream_blocks_512(const float* x, int64_t rows, const W* pack, int64_t I, int64_t O, int64_t begin,
+                              int64_t end, float* y) {
+  if (rows <= kStream512WideRows)
+    stream_blocks_512_by<kStream512WideBlocks>(x, rows, pack, I, O, begin, end, y);
+  else
+    stream_blocks_512_by<2>(x, rows, pack, I, O, begin, end, y);
 }
 
 // The last O % 16 outputs (stored [I][tail] after the blocks): the same sums, one output at a time

@@ -66,9 +66,14 @@ def assert_same_steps(ours, theirs):
         assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
 
 
-@pytest.mark.parametrize("config", [{}, {"num_key_value_heads": 4}, {"num_hidden_layers": 3, "seed": 5}])
+@pytest.mark.parametrize(
+    "config",
+    [{}, {"num_key_value_heads": 4}, {"num_hidden_layers": 3, "seed": 5}, {"hidden_size": 72, "head_dim": 18}],
+)
 def test_the_native_layers_are_bitwise_the_python_loop_and_the_model(config):
-    """Grouped and ungrouped K/V heads; the Python loop and the model's forward are the references."""
+    """Grouped and ungrouped K/V heads; a width that is not a power of two (a norm's mean divides by it:
+    a product by its reciprocal would round differently); the Python loop and the model's forward are
+    the references."""
     seed = config.pop("seed", 0)
     model = tiny_llama(VOCAB, seed=seed, **config)
     for rows_attention in (True, False):  # the row-invariant attention, or SDPA as transformers calls it

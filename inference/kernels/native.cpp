@@ -58,9 +58,10 @@ constexpr int64_t kStreamBlock = 16;  // outputs per block of a stream pack (str
 // the loop's vector width (native.py builds with -ffp-contract=off, so a * b + c * d stays three roundings
 // as ATen's mul, mul and add are), so the results are bitwise the same without ~50 small calls per layer.
 
-// LlamaRMSNorm.forward of float32 x (1, rows, width): weight * (x * rsqrt(mean(x * x) + eps)). The mean
-// stays ATen's (its summation order is the reference's); squaring, the reciprocal square root (1 / sqrt,
-// each correctly rounded, as ATen's rsqrt) and the two products are exact replicas. Returns (rows, width).
+// LlamaRMSNorm.forward of float32 x (1, rows, width): weight * (x * rsqrt(mean(x * x) + eps)). The mean's
+// sum stays ATen's (its summation order is the reference's); its division by width (what ATen's mean
+// does after that sum: a float32 true division), squaring, the reciprocal square root (1 / sqrt, each
+// correctly rounded, as ATen's rsqrt) and the two products are exact replicas. Returns (rows, width).
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   const int64_t rows = x.size(1), width = x.size(2);
   const at::Tensor in = x.contiguous();
@@ -68,15 +69,16 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   const float* xp = in.data_ptr<float>();
   float* sq = squares.data_ptr<float>();
   for (int64_t i = 0; i < rows * width; ++i) sq[i] = xp[i] * xp[i];
-  const at::Tensor variance = squares.mean({-1}, /*keepdim=*/true).contiguous();
-  const float* var = variance.data_ptr<float>();
+  const at::Tensor sums = at::sum(squares, {-1}, /*keepdim=*/true).contiguous();
+  const float* var = sums.data_ptr<float>();
+  const float count = static_cast<float>(width);
   const at::Tensor scale = weight.contiguous();
   const float* w = scale.data_ptr<float>();
   const float epsilon = static_cast<float>(eps);
   at::Tensor out = at::empty({rows, width}, in.options());
   float* o = out.data_ptr<float>();
   for (int64_t r = 0; r < rows; ++r) {
-    const float inverse = 1.0f / std::sqrt(var[r] + epsilon);
+    const float inverse = 1.0f / std::sqrt(var[r] / count + epsilon);
     for (int64_t j = 0; j < width; ++j) o[r * width + j] = w[j] * (xp[r * width + j] * inverse);
   }
   return out;

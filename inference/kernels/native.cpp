@@ -392,69 +392,103 @@ AVX2 inline __m256 widen8(const Bfloat16Bits* w) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
 }
 
-// Outputs [o, o + 16) for R rows of x (R x I), over inputs [k0, k1) of their block `w` ([I][16]); the
-// sums so far are in y (k0 > 0: stored and reloaded exactly). Asks the L2 cache for the same inputs of
-// `later` (a later block), one line per input, so memory streams while the rows are multiplied.
-template <int R, typename W>
+// Outputs [o, o + 16 B) (B neighbouring blocks) for R rows of x (R x I), over inputs [k0, k1) of their
+// blocks from `w` ([I][16] each); the sums so far are in y (k0 > 0: stored and reloaded exactly). Asks the
+// L2 cache for the same inputs of the blocks from `later`, one line per input and block, so memory streams
+// while the rows are multiplied.
+template <int R, int B, typename W>
 AVX2 inline void stream_tile(const float* x, int64_t I, const W* w, int64_t k0, int64_t k1, const W* later,
                              float* y, int64_t O, int64_t o) {
-  __m256 low[R], high[R];
+  __m256 low[B][R], high[B][R];
 #pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) {
-    low[r] = k0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(y + r * O + o);
-    high[r] = k0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(y + r * O + o + 8);
-  }
+  for (int b = 0; b < B; ++b)
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const float* sums = y + r * O + o + b * kStreamBlock;
+      low[b][r] = k0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(sums);
+      high[b][r] = k0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(sums + 8);
+    }
   for (int64_t k = k0; k < k1; ++k) {
-    if (later != nullptr) _mm_prefetch(reinterpret_cast<const char*>(later + k * kStreamBlock), _MM_HINT_T1);
-    const __m256 w0 = widen8(w + k * kStreamBlock);
-    const __m256 w1 = widen8(w + k * kStreamBlock + 8);
+    __m256 w0[B], w1[B];
+#pragma GCC unroll 8
+    for (int b = 0; b < B; ++b) {
+      const W* block = w + b * kStreamBlock * I + k * kStreamBlock;
+      if (later != nullptr)
+        _mm_prefetch(reinterpret_cast<const char*>(later + b * kStreamBlock * I + k * kStreamBlock), _MM_HINT_T1);
+      w0[b] = widen8(block);
+      w1[b] = widen8(block + 8);
+    }
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const __m256 xr = _mm256_broadcast_ss(x + r * I + k);
-      low[r] = _mm256_fmadd_ps(w0, xr, low[r]);
-      high[r] = _mm256_fmadd_ps(w1, xr, high[r]);
+#pragma GCC unroll 8
+      for (int b = 0; b < B; ++b) {
+        low[b][r] = _mm256_fmadd_ps(w0[b], xr, low[b][r]);
+        high[b][r] = _mm256_fmadd_ps(w1[b], xr, high[b][r]);
+      }
     }
   }
 #pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) {
-    _mm256_storeu_ps(y + r * O + o, low[r]);
-    _mm256_storeu_ps(y + r * O + o + 8, high[r]);
-  }
+  for (int b = 0; b < B; ++b)
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      _mm256_storeu_ps(y + r * O + o + b * kStreamBlock, low[b][r]);
+      _mm256_storeu_ps(y + r * O + o + b * kStreamBlock + 8, high[b][r]);
+    }
 }
 
-template <typename W>
+template <int B, typename W>
 AVX2 void stream_pass(int64_t rows, const float* x, int64_t I, const W* w, int64_t k0, int64_t k1, const W* later,
                       float* y, int64_t O, int64_t o) {
   switch (rows) {
-    case 1: stream_tile<1>(x, I, w, k0, k1, later, y, O, o); break;
-    case 2: stream_tile<2>(x, I, w, k0, k1, later, y, O, o); break;
-    case 3: stream_tile<3>(x, I, w, k0, k1, later, y, O, o); break;
-    case 4: stream_tile<4>(x, I, w, k0, k1, later, y, O, o); break;
-    case 5: stream_tile<5>(x, I, w, k0, k1, later, y, O, o); break;
-    default: stream_tile<6>(x, I, w, k0, k1, later, y, O, o); break;
+    case 1: stream_tile<1, B>(x, I, w, k0, k1, later, y, O, o); break;
+    case 2: stream_tile<2, B>(x, I, w, k0, k1, later, y, O, o); break;
+    case 3: stream_tile<3, B>(x, I, w, k0, k1, later, y, O, o); break;
+    case 4: stream_tile<4, B>(x, I, w, k0, k1, later, y, O, o); break;
+    case 5: stream_tile<5, B>(x, I, w, k0, k1, later, y, O, o); break;
+    default: stream_tile<6, B>(x, I, w, k0, k1, later, y, O, o); break;
   }
 }
 
-// Blocks [begin, end) of the pack for every row, a tile of inputs at a time: the first pass of rows
-// reads the tile from memory, the others find it in L1. Rows go in passes of equal size (8 rows: two
-// of 4), each at most kStreamMaxRowsPerPass.
-template <typename W>
-AVX2 void stream_blocks(const float* x, int64_t rows, const W* pack, int64_t I, int64_t O, int64_t begin,
-                        int64_t end, float* y) {
-  const int64_t passes = (rows + kStreamMaxRowsPerPass - 1) / kStreamMaxRowsPerPass;
-  for (int64_t block = begin; block < end; ++block) {
+// Blocks [begin, end) of the pack for every row, B blocks a tile (the last ones alone), a tile of inputs
+// at a time: the first pass of rows reads the tile from memory, the others find it in L1. Rows go in
+// passes of equal size (8 rows: two of 4), each at most kStreamMaxRowsPerPass / B (the accumulators, B x 2
+// weight vectors and a broadcast stay in the 16 registers).
+template <int B, typename W>
+AVX2 void stream_blocks_by(const float* x, int64_t rows, const W* pack, int64_t I, int64_t O, int64_t begin,
+                           int64_t end, float* y) {
+  constexpr int64_t max_rows = kStreamMaxRowsPerPass / B;
+  const int64_t passes = (rows + max_rows - 1) / max_rows;
+  for (int64_t block = begin; block < end;) {
+    const int64_t blocks = end - block >= B ? B : 1;
     const W* w = pack + block * kStreamBlock * I;
-    const W* later = block + 1 < end ? w + kStreamBlock * I : nullptr;
+    const W* later = block + 2 * blocks <= end ? w + blocks * kStreamBlock * I : nullptr;
     for (int64_t k0 = 0; k0 < I; k0 += kStreamInputsPerTile) {
       const int64_t k1 = std::min(I, k0 + kStreamInputsPerTile);
       for (int64_t pass = 0, r = 0; pass < passes; ++pass) {
         const int64_t here = (rows - r) / (passes - pass);
-        stream_pass(here, x + r * I, I, w, k0, k1, pass == 0 ? later : nullptr, y + r * O, O,
-                    block * kStreamBlock);
+        const W* ahead = pass == 0 ? later : nullptr;
+        if (blocks == B)
+          stream_pass<B>(here, x + r * I, I, w, k0, k1, ahead, y + r * O, O, block * kStreamBlock);
+        else
+          stream_pass<1>(here, x + r * I, I, w, k0, k1, ahead, y + r * O, O, block * kStreamBlock);
         r += here;
       }
     }
+    block += blocks;
   }
+}
+
+// Two blocks a tile for one or two rows (more chains of multiply-adds and more of the pack in flight,
+// which a memory-bound pass needs), one for more (their accumulators fill the registers). Which way
+// blocks are grouped changes no sum (each lane's is its output's, input by input).
+template <typename W>
+AVX2 void stream_blocks(const float* x, int64_t rows, const W* pack, int64_t I, int64_t O, int64_t begin,
+                        int64_t end, float* y) {
+  if (rows <= 2)
+    stream_blocks_by<2>(x, rows, pack, I, O, begin, end, y);
+  else
+    stream_blocks_by<1>(x, rows, pack, I, O, begin, end, y);
 }
 
 // The same sums with AVX-512, which doubles the multiply-adds a cycle where the CPU has two 512-bit

@@ -61,6 +61,25 @@ def test_a_step_reads_the_decoder_once_and_the_head_as_the_runtime_reads_it():
     assert step_weight_bytes(model, screened) == decoder + screen_bytes + hidden * 4
 
 
+def test_a_wide_forwards_floor_is_its_multiply_adds_where_they_outweigh_the_reading():
+    from conftest import tiny_llama
+    from draftsmith.inference.measure.floor import linear_multiply_adds, rows_floor_ms, step_floor
+
+    model = tiny_llama(97, seed=0)
+    layers = model.model.layers
+    assert linear_multiply_adds(model) == sum(p.numel() for n, p in layers.named_parameters() if "proj" in n)
+    floor = step_floor(model, None)
+    assert floor["multiply_adds_per_s"] > 1e8  # any CPU that runs the tests multiplies faster than that
+    rows_at_par = floor["floor_ms"] / (1e3 * floor["row_multiply_adds"] / floor["multiply_adds_per_s"])
+    below, above = max(1, int(rows_at_par) // 2), int(rows_at_par) * 2 + 2
+    assert rows_floor_ms(floor, below) == floor["floor_ms"]  # reading bounds a narrow forward
+    assert rows_floor_ms(floor, above) == pytest.approx(
+        1e3 * above * floor["row_multiply_adds"] / floor["multiply_adds_per_s"]
+    )
+    assert rows_floor_ms(floor, above) > floor["floor_ms"]
+    assert rows_floor_ms({"floor_ms": 5.0}, 64) == 5.0  # a results file from before the multiply-adds were kept
+
+
 def test_tree_shapes_and_sizes():
     chain = build_tree(5, "chain")
     assert chain.parents.tolist() == [-1, 0, 1, 2, 3] and int(chain.depths().max()) == 5

@@ -6,8 +6,9 @@ preallocated cache and, on a float32 CPU, the prepacked linears of ``--linear``)
 the root plus S - 1 draft nodes, on top of a KV cache that holds a ``prefix``-token context, and the
 median over repeats is reported relative to S = 1 (a plain decoding step). Sizes are timed
 interleaved, repeat by repeat, so machine noise hits all of them alike; the cache is cut back to the
-prefix after each forward, outside the timed region. Every size is also shown against the floor of
-a step on this machine (:mod:`floor`: the weights' bytes over the measured read speed).
+prefix after each forward, outside the timed region. Every size is also shown against its floor on
+this machine (:mod:`floor`: the weights' bytes over the measured read speed, or the linears'
+multiply-adds of that many rows over the measured multiply-add speed, whichever is higher).
 
 Tree shapes: ``random`` (each node's parent drawn uniformly among the root and the earlier nodes, a
 fixed seed; a bushy tree like EAGLE-2's) or ``chain`` (a draft-model or prompt-lookup chain). For the
@@ -33,7 +34,7 @@ from draftsmith.inference.backends import DEFAULT_TREE_ROOM, Backends
 from draftsmith.inference.kernels.options import KernelOptions
 from draftsmith.inference.measure.bench_report import linear_note
 from draftsmith.inference.measure.errors import BenchError
-from draftsmith.inference.measure.floor import ReadSpeed, floor_note, step_floor
+from draftsmith.inference.measure.floor import ReadSpeed, floor_note, rows_floor_ms, step_floor
 from draftsmith.inference.runtime import PlainDecoding
 
 SHAPES = ("random", "chain")
@@ -217,12 +218,13 @@ def tree_markdown(results: dict[str, Any]) -> str:
         f"{results['repeats']}; size = query tokens (root + draft nodes).",
         *([floor_note(results["floor"])] if results.get("floor") else []),
         "",
-        "| size | draft nodes | depth | median ms | relative to 1 token | relative to the floor |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "| size | draft nodes | depth | median ms | relative to 1 token | floor ms | relative to the floor |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
     ]
-    floor_ms = results.get("floor", {}).get("floor_ms")
+    floor = results.get("floor")
     for row in results["rows"]:
-        to_floor = f"{row['median_ms'] / floor_ms:.2f}x" if floor_ms else "-"
+        floor_ms = rows_floor_ms(floor, row["size"]) if floor else None
+        to_floor = f"{floor_ms:.1f} | {row['median_ms'] / floor_ms:.2f}x" if floor_ms else "- | -"
         lines.append(
             f"| {row['size']} | {row['draft_nodes']} | {row['max_depth']} | {row['median_ms']:.2f} | "
             f"{row['relative']:.2f}x | {to_floor} |"

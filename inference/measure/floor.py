@@ -1,11 +1,19 @@
 """The physical floor of a decoding step on this machine: the bytes of weights one step must read,
-over the speed at which this machine reads memory. ``bench-tree`` prints every forward against it.
+over the speed at which this machine reads memory; and for a forward of several rows, the multiply-adds
+its linears make, over the speed at which this machine multiplies. ``bench-tree`` prints every forward
+against the higher of the two.
 
 A one-token step reads every decoder weight once, the head as the runtime reads it (the screened int8
 copy where greedy verification uses it, else the float32 head) and one embedding row; nothing a step
 does can take less time than reading those bytes once. The read speed is measured here, as torch's
 ``sum`` over a buffer far larger than the caches, with torch's current thread count, in passes a
 benchmark interleaves with its own (:class:`ReadSpeed`).
+
+A forward of k rows also makes k multiply-adds per weight of the decoder's linears (float32 for a
+float32 target: the promise of token identity keeps them so). Past a few rows that work, not the
+reading, bounds a verification forward: the multiply-add speed is measured as the best of a few float32
+matrix products through torch's GEMM, the fastest this machine's vector units run
+(:func:`multiply_add_rate`).
 """
 
 from __future__ import annotations
@@ -83,24 +91,70 @@ class ReadSpeed:
         }
 
 
+def linear_multiply_adds(model: nn.Module) -> int:
+    """Multiply-adds one row makes in ``model``'s linears besides its head (which the runtime may screen in
+    integers): one per weight."""
+    head = model.get_output_embeddings()
+    linears = (module for module in model.modules() if isinstance(module, nn.Linear) and module is not head)
+    return sum(module.weight.numel() for module in linears)
+
+
+GEMM_SIZE = 1024  # a product of this many rows by a square weight: long enough to run at the machine's peak
+
+
+def multiply_add_rate(dtype: torch.dtype = torch.float32, repeats: int = REPEATS) -> float:
+    """Multiply-adds per second of this machine in ``dtype`` with torch's current thread count: the best
+    of ``repeats`` products of two GEMM_SIZE-square matrices through torch's GEMM (MKL's or oneDNN's, which
+    run near the vector units' peak)."""
+    a = torch.randn(GEMM_SIZE, GEMM_SIZE, dtype=dtype)
+    b = torch.randn(GEMM_SIZE, GEMM_SIZE, dtype=dtype)
+    torch.mm(a, b)  # starts the threads and the library
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - start)
+    return GEMM_SIZE**3 / best
+
+
 def step_floor(model: nn.Module, screened: GreedyHead | None, speed: ReadSpeed | None = None) -> dict[str, Any]:
     """The weights a step reads, the read speed (``speed``'s passes, or a few taken now) and their
-    ratio: the floor of one step."""
+    ratio: the floor of one step; with the multiply-adds of a row and this machine's multiply-add speed,
+    from which :func:`rows_floor_ms` bounds a forward of several rows."""
     weight_bytes = step_weight_bytes(model, screened)
     speed = speed or ReadSpeed()
     bytes_per_second = speed.bytes_per_second()
+    parameter = next(model.parameters())
     return {
         "weight_bytes": weight_bytes,
         "read_gb_per_s": bytes_per_second / 1e9,
         "huge_pages": speed.huge_pages,
         "floor_ms": 1e3 * weight_bytes / bytes_per_second,
+        "row_multiply_adds": linear_multiply_adds(model),
+        "multiply_adds_per_s": multiply_add_rate(parameter.dtype) if parameter.device.type == "cpu" else None,
     }
 
 
+def rows_floor_ms(floor: dict[str, Any], rows: int) -> float:
+    """No forward of ``rows`` rows takes less than reading the weights once, nor less than its linears'
+    multiply-adds at this machine's speed."""
+    rate = floor.get("multiply_adds_per_s")
+    compute = 1e3 * rows * floor["row_multiply_adds"] / rate if rate and "row_multiply_adds" in floor else 0.0
+    return max(floor["floor_ms"], compute)
+
+
 def floor_note(floor: dict[str, Any]) -> str:
-    return (
+    note = (
         f"A step reads {floor['weight_bytes'] / 1e6:.0f} MB of weights; this machine reads "
         f"{floor['read_gb_per_s']:.1f} GB/s (torch sum over {BUFFER_BYTES // 2**20} MiB"
         f"{' on huge pages' if floor.get('huge_pages') else ''}, median pass), so no step can take less than "
         f"{floor['floor_ms']:.1f} ms (the floor)."
+    )
+    if not floor.get("multiply_adds_per_s"):
+        return note
+    rate, adds = floor["multiply_adds_per_s"], floor["row_multiply_adds"]
+    return note + (
+        f" Each row makes {adds / 1e6:.0f} M multiply-adds in the linears and this machine makes "
+        f"{rate / 1e9:.0f} G a second (torch's GEMM, best of {REPEATS}), so past "
+        f"{floor['floor_ms'] / (1e3 * adds / rate):.1f} rows a forward's floor is its multiply-adds, not its reading."
     )

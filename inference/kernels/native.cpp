@@ -35,6 +35,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #if defined(__x86_64__)
@@ -437,58 +438,22 @@ AVX2 inline void stream_tile(const float* x, int64_t I, const W* w, int64_t k0, 
     }
 }
 
+// f(std::integral_constant<int, R>{}) for R = rows, from 1 to Max (more rows: Max): a pass's row count as
+// the template argument its tile is compiled for.
+template <int Max, int R = 1, typename F>
+inline void with_rows(int64_t rows, F&& f) {
+  if constexpr (R == Max)
+    f(std::integral_constant<int, R>{});
+  else if (rows <= R)
+    f(std::integral_constant<int, R>{});
+  else
+    with_rows<Max, R + 1>(rows, f);
+}
+
 template <int B, typename W>
 AVX2 void stream_pass(int64_t rows, const float* x, int64_t I, const W* w, int64_t k0, int64_t k1, const W* later,
                       float* y, int64_t O, int64_t o) {
-  switch (rows) {
-    case 1: stream_tile<1, B>(x, I, w, k0, k1, later, y, O, o); break;
-    case 2: stream_tile<2, B>(x, I, w, k0, k1, later, y, O, o); break;
-    case 3: stream_tile<3, B>(x, I, w, k0, k1, later, y, O, o); break;
-    case 4: stream_tile<4, B>(x, I, w, k0, k1, later, y, O, o); break;
-    case 5: stream_tile<5, B>(x, I, w, k0, k1, later, y, O, o); break;
-    default: stream_tile<6, B>(x, I, w, k0, k1, later, y, O, o); break;
-  }
-}
-
-// Blocks [begin, end) of the pack for every row, B blocks a tile (the last ones alone), a tile of inputs
-// at a time: the first pass of rows reads the tile from memory, the others find it in L1. Rows go in
-// passes of equal size (8 rows: two of 4), each at most kStreamMaxRowsPerPass / B (the accumulators, B x 2
-// weight vectors and a broadcast stay in the 16 registers).
-template <int B, typename W>
-AVX2 void stream_blocks_by(const float* x, int64_t rows, const W* pack, int64_t I, int64_t O, int64_t begin,
-                           int64_t end, float* y) {
-  constexpr int64_t max_rows = kStreamMaxRowsPerPass / B;
-  const int64_t passes = (rows + max_rows - 1) / max_rows;
-  for (int64_t block = begin; block < end;) {
-    const int64_t blocks = end - block >= B ? B : 1;
-    const W* w = pack + block * kStreamBlock * I;
-    const W* later = block + 2 * blocks <= end ? w + blocks * kStreamBlock * I : nullptr;
-    for (int64_t k0 = 0; k0 < I; k0 += kStreamInputsPerTile) {
-      const int64_t k1 = std::min(I, k0 + kStreamInputsPerTile);
-      for (int64_t pass = 0, r = 0; pass < passes; ++pass) {
-        const int64_t here = (rows - r) / (passes - pass);
-        const W* ahead = pass == 0 ? later : nullptr;
-        if (blocks == B)
-          stream_pass<B>(here, x + r * I, I, w, k0, k1, ahead, y + r * O, O, block * kStreamBlock);
-        else
-          stream_pass<1>(here, x + r * I, I, w, k0, k1, ahead, y + r * O, O, block * kStreamBlock);
-        r += here;
-      }
-    }
-    block += blocks;
-  }
-}
-
-// Two blocks a tile for one or two rows (more chains of multiply-adds and more of the pack in flight,
-// which a memory-bound pass needs), one for more (their accumulators fill the registers). Which way
-// blocks are grouped changes no sum (each lane's is its output's, input by input).
-template <typename W>
-AVX2 void stream_blocks(const float* x, int64_t rows, const W* pack, int64_t I, int64_t O, int64_t begin,
-                        int64_t end, float* y) {
-  if (rows <= 2)
-    stream_blocks_by<2>(x, rows, pack, I, O, begin, end, y);
-  else
-    stream_blocks_by<1>(x, rows, pack, I, O, begin, end, y);
+  with_rows<6>(rows, [&](auto r) { stream_tile<decltype(r)::value, B>(x, I, w, k0, k1, later, y, O, o); });
 }
 
 // The same sums with AVX-512, which doubles the multiply-adds a cycle where the CPU has two 512-bit
@@ -542,28 +507,26 @@ constexpr int64_t kStream512Registers = 24;  // accumulators a pass may hold: bl
 template <int B, typename W>
 AVX512 void stream_pass_512(int64_t rows, const float* x, int64_t I, const W* w, int64_t k0, int64_t k1,
                             const W* later, float* y, int64_t O, int64_t o) {
-  switch (rows) {
-    case 1: stream_tile_512<1, B>(x, I, w, k0, k1, later, y, O, o); break;
-    case 2: stream_tile_512<2, B>(x, I, w, k0, k1, later, y, O, o); break;
-    case 3: stream_tile_512<3, B>(x, I, w, k0, k1, later, y, O, o); break;
-    case 4: stream_tile_512<4, B>(x, I, w, k0, k1, later, y, O, o); break;
-    case 5: stream_tile_512<5, B>(x, I, w, k0, k1, later, y, O, o); break;
-    case 6: stream_tile_512<6, B>(x, I, w, k0, k1, later, y, O, o); break;
-    case 7: stream_tile_512<7, B>(x, I, w, k0, k1, later, y, O, o); break;
-    case 8: stream_tile_512<8, B>(x, I, w, k0, k1, later, y, O, o); break;
-    case 9: stream_tile_512<9, B>(x, I, w, k0, k1, later, y, O, o); break;
-    case 10: stream_tile_512<10, B>(x, I, w, k0, k1, later, y, O, o); break;
-    case 11: stream_tile_512<11, B>(x, I, w, k0, k1, later, y, O, o); break;
-    default: stream_tile_512<12, B>(x, I, w, k0, k1, later, y, O, o); break;
-  }
+  with_rows<12>(rows, [&](auto r) { stream_tile_512<decltype(r)::value, B>(x, I, w, k0, k1, later, y, O, o); });
 }
 
-// stream_blocks with AVX-512: blocks [begin, end) B at a time (the last ones alone), rows in passes of at
-// most kStream512Registers / B.
-template <int B, typename W>
-AVX512 void stream_blocks_512_by(const float* x, int64_t rows, const W* pack, int64_t I, int64_t O, int64_t begin,
-                                 int64_t end, float* y) {
-  constexpr int64_t max_rows = kStream512Registers / B;
+// One pass of `rows` rows over a tile of B blocks: AVX-512's (stream_pass_512) where `Wide`, else AVX2's.
+template <bool Wide, int B, typename W>
+void stream_pass_of(int64_t rows, const float* x, int64_t I, const W* w, int64_t k0, int64_t k1, const W* later,
+                    float* y, int64_t O, int64_t o) {
+  if constexpr (Wide)
+    stream_pass_512<B>(rows, x, I, w, k0, k1, later, y, O, o);
+  else
+    stream_pass<B>(rows, x, I, w, k0, k1, later, y, O, o);
+}
+
+// Blocks [begin, end) of the pack for every row, B blocks a tile (the last ones alone), a tile of inputs
+// at a time: the first pass of rows reads the tile from memory, the others find it in L1. Rows go in
+// passes of equal size (8 rows: two of 4), each at most max_rows (the accumulators, the weight vectors
+// and a broadcast stay in the registers).
+template <bool Wide, int B, typename W>
+void stream_tiles(const float* x, int64_t rows, int64_t max_rows, const W* pack, int64_t I, int64_t O, int64_t begin,
+                  int64_t end, float* y) {
   const int64_t passes = (rows + max_rows - 1) / max_rows;
   for (int64_t block = begin; block < end;) {
     const int64_t blocks = end - block >= B ? B : 1;
@@ -575,9 +538,9 @@ AVX512 void stream_blocks_512_by(const float* x, int64_t rows, const W* pack, in
         const int64_t here = (rows - r) / (passes - pass);
         const W* ahead = pass == 0 ? later : nullptr;
         if (blocks == B)
-          stream_pass_512<B>(here, x + r * I, I, w, k0, k1, ahead, y + r * O, O, block * kStreamBlock);
+          stream_pass_of<Wide, B>(here, x + r * I, I, w, k0, k1, ahead, y + r * O, O, block * kStreamBlock);
         else
-          stream_pass_512<1>(here, x + r * I, I, w, k0, k1, ahead, y + r * O, O, block * kStreamBlock);
+          stream_pass_of<Wide, 1>(here, x + r * I, I, w, k0, k1, ahead, y + r * O, O, block * kStreamBlock);
         r += here;
       }
     }
@@ -585,14 +548,27 @@ AVX512 void stream_blocks_512_by(const float* x, int64_t rows, const W* pack, in
   }
 }
 
-// Which way blocks are grouped changes no sum (each lane's is its output's, input by input).
+// AVX2: two blocks a tile for one or two rows (more chains of multiply-adds and more of the pack in
+// flight, which a memory-bound pass needs), one for more (their accumulators fill the 16 registers).
+// AVX-512: four blocks for up to kStream512WideRows rows, two for more. Which way blocks are grouped
+// changes no sum (each lane's is its output's, input by input).
 template <typename W>
-AVX512 void stream_blocks_512(const float* x, int64_t rows, const W* pack, int64_t I, int64_t O, int64_t begin,
-                              int64_t end, float* y) {
-  if (rows <= kStream512WideRows)
-    stream_blocks_512_by<kStream512WideBlocks>(x, rows, pack, I, O, begin, end, y);
+void stream_blocks(const float* x, int64_t rows, const W* pack, int64_t I, int64_t O, int64_t begin, int64_t end,
+                   float* y) {
+  if (rows <= 2)
+    stream_tiles<false, 2>(x, rows, kStreamMaxRowsPerPass / 2, pack, I, O, begin, end, y);
   else
-    stream_blocks_512_by<2>(x, rows, pack, I, O, begin, end, y);
+    stream_tiles<false, 1>(x, rows, kStreamMaxRowsPerPass, pack, I, O, begin, end, y);
+}
+
+template <typename W>
+void stream_blocks_512(const float* x, int64_t rows, const W* pack, int64_t I, int64_t O, int64_t begin, int64_t end,
+                       float* y) {
+  constexpr int64_t wide = kStream512WideBlocks;
+  if (rows <= kStream512WideRows)
+    stream_tiles<true, wide>(x, rows, kStream512Registers / wide, pack, I, O, begin, end, y);
+  else
+    stream_tiles<true, 2>(x, rows, kStream512Registers / 2, pack, I, O, begin, end, y);
 }
 
 // The last O % 16 outputs (stored [I][tail] after the blocks): the same sums, one output at a time

@@ -386,7 +386,8 @@ def _add_bench_tree_parser(subparsers: Any) -> None:
         help="time one tree-verification forward per tree size, relative to a 1-token forward",
         description="Time the runtime's verification forward (4D tree mask and depth positions) over "
         "SIZE query tokens (the root + SIZE-1 draft nodes) on top of a KV cache holding --prefix tokens; "
-        "median of --repeats, sizes interleaved; report the cost relative to size 1.",
+        "median of --repeats, sizes interleaved; report the cost relative to size 1 and to its floor on this "
+        "machine (reading the weights once, or that many rows' multiply-adds, whichever takes longer).",
     )
     _add_target_arguments(p)
     p.add_argument("--sizes", default="1,4,8,16,32,64", help="comma-separated query-token counts (1 is always added)")

@@ -9,10 +9,10 @@ does can take less time than reading those bytes once. The read speed is measure
 ``sum`` over a buffer far larger than the caches, with torch's current thread count, in passes a
 benchmark interleaves with its own (:class:`ReadSpeed`).
 
-A forward of k rows also makes k multiply-adds per weight of the decoder's linears (float32 for a
-float32 target: the promise of token identity keeps them so). Past a few rows that work, not the
-reading, bounds a verification forward: the multiply-add speed is measured as the best of a few float32
-matrix products through torch's GEMM, the fastest this machine's vector units run
+A forward of k rows also makes k multiply-adds per weight of its linears besides the head (float32 for
+a float32 target: the promise of token identity keeps them so). Past a few rows that work, not the
+reading, bounds a verification forward: the multiply-add speed is measured as the best of a few matrix
+products in the model's dtype through torch's GEMM, which runs near the vector units' peak
 (:func:`multiply_add_rate`).
 """
 

@@ -373,6 +373,7 @@ struct VnniScreen {
 // the blocks are split between threads.
 constexpr int64_t kStreamInputsPerTile = 128;  // a tile's 8 KB of a block stay in L1 across row passes
 constexpr int64_t kStreamMaxRowsPerPass = 6;   // 2 x 6 accumulators, 2 weight vectors, 1 broadcast
+constexpr int64_t kStreamWideRows = 2;  // the most rows two blocks a tile take: 2 x 2 x 2 sums, 4 weights, 1 broadcast
 
 // A pack holds float32 weights, or bfloat16 ones where every weight is a bfloat16 value (stream_pack):
 // those are widened to float32 exactly (their bits shifted up 16) as they are read, so both packs give
@@ -548,15 +549,15 @@ void stream_tiles(const float* x, int64_t rows, int64_t max_rows, const W* pack,
   }
 }
 
-// AVX2: two blocks a tile for one or two rows (more chains of multiply-adds and more of the pack in
+// AVX2: two blocks a tile for up to kStreamWideRows rows (more chains of multiply-adds and more of the pack in
 // flight, which a memory-bound pass needs), one for more (their accumulators fill the 16 registers).
 // AVX-512: four blocks for up to kStream512WideRows rows, two for more. Which way blocks are grouped
 // changes no sum (each lane's is its output's, input by input).
 template <typename W>
 void stream_blocks(const float* x, int64_t rows, const W* pack, int64_t I, int64_t O, int64_t begin, int64_t end,
                    float* y) {
-  if (rows <= 2)
-    stream_tiles<false, 2>(x, rows, kStreamMaxRowsPerPass / 2, pack, I, O, begin, end, y);
+  if (rows <= kStreamWideRows)
+    stream_tiles<false, 2>(x, rows, kStreamWideRows, pack, I, O, begin, end, y);
   else
     stream_tiles<false, 1>(x, rows, kStreamMaxRowsPerPass, pack, I, O, begin, end, y);
 }

@@ -537,7 +537,12 @@ def _add_cache_features_command(commands: Any, recipe_layers: Callable[[str, Any
     )
     p.add_argument("--batch-tokens", type=int, default=4096, help="padded tokens per forward")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--model-dtype", default="float32", help="dtype the target runs in")
+    p.add_argument(
+        "--model-dtype",
+        default="float32",
+        help="dtype the target runs in; bfloat16 is ~2x faster on a CPU with native bf16 (its greedy tokens: "
+        "a bf16 screen of the head checked in float64, the exact logits' argmax)",
+    )
     p.add_argument("--overwrite", action="store_true", help="rebuild from scratch")
     p.add_argument("--verify", action="store_true", help="only check every shard of an existing cache")
     p.set_defaults(func=cmd_cache_features, output_args=("out",))

@@ -10,7 +10,14 @@ from safetensors.torch import save as safetensors_save
 
 from conftest import sharegpt, write_jsonl
 from draftsmith.core.target import load_target
-from draftsmith.data.features import CacheSettings, FeatureCache, FeatureCacheError, build_feature_cache
+from draftsmith.data.features import (
+    SCREEN_CANDIDATES,
+    CacheSettings,
+    FeatureCache,
+    FeatureCacheError,
+    HeadArgmax,
+    build_feature_cache,
+)
 from draftsmith.data.prepared import PreparedDataError, PreparedDataset
 from draftsmith.train.cli import main
 
@@ -65,6 +72,54 @@ def test_a_target_run_in_bf16_caches_the_float32_heads_greedy_tokens(tmp_path, p
         item = cache[index]
         assert item["feature"].dtype == torch.bfloat16
         assert torch.equal(item["target_argmax"].long(), (item["feature"].float() @ head.T).argmax(-1))
+
+
+def exact_argmax(head: torch.nn.Linear, rows: torch.Tensor) -> torch.Tensor:
+    """The float64 logits' argmax (bfloat16 products are exact there), the first of equal maxima."""
+    return (rows.double() @ head.weight.double().T).argmax(-1)
+
+
+def test_a_bf16_head_screens_and_finds_the_exact_logits_argmax():
+    """A bf16 head on the CPU: the screen's tokens are the exact logits' argmax, near ties included."""
+    torch.manual_seed(0)
+    head = torch.nn.Linear(96, 500, bias=False).bfloat16()
+    rows = torch.randn(300, 96).bfloat16()
+    near = head.weight[7] + torch.randn(96).bfloat16() * 2.0**-9  # a row almost the same as token 7's
+    head.weight.data[11] = near
+    rows[:40] = head.weight[7]  # these rows' two best tokens, 7 and 11, lie far closer than bf16's rounding
+    argmax = HeadArgmax(head, chunk_rows=64)
+    assert argmax._screens(rows)
+    tokens = argmax(rows.view(3, 100, 96))
+    assert tokens.dtype == torch.int32 and tokens.shape == (3, 100)
+    assert torch.equal(tokens.view(-1).long(), exact_argmax(head, rows))
+
+
+def test_a_screen_with_more_tokens_near_its_best_than_it_checks_computes_the_row_whole():
+    """Twenty tokens' logits round to one bfloat16 value, and the exact best is one the screen's top
+    candidates leave out: the screen cannot tell, so the row is summed whole in float64 (checking only
+    its candidates would pick a wrong token)."""
+    head = torch.nn.Linear(2, 20, bias=False).bfloat16()
+    rows = torch.tensor([[1.0, 1.0]]).bfloat16()
+    with torch.no_grad():
+        head.weight[:, 0] = 1.0
+        head.weight[:, 1] = 0.0
+        screened = torch.nn.functional.linear(rows, head.weight).topk(SCREEN_CANDIDATES).indices[0].tolist()
+        best = min(set(range(20)) - set(screened))
+        head.weight[:, 1] = torch.arange(20) * 2.0**-14  # bf16 values; 1 + any of them rounds to 1 in bf16
+        head.weight[[best, 19], 1] = head.weight[[19, best], 1]
+    assert torch.nn.functional.linear(rows, head.weight).unique().numel() == 1
+    assert HeadArgmax(head)(rows).item() == best == exact_argmax(head, rows).item()
+
+
+def test_a_float32_head_or_rows_off_the_bf16_grid_take_the_float32_product():
+    torch.manual_seed(0)
+    head32 = torch.nn.Linear(16, 50, bias=False)
+    rows = torch.randn(5, 16)
+    assert not HeadArgmax(head32)._screens(rows.bfloat16())
+    assert torch.equal(HeadArgmax(head32)(rows).long(), head32(rows).argmax(-1))
+    head16 = torch.nn.Linear(16, 50, bias=False).bfloat16()
+    assert not HeadArgmax(head16)._screens(rows) and HeadArgmax(head16)._screens(rows.bfloat16().float())
+    assert torch.equal(HeadArgmax(head16)(rows).long(), (rows @ head16.weight.float().T).argmax(-1))
 
 
 def test_a_cache_begun_without_greedy_tokens_is_finished_without_them(tmp_path, prepared, tiny_target):

@@ -4,6 +4,7 @@ random Gemma-3 (the second architecture every family is tested on)."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -11,6 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+
+from draftsmith.core.malloc import OPT_OUT
+
+# Every command tells glibc to keep the memory its process frees (core/malloc.py), for the rest of that
+# process: the suite, one process running hundreds of commands, keeps glibc's defaults instead, and
+# test_malloc.py checks the setting in processes of its own.
+os.environ.setdefault(OPT_OUT, "1")
 
 # ../shared beside the repository root: data every developer and CI run has, never part of the product.
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"

@@ -12,6 +12,7 @@ from typing import NoReturn
 
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.io import disk_failure
+from draftsmith.core.malloc import keep_freed_memory
 
 # This module imports nothing heavy: torch and transformers load while the parser is built, inside
 # main()'s handling of Ctrl-C, so an interrupt in a command's first seconds is one line too.
@@ -65,6 +66,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         args.command_line = "draftsmith " + shlex.join(argv)  # what a run's records say made them
     except KeyboardInterrupt:
         interrupted()
+    keep_freed_memory()
     run_command(args)
 
 

@@ -15,6 +15,7 @@ import time
 
 import torch
 
+from draftsmith.core.malloc import keep_freed_memory
 from draftsmith.data.features import target_argmax
 from draftsmith.train.loader import online_features
 from draftsmith.train.recipe import load_train_recipe
@@ -42,6 +43,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    keep_freed_memory()  # as every draftsmith command does
     if args.threads:
         torch.set_num_threads(args.threads)
     shutil.rmtree(args.scratch, ignore_errors=True)

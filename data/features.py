@@ -149,7 +149,7 @@ class HeadArgmax:
         weight = self.head.weight
         rows = rows.bfloat16()
         screen = torch.nn.functional.linear(rows, weight)  # (R, V) bfloat16
-        top = screen.topk(SCREEN_CANDIDATES, dim=-1)
+        top = screen.topk(min(SCREEN_CANDIDATES, screen.shape[-1]), dim=-1)
         distance = self._screen_distance(rows, screen)
         best = top.values[:, 0].float()
         decided = (top.values[:, -1].float() < best - 2 * distance) & best.isfinite() & distance.isfinite()

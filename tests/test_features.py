@@ -111,6 +111,13 @@ def test_a_screen_with_more_tokens_near_its_best_than_it_checks_computes_the_row
     assert HeadArgmax(head)(rows).item() == best == exact_argmax(head, rows).item()
 
 
+def test_a_bf16_head_smaller_than_the_screens_candidates_is_still_its_exact_argmax():
+    torch.manual_seed(0)
+    head = torch.nn.Linear(8, SCREEN_CANDIDATES - 3, bias=False).bfloat16()
+    rows = torch.randn(6, 8).bfloat16()
+    assert torch.equal(HeadArgmax(head)(rows).long(), exact_argmax(head, rows))
+
+
 def test_a_float32_head_or_rows_off_the_bf16_grid_take_the_float32_product():
     torch.manual_seed(0)
     head32 = torch.nn.Linear(16, 50, bias=False)

@@ -7,6 +7,11 @@ and the kernel zeroes each page first (``docs/benchmarks.md``, training throughp
 costs). Keeping freed memory is what tcmalloc and jemalloc do,
 which PyTorch's CPU performance guides preload for the same reason; a process then holds its peak
 memory until it exits, which a training run or a decoding session reaches at its first step anyway.
+
+A freed block waits for a request it fits. PyTorch asks for 64-byte-aligned blocks, which glibc before 2.38
+carves from a free block only if it is larger than asked by the alignment's slack, and the slivers it cut
+off a neighbour may sit in its per-thread cache instead of rejoining it: so the same tensor size may take
+fresh memory for a few steps before the freed blocks merge (``docs/benchmarks.md`` measures the excess).
 """
 
 from __future__ import annotations

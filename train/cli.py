@@ -66,7 +66,6 @@ def main(argv: Sequence[str] | None = None) -> None:
         args.command_line = "draftsmith " + shlex.join(argv)  # what a run's records say made them
     except KeyboardInterrupt:
         interrupted()
-    keep_freed_memory()
     run_command(args)
 
 
@@ -78,6 +77,7 @@ def interrupted() -> NoReturn:
 
 def run_command(args: argparse.Namespace) -> None:
     """Run a parsed command; a user's mistake becomes one line on stderr and exit status 2."""
+    keep_freed_memory()
     try:
         with _exclusive_output(args):
             args.func(args)

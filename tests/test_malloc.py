@@ -65,11 +65,10 @@ def run(program: str, opt_out: bool) -> tuple[bool, list[int]]:
 def test_a_block_freed_and_allocated_again_is_reused_not_faulted_in_anew():
     kept, faults = run(FAULTS, opt_out=False)
     assert kept
-    assert faults[0] >= 16_000  # the first round faults the block in
-    assert sum(faults[1:]) < 100
+    assert faults[0] > 0 and sum(faults[1:]) < faults[0] / 10  # faulted in once (in huge pages, where enabled)
     returned, faults = run(FAULTS, opt_out=True)
     assert not returned
-    assert all(count >= 16_000 for count in faults)  # glibc's default: every round maps and zeroes it again
+    assert all(count > faults[0] / 2 for count in faults)  # glibc's default: every round maps and zeroes it again
 
 
 @pytest.mark.skipif(not hasattr(__import__("ctypes").CDLL(None), "mallinfo2"), reason="mallinfo2: glibc 2.33+")

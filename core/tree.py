@@ -192,13 +192,24 @@ def outside_sliding_window(window: int, positions: torch.Tensor, past: int) -> t
 
 def causal_mask(length: int, dtype: torch.dtype, device: torch.device | str, padding: torch.Tensor | None = None):
     """``(B or 1, 1, T, T)`` additive causal mask; ``padding`` (B, T) 1/0 also hides padded keys."""
-    allowed = torch.ones(length, length, dtype=torch.bool, device=device).tril()[None, None]
-    if padding is not None:
-        allowed = allowed & padding.bool()[:, None, None, :]
-        # A padded query row with no visible key would give NaN under softmax; let it see itself.
-        allowed = allowed | torch.eye(length, dtype=torch.bool, device=device)[None, None]
+    allowed = causal_allowed(0, length, device, padding)
     mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
     return mask.masked_fill(~allowed, torch.finfo(dtype).min)
+
+
+def causal_allowed(
+    begin: int, end: int, device: torch.device | str, padding: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``(B or 1, 1, end - begin, end)`` bool: the keys before ``end`` that query rows ``begin..end`` see under
+    :func:`causal_mask` (rows of it, computed without the rest)."""
+    rows = torch.arange(begin, end, device=device)[:, None]
+    keys = torch.arange(end, device=device)[None, :]
+    allowed = (keys <= rows)[None, None]
+    if padding is not None:
+        allowed = allowed & padding[:, :end].bool()[:, None, None, :]
+        # A padded query row with no visible key would give NaN under softmax; let it see itself.
+        allowed = allowed | (keys == rows)[None, None]
+    return allowed
 
 
 def causal_mask_after(past: int, length: int, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:

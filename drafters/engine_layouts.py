@@ -22,6 +22,7 @@ import torch
 from transformers import LlamaConfig
 
 from draftsmith.core.errors import DraftsmithError
+from draftsmith.drafters import ttt_attention
 
 ENGINE_FORMATS = ("vllm", "speculators", "sglang")
 SPECULATORS_VERSION = "0.9.0"  # the speculators release whose eagle3 config this export follows (vLLM 0.32 loads it)
@@ -122,7 +123,7 @@ def llama_layers(layer: dict[str, Any], num_hidden_layers: int) -> LlamaConfig:
         flat = {key: value for key, value in rope.items() if not isinstance(value, dict)}
         settings["rope_parameters"] = flat or None
     config = LlamaConfig(**settings, num_hidden_layers=num_hidden_layers)
-    config._attn_implementation = "sdpa"
+    config._attn_implementation = ttt_attention.ATTENTION  # SDPA, but for the training-time test's masks
     return config
 
 

@@ -19,6 +19,7 @@ from transformers import DynamicCache
 from draftsmith.core.tree import causal_mask
 from draftsmith.drafters.base import FrozenTarget
 from draftsmith.drafters.registry import Family
+from draftsmith.drafters.ttt_attention import TTTMask
 from draftsmith.drafters.vocab import DraftHead
 from draftsmith.train.batch import LossOutput, TrainBatch
 from draftsmith.train.recipe_loader import RecipeError, check_keys
@@ -449,7 +450,7 @@ def ttt_unroll(
     for step in range(core.config.ttt_steps):
         tokens = frozen.embed_tokens(_shift_left(input_ids, 1 + step)).to(states.dtype)
         positions = (torch.arange(width, device=input_ids.device) + step)[None].expand(input_ids.shape[0], -1)
-        mask = ttt_mask(key_padding, step, states.dtype)
+        mask = TTTMask(key_padding, step)  # the drafters' attention skips what it hides (ttt_attention)
         rows = None if read is None else read[step]
         inputs = core.ttt_step_inputs(step, tokens, states, hidden)
         out = model(position_ids=positions, attention_mask=mask, cache=cache, rows=rows, **inputs)  # through DDP
@@ -469,14 +470,11 @@ def read_rows(labels: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def ttt_mask(key_padding: torch.Tensor, step: int, dtype: torch.dtype) -> torch.Tensor:
-    """(B, 1, T, (step + 1) T) additive mask of training-time-test step ``step``: query t sees step 0's
-    keys at positions <= t (real ones, ``key_padding`` (B, T)) and its own position's key of every
-    step 1..``step``; the key columns are the steps' keys in order, as the KV cache holds them."""
-    causal = causal_mask(key_padding.shape[1], dtype, key_padding.device, key_padding)
-    own = torch.full_like(causal[:1], torch.finfo(dtype).min).diagonal_scatter(
-        torch.zeros(key_padding.shape[1], dtype=dtype, device=key_padding.device)[None, None], dim1=2, dim2=3
-    )
-    return torch.cat([causal, *[own.expand_as(causal)] * step], dim=-1)
+    """(B, 1, T, (step + 1) T) additive mask of training-time-test step ``step`` (:class:`TTTMask`, as one
+    tensor): query t sees step 0's keys at positions <= t (real ones, ``key_padding`` (B, T)) and its own
+    position's key of every step 1..``step``; the key columns are the steps' keys in order, as the KV cache
+    holds them."""
+    return TTTMask(key_padding, step).dense(dtype)
 
 
 def _shift_left(tensor: torch.Tensor, shift: int) -> torch.Tensor:

@@ -146,8 +146,8 @@ class _TTTAttention(torch.autograd.Function):
             out = query.new_empty(ops.grouped.shape, dtype=torch.float32)
             logsumexp = query.new_empty(ops.grouped.shape[:-1], dtype=torch.float32)
             for begin, end in ops.chunks():
-                rows = shapes.rows_of(ops.grouped, begin, end)
-                scores, diagonal = _scores(rows, ops, mask, begin, end, scale)
+                rows = shapes.rows_of(ops.grouped, begin, end) * scale
+                scores, diagonal = _scores(rows, ops, mask, begin, end)
                 top = torch.maximum(scores.amax(-1), diagonal.amax(-1)) if shapes.steps else scores.amax(-1)
                 weights = scores.sub_(top[..., None]).exp_()
                 diagonal = diagonal.sub_(top[..., None]).exp_()
@@ -176,18 +176,18 @@ class _TTTAttention(torch.autograd.Function):
             grad_key_diagonals = torch.zeros_like(ops.key_diagonals)
             grad_value_diagonals = torch.zeros_like(ops.value_diagonals)
             for begin, end in ops.chunks():
-                rows = shapes.rows_of(ops.grouped, begin, end)
+                rows = shapes.rows_of(ops.grouped, begin, end) * scale  # carries the scale into k's gradient too
                 grad_rows = shapes.rows_of(grad_grouped, begin, end).float()
                 row_lse = logsumexp[:, :, :, begin:end].reshape(shapes.batch, shapes.kv_heads, -1, 1)
-                scores, diagonal = _scores(rows, ops, mask, begin, end, scale)
+                scores, diagonal = _scores(rows, ops, mask, begin, end)
                 weights = scores.sub_(row_lse).exp_()
                 diagonal = diagonal.sub_(row_lse).exp_()
-                # softmax's backward: d score = weight * (d weight - sum(d out * out)), times scale for q and k
+                # softmax's backward: d score = weight * (d weight - sum(d out * out)); q's gradient takes the scale last
                 delta = (grad_rows * shapes.rows_of(out, begin, end)).sum(-1, keepdim=True)
                 grad_weights = torch.matmul(grad_rows.to(gemm), ops.values[:, :, :end].transpose(-1, -2))
                 grad_values[:, :, :end] += _group_sum(weights, grad_rows, gemm)
-                grad_scores = grad_weights.float().sub_(delta).mul_(weights)
-                grad_rows_query = torch.matmul(grad_scores.to(gemm), ops.keys[:, :, :end]).float()
+                grad_scores = grad_weights.float().sub_(delta).mul_(weights).to(gemm)
+                grad_rows_query = torch.matmul(grad_scores, ops.keys[:, :, :end]).float()
                 grad_keys[:, :, :end] += _group_sum(grad_scores, rows, gemm)
                 if shapes.steps:
                     value_diagonal = ops.value_diagonals[:, :, :, begin:end]
@@ -196,21 +196,24 @@ class _TTTAttention(torch.autograd.Function):
                     grad_key_diagonals[:, :, :, begin:end] = _diagonal_weighted(grad_diagonal, rows.float(), shapes)
                     grad_rows_query += _diagonal_product(grad_diagonal, ops.key_diagonals[:, :, :, begin:end], shapes)
                 grad_query[:, :, :, begin:end] = grad_rows_query.view_as(grad_query[:, :, :, begin:end])
-            grad_key = torch.cat([grad_keys, grad_key_diagonals.flatten(2, 3)], dim=2).mul_(scale)
+            grad_key = torch.cat([grad_keys, grad_key_diagonals.flatten(2, 3)], dim=2)
             grad_value = torch.cat([grad_values, grad_value_diagonals.flatten(2, 3)], dim=2)
         grad_query = grad_query.mul_(scale).view(query.shape)
         return grad_query.to(query.dtype), grad_key.to(key.dtype), grad_value.to(value.dtype), None, None
 
 
-def _scores(rows: torch.Tensor, ops: _Operands, mask: TTTMask, begin: int, end: int, scale: float):
-    """Query rows ``begin..end``'s scaled scores, float32: (B, KV, G c, end) over step 0's keys before ``end``
+def _scores(rows: torch.Tensor, ops: _Operands, mask: TTTMask, begin: int, end: int):
+    """Query rows ``begin..end`` (scaled)'s scores, float32: (B, KV, G c, end) over step 0's keys before ``end``
     (masked ones -inf) and (B, KV, G c, steps) over their own positions' keys of the diagonal steps."""
     shapes = ops.shapes
-    scores = torch.matmul(rows, ops.keys[:, :, :end].transpose(-1, -2)).float().mul_(scale)
-    hidden = ~mask.causal_rows(begin, end)  # (B, 1, c, end)
+    scores = torch.matmul(rows, ops.keys[:, :, :end].transpose(-1, -2)).float()
     grid = scores.view(shapes.batch, shapes.kv_heads, shapes.group, end - begin, end)
-    grid.masked_fill_(hidden[:, :, None], float("-inf"))
-    diagonal = _diagonal_scores(rows.float(), ops.key_diagonals[:, :, :, begin:end], shapes).mul_(scale)
+    # keys before the chunk's rows are hidden only where padded; the causal part is the chunk's own block
+    grid[..., begin:].masked_fill_(~mask.causal_rows(begin, end)[:, :, None, :, begin:], float("-inf"))
+    padded = ~mask.key_padding[:, :begin].bool()
+    if padded.any():
+        grid[..., :begin].masked_fill_(padded[:, None, None, None], float("-inf"))
+    diagonal = _diagonal_scores(rows.float(), ops.key_diagonals[:, :, :, begin:end], shapes)
     return scores, diagonal
 
 

@@ -182,7 +182,7 @@ class _TTTAttention(torch.autograd.Function):
                 scores, diagonal = _scores(rows, ops, mask, begin, end)
                 weights = scores.sub_(row_lse).exp_()
                 diagonal = diagonal.sub_(row_lse).exp_()
-                # softmax's backward: d score = weight * (d weight - sum(d out * out)); q's gradient takes the scale last
+                # softmax's backward: d score = weight * (d weight - sum(d out * out)); q's gradient is scaled last
                 delta = (grad_rows * shapes.rows_of(out, begin, end)).sum(-1, keepdim=True)
                 grad_weights = torch.matmul(grad_rows.to(gemm), ops.values[:, :, :end].transpose(-1, -2))
                 grad_values[:, :, :end] += _group_sum(weights, grad_rows, gemm)

@@ -23,6 +23,7 @@ from draftsmith.drafters.ttt_attention import TTTMask
 from draftsmith.drafters.vocab import DraftHead
 from draftsmith.train.batch import LossOutput, TrainBatch
 from draftsmith.train.recipe_loader import RecipeError, check_keys
+from draftsmith.train.soft_cross_entropy import soft_cross_entropies, soft_cross_entropy
 
 
 def _feature_pairs(batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -41,11 +42,6 @@ def _length_scaled_noise(features: torch.Tensor, scale: float) -> torch.Tensor:
     """The official EAGLE noise: uniform, width ``scale * 512 / T`` (the paper states U(-0.1, 0.1))."""
     width = scale * 512 / features.shape[1]
     return (torch.rand_like(features) - 0.5) * width
-
-
-def _soft_cross_entropy(student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
-    """Per-row CE against the teacher's full distribution."""
-    return -(teacher_logits.softmax(-1) * student_logits.log_softmax(-1)).sum(-1)
 
 
 def feature_distillation_loss(
@@ -82,7 +78,7 @@ def feature_distillation_loss(
     head = DraftHead(frozen.lm_head, getattr(model, "module", model).draft_vocab)
     with torch.no_grad():
         teacher = head(targets[rows])
-    ce = (_soft_cross_entropy(head(out.token_features[rows]), teacher) * weights[rows]).sum() / total
+    ce = (soft_cross_entropy(head(out.token_features[rows]), teacher) * weights[rows]).sum() / total
     metrics = {"loss/smooth_l1": float(regression.detach()), "loss/ce": float(ce.detach())}
     steps = 1 if model.training else metric_steps
     if rows.any() and steps > 0:
@@ -199,9 +195,7 @@ def eagle3_loss(
             if labelled.any():
                 metrics[f"align/step{step}"] = float(on_chain[labelled].float().mean())
             on_chain = on_chain & _proposed_next_input(core, logits, labelled, batch.input_ids, step, align_topk)
-        ce, topk_ce = _teacher_cross_entropies(
-            logits[taught].float(), teacher.rows_at(labelled, 1 + step)[taught], topk_distill
-        )
+        ce, topk_ce = soft_cross_entropies(logits[taught], teacher.rows_at(labelled, 1 + step)[taught], topk_distill)
         rows = taught.sum().clamp_min(1)
         step_loss = ce.sum() / rows
         metrics[f"loss/step{step}"] = float(step_loss.detach())
@@ -263,19 +257,6 @@ def answer_starts(supervised: torch.Tensor, tokens: int) -> torch.Tensor:
     previous = torch.cat([torch.zeros_like(supervised[:, :1]), supervised[:, :-1]], dim=1)
     starts = torch.where(supervised & ~previous, index, torch.full_like(index, -1))
     return supervised & (index - starts.cummax(dim=1).values < tokens)
-
-
-def _teacher_cross_entropies(
-    student_logits: torch.Tensor, teacher_logits: torch.Tensor, top_k: int
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Per row, the soft CE to the teacher's distribution ``p`` and, with ``top_k`` > 0, HASS's top-K
-    term: the same ``-p_k log q_k`` summed over the teacher's ``top_k`` likeliest columns only (None
-    without). One softmax and one log-softmax serve both: the rows' logits are the step's largest tensors."""
-    terms = -(teacher_logits.softmax(-1) * student_logits.log_softmax(-1))
-    if top_k <= 0:
-        return terms.sum(-1), None
-    top = teacher_logits.topk(min(top_k, teacher_logits.shape[-1]), dim=-1).indices
-    return terms.sum(-1), terms.gather(-1, top).sum(-1)
 
 
 @torch.no_grad()
@@ -349,7 +330,7 @@ def dflash_loss(
     vocab_index = core.vocab_index(frozen.lm_head.weight.shape[0])
     if soft_labels:
         columns = truth if vocab_index is None else vocab_index[truth]
-        ce = _soft_cross_entropy(logits, teacher.logits[teacher.row[batch_index, before]])
+        ce = soft_cross_entropy(logits, teacher.logits[teacher.row[batch_index, before]])
     else:
         tokens = batch.input_ids.gather(1, at.flatten(1))[rows]
         columns = tokens if vocab_index is None else vocab_index[tokens]
@@ -621,7 +602,7 @@ def _medusa_soft_ce(head_logits: torch.Tensor, teacher_features: torch.Tensor, f
         return head_logits.sum() * 0.0
     with torch.no_grad():
         teacher = DraftHead(frozen.lm_head, core.draft_vocab)(teacher_features).float()
-    return _soft_cross_entropy(head_logits.float(), teacher).mean()
+    return soft_cross_entropy(head_logits.float(), teacher).mean()
 
 
 def medusa2_loss(

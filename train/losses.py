@@ -189,13 +189,15 @@ def eagle3_loss(
         labelled = labels[step]
         # the head only where a label is: its logits over the draft vocabulary are the step's largest tensor
         logits = core.logits(out.token_features[labelled])
-        taught = _shift_left(drafted, 1 + step)[labelled]
+        taught_at = labelled & _shift_left(drafted, 1 + step)  # (B, T): the positions this step's CE teaches
         if align_mask:
-            taught = taught & on_chain[labelled]
+            taught_at = taught_at & on_chain
             if labelled.any():
                 metrics[f"align/step{step}"] = float(on_chain[labelled].float().mean())
             on_chain = on_chain & _proposed_next_input(core, logits, labelled, batch.input_ids, step, align_topk)
-        ce, topk_ce = soft_cross_entropies(logits[taught], teacher.rows_at(labelled, 1 + step)[taught], topk_distill)
+        taught = taught_at[labelled]
+        # the teacher's rows gathered at the taught positions only: the rows are as large as the logits
+        ce, topk_ce = soft_cross_entropies(logits[taught], teacher.rows_at(taught_at, 1 + step), topk_distill)
         rows = taught.sum().clamp_min(1)
         step_loss = ce.sum() / rows
         metrics[f"loss/step{step}"] = float(step_loss.detach())
@@ -601,8 +603,8 @@ def _medusa_soft_ce(head_logits: torch.Tensor, teacher_features: torch.Tensor, f
     if head_logits.shape[0] == 0:
         return head_logits.sum() * 0.0
     with torch.no_grad():
-        teacher = DraftHead(frozen.lm_head, core.draft_vocab)(teacher_features).float()
-    return soft_cross_entropy(head_logits.float(), teacher).mean()
+        teacher = DraftHead(frozen.lm_head, core.draft_vocab)(teacher_features)
+    return soft_cross_entropy(head_logits, teacher).mean()  # it reads both in float32, a few rows at a time
 
 
 def medusa2_loss(

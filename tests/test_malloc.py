@@ -79,3 +79,34 @@ def test_a_large_tensor_lives_on_the_heap_unless_opted_out():
     returned, (before, during, after) = run(MAPPED, opt_out=True)
     assert not returned
     assert during - before >= BLOCK and after - before < BLOCK  # mapped on its own, unmapped when freed
+
+
+# A block freed in the middle of the heap (a small block allocated after it stays live, so it is not the
+# heap's trimmable top): resident pages before the free, after it, after asking with a threshold no machine
+# is below, and after one every machine is below.
+TRIMMED = f"""
+import ctypes, os
+from draftsmith.core.malloc import keep_freed_memory, return_freed_memory_if_low
+libc = ctypes.CDLL(None)
+libc.malloc.restype = ctypes.c_void_p
+libc.free.argtypes = [ctypes.c_void_p]
+resident = lambda: int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+print(keep_freed_memory())
+block = libc.malloc({4 * BLOCK})
+ctypes.memset(block, 1, {4 * BLOCK})
+after = libc.malloc(4096)
+before = resident()
+libc.free(block)
+freed = resident()
+never = return_freed_memory_if_low(low=0.0)
+kept = resident()
+always = return_freed_memory_if_low(low=1.01)
+print(before, freed, int(never), kept, int(always), resident())
+"""
+
+
+def test_freed_memory_goes_back_to_the_kernel_only_when_the_machine_runs_short():
+    kept, (before, freed, never, still, always, after) = run(TRIMMED, opt_out=False)
+    assert kept and not never and always
+    assert freed > before - BLOCK and still > before - BLOCK  # kept for reuse while memory is plentiful
+    assert after < before - 3 * BLOCK  # handed back under pressure

@@ -28,6 +28,7 @@ from tqdm.auto import tqdm
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.io import atomic_write_json, check_apart_from_inputs, check_creatable_directory
 from draftsmith.core.lock import exclusive_output
+from draftsmith.core.malloc import return_freed_memory_if_low
 from draftsmith.core.target import TargetIdentity, load_target
 from draftsmith.core.versions import warn_about_untested_versions
 from draftsmith.drafters.base import DrafterModel, FrozenTarget
@@ -641,6 +642,7 @@ class Trainer:
                 saved = done % train.save_every == 0 or done == self.total_steps
                 if saved:
                     checkpoint = self._save(done, tracker)
+                return_freed_memory_if_low()  # after the step and any evaluation: see core/malloc.py
                 if done < self.total_steps and done % train.log_every == 0 and self._out_of_time(started):
                     if not saved:
                         checkpoint = self._save(done, tracker)

@@ -1,17 +1,18 @@
-"""glibc's malloc told to keep the memory a process frees, so the next step's tensors reuse it.
+"""glibc's malloc told, on request, to keep the memory a process frees, so the next step's tensors reuse it.
 
 By default glibc hands blocks above its mmap threshold (at most 32 MB) to the kernel when they are freed,
-and trims the heap's free top: a CPU training step that allocates and frees its large activations (the
-draft vocabulary's logits of a batch run to hundreds of MB) then page-faults every one of them in again,
-and the kernel zeroes each page first (``docs/benchmarks.md``, training throughput, measures what that
-costs). Keeping freed memory is what tcmalloc and jemalloc do,
-which PyTorch's CPU performance guides preload for the same reason.
+and trims the heap's free top: a step that allocates and frees large tensors then page-faults them in
+again, and the kernel zeroes each page first. ``DRAFTSMITH_KEEP_FREED_MEMORY=1`` makes every draftsmith
+command keep freed memory instead (what tcmalloc and jemalloc do, which PyTorch's CPU guides preload).
 
-Kept memory is not bounded by a step's peak, though: batches of different lengths leave free blocks
-between live ones that the next shapes do not fit, and a long run over variable-length data grew past
-the machine's memory that way (an offline EAGLE-3 run on 15,620 conversations, killed by the kernel at
-24 GB after ~150 steps, whose steps needed ~8). :func:`return_freed_memory_if_low` hands the free pages
-back (``malloc_trim``) when the machine runs short, which costs one step's page faults now and then.
+It is off by default because kept memory is not bounded by a step's peak: batches of other shapes leave
+free blocks between live ones that later tensors do not fit. An offline EAGLE-3 run over the whole
+``sharegpt-smollm2`` set grew that way to 24 GB and was killed by the kernel, twice, although its steps
+need ~8; handing the free pages back under pressure (:func:`return_freed_memory_if_low`) kept it alive
+but made every step fault its pages in anew, slower than glibc's defaults. The gain it was made for is
+small once the losses stopped materialising all rows' logits (``docs/benchmarks.md``, training
+throughput, measures both). For fixed shapes (one batch shape repeated) it still saves the first
+steps' faults.
 
 A freed block waits for a request it fits. PyTorch asks for 64-byte-aligned blocks, which glibc before 2.38
 carves from a free block only if it is larger than asked by the alignment's slack, and the slivers it cut
@@ -31,7 +32,7 @@ _NEVER_TRIM = 2**31 - 1  # mallopt takes an int: the heap's free top is returned
 # below this share of the machine's memory available, free pages go back to the kernel (several ranks, or
 # other jobs, share the machine: the kernel's figure counts them all)
 LOW_MEMORY_SHARE = 0.25
-OPT_OUT = "DRAFTSMITH_RETURN_FREED_MEMORY"  # set to 1: leave glibc's defaults (memory returned when freed)
+OPT_IN = "DRAFTSMITH_KEEP_FREED_MEMORY"  # set to 1: keep freed memory for reuse
 
 
 def _glibc() -> ctypes.CDLL | None:
@@ -41,11 +42,11 @@ def _glibc() -> ctypes.CDLL | None:
 
 
 def keep_freed_memory() -> bool:
-    """Ask glibc never to map large blocks on their own and not to trim its heap, so freed memory is
-    reused; True where that was done (Linux with glibc, unless ``DRAFTSMITH_RETURN_FREED_MEMORY=1``)."""
+    """With ``DRAFTSMITH_KEEP_FREED_MEMORY=1``, ask glibc never to map large blocks on their own and not to
+    trim its heap, so freed memory is reused; True where that was done (Linux with glibc)."""
     libc = _glibc()
     mallopt = getattr(libc, "mallopt", None)
-    if os.environ.get(OPT_OUT) == "1" or mallopt is None:
+    if os.environ.get(OPT_IN) != "1" or mallopt is None:
         return False
     return bool(mallopt(_M_MMAP_MAX, 0)) and bool(mallopt(_M_TRIM_THRESHOLD, _NEVER_TRIM))
 

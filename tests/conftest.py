@@ -13,12 +13,11 @@ import pytest
 import torch
 import yaml
 
-from draftsmith.core.malloc import OPT_OUT
+from draftsmith.core.malloc import OPT_IN
 
-# Every command tells glibc to keep the memory its process frees (core/malloc.py), for the rest of that
-# process: the suite, one process running hundreds of commands, keeps glibc's defaults instead, and
-# test_malloc.py checks the setting in processes of its own.
-os.environ.setdefault(OPT_OUT, "1")
+# DRAFTSMITH_KEEP_FREED_MEMORY=1 in a developer's shell would change malloc for the whole suite, one process
+# running hundreds of commands; test_malloc.py checks the setting in processes of its own.
+os.environ.pop(OPT_IN, None)
 
 # ../shared beside the repository root: data every developer and CI run has, never part of the product.
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"

@@ -1,6 +1,7 @@
-"""Freed memory kept for reuse (core/malloc.py), each case in a process of its own: a large block freed and
-allocated again is not page-faulted in anew, and a large tensor lives on the heap, not in a mapping of its
-own that freeing it would hand back to the kernel."""
+"""Freed memory kept for reuse on request (core/malloc.py), each case in a process of its own: a large block
+freed and allocated again is not page-faulted in anew, a large tensor lives on the heap, not in a mapping
+of its own that freeing it would hand back to the kernel, and kept pages go back when memory runs short;
+without the request, glibc's defaults."""
 
 import os
 import platform
@@ -9,7 +10,7 @@ import sys
 
 import pytest
 
-from draftsmith.core.malloc import OPT_OUT
+from draftsmith.core.malloc import OPT_IN
 
 pytestmark = pytest.mark.skipif(
     platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc's malloc only"
@@ -53,30 +54,30 @@ print(before, during, mapped())
 """
 
 
-def run(program: str, opt_out: bool) -> tuple[bool, list[int]]:
-    env = {key: value for key, value in os.environ.items() if key != OPT_OUT}
-    if opt_out:
-        env[OPT_OUT] = "1"
+def run(program: str, keep: bool) -> tuple[bool, list[int]]:
+    env = {key: value for key, value in os.environ.items() if key != OPT_IN}
+    if keep:
+        env[OPT_IN] = "1"
     lines = subprocess.run([sys.executable, "-c", program], env=env, capture_output=True, text=True, check=True)
     kept, *counts = lines.stdout.split()
     return kept == "True", [int(count) for count in counts]
 
 
 def test_a_block_freed_and_allocated_again_is_reused_not_faulted_in_anew():
-    kept, faults = run(FAULTS, opt_out=False)
+    kept, faults = run(FAULTS, keep=True)
     assert kept
     assert faults[0] > 0 and sum(faults[1:]) < faults[0] / 10  # faulted in once (in huge pages, where enabled)
-    returned, faults = run(FAULTS, opt_out=True)
+    returned, faults = run(FAULTS, keep=False)
     assert not returned
-    assert all(count > faults[0] / 2 for count in faults)  # glibc's default: every round maps and zeroes it again
+    assert all(count > faults[0] / 2 for count in faults)  # the default: every round maps and zeroes it again
 
 
 @pytest.mark.skipif(not hasattr(__import__("ctypes").CDLL(None), "mallinfo2"), reason="mallinfo2: glibc 2.33+")
-def test_a_large_tensor_lives_on_the_heap_unless_opted_out():
-    kept, (before, during, after) = run(MAPPED, opt_out=False)
+def test_a_large_tensor_lives_on_the_heap_only_when_asked():
+    kept, (before, during, after) = run(MAPPED, keep=True)
     assert kept
     assert during - before < BLOCK
-    returned, (before, during, after) = run(MAPPED, opt_out=True)
+    returned, (before, during, after) = run(MAPPED, keep=False)
     assert not returned
     assert during - before >= BLOCK and after - before < BLOCK  # mapped on its own, unmapped when freed
 
@@ -106,7 +107,7 @@ print(before, freed, int(never), kept, int(always), resident())
 
 
 def test_freed_memory_goes_back_to_the_kernel_only_when_the_machine_runs_short():
-    kept, (before, freed, never, still, always, after) = run(TRIMMED, opt_out=False)
+    kept, (before, freed, never, still, always, after) = run(TRIMMED, keep=True)
     assert kept and not never and always
     assert freed > before - BLOCK and still > before - BLOCK  # kept for reuse while memory is plentiful
     assert after < before - 3 * BLOCK  # handed back under pressure

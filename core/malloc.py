@@ -8,11 +8,9 @@ command keep freed memory instead (what tcmalloc and jemalloc do, which PyTorch'
 It is off by default because kept memory is not bounded by a step's peak: batches of other shapes leave
 free blocks between live ones that later tensors do not fit. An offline EAGLE-3 run over the whole
 ``sharegpt-smollm2`` set grew that way to 24 GB and was killed by the kernel, twice, although its steps
-need ~8; handing the free pages back under pressure (:func:`return_freed_memory_if_low`) kept it alive
-but made every step fault its pages in anew, slower than glibc's defaults. The gain it was made for is
-small once the losses stopped materialising all rows' logits (``docs/benchmarks.md``, training
-throughput, measures both). For fixed shapes (one batch shape repeated) it still saves the first
-steps' faults.
+need ~8; handing the free pages back under pressure (:func:`return_freed_memory_if_low`) kept it alive,
+trimming every 10-40 steps. The gain it was made for is small once the losses stopped materialising all
+rows' logits (``docs/benchmarks.md``, training, measures it); what is left is the first steps' faults.
 
 A freed block waits for a request it fits. PyTorch asks for 64-byte-aligned blocks, which glibc before 2.38
 carves from a free block only if it is larger than asked by the alignment's slack, and the slivers it cut

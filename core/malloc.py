@@ -21,8 +21,10 @@ fresh memory for a few steps before the freed blocks merge (``docs/benchmarks.md
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import platform
+from pathlib import Path
 
 _M_TRIM_THRESHOLD = -1  # mallopt's parameter numbers (malloc.h)
 _M_MMAP_MAX = -4
@@ -33,6 +35,7 @@ LOW_MEMORY_SHARE = 0.25
 OPT_IN = "DRAFTSMITH_KEEP_FREED_MEMORY"  # set to 1: keep freed memory for reuse
 
 
+@functools.cache  # the trainer asks after every step
 def _glibc() -> ctypes.CDLL | None:
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return None
@@ -52,7 +55,7 @@ def keep_freed_memory() -> bool:
 def available_share(meminfo: str = "/proc/meminfo") -> float | None:
     """The kernel's MemAvailable over MemTotal, or None where the file does not say."""
     try:
-        fields = dict(line.split(":", 1) for line in open(meminfo).read().splitlines() if ":" in line)
+        fields = dict(line.split(":", 1) for line in Path(meminfo).read_text().splitlines() if ":" in line)
         return int(fields["MemAvailable"].split()[0]) / int(fields["MemTotal"].split()[0])
     except (OSError, KeyError, ValueError, ZeroDivisionError):
         return None

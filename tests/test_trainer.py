@@ -378,6 +378,41 @@ def test_export_best_needs_evaluated_checkpoints(tmp_path, recipe_path, capsys):
     assert "recorded eval/sim/accept_length (train with data.eval_samples > 0)" in capsys.readouterr().err
 
 
+def test_an_export_stores_its_weights_in_the_precision_the_run_trained_in(tmp_path, tiny_target_dir, prepared_dir):
+    from draftsmith.inference.methods.learned import load_drafter
+    from draftsmith.inference.runtime import generate
+    from draftsmith.train.commands import EXPORT_DTYPES
+    from draftsmith.train.export import STORAGE_DTYPES
+
+    assert EXPORT_DTYPES == tuple(STORAGE_DTYPES)
+    recipe_path = write_recipe(tmp_path, tiny_target_dir, prepared_dir)
+    recipe = load_train_recipe(recipe_path, ["train.max_steps=1"])
+    train(recipe)  # in float32 (one process keeps one accelerate precision: a bf16 run is said in run_info)
+    run = Path(recipe.output_dir)
+    checkpoint = load_file(str(latest_checkpoint(run) / "drafter" / "model.safetensors"))
+    main(["export", str(run), "--out", str(tmp_path / "fp32-run")])
+    info = json.loads((run / "run_info.json").read_text())
+    (run / "run_info.json").write_text(json.dumps({**info, "mixed_precision": "bf16"}))
+    exports = {tmp_path / "fp32-run": torch.float32}
+    for flag, dtype in (([], torch.bfloat16), (["--dtype", "float32"], torch.float32)):
+        exports[tmp_path / f"export-{dtype}"] = dtype
+        main(["export", str(run), "--out", str(tmp_path / f"export-{dtype}"), *flag])
+    for out, dtype in exports.items():
+        stored = load_file(str(out / "model.safetensors"))
+        assert set(stored) == set(checkpoint)
+        for name, tensor in checkpoint.items():
+            expected = tensor.to(dtype) if tensor.is_floating_point() else tensor
+            assert stored[name].dtype == expected.dtype and torch.equal(stored[name], expected), name
+    target = load_target(str(tiny_target_dir))
+    drafter = load_drafter(tmp_path / f"export-{torch.bfloat16}", target)
+    prompt = target.encode_chat([{"role": "user", "content": "tell me about the sea"}])
+    plain = generate(target.model, prompt, max_new_tokens=24)
+    drafted = generate(target.model, prompt, drafter, max_new_tokens=24)
+    assert drafted.tokens == plain.tokens
+    with pytest.raises(SystemExit):
+        main(["export", str(run), "--out", str(tmp_path / "engine"), "--format", "vllm", "--dtype", "bfloat16"])
+
+
 def test_export_for_vllm_checks_the_verifier(tmp_path, tiny_target_dir, other_target_dir, prepared_dir, capsys):
     from draftsmith.train.commands import EXPORT_FORMATS
     from draftsmith.train.export import FORMATS

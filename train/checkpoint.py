@@ -33,6 +33,7 @@ from draftsmith.drafters.io import save_drafter_weights
 MARKER = "COMPLETE"
 STATE_FILE = "trainer_state.json"
 RESOLVED_RECIPE = "recipe.resolved.yaml"  # the run's recipe, file + overrides + defaults, beside its checkpoints
+RUN_INFO = "run_info.json"  # the run's layout and precision (Trainer.run_info), beside its checkpoints
 DRAFTER_DIR = "drafter"
 RNG_STATE_KEYS = ("random_state", "numpy_random_seed", "torch_manual_seed")  # what accelerate restores
 # The held-out figure that ranks checkpoints, higher is better: the top-1 chain acceptance length every

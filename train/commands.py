@@ -10,6 +10,7 @@ from draftsmith.core.arguments import positive_int
 
 # train.export.FORMATS, spelled out so that building the parser imports no torch (a test keeps them equal)
 EXPORT_FORMATS = ("draftsmith", "vllm", "speculators", "sglang")
+EXPORT_DTYPES = ("float32", "bfloat16")  # train.export.STORAGE_DTYPES' names, likewise
 
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
@@ -55,6 +56,7 @@ def cmd_export(args: argparse.Namespace) -> None:
         verifier=args.verifier,
         best=args.best,
         speculative_tokens=args.speculative_tokens,
+        dtype=args.dtype,
     )
     if args.format != "draftsmith":
         from draftsmith.drafters.io import read_engine_export
@@ -146,5 +148,13 @@ def add_train_commands(subparsers: Any) -> None:
         type=positive_int,
         default=None,
         help="speculators format: tokens proposed per step by default (default: the drafter's tree depth)",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=list(EXPORT_DTYPES),
+        default=None,
+        help="draftsmith layout: the weights' storage precision (default: the run's training precision, bfloat16 "
+        "after train.mixed_precision=bf16, else float32). The runtime computes in the target's dtype either way "
+        "and verifies every token; bfloat16 halves the file and the bytes each draft reads",
     )
     p.set_defaults(func=cmd_export, output_args=("out",))

@@ -16,6 +16,7 @@ from typing import Any
 
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.io import OutputRules, atomic_directory, atomic_write_bytes, atomic_write_json
+from draftsmith.train.checkpoint import RUN_INFO
 
 CURVES_FILES = ("curves.json", "curves.md", "curves.png")
 DEFAULT_METRIC = "eval/sim/accept_length"
@@ -51,7 +52,7 @@ def read_curve(run: Path, metric: str = DEFAULT_METRIC) -> Curve:
 
 
 def _run_info(run: Path) -> dict[str, Any]:
-    info = run / "run_info.json"
+    info = run / RUN_INFO
     return json.loads(info.read_text(encoding="utf-8")) if info.is_file() else {}
 
 

@@ -30,6 +30,7 @@ from draftsmith.drafters.registry import get_family
 from draftsmith.train.checkpoint import (
     DRAFTER_DIR,
     RESOLVED_RECIPE,
+    RUN_INFO,
     CheckpointError,
     complete_checkpoints,
     find_best_checkpoint,
@@ -43,6 +44,18 @@ EMBEDDING = "model.embed_tokens.weight"
 
 
 FORMATS = ("draftsmith", *ENGINE_FORMATS)
+# the precisions an export may store its weights in; the runtime computes in the target's dtype either way
+STORAGE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def trained_precision(run_dir: Path) -> str:
+    """The storage dtype matching the run's training: bfloat16 where its linears computed in bfloat16
+    (``train.mixed_precision`` bf16, recorded in ``run_info.json``), else float32."""
+    try:
+        info = json.loads((run_dir / RUN_INFO).read_text())
+    except (OSError, ValueError):
+        return "float32"
+    return "bfloat16" if isinstance(info, dict) and info.get("mixed_precision") == "bf16" else "float32"
 
 
 def export_run(
@@ -54,9 +67,12 @@ def export_run(
     verifier: str | None = None,
     best: bool = False,
     speculative_tokens: int | None = None,
+    dtype: str | None = None,
 ) -> Path:
     """Write the drafter of ``run_dir``'s last complete checkpoint (or ``checkpoint``, or with ``best``
-    the one with the highest ``eval/sim/accept_length``) to ``out``.
+    the one with the highest ``eval/sim/accept_length``) to ``out``, its floating-point weights stored as
+    ``dtype`` (:data:`STORAGE_DTYPES`; None: :func:`trained_precision`). A drafter's precision never
+    touches losslessness (the target verifies every token); bfloat16 halves the bytes each draft reads.
 
     ``fmt`` other than ``draftsmith`` writes a serving engine's layout (``vllm``, ``speculators``,
     ``sglang``; see :mod:`draftsmith.drafters.engine_layouts`) for ``verifier`` (default: the recipe's
@@ -64,6 +80,11 @@ def export_run(
     run_dir = Path(run_dir)
     if fmt not in FORMATS:
         raise CheckpointError(f"unknown export format {fmt!r}; use one of {', '.join(FORMATS)}")
+    if dtype is not None and (dtype not in STORAGE_DTYPES or fmt != "draftsmith"):
+        raise CheckpointError(
+            f"--dtype {dtype}: an export stores its weights as {' or '.join(STORAGE_DTYPES)}, in draftsmith's "
+            "layout only; an engine layout keeps the checkpoint's"
+        )
     recipe_path = run_dir / RESOLVED_RECIPE
     exported = exported_drafter_source(run_dir) if not recipe_path.is_file() else None
     if exported is not None:
@@ -94,6 +115,7 @@ def export_run(
     model.config.drafter_family = family.name
     check_finite_weights(model.state_dict(), f"{source.name} of {run_dir}", rebuild, CheckpointError)
     if fmt == "draftsmith":
+        model = model.to(STORAGE_DTYPES[dtype or trained_precision(run_dir)])
         return export_drafter(model, state["target_identity"], out, overwrite=overwrite, keep=keep)
     verifier = verifier or recipe.target.name
     return write_engine_layout(model, fmt, verifier, state["target_identity"], speculative_tokens, out, overwrite, keep)

@@ -37,6 +37,7 @@ from draftsmith.drafters.registry import get_family
 from draftsmith.train.batch import TrainBatch
 from draftsmith.train.checkpoint import (
     RESOLVED_RECIPE,
+    RUN_INFO,
     CheckpointError,
     checkpoints_dir,
     complete_checkpoints,
@@ -57,7 +58,6 @@ from draftsmith.train.tracking import Tracker
 
 warn_about_untested_versions()
 
-RUN_INFO = "run_info.json"
 # Recipe keys a resumed run may change: they do not alter what the finished steps computed. The run is
 # found at the current output_dir, so where it was written before (a moved or copied run, or the same
 # place spelt differently: a trailing slash, ./, a relative path) does not matter.

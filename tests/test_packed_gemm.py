@@ -16,7 +16,7 @@ from draftsmith.core.cache import preallocated_cache_for
 from draftsmith.core.cache_kwarg import cache_kwargs
 from draftsmith.core.tree import TreeInputBuffers
 from draftsmith.inference.backends import Backends, verification_forward
-from draftsmith.inference.kernels import packed_gemm
+from draftsmith.inference.kernels import attention, context, packed_gemm
 from draftsmith.inference.kernels.context import KernelContext
 from draftsmith.inference.kernels.native import native_extension
 from draftsmith.inference.kernels.options import KernelOptions
@@ -219,6 +219,44 @@ def test_greedy_identity_with_one_pack_and_the_reference_on_the_same_kernel(kern
             result = generate(model, prompt, drafter, max_new_tokens=24, eos_token_ids=[TINY_EOS], backends=backends)
             assert result.tokens == expected
     assert backends.kernels(model).linear == kernel
+
+
+@ONE_PACK
+def test_a_long_prompt_alone_is_prefilled_by_the_library_kernels(kernel, monkeypatch):
+    """From LIBRARY_PROMPT_ROWS rows on, the model's own forwards (a prompt's prefill, the reference's first
+    forward) multiply through the default kernel and attend through SDPA, but the output head keeps its
+    pack; every other forward keeps the packs and the row-invariant attention, and the runtime still
+    decodes exactly what the reference does."""
+    monkeypatch.setattr(context, "LIBRARY_PROMPT_ROWS", 8)
+    model = fresh_model(seed=11)
+    backends = Backends(KernelOptions(linear=one_pack_kernel(kernel)))
+    consulted, attended = [], []
+    serves, sdpa = PackedGemm.library_serves, attention.sdpa_attention_forward
+
+    def spied_serves(self, linear, rows):
+        consulted.append((linear, rows, serves(self, linear, rows)))
+        return consulted[-1][2]
+
+    def spied_sdpa(module, query, *args, **kwargs):
+        attended.append(query.shape[2])
+        return sdpa(module, query, *args, **kwargs)
+
+    monkeypatch.setattr(PackedGemm, "library_serves", spied_serves)
+    monkeypatch.setattr(attention, "sdpa_attention_forward", spied_sdpa)
+    prompt = [5, 6, 7, 8, 9, 10] * 4
+    with backends.reference_forwards(model):
+        expected = hf_greedy(model, prompt, 16)
+    for drafter in (None, PromptLookupDrafter(num_draft=12)):
+        result = generate(model, prompt, drafter, max_new_tokens=16, eos_token_ids=[TINY_EOS], backends=backends)
+        assert result.tokens == expected
+    library = [(linear, rows) for linear, rows, served in consulted if served]
+    assert library and {rows for _, rows in library} == {len(prompt)}
+    assert all(linear is not model.lm_head for linear, _ in library)
+    with torch.no_grad(), backends.reference_forwards(model):
+        model(torch.tensor([prompt]))  # every row's logits: the head's rows stay on its pack
+    assert not any(served for linear, _, served in consulted if linear is model.lm_head)
+    if backends.kernels(model).rows_attention:
+        assert set(attended) == {len(prompt)}
 
 
 @ONE_PACK

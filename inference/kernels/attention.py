@@ -20,15 +20,19 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
 
 import torch
 from torch import nn
 from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from draftsmith.inference.kernels.native import native_extension
 
 ATTENTION = "draftsmith_rows"  # the name the model's config selects it by
+# query rows from which a forward attends through SDPA instead (sdpa_from_rows; None: never)
+_SDPA_FROM_ROWS: ContextVar[int | None] = ContextVar("draftsmith_sdpa_from_rows", default=None)
 
 
 def rows_attention_available(model: nn.Module, native: bool) -> bool:
@@ -54,6 +58,9 @@ def rows_attention_forward(
     """An attention function with the interface and the mask semantics of transformers'
     ``sdpa_attention_forward`` (no mask: every key for one query row, else causal; a causal prefill
     over a longer cache reads its first rows, SDPA's upper-left alignment), computed by ``attend``."""
+    sdpa_from = _SDPA_FROM_ROWS.get()
+    if sdpa_from is not None and query.shape[2] >= sdpa_from:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
     if dropout and module.training:
         raise ValueError(f"the {ATTENTION} attention serves inference only; train with attn_implementation='sdpa'")
     if kwargs.get("softcap") is not None or kwargs.get("position_bias") is not None:
@@ -74,6 +81,17 @@ def rows_attention_forward(
 
 AttentionInterface.register(ATTENTION, rows_attention_forward)
 AttentionMaskInterface.register(ATTENTION, sdpa_mask)
+
+
+@contextmanager
+def sdpa_from_rows(rows: int) -> Iterator[None]:
+    """Within this context, a forward of ``rows`` query rows or more attends through SDPA (a long prompt's
+    prefill, whose rows no later forward computes again: see :meth:`KernelContext.model_forwards`)."""
+    token = _SDPA_FROM_ROWS.set(rows)
+    try:
+        yield
+    finally:
+        _SDPA_FROM_ROWS.reset(token)
 
 
 @contextmanager

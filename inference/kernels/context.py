@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from draftsmith.inference.kernels.attention import model_attention, rows_attention_available
+from draftsmith.inference.kernels.attention import model_attention, rows_attention_available, sdpa_from_rows
 from draftsmith.inference.kernels.direct_forward import (
     DirectForward,
     direct_forward_architecture,
@@ -31,6 +31,9 @@ from draftsmith.inference.kernels.options import KernelOptions
 from draftsmith.inference.kernels.packed_gemm import ONE_PACK_KERNELS, PackedGemm, linear_kernel_for
 
 T = TypeVar("T")
+# a prompt of this many tokens or more is prefilled by the library's kernels (model_forwards): on the Intel
+# VM of docs/benchmarks.md they beat the stream kernel and the row-by-row attention from ~300 rows on
+LIBRARY_PROMPT_ROWS = 384
 FULL_HEAD_CANDIDATES = (2, 4, 8, 16, 32)  # verification row counts at which the screen and the full head are timed
 
 
@@ -54,11 +57,20 @@ class KernelContext:
     def model_forwards(self) -> AbstractContextManager[None]:
         """The context for the model's own forwards (the prompt's prefill, a reference ``generate``) that
         keeps them the runtime's numerical model: the linears' one-pack kernel
-        (:meth:`PackedGemm.model_forwards`) and the row-invariant attention where the runtime uses them."""
+        (:meth:`PackedGemm.model_forwards`) and the row-invariant attention where the runtime uses them.
+
+        A forward of :data:`LIBRARY_PROMPT_ROWS` rows or more runs the library's large-matrix kernels
+        instead (MKL's GEMM, SDPA; the output head keeps its pack): row invariance is what lets a tree's
+        rows stand for plain steps, and no later forward computes a prompt's rows again. Here the only
+        such forward is a prompt's: the runtime's prefill and the reference's first forward run the same
+        prompt through this same context, so both still compute the same floats."""
         stack = ExitStack()
         if self.gemm is not None:
             stack.enter_context(self.gemm.model_forwards())
+            stack.enter_context(self.gemm.library_from_rows(LIBRARY_PROMPT_ROWS))
         stack.enter_context(self.attention())
+        if self.rows_attention:
+            stack.enter_context(sdpa_from_rows(LIBRARY_PROMPT_ROWS))
         return stack
 
     def attention(self) -> AbstractContextManager[None]:

@@ -128,7 +128,7 @@ class PackedLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
         pack = self.active_pack(rows)
-        if pack is None:
+        if pack is None or self._owner.library_serves(self, rows):
             return F.linear(x, self.weight, self.bias)
         if self._owner.kernel == "stream":
             out = one_pack_product("stream", x, pack)
@@ -165,6 +165,11 @@ class PackedGemm:
             raise ValueError(f"PackedGemm packs for 'stream', 'onednn' or 'mkl', not {kernel!r}")
         self.kernel = kernel
         self.active = False
+        self.library_from: int | None = None  # input rows from which the default kernel serves (library_from_rows)
+        # the output head always multiplies through its pack: a prompt's last row is the first token's logits,
+        # and how many rows reach the head (all, or the last alone) differs between callers
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        self._head = head if isinstance(head, nn.Linear) else None
         self._linears: list[PackedLinear] = []
         for module in model.modules():
             if type(module) in (nn.Linear, PackedLinear):
@@ -266,6 +271,20 @@ class PackedGemm:
             if module._packs and not module._packed_from.still(module._parameters["weight"]):
                 module._packs.clear()
                 self.generation += 1
+
+    def library_serves(self, linear: nn.Module, rows: int) -> bool:
+        """Whether a ``rows``-row input of ``linear`` goes to the default kernel though it has a pack."""
+        return self.library_from is not None and rows >= self.library_from and linear is not self._head
+
+    @contextmanager
+    def library_from_rows(self, rows: int) -> Iterator[None]:
+        """Within this context, inputs of ``rows`` rows or more (a long prompt's prefill) multiply through
+        the default kernel (MKL's large GEMM), but the output head's."""
+        before, self.library_from = self.library_from, rows
+        try:
+            yield
+        finally:
+            self.library_from = before
 
     @contextmanager
     def rows(self) -> Iterator[None]:

@@ -46,6 +46,12 @@ class CheckpointError(DraftsmithError, RuntimeError):
     """A checkpoint that is missing, incomplete or does not fit the run."""
 
 
+def read_run_info(run: Path) -> dict[str, Any]:
+    """The run's ``run_info.json`` (:data:`RUN_INFO`; empty where the run has none)."""
+    info = Path(run) / RUN_INFO
+    return json.loads(info.read_text(encoding="utf-8")) if info.is_file() else {}
+
+
 def checkpoints_dir(output_dir: Path) -> Path:
     return Path(output_dir) / "checkpoints"
 

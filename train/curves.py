@@ -16,7 +16,7 @@ from typing import Any
 
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.io import OutputRules, atomic_directory, atomic_write_bytes, atomic_write_json
-from draftsmith.train.checkpoint import RUN_INFO
+from draftsmith.train.checkpoint import read_run_info
 
 CURVES_FILES = ("curves.json", "curves.md", "curves.png")
 DEFAULT_METRIC = "eval/sim/accept_length"
@@ -51,13 +51,8 @@ def read_curve(run: Path, metric: str = DEFAULT_METRIC) -> Curve:
     return Curve(str(run), _label(run), [by_step[step] for step in sorted(by_step)])
 
 
-def _run_info(run: Path) -> dict[str, Any]:
-    info = run / RUN_INFO
-    return json.loads(info.read_text(encoding="utf-8")) if info.is_file() else {}
-
-
 def _label(run: Path) -> str:
-    samples = _run_info(run).get("train_samples")
+    samples = read_run_info(run).get("train_samples")
     return f"{samples:,} training samples" if samples else run.name
 
 
@@ -65,7 +60,7 @@ def read_curves(runs: list[Path], metric: str = DEFAULT_METRIC) -> list[Curve]:
     """One curve per run; where the runs train different drafter families (a same-data comparison),
     each label starts with its family."""
     curves = [read_curve(run, metric) for run in runs]
-    families = [_run_info(run).get("family") for run in runs]
+    families = [read_run_info(run).get("family") for run in runs]
     if None not in families and len(set(families)) > 1:
         for curve, family in zip(curves, families, strict=True):
             curve.label = f"{family}, {curve.label}"

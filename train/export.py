@@ -30,11 +30,11 @@ from draftsmith.drafters.registry import get_family
 from draftsmith.train.checkpoint import (
     DRAFTER_DIR,
     RESOLVED_RECIPE,
-    RUN_INFO,
     CheckpointError,
     complete_checkpoints,
     find_best_checkpoint,
     find_checkpoint,
+    read_run_info,
     read_state,
 )
 from draftsmith.train.recipe import TrainRecipe
@@ -52,7 +52,7 @@ def trained_precision(run_dir: Path) -> str:
     """The storage dtype matching the run's training: bfloat16 where its linears computed in bfloat16
     (``train.mixed_precision`` bf16, recorded in ``run_info.json``), else float32."""
     try:
-        info = json.loads((run_dir / RUN_INFO).read_text())
+        info = read_run_info(run_dir)
     except (OSError, ValueError):
         return "float32"
     return "bfloat16" if isinstance(info, dict) and info.get("mixed_precision") == "bf16" else "float32"

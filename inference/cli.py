@@ -93,6 +93,7 @@ def _backends(args: argparse.Namespace):
         linear=args.linear,
         greedy_head=not args.no_greedy_head,
         native=not args.no_native,
+        weight_codes=not args.no_weight_codes,
         threads=args.threads,
     )
     options.apply_threads()
@@ -274,6 +275,9 @@ def _kernel_parent(compile: bool) -> argparse.ArgumentParser:
         "--no-native": "run verification forwards through the Python loop instead of the runtime's C++ decoder "
         "layers and contender search (the same operations and tokens; the C++ kernels are built once per machine "
         "with g++, ~30 s, and save the interpreter's time between ~1,000 small calls per forward)",
+        "--no-weight-codes": "keep the stream kernel's packs in float32 (or bfloat16) where every weight of a projection "
+        "is an exact 4-bit block code (a target dequantised from GGUF Q4_1, as the embedded one: its packs then "
+        "read 0.75 bytes a weight instead of 4, and compute the same floats)",
     }
     for flag, text in switches.items():
         p.add_argument(flag, action="store_true", help=text + "; float32 on CPU only")

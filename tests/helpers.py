@@ -418,3 +418,14 @@ def skip_without_avx512() -> None:
         built.stream_linear(torch.zeros(1, 1), built.stream_pack(torch.zeros(16, 1)), isa="avx512")
     except RuntimeError as error:
         pytest.skip(str(error).splitlines()[0])
+
+
+def q4_1_dequantised(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` (out, in; in a multiple of 32) as a GGUF Q4_1 file holds it, read back as gguf-py reads it:
+    per 32 inputs, codes round((w - min) / d) with d = (max - min) / 15, d and min stored as float16, then
+    d * code + min in float32 (a product, then a sum)."""
+    groups = weight.reshape(weight.shape[0], -1, 32)
+    least, greatest = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
+    step = (greatest - least) / 15
+    codes = torch.where(step > 0, (groups - least) / step, torch.zeros_like(groups)).add(0.5).floor().clamp(0, 15)
+    return (step.half().float() * codes + least.half().float()).reshape(weight.shape)

@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 
 from draftsmith.inference.measure.bench_tree import build_tree, parse_sizes
 from draftsmith.inference.measure.errors import BenchError
@@ -101,3 +102,24 @@ def test_too_long_a_prefix_is_a_clear_error(tiny_target_dir, capsys):
         main(["bench-tree", "--target", str(tiny_target_dir), "--sizes", "64", "--prefix", "500", "--repeats", "1"])
     assert exit_info.value.code == 2
     assert "exceeds the target's 512 positions" in capsys.readouterr().err
+
+
+def test_a_step_reads_the_stream_packs_as_they_hold_the_weights():
+    """Where the stream kernel packs a linear's weights as 4-bit codes, the floor counts the codes' bytes."""
+    from conftest import tiny_llama
+    from draftsmith.inference.kernels.packed_gemm import PackedGemm, linear_kernel_available
+    from draftsmith.inference.measure.floor import step_weight_bytes
+    from helpers import q4_1_dequantised
+
+    if not linear_kernel_available("stream"):
+        pytest.skip("the stream kernel does not run here")
+    model = tiny_llama(97, seed=0)
+    linears = [module for module in model.model.layers.modules() if isinstance(module, torch.nn.Linear)]
+    with torch.no_grad():
+        for linear in linears:
+            linear.weight.copy_(q4_1_dequantised(linear.weight))
+    unpacked = step_weight_bytes(model, None)
+    PackedGemm(model, "stream").padded_rows(1)
+    saved = sum(linear.weight.numel() * 4 - linear.weight.numel() * 3 // 4 for linear in linears)
+    assert step_weight_bytes(model, None) == unpacked - saved
+    assert step_weight_bytes(model, None, as_packed=False) == unpacked

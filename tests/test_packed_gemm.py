@@ -23,7 +23,7 @@ from draftsmith.inference.kernels.options import KernelOptions
 from draftsmith.inference.kernels.packed_gemm import PackedGemm, PackedLinear, linear_kernel_available, row_bucket
 from draftsmith.inference.methods.pld import PromptLookupDrafter
 from draftsmith.inference.runtime import generate
-from helpers import TINY_EOS, hf_greedy, seeded_random_tree, skip_without_avx512
+from helpers import TINY_EOS, hf_greedy, q4_1_dequantised, seeded_random_tree, skip_without_avx512
 
 VOCAB = 97
 mkl = pytest.mark.skipif(not linear_kernel_available("mkl"), reason="PyTorch built without MKL")
@@ -364,6 +364,54 @@ def test_a_bfloat16_weight_packs_in_half_the_bytes_and_gives_the_same_floats(out
             )
     weight[-1, -1] = 1.0 + 2.0**-12  # 13 significant bits
     assert native.stream_pack(weight).dtype == torch.float32
+
+
+@pytest.mark.parametrize("outputs, inputs", [(16, 32), (48, 96), (80, 320), (576, 64)])
+def test_weights_of_4bit_blocks_pack_as_their_codes_and_give_the_float32_packs_floats(outputs, inputs):
+    """A weight dequantised from GGUF Q4_1 blocks is packed as its 4-bit codes (0.75 bytes a weight) and
+    rebuilt exactly as it is read: bitwise the float32 pack's products for any rows, with both instruction
+    sets. One value off the blocks' grid, a shape the code pack does not tile, or ``codes=False`` keep the
+    float32 pack."""
+    one_pack_kernel("stream")
+    native = native_extension()
+    generator = torch.Generator().manual_seed(outputs + inputs)
+    weight = q4_1_dequantised(torch.randn(outputs, inputs, generator=generator))
+    rows = torch.randn(33, inputs, generator=generator)
+    codes, wide = native.stream_pack(weight), native.stream_pack(weight, codes=False)
+    assert codes.dtype == torch.uint8 and codes.numel() == weight.numel() * 3 // 4 and wide.dtype == torch.float32
+    for isa in ["avx2"] + (["avx512"] if _has_avx512() else []):
+        for count in (1, 2, 3, 4, 5, 8, 9, 13, 17, 33):
+            expected = native.stream_linear(rows[:count], wide, isa=isa)
+            assert torch.equal(native.stream_linear(rows[:count], codes, isa=isa), expected)
+    assert native.stream_pack(weight[: outputs - 8]).dtype == torch.float32  # not whole blocks of 16 outputs
+    assert native.stream_pack(q4_1_dequantised(torch.randn(16, 64))[:, :48].contiguous()).dtype == torch.float32
+    weight[-1, -1] = torch.nextafter(weight[-1, -1], torch.tensor(1.0))
+    assert native.stream_pack(weight).dtype == torch.float32
+
+
+def test_a_target_dequantised_from_4bit_blocks_decodes_the_same_from_its_codes():
+    """The tiny Llama with Q4_1-rounded linears (as the embedded GGUF target's): its stream packs hold
+    codes, ``bench`` names them, and plain and speculative decoding equal the reference on the same packs,
+    with and without codes (``weight_codes=False``)."""
+    one_pack_kernel("stream")
+    model = fresh_model(seed=9)
+    with torch.no_grad():
+        for linear in model.model.layers.modules():
+            if isinstance(linear, torch.nn.Linear):
+                linear.weight.copy_(q4_1_dequantised(linear.weight))
+    prompt = [5, 9, 11, 5, 9, 11, 7, 5, 9]
+    outputs = {}
+    for codes in (True, False):
+        backends = Backends(KernelOptions(linear="stream", weight_codes=codes))
+        with backends.reference_forwards(model):
+            reference = hf_greedy(model, prompt, 24)
+        for drafter in (None, PromptLookupDrafter(num_draft=6)):
+            result = generate(model, prompt, drafter, max_new_tokens=24, eos_token_ids=[TINY_EOS], backends=backends)
+            assert result.tokens == reference
+        forms = backends.kernels(model).linear_record()["pack_forms"]
+        assert forms.get("exact 4-bit codes", 0) == (14 if codes else 0), forms  # 7 projections x 2 layers
+        outputs[codes] = reference
+    assert outputs[True] == outputs[False]
 
 
 def _has_avx512() -> bool:

@@ -44,7 +44,7 @@ class KernelContext:
     def __init__(self, model: nn.Module, options: KernelOptions) -> None:
         self.model, self.options = model, options
         self.linear = linear_kernel_for(model, options.linear, options.native)  # what the options ask, where it serves
-        self.gemm = PackedGemm(model, self.linear) if self.linear != "default" else None
+        self.gemm = PackedGemm(model, self.linear, options.weight_codes) if self.linear != "default" else None
         self.rows_attention = rows_attention_available(model, options.native)  # attention.py
         self._direct: DirectForward | None = None
         self._head: GreedyHead | None = None
@@ -173,7 +173,8 @@ class KernelContext:
             return {"kernel": "default"}
         record: dict[str, Any] = {"kernel": gemm.kernel, "pack_seconds": round(gemm.pack_seconds, 1)}
         if gemm.kernel in ONE_PACK_KERNELS:
-            return {**record, "row_invariant": gemm.row_invariant(), "full_head_from": self.full_head_from}
+            invariant = {"row_invariant": gemm.row_invariant(), "full_head_from": self.full_head_from}
+            return {**record, **invariant, "pack_forms": gemm.pack_forms()}
         return {**record, "buckets": gemm.buckets}
 
     @property

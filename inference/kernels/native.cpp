@@ -26,6 +26,7 @@
 #endif
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdlib>
 #include <cstdint>
@@ -53,6 +54,8 @@ enum Weight { kInputNorm, kQuery, kKey, kValue, kOutput, kGate, kUp, kDown, kPos
 constexpr int64_t kProjections = 7;  // kQuery .. kDown
 constexpr int64_t kContenderSpan = 8192;  // tokens per task of screen_contenders
 constexpr int64_t kStreamBlock = 16;  // outputs per block of a stream pack (stream_pack): two vectors
+constexpr int64_t kCodeGroup = 32;  // inputs sharing a step and an offset in a code pack (code_pack)
+constexpr int64_t kCodeGroupBytes = 2 * kStreamBlock * sizeof(float) + kCodeGroup * kStreamBlock / 2;
 
 // The glue between a layer's products computes what the Python loop's ATen calls compute, element by
 // element, in plain loops: each element's product, sum or quotient is one IEEE float32 operation whatever
@@ -586,6 +589,175 @@ AVX2 void stream_tail(const float* x, int64_t rows, const W* pack, int64_t I, in
     }
 }
 
+// ---- exact 4-bit codes ----
+// Weights dequantised from a 4-bit block format (GGUF's Q4_1, as the embedded target's) are, in every
+// group of 32 neighbouring inputs of an output, w = fl(fl(d * q) + m) for codes q in 0..15 and one float16
+// step d and offset m per group. stream_pack finds such weights (code_pack, every weight rebuilt bit for
+// bit, else the float32 or bfloat16 pack) and stores the codes with each group's d and m; the kernel
+// rebuilds each weight as one fused multiply-add d * q + m (d * q has at most 11 + 4 significant bits, so
+// it is exact in float32 and fusing rounds once, as the sum alone does) before the same fused multiply-add
+// input by input: the floats of the float32 pack, from 0.75 bytes a weight instead of 4.
+// A code pack is uint8 (O / 16, I / 32 * kCodeGroupBytes): per block of 16 outputs and group of 32
+// inputs, the 16 outputs' d and m (float32), then per pair of inputs (k, k + 1) 16 bytes, byte j holding
+// output j's code for k in its low half and for k + 1 in its high half.
+constexpr int64_t kCodeGroupsPerTile = 4;  // a tile's 1.5 KB of a block stay in L1 across row passes
+constexpr int64_t kCode512WideRows = 2;    // the most rows four blocks a tile take (4 x 2 sums, 4 x 2 steps and offsets)
+constexpr int64_t kCode512MaxRowsPerPass = 8;  // two blocks: 2 x 8 sums, 2 x 2 steps and offsets
+constexpr int64_t kCodeMaxRowsPerPass = 3;     // AVX2, one block: 2 x 3 sums, 2 x 2 steps and offsets
+
+// A pair's weights of one block. Each code becomes its float by a table lookup on the shuffle port
+// (_mm512_permutexvar_ps reads an index's low 4 bits alone, so neither half of a byte needs masking)
+// rather than a conversion on the port the multiply-adds take.
+AVX512 inline void code_weights_512(const uint8_t* pair, __m512 d, __m512 m, __m512* first, __m512* second) {
+  const __m512 floats = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(pair));
+  const __m512i codes0 = _mm512_cvtepu8_epi32(bytes), codes1 = _mm512_cvtepu8_epi32(_mm_srli_epi16(bytes, 4));
+  *first = _mm512_fmadd_ps(d, _mm512_permutexvar_ps(codes0, floats), m);
+  *second = _mm512_fmadd_ps(d, _mm512_permutexvar_ps(codes1, floats), m);
+}
+
+// Asks the L2 cache for group g of B blocks from `later` (block_bytes apart), as stream_tile does.
+template <int B>
+inline void prefetch_groups(const uint8_t* later, int64_t block_bytes, int64_t g) {
+  if (later == nullptr) return;
+#pragma GCC unroll 16
+  for (int b = 0; b < B; ++b)
+    for (int64_t line = 0; line < kCodeGroupBytes; line += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(later + b * block_bytes + g * kCodeGroupBytes + line), _MM_HINT_T1);
+}
+
+// stream_tile_512's sums for a code pack: groups [g0, g1) of B neighbouring blocks (`w`: the first
+// block's bytes, `block_bytes` apart), R rows of x (R x I).
+template <int R, int B>
+AVX512 inline void code_tile_512(const float* x, int64_t I, const uint8_t* w, int64_t block_bytes, int64_t g0,
+                                 int64_t g1, const uint8_t* later, float* y, int64_t O, int64_t o) {
+  __m512 acc[B][R];
+#pragma GCC unroll 16
+  for (int b = 0; b < B; ++b)
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r)
+      acc[b][r] = g0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(y + r * O + o + b * kStreamBlock);
+  for (int64_t g = g0; g < g1; ++g) {
+    prefetch_groups<B>(later, block_bytes, g);
+    __m512 d[B], m[B];
+    const uint8_t* codes[B];
+#pragma GCC unroll 16
+    for (int b = 0; b < B; ++b) {
+      const uint8_t* group = w + b * block_bytes + g * kCodeGroupBytes;
+      d[b] = _mm512_loadu_ps(reinterpret_cast<const float*>(group));
+      m[b] = _mm512_loadu_ps(reinterpret_cast<const float*>(group) + kStreamBlock);
+      codes[b] = group + 2 * kStreamBlock * sizeof(float);
+    }
+    const float* xk = x + g * kCodeGroup;
+    for (int64_t pair = 0; pair < kCodeGroup / 2; ++pair) {
+      __m512 first[B], second[B];
+#pragma GCC unroll 16
+      for (int b = 0; b < B; ++b) code_weights_512(codes[b] + pair * kStreamBlock, d[b], m[b], &first[b], &second[b]);
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) {
+        const __m512 x0 = _mm512_set1_ps(xk[r * I + 2 * pair]), x1 = _mm512_set1_ps(xk[r * I + 2 * pair + 1]);
+#pragma GCC unroll 16
+        for (int b = 0; b < B; ++b) acc[b][r] = _mm512_fmadd_ps(second[b], x1, _mm512_fmadd_ps(first[b], x0, acc[b][r]));
+      }
+    }
+  }
+#pragma GCC unroll 16
+  for (int b = 0; b < B; ++b)
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * O + o + b * kStreamBlock, acc[b][r]);
+}
+
+AVX2 inline __m256 code_half(__m128i codes, __m256 d, __m256 m) {
+  return _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(codes)), m);
+}
+
+// code_tile_512's sums with AVX2, one block a tile: a block's 16 outputs are two vectors.
+template <int R>
+AVX2 inline void code_tile(const float* x, int64_t I, const uint8_t* w, int64_t block_bytes, int64_t g0, int64_t g1,
+                           const uint8_t* later, float* y, int64_t O, int64_t o) {
+  __m256 low[R], high[R];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    low[r] = g0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(y + r * O + o);
+    high[r] = g0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(y + r * O + o + 8);
+  }
+  const __m128i nibble = _mm_set1_epi8(0x0F);
+  for (int64_t g = g0; g < g1; ++g) {
+    prefetch_groups<1>(later, block_bytes, g);
+    const float* group = reinterpret_cast<const float*>(w + g * kCodeGroupBytes);
+    const __m256 d0 = _mm256_loadu_ps(group), d1 = _mm256_loadu_ps(group + 8);
+    const __m256 m0 = _mm256_loadu_ps(group + 16), m1 = _mm256_loadu_ps(group + 24);
+    const uint8_t* codes = w + g * kCodeGroupBytes + 2 * kStreamBlock * sizeof(float);
+    const float* xk = x + g * kCodeGroup;
+    for (int64_t pair = 0; pair < kCodeGroup / 2; ++pair) {
+      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + pair * kStreamBlock));
+      const __m128i codes0 = _mm_and_si128(bytes, nibble), codes1 = _mm_and_si128(_mm_srli_epi16(bytes, 4), nibble);
+      const __m256 first0 = code_half(codes0, d0, m0), first1 = code_half(_mm_srli_si128(codes0, 8), d1, m1);
+      const __m256 second0 = code_half(codes1, d0, m0), second1 = code_half(_mm_srli_si128(codes1, 8), d1, m1);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const __m256 x0 = _mm256_broadcast_ss(xk + r * I + 2 * pair), x1 = _mm256_broadcast_ss(xk + r * I + 2 * pair + 1);
+        low[r] = _mm256_fmadd_ps(second0, x1, _mm256_fmadd_ps(first0, x0, low[r]));
+        high[r] = _mm256_fmadd_ps(second1, x1, _mm256_fmadd_ps(first1, x0, high[r]));
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_ps(y + r * O + o, low[r]);
+    _mm256_storeu_ps(y + r * O + o + 8, high[r]);
+  }
+}
+
+template <bool Wide, int B>
+void code_pass(int64_t rows, const float* x, int64_t I, const uint8_t* w, int64_t block_bytes, int64_t g0, int64_t g1,
+               const uint8_t* later, float* y, int64_t O, int64_t o) {
+  if constexpr (Wide)
+    with_rows<kCode512MaxRowsPerPass>(
+        rows, [&](auto r) { code_tile_512<decltype(r)::value, B>(x, I, w, block_bytes, g0, g1, later, y, O, o); });
+  else
+    with_rows<kCodeMaxRowsPerPass>(
+        rows, [&](auto r) { code_tile<decltype(r)::value>(x, I, w, block_bytes, g0, g1, later, y, O, o); });
+}
+
+// stream_tiles for a code pack: blocks [begin, end), B a tile (the last ones alone), kCodeGroupsPerTile
+// groups of inputs at a time, rows in passes of equal size of at most max_rows.
+template <bool Wide, int B>
+void code_tiles(const float* x, int64_t rows, int64_t max_rows, const uint8_t* pack, int64_t I, int64_t O,
+                int64_t begin, int64_t end, float* y) {
+  const int64_t groups = I / kCodeGroup, block_bytes = groups * kCodeGroupBytes;
+  const int64_t passes = (rows + max_rows - 1) / max_rows;
+  for (int64_t block = begin; block < end;) {
+    const int64_t blocks = end - block >= B ? B : 1;
+    const uint8_t* w = pack + block * block_bytes;
+    const uint8_t* later = block + 2 * blocks <= end ? w + blocks * block_bytes : nullptr;
+    for (int64_t g0 = 0; g0 < groups; g0 += kCodeGroupsPerTile) {
+      const int64_t g1 = std::min(groups, g0 + kCodeGroupsPerTile);
+      for (int64_t pass = 0, r = 0; pass < passes; ++pass) {
+        const int64_t here = (rows - r) / (passes - pass);
+        const uint8_t* ahead = pass == 0 ? later : nullptr;
+        if (blocks == B)
+          code_pass<Wide, B>(here, x + r * I, I, w, block_bytes, g0, g1, ahead, y + r * O, O, block * kStreamBlock);
+        else
+          code_pass<Wide, 1>(here, x + r * I, I, w, block_bytes, g0, g1, ahead, y + r * O, O, block * kStreamBlock);
+        r += here;
+      }
+    }
+    block += blocks;
+  }
+}
+
+// AVX-512: four blocks a tile for up to kCode512WideRows rows, two for more; AVX2: one.
+void code_blocks(bool wide, const float* x, int64_t rows, const uint8_t* pack, int64_t I, int64_t O, int64_t begin,
+                 int64_t end, float* y) {
+  if (!wide)
+    code_tiles<false, 1>(x, rows, kCodeMaxRowsPerPass, pack, I, O, begin, end, y);
+  else if (rows <= kCode512WideRows)
+    code_tiles<true, 4>(x, rows, kCode512WideRows, pack, I, O, begin, end, y);
+  else
+    code_tiles<true, 2>(x, rows, kCode512MaxRowsPerPass, pack, I, O, begin, end, y);
+}
+
 // e^x for x <= 0 (softmax's shifted scores), lane by lane: Cephes' expf (range reduction by ln 2 in
 // two parts, a degree-5 polynomial), within a few ulp of the exact value. A lane's result depends on
 // that lane alone, so a score's weight is the same in any vector of scores.
@@ -986,10 +1158,83 @@ at::Tensor huge_page_empty(const std::vector<int64_t>& shape, at::ScalarType dty
 #endif
 }
 
-// The stream pack of a float32 weight (O, I) (see stream_blocks): with `narrow`, bfloat16 where every
-// weight is a bfloat16 value (bit for bit: -0 and +0 kept apart), else float32.
-at::Tensor stream_pack(const at::Tensor& weight, bool narrow) {
+namespace {
+
+// Whether the 32 weights w are fl(fl(d * q) + m) for codes q in 0..15, m their least and d a float16 value
+// near (greatest - least) / 15 (how a Q4_1 block is dequantised): then d, m and the codes are set.
+bool affine_codes(const float* w, float* d, float* m, uint8_t* codes) {
+  float least = w[0], greatest = w[0];
+  for (int64_t i = 1; i < kCodeGroup; ++i) {
+    least = std::min(least, w[i]);
+    greatest = std::max(greatest, w[i]);
+  }
+  if (!std::isfinite(least) || !std::isfinite(greatest)) return false;
+  const uint16_t nearest = c10::Half((greatest - least) / 15.0f).x;
+  for (const int offset : {0, 1, -1, 2, -2}) {
+    const float step = static_cast<float>(c10::Half(static_cast<uint16_t>(nearest + offset), c10::Half::from_bits()));
+    if (!std::isfinite(step) || step < 0.0f) continue;
+    bool exact = true;
+    for (int64_t i = 0; i < kCodeGroup && exact; ++i) {
+      const float code = step > 0.0f ? std::nearbyint((w[i] - least) / step) : 0.0f;
+      codes[i] = static_cast<uint8_t>(std::clamp(code, 0.0f, 15.0f));
+      const float product = step * static_cast<float>(codes[i]);
+      const float rebuilt = product + least;
+      exact = std::memcmp(&rebuilt, &w[i], sizeof rebuilt) == 0;
+    }
+    if (exact) {
+      *d = step;
+      *m = least;
+      return true;
+    }
+  }
+  return false;
+}
+
+// The code pack of a float32 weight (O, I) (see kCodeGroup), or an undefined tensor where a weight is not
+// so rebuilt (or O is not a multiple of 16, or I of 32).
+at::Tensor code_pack(const at::Tensor& weight) {
+  const int64_t O = weight.size(0), I = weight.size(1);
+  if (O % kStreamBlock != 0 || I % kCodeGroup != 0) return at::Tensor();
+  const at::Tensor values = weight.contiguous();
+  const float* wp = values.data_ptr<float>();
+  const int64_t groups = I / kCodeGroup;
+  at::Tensor staged = at::empty({O / kStreamBlock, groups * kCodeGroupBytes}, at::kByte);
+  uint8_t* sp = staged.data_ptr<uint8_t>();
+  std::atomic<bool> exact{true};
+  at::parallel_for(0, O / kStreamBlock, 1, [&](int64_t begin, int64_t end) {
+    uint8_t codes[kCodeGroup];
+    for (int64_t block = begin; block < end && exact.load(std::memory_order_relaxed); ++block)
+      for (int64_t g = 0; g < groups; ++g) {
+        uint8_t* group = sp + (block * groups + g) * kCodeGroupBytes;
+        float* steps = reinterpret_cast<float*>(group);
+        uint8_t* pairs = group + 2 * kStreamBlock * sizeof(float);
+        for (int64_t j = 0; j < kStreamBlock; ++j) {
+          const float* w = wp + (block * kStreamBlock + j) * I + g * kCodeGroup;
+          if (!affine_codes(w, &steps[j], &steps[kStreamBlock + j], codes)) {
+            exact = false;
+            return;
+          }
+          for (int64_t pair = 0; pair < kCodeGroup / 2; ++pair)
+            pairs[pair * kStreamBlock + j] = static_cast<uint8_t>(codes[2 * pair] | (codes[2 * pair + 1] << 4));
+        }
+      }
+  });
+  if (!exact) return at::Tensor();
+  at::Tensor pack = huge_page_empty({O / kStreamBlock, groups * kCodeGroupBytes}, at::kByte);
+  return pack.copy_(staged);
+}
+
+}  // namespace
+
+// The stream pack of a float32 weight (O, I) (see stream_blocks): with `narrow`, 4-bit codes where they
+// rebuild every weight (code_pack; with `codes`), else bfloat16 where every weight is a bfloat16 value
+// (bit for bit: -0 and +0 kept apart), else float32.
+at::Tensor stream_pack(const at::Tensor& weight, bool narrow, bool codes) {
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat, "stream_pack: a float32 (out, in) weight");
+  if (narrow && codes) {
+    const at::Tensor coded = code_pack(weight);
+    if (coded.defined()) return coded;
+  }
   const int64_t O = weight.size(0), I = weight.size(1), full = O / kStreamBlock * kStreamBlock;
   const at::Tensor halves = weight.to(at::kBFloat16);
   const bool exact = narrow && at::equal(halves.view(at::kShort).to(at::kInt).bitwise_left_shift(16),
@@ -1033,11 +1278,14 @@ bool wide_vectors(const std::string& isa, const char* what) {
 at::Tensor stream_linear(const at::Tensor& rows, const at::Tensor& pack, const std::string& isa) {
   RECORD_FUNCTION("draftsmith::stream_linear", std::vector<c10::IValue>());  // named in bench-tree --profile
   TORCH_CHECK(simd_supported(), "stream_linear: needs an x86-64 CPU with AVX2 and FMA");
-  TORCH_CHECK(pack.dim() == 2 && (pack.scalar_type() == at::kFloat || pack.scalar_type() == at::kBFloat16) &&
-                  pack.is_contiguous(),
+  const bool codes = pack.scalar_type() == at::kByte;
+  TORCH_CHECK(pack.dim() == 2 && (pack.scalar_type() == at::kFloat || pack.scalar_type() == at::kBFloat16 || codes) &&
+                  pack.is_contiguous() && (!codes || pack.size(1) % kCodeGroupBytes == 0),
               "stream_linear: pack");
-  TORCH_CHECK(rows.scalar_type() == at::kFloat && rows.size(-1) == pack.size(1), "stream_linear: rows");
-  const int64_t O = pack.size(0), I = pack.size(1), count = rows.numel() / I;
+  const int64_t O = codes ? pack.size(0) * kStreamBlock : pack.size(0);
+  const int64_t I = codes ? pack.size(1) / kCodeGroupBytes * kCodeGroup : pack.size(1);
+  TORCH_CHECK(rows.scalar_type() == at::kFloat && rows.size(-1) == I, "stream_linear: rows");
+  const int64_t count = rows.numel() / I;
   const at::Tensor x = rows.reshape({count, I}).contiguous();
   std::vector<int64_t> shape(rows.sizes().begin(), rows.sizes().end());
   shape.back() = O;
@@ -1055,7 +1303,11 @@ at::Tensor stream_linear(const at::Tensor& rows, const at::Tensor& pack, const s
     });
     stream_tail(xp, count, pp, I, O, yp);
   };
-  if (pack.scalar_type() == at::kBFloat16)
+  if (codes)
+    at::parallel_for(0, O / kStreamBlock, 4, [&](int64_t begin, int64_t end) {
+      code_blocks(wide, xp, count, pack.data_ptr<uint8_t>(), I, O, begin, end, yp);
+    });
+  else if (pack.scalar_type() == at::kBFloat16)
     product(reinterpret_cast<const Bfloat16Bits*>(pack.data_ptr<at::BFloat16>()));
   else
     product(pack.data_ptr<float>());
@@ -1676,8 +1928,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("simd_supported", &simd_supported, "Whether int8_screen and stream_linear run on this CPU");
   m.def("huge_page_empty", &huge_page_empty, "An uninitialised tensor in memory backed by huge pages where the OS gives them",
         py::arg("shape"), py::arg("dtype") = at::kFloat);
-  m.def("stream_pack", &stream_pack, "A float32 weight in the stream kernel's layout (bfloat16 where exact)",
-        py::arg("weight"), py::arg("narrow") = true);
+  m.def("stream_pack", &stream_pack, "A float32 weight in the stream kernel's layout (4-bit codes or bfloat16 where exact)",
+        py::arg("weight"), py::arg("narrow") = true, py::arg("codes") = true);
   m.def("stream_linear", &stream_linear, "The stream kernel's product: weights read once for all rows",
         py::arg("rows"), py::arg("pack"), py::arg("isa") = "auto");
   m.def("attend", &attend, "Attention whose every row is computed alone (row-invariant)", py::arg("query"),

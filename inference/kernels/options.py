@@ -19,6 +19,7 @@ class KernelOptions:
     linear: str = "auto"  # the linears' kernel: auto, stream, onednn, mkl or default (kernels/packed_gemm.py)
     greedy_head: bool = True  # greedy argmax through a screened int8 head with a proof (kernels/greedy_head.py)
     native: bool = True  # the direct forward's layers and the head's contender search in C++ (kernels/native.py)
+    weight_codes: bool = True  # stream packs of exact 4-bit block weights hold their codes (kernels/packed_gemm.py)
     threads: int | None = None  # torch's intra-op threads; None leaves torch's choice
 
     def apply_threads(self) -> None:
@@ -33,4 +34,5 @@ class KernelOptions:
             "linear": self.linear,
             "greedy_head": self.greedy_head,
             "native": self.native,
+            "weight_codes": self.weight_codes,
         }

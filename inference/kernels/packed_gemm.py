@@ -52,12 +52,15 @@ MEMORY_SHARE = 0.5  # a bucket is packed only if its packs fit in this share of 
 ANY_ROWS = 0  # the pack key of a kernel whose one pack serves every row count (stream, oneDNN)
 ONE_PACK_KERNELS = ("stream", "onednn")
 PACK_KINDS = {"mkl": 0, "onednn": 1, "stream": 2}  # native.cpp's PackKind codes
+# what a stream pack holds, by its dtype (native.cpp's stream_pack): every form computes the same floats
+PACK_FORMS = {torch.uint8: "exact 4-bit codes", torch.bfloat16: "exact bfloat16", torch.float32: "float32"}
 
 
-def one_pack(kernel: str, weight: torch.Tensor) -> torch.Tensor:
-    """``weight`` packed for a one-pack kernel (:data:`ONE_PACK_KERNELS`)."""
+def one_pack(kernel: str, weight: torch.Tensor, codes: bool = True) -> torch.Tensor:
+    """``weight`` packed for a one-pack kernel (:data:`ONE_PACK_KERNELS`); ``codes``: the stream kernel's
+    pack holds 4-bit codes where they rebuild every weight bit for bit."""
     if kernel == "stream":
-        return native_extension().stream_pack(weight)
+        return native_extension().stream_pack(weight, codes=codes)
     return torch.ops.mkldnn._reorder_linear_weight(weight)  # no row hint: the pack is row-invariant
 
 
@@ -148,6 +151,18 @@ def active_pack(linear: nn.Module, rows: int) -> torch.Tensor | None:
     return linear.active_pack(rows) if isinstance(linear, PackedLinear) else None
 
 
+def stream_pack_bytes(model: nn.Module) -> dict[int, int]:
+    """The bytes of each stream pack a one-row forward of ``model`` reads instead of its linear's weight,
+    by the weight's address (a pack of 4-bit codes or bfloat16 holds fewer bytes than the weight)."""
+    found = {}
+    for module in model.modules():
+        if isinstance(module, PackedLinear) and module._owner.kernel == "stream":
+            pack = module._packs.get(ANY_ROWS)
+            if pack is not None:
+                found[module.weight.data_ptr()] = pack.numel() * pack.element_size()
+    return found
+
+
 def pack_kind(linear: nn.Module) -> int:
     """The C++ layers' code (:data:`PACK_KINDS`) for the kernel of ``linear``'s packs (MKL's where it has
     none: it is then not packed, and the code is not read)."""
@@ -160,10 +175,12 @@ class PackedGemm:
     :class:`PackedLinear`, which behave exactly as before outside :meth:`rows`' context; a later
     ``PackedGemm`` of the same model takes them over, with no packs yet."""
 
-    def __init__(self, model: nn.Module, kernel: str = "mkl") -> None:
+    def __init__(self, model: nn.Module, kernel: str = "mkl", codes: bool = True) -> None:
+        """``codes``: stream packs hold 4-bit codes where they rebuild every weight of a projection."""
         if kernel not in PACK_KINDS:
             raise ValueError(f"PackedGemm packs for 'stream', 'onednn' or 'mkl', not {kernel!r}")
         self.kernel = kernel
+        self.codes = codes
         self.active = False
         self.library_from: int | None = None  # input rows from which the default kernel serves (library_from_rows)
         # the output head always multiplies through its pack: a prompt's last row is the first token's logits,
@@ -317,9 +334,19 @@ class PackedGemm:
         together = one_pack_product(self.kernel, rows, stacked)
         return torch.equal(together, torch.cat([one_pack_product(self.kernel, rows, pack) for pack in packs], 1))
 
+    def pack_forms(self) -> dict[str, int]:
+        """How many linears' one-row packs hold each form of their weights (:data:`PACK_FORMS`)."""
+        forms: dict[str, int] = {}
+        for module in self._linears:
+            pack = module._packs.get(self.pack_key(1))
+            if pack is not None:
+                form = PACK_FORMS.get(pack.dtype, "a library's layout")
+                forms[form] = forms.get(form, 0) + 1
+        return forms
+
     def _pack(self, weight: torch.Tensor, bucket: int) -> torch.Tensor:
         if self.kernel in ONE_PACK_KERNELS:
-            return one_pack(self.kernel, weight)
+            return one_pack(self.kernel, weight, self.codes)
         return torch.ops.mkl._mkl_reorder_linear_weight(weight, bucket)
 
 

@@ -83,8 +83,10 @@ def linear_note(linear: dict[str, Any]) -> str:
         invariant = "bitwise row-invariant" if linear.get("row_invariant") else "NOT row-invariant on this machine"
         handover = linear.get("full_head_from")
         head = f"; greedy verification of {handover}+ rows through its float32 head" if handover else ""
+        forms = linear.get("pack_forms")
+        held = "; packs: " + ", ".join(f"{count} {form}" for form, count in forms.items()) if forms else ""
         packing = f", {linear['pack_seconds']} s packing, not counted"
-        return f"linears through {_ONE_PACK_NAMES[linear['kernel']]}, every forward ({invariant}{head}{packing})"
+        return f"linears through {_ONE_PACK_NAMES[linear['kernel']]}, every forward ({invariant}{head}{held}{packing})"
     if linear["kernel"] == "mkl":
         packing = f", {linear['pack_seconds']} s packing, not counted"
         return f"tree forwards through MKL packed GEMM (row buckets {linear.get('buckets')}{packing})"

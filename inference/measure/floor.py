@@ -27,16 +27,19 @@ from torch import nn
 
 from draftsmith.inference.kernels.greedy_head import GreedyHead
 from draftsmith.inference.kernels.native import native_extension
+from draftsmith.inference.kernels.packed_gemm import stream_pack_bytes
 
 BUFFER_BYTES = 512 * 2**20  # well past any CPU's last-level cache
 REPEATS = 5
 
 
-def step_weight_bytes(model: nn.Module, screened: GreedyHead | None) -> int:
-    """Bytes of weights one plain decoding step of ``model`` reads (each shared tensor once)."""
+def step_weight_bytes(model: nn.Module, screened: GreedyHead | None, as_packed: bool = True) -> int:
+    """Bytes of weights one plain decoding step of ``model`` reads (each shared tensor once); with
+    ``as_packed``, a linear's stream pack where it has one (4-bit codes and bfloat16 read fewer bytes)."""
     embedding = model.get_input_embeddings().weight
     head = model.get_output_embeddings().weight
     skipped = {embedding.data_ptr(), head.data_ptr()}  # read as one row, and as the head is read
+    packed = stream_pack_bytes(model) if as_packed else {}
     seen: set[int] = set()
     total = 0
     for parameter in model.parameters():
@@ -44,7 +47,7 @@ def step_weight_bytes(model: nn.Module, screened: GreedyHead | None) -> int:
         if pointer in skipped or pointer in seen:
             continue
         seen.add(pointer)
-        total += parameter.numel() * parameter.element_size()
+        total += packed.get(pointer, parameter.numel() * parameter.element_size())
     if screened is not None:
         head_bytes = screened.quantized.numel() * screened.quantized.element_size()
         head_bytes += screened.scales.numel() * screened.scales.element_size()
@@ -127,6 +130,7 @@ def step_floor(model: nn.Module, screened: GreedyHead | None, speed: ReadSpeed |
     parameter = next(model.parameters())
     return {
         "weight_bytes": weight_bytes,
+        "unpacked_weight_bytes": step_weight_bytes(model, screened, as_packed=False),
         "read_gb_per_s": bytes_per_second / 1e9,
         "huge_pages": speed.huge_pages,
         "floor_ms": 1e3 * weight_bytes / bytes_per_second,
@@ -144,8 +148,10 @@ def rows_floor_ms(floor: dict[str, Any], rows: int) -> float:
 
 
 def floor_note(floor: dict[str, Any]) -> str:
+    unpacked = floor.get("unpacked_weight_bytes", floor["weight_bytes"])
+    held = f" ({unpacked / 1e6:.0f} MB as the model holds them)" if unpacked != floor["weight_bytes"] else ""
     note = (
-        f"A step reads {floor['weight_bytes'] / 1e6:.0f} MB of weights; this machine reads "
+        f"A step reads {floor['weight_bytes'] / 1e6:.0f} MB of weights{held}; this machine reads "
         f"{floor['read_gb_per_s']:.1f} GB/s (torch sum over {BUFFER_BYTES // 2**20} MiB"
         f"{' on huge pages' if floor.get('huge_pages') else ''}, median pass), so no step can take less than "
         f"{floor['floor_ms']:.1f} ms (the floor)."

@@ -32,8 +32,9 @@ from draftsmith.inference.kernels.packed_gemm import ONE_PACK_KERNELS, PackedGem
 
 T = TypeVar("T")
 # a prompt of this many tokens or more is prefilled by the library's kernels (model_forwards): on the Intel
-# VM of docs/benchmarks.md they beat the stream kernel and the row-by-row attention from ~300 rows on
-LIBRARY_PROMPT_ROWS = 384
+# VM of docs/benchmarks.md they beat the stream kernel and the row-by-row attention from ~300 rows on with
+# float32 packs, from ~200 with 4-bit codes (whose rows cost more multiply-adds' time than reading)
+LIBRARY_PROMPT_ROWS = 256
 FULL_HEAD_CANDIDATES = (2, 4, 8, 16, 32)  # verification row counts at which the screen and the full head are timed
 
 

@@ -429,3 +429,12 @@ def q4_1_dequantised(weight: torch.Tensor) -> torch.Tensor:
     step = (greatest - least) / 15
     codes = torch.where(step > 0, (groups - least) / step, torch.zeros_like(groups)).add(0.5).floor().clamp(0, 15)
     return (step.half().float() * codes + least.half().float()).reshape(weight.shape)
+
+
+def q8_0_dequantised(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` (out, in; in a multiple of 32) as a GGUF Q8_0 file holds it, read back as gguf-py reads it:
+    per 32 inputs, int8 codes round(w / d) with d = max |w| / 127 stored as float16, then d * code."""
+    groups = weight.reshape(weight.shape[0], -1, 32)
+    step = (groups.abs().amax(-1, keepdim=True) / 127).half().float()
+    codes = torch.where(step > 0, groups / step, torch.zeros_like(groups)).round().clamp(-128, 127).to(torch.int8)
+    return (step * codes.float()).reshape(weight.shape)

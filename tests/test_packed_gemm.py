@@ -23,7 +23,14 @@ from draftsmith.inference.kernels.options import KernelOptions
 from draftsmith.inference.kernels.packed_gemm import PackedGemm, PackedLinear, linear_kernel_available, row_bucket
 from draftsmith.inference.methods.pld import PromptLookupDrafter
 from draftsmith.inference.runtime import generate
-from helpers import TINY_EOS, hf_greedy, q4_1_dequantised, seeded_random_tree, skip_without_avx512
+from helpers import (
+    TINY_EOS,
+    hf_greedy,
+    q4_1_dequantised,
+    q8_0_dequantised,
+    seeded_random_tree,
+    skip_without_avx512,
+)
 
 VOCAB = 97
 mkl = pytest.mark.skipif(not linear_kernel_available("mkl"), reason="PyTorch built without MKL")
@@ -366,25 +373,33 @@ def test_a_bfloat16_weight_packs_in_half_the_bytes_and_gives_the_same_floats(out
     assert native.stream_pack(weight).dtype == torch.float32
 
 
+CODE_FORMATS = {  # a GGUF block format as gguf-py reads it: its pack's dtype, bytes a weight x 8
+    "q4_1": (q4_1_dequantised, torch.uint8, 6),
+    "q8_0": (q8_0_dequantised, torch.int8, 9),
+}
+
+
+@pytest.mark.parametrize("blocks", sorted(CODE_FORMATS))
 @pytest.mark.parametrize("outputs, inputs", [(16, 32), (48, 96), (80, 320), (576, 64)])
-def test_weights_of_4bit_blocks_pack_as_their_codes_and_give_the_float32_packs_floats(outputs, inputs):
-    """A weight dequantised from GGUF Q4_1 blocks is packed as its 4-bit codes (0.75 bytes a weight) and
-    rebuilt exactly as it is read: bitwise the float32 pack's products for any rows, with both instruction
-    sets. One value off the blocks' grid, a shape the code pack does not tile, or ``codes=False`` keep the
-    float32 pack."""
+def test_weights_of_gguf_blocks_pack_as_their_codes_and_give_the_float32_packs_floats(outputs, inputs, blocks):
+    """A weight dequantised from GGUF Q4_1 or Q8_0 blocks is packed as its 4-bit or 8-bit codes (0.75 or
+    1.125 bytes a weight) and rebuilt exactly as it is read: bitwise the float32 pack's products for any
+    rows, with both instruction sets. One value off the blocks' grid, a shape the code packs do not tile,
+    or ``codes=False`` keep the float32 pack."""
     one_pack_kernel("stream")
     native = native_extension()
+    dequantised, dtype, eighths = CODE_FORMATS[blocks]
     generator = torch.Generator().manual_seed(outputs + inputs)
-    weight = q4_1_dequantised(torch.randn(outputs, inputs, generator=generator))
+    weight = dequantised(torch.randn(outputs, inputs, generator=generator))
     rows = torch.randn(33, inputs, generator=generator)
     codes, wide = native.stream_pack(weight), native.stream_pack(weight, codes=False)
-    assert codes.dtype == torch.uint8 and codes.numel() == weight.numel() * 3 // 4 and wide.dtype == torch.float32
+    assert codes.dtype == dtype and codes.numel() == weight.numel() * eighths // 8 and wide.dtype == torch.float32
     for isa in ["avx2"] + (["avx512"] if _has_avx512() else []):
         for count in (1, 2, 3, 4, 5, 8, 9, 13, 17, 33):
             expected = native.stream_linear(rows[:count], wide, isa=isa)
             assert torch.equal(native.stream_linear(rows[:count], codes, isa=isa), expected)
     assert native.stream_pack(weight[: outputs - 8]).dtype == torch.float32  # not whole blocks of 16 outputs
-    assert native.stream_pack(q4_1_dequantised(torch.randn(16, 64))[:, :48].contiguous()).dtype == torch.float32
+    assert native.stream_pack(dequantised(torch.randn(16, 64))[:, :48].contiguous()).dtype == torch.float32
     weight[-1, -1] = torch.nextafter(weight[-1, -1], torch.tensor(1.0))
     assert native.stream_pack(weight).dtype == torch.float32
 

@@ -56,6 +56,7 @@ constexpr int64_t kContenderSpan = 8192;  // tokens per task of screen_contender
 constexpr int64_t kStreamBlock = 16;  // outputs per block of a stream pack (stream_pack): two vectors
 constexpr int64_t kCodeGroup = 32;  // inputs sharing a step and an offset in a code pack (code_pack)
 constexpr int64_t kCodeGroupBytes = 2 * kStreamBlock * sizeof(float) + kCodeGroup * kStreamBlock / 2;
+constexpr int64_t kByteGroupBytes = kStreamBlock * sizeof(float) + kCodeGroup * kStreamBlock;  // byte_pack
 
 // The glue between a layer's products computes what the Python loop's ATen calls compute, element by
 // element, in plain loops: each element's product, sum or quotient is one IEEE float32 operation whatever
@@ -619,12 +620,12 @@ AVX512 inline void code_weights_512(const uint8_t* pair, __m512 d, __m512 m, __m
 // Asks the L2 cache for line `pair` of group g of B blocks from `later` (block_bytes apart), as stream_tile
 // does: a group's lines one a pair over its first pairs, not all at its start (which stalls the loads the
 // pairs wait for: 15% of a one-row pass on this project's Intel VM).
-template <int B>
+template <int B, int64_t GroupBytes = kCodeGroupBytes>
 inline void prefetch_group_line(const uint8_t* later, int64_t block_bytes, int64_t g, int64_t pair) {
-  if (later == nullptr || pair * 64 >= kCodeGroupBytes) return;
+  if (later == nullptr || pair * 64 >= GroupBytes) return;
 #pragma GCC unroll 16
   for (int b = 0; b < B; ++b)
-    _mm_prefetch(reinterpret_cast<const char*>(later + b * block_bytes + g * kCodeGroupBytes + pair * 64), _MM_HINT_T1);
+    _mm_prefetch(reinterpret_cast<const char*>(later + b * block_bytes + g * GroupBytes + pair * 64), _MM_HINT_T1);
 }
 
 // stream_tile_512's sums for a code pack: groups [g0, g1) of B neighbouring blocks (`w`: the first
@@ -710,23 +711,132 @@ AVX2 inline void code_tile(const float* x, int64_t I, const uint8_t* w, int64_t 
   }
 }
 
-template <bool Wide, int B>
+// The 8-bit codes' weights (GGUF's Q8_0, as the embedded target's tied head): w = d * q for q in -128..127
+// and one float16 step d per 32 inputs of an output, exact in float32 (at most 11 + 8 significant bits).
+// A byte pack is int8 (O / 16, I / 32 * kByteGroupBytes): per block of 16 outputs and group of 32 inputs,
+// the 16 outputs' d (float32), then per input 16 bytes, byte j output j's code. 1.125 bytes a weight.
+template <int R, int B>
+AVX512 inline void byte_tile_512(const float* x, int64_t I, const uint8_t* w, int64_t block_bytes, int64_t g0,
+                                 int64_t g1, const uint8_t* later, float* y, int64_t O, int64_t o) {
+  __m512 acc[B][R];
+#pragma GCC unroll 16
+  for (int b = 0; b < B; ++b)
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r)
+      acc[b][r] = g0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(y + r * O + o + b * kStreamBlock);
+  for (int64_t g = g0; g < g1; ++g) {
+    __m512 d[B];
+    const uint8_t* codes[B];
+#pragma GCC unroll 16
+    for (int b = 0; b < B; ++b) {
+      const uint8_t* group = w + b * block_bytes + g * kByteGroupBytes;
+      d[b] = _mm512_loadu_ps(reinterpret_cast<const float*>(group));
+      codes[b] = group + kStreamBlock * sizeof(float);
+    }
+    const float* xk = x + g * kCodeGroup;
+    for (int64_t k = 0; k < kCodeGroup; ++k) {
+      prefetch_group_line<B, kByteGroupBytes>(later, block_bytes, g, k);
+      __m512 weights[B];
+#pragma GCC unroll 16
+      for (int b = 0; b < B; ++b) {
+        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes[b] + k * kStreamBlock));
+        weights[b] = _mm512_mul_ps(d[b], _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)));
+      }
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) {
+        const __m512 xr = _mm512_set1_ps(xk[r * I + k]);
+#pragma GCC unroll 16
+        for (int b = 0; b < B; ++b) acc[b][r] = _mm512_fmadd_ps(weights[b], xr, acc[b][r]);
+      }
+    }
+  }
+#pragma GCC unroll 16
+  for (int b = 0; b < B; ++b)
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * O + o + b * kStreamBlock, acc[b][r]);
+}
+
+template <int R>
+AVX2 inline void byte_tile(const float* x, int64_t I, const uint8_t* w, int64_t block_bytes, int64_t g0, int64_t g1,
+                           const uint8_t* later, float* y, int64_t O, int64_t o) {
+  __m256 low[R], high[R];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    low[r] = g0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(y + r * O + o);
+    high[r] = g0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(y + r * O + o + 8);
+  }
+  for (int64_t g = g0; g < g1; ++g) {
+    const float* group = reinterpret_cast<const float*>(w + g * kByteGroupBytes);
+    const __m256 d0 = _mm256_loadu_ps(group), d1 = _mm256_loadu_ps(group + 8);
+    const uint8_t* codes = w + g * kByteGroupBytes + kStreamBlock * sizeof(float);
+    const float* xk = x + g * kCodeGroup;
+    for (int64_t k = 0; k < kCodeGroup; ++k) {
+      prefetch_group_line<1, kByteGroupBytes>(later, block_bytes, g, k);
+      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + k * kStreamBlock));
+      const __m256 w0 = _mm256_mul_ps(d0, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)));
+      const __m256 w1 = _mm256_mul_ps(d1, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(bytes, 8))));
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const __m256 xr = _mm256_broadcast_ss(xk + r * I + k);
+        low[r] = _mm256_fmadd_ps(w0, xr, low[r]);
+        high[r] = _mm256_fmadd_ps(w1, xr, high[r]);
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_ps(y + r * O + o, low[r]);
+    _mm256_storeu_ps(y + r * O + o + 8, high[r]);
+  }
+}
+
+// The two code formats' tiles, as code_tiles calls them.
+struct FourBitCodes {
+  static constexpr int64_t kGroupBytes = kCodeGroupBytes;
+  template <int R, int B>
+  static void tile_512(const float* x, int64_t I, const uint8_t* w, int64_t block_bytes, int64_t g0, int64_t g1,
+                       const uint8_t* later, float* y, int64_t O, int64_t o) {
+    code_tile_512<R, B>(x, I, w, block_bytes, g0, g1, later, y, O, o);
+  }
+  template <int R>
+  static void tile(const float* x, int64_t I, const uint8_t* w, int64_t block_bytes, int64_t g0, int64_t g1,
+                   const uint8_t* later, float* y, int64_t O, int64_t o) {
+    code_tile<R>(x, I, w, block_bytes, g0, g1, later, y, O, o);
+  }
+};
+
+struct ByteCodes {
+  static constexpr int64_t kGroupBytes = kByteGroupBytes;
+  template <int R, int B>
+  static void tile_512(const float* x, int64_t I, const uint8_t* w, int64_t block_bytes, int64_t g0, int64_t g1,
+                       const uint8_t* later, float* y, int64_t O, int64_t o) {
+    byte_tile_512<R, B>(x, I, w, block_bytes, g0, g1, later, y, O, o);
+  }
+  template <int R>
+  static void tile(const float* x, int64_t I, const uint8_t* w, int64_t block_bytes, int64_t g0, int64_t g1,
+                   const uint8_t* later, float* y, int64_t O, int64_t o) {
+    byte_tile<R>(x, I, w, block_bytes, g0, g1, later, y, O, o);
+  }
+};
+
+template <typename Format, bool Wide, int B>
 void code_pass(int64_t rows, const float* x, int64_t I, const uint8_t* w, int64_t block_bytes, int64_t g0, int64_t g1,
                const uint8_t* later, float* y, int64_t O, int64_t o) {
   if constexpr (Wide)
-    with_rows<kCode512MaxRowsPerPass>(
-        rows, [&](auto r) { code_tile_512<decltype(r)::value, B>(x, I, w, block_bytes, g0, g1, later, y, O, o); });
+    with_rows<kCode512MaxRowsPerPass>(rows, [&](auto r) {
+      Format::template tile_512<decltype(r)::value, B>(x, I, w, block_bytes, g0, g1, later, y, O, o);
+    });
   else
     with_rows<kCodeMaxRowsPerPass>(
-        rows, [&](auto r) { code_tile<decltype(r)::value>(x, I, w, block_bytes, g0, g1, later, y, O, o); });
+        rows, [&](auto r) { Format::template tile<decltype(r)::value>(x, I, w, block_bytes, g0, g1, later, y, O, o); });
 }
 
 // stream_tiles for a code pack: blocks [begin, end), B a tile (the last ones alone), kCodeGroupsPerTile
 // groups of inputs at a time, rows in passes of equal size of at most max_rows.
-template <bool Wide, int B>
+template <typename Format, bool Wide, int B>
 void code_tiles(const float* x, int64_t rows, int64_t max_rows, const uint8_t* pack, int64_t I, int64_t O,
                 int64_t begin, int64_t end, float* y) {
-  const int64_t groups = I / kCodeGroup, block_bytes = groups * kCodeGroupBytes;
+  const int64_t groups = I / kCodeGroup, block_bytes = groups * Format::kGroupBytes;
   const int64_t passes = (rows + max_rows - 1) / max_rows;
   for (int64_t block = begin; block < end;) {
     const int64_t blocks = end - block >= B ? B : 1;
@@ -737,10 +847,11 @@ void code_tiles(const float* x, int64_t rows, int64_t max_rows, const uint8_t* p
       for (int64_t pass = 0, r = 0; pass < passes; ++pass) {
         const int64_t here = (rows - r) / (passes - pass);
         const uint8_t* ahead = pass == 0 ? later : nullptr;
+        const int64_t o = block * kStreamBlock;
         if (blocks == B)
-          code_pass<Wide, B>(here, x + r * I, I, w, block_bytes, g0, g1, ahead, y + r * O, O, block * kStreamBlock);
+          code_pass<Format, Wide, B>(here, x + r * I, I, w, block_bytes, g0, g1, ahead, y + r * O, O, o);
         else
-          code_pass<Wide, 1>(here, x + r * I, I, w, block_bytes, g0, g1, ahead, y + r * O, O, block * kStreamBlock);
+          code_pass<Format, Wide, 1>(here, x + r * I, I, w, block_bytes, g0, g1, ahead, y + r * O, O, o);
         r += here;
       }
     }
@@ -749,14 +860,15 @@ void code_tiles(const float* x, int64_t rows, int64_t max_rows, const uint8_t* p
 }
 
 // AVX-512: four blocks a tile for up to kCode512WideRows rows, two for more; AVX2: one.
+template <typename Format>
 void code_blocks(bool wide, const float* x, int64_t rows, const uint8_t* pack, int64_t I, int64_t O, int64_t begin,
                  int64_t end, float* y) {
   if (!wide)
-    code_tiles<false, 1>(x, rows, kCodeMaxRowsPerPass, pack, I, O, begin, end, y);
+    code_tiles<Format, false, 1>(x, rows, kCodeMaxRowsPerPass, pack, I, O, begin, end, y);
   else if (rows <= kCode512WideRows)
-    code_tiles<true, 4>(x, rows, kCode512WideRows, pack, I, O, begin, end, y);
+    code_tiles<Format, true, 4>(x, rows, kCode512WideRows, pack, I, O, begin, end, y);
   else
-    code_tiles<true, 2>(x, rows, kCode512MaxRowsPerPass, pack, I, O, begin, end, y);
+    code_tiles<Format, true, 2>(x, rows, kCode512MaxRowsPerPass, pack, I, O, begin, end, y);
 }
 
 // e^x for x <= 0 (softmax's shifted scores), lane by lane: Cephes' expf (range reduction by ln 2 in
@@ -1191,38 +1303,82 @@ bool affine_codes(const float* w, float* d, float* m, uint8_t* codes) {
   return false;
 }
 
-// The code pack of a float32 weight (O, I) (see kCodeGroup), or an undefined tensor where a weight is not
-// so rebuilt (or O is not a multiple of 16, or I of 32).
-at::Tensor code_pack(const at::Tensor& weight) {
+// Whether the 32 weights w are d * q for codes q in -128..127 and d a float16 value near their greatest
+// magnitude / 127 (how a Q8_0 block is dequantised): then d and the codes are set.
+bool scaled_codes(const float* w, float* d, int8_t* codes) {
+  float greatest = 0.0f;
+  for (int64_t i = 0; i < kCodeGroup; ++i) greatest = std::max(greatest, std::fabs(w[i]));
+  if (!std::isfinite(greatest)) return false;
+  const uint16_t nearest = c10::Half(greatest / 127.0f).x;
+  for (const int offset : {0, 1, -1, 2, -2}) {
+    const float step = static_cast<float>(c10::Half(static_cast<uint16_t>(nearest + offset), c10::Half::from_bits()));
+    if (!std::isfinite(step) || step < 0.0f) continue;
+    bool exact = true;
+    for (int64_t i = 0; i < kCodeGroup && exact; ++i) {
+      const float code = step > 0.0f ? std::nearbyint(w[i] / step) : 0.0f;
+      codes[i] = static_cast<int8_t>(std::clamp(code, -128.0f, 127.0f));
+      const float rebuilt = step * static_cast<float>(codes[i]);
+      exact = std::memcmp(&rebuilt, &w[i], sizeof rebuilt) == 0;
+    }
+    if (exact) {
+      *d = step;
+      return true;
+    }
+  }
+  return false;
+}
+
+// A code pack of a float32 weight (O, I) as `dtype` with `group_bytes` a group (see kCodeGroup and
+// kByteGroupBytes), or an undefined tensor where a weight is not so rebuilt (or O is not a multiple of 16,
+// or I of 32). encode(w, group, j) writes output j's step(s) and codes for the 32 weights w into the
+// group's bytes, or returns false.
+template <typename Encode>
+at::Tensor group_pack(const at::Tensor& weight, int64_t group_bytes, at::ScalarType dtype, Encode encode) {
   const int64_t O = weight.size(0), I = weight.size(1);
   if (O % kStreamBlock != 0 || I % kCodeGroup != 0) return at::Tensor();
   const at::Tensor values = weight.contiguous();
   const float* wp = values.data_ptr<float>();
   const int64_t groups = I / kCodeGroup;
-  at::Tensor staged = at::empty({O / kStreamBlock, groups * kCodeGroupBytes}, at::kByte);
+  at::Tensor staged = at::empty({O / kStreamBlock, groups * group_bytes}, at::kByte);
   uint8_t* sp = staged.data_ptr<uint8_t>();
   std::atomic<bool> exact{true};
   at::parallel_for(0, O / kStreamBlock, 1, [&](int64_t begin, int64_t end) {
-    uint8_t codes[kCodeGroup];
     for (int64_t block = begin; block < end && exact.load(std::memory_order_relaxed); ++block)
-      for (int64_t g = 0; g < groups; ++g) {
-        uint8_t* group = sp + (block * groups + g) * kCodeGroupBytes;
-        float* steps = reinterpret_cast<float*>(group);
-        uint8_t* pairs = group + 2 * kStreamBlock * sizeof(float);
-        for (int64_t j = 0; j < kStreamBlock; ++j) {
-          const float* w = wp + (block * kStreamBlock + j) * I + g * kCodeGroup;
-          if (!affine_codes(w, &steps[j], &steps[kStreamBlock + j], codes)) {
+      for (int64_t g = 0; g < groups; ++g)
+        for (int64_t j = 0; j < kStreamBlock; ++j)
+          if (!encode(wp + (block * kStreamBlock + j) * I + g * kCodeGroup, sp + (block * groups + g) * group_bytes, j)) {
             exact = false;
             return;
           }
-          for (int64_t pair = 0; pair < kCodeGroup / 2; ++pair)
-            pairs[pair * kStreamBlock + j] = static_cast<uint8_t>(codes[2 * pair] | (codes[2 * pair + 1] << 4));
-        }
-      }
   });
   if (!exact) return at::Tensor();
-  at::Tensor pack = huge_page_empty({O / kStreamBlock, groups * kCodeGroupBytes}, at::kByte);
-  return pack.copy_(staged);
+  at::Tensor pack = huge_page_empty({O / kStreamBlock, groups * group_bytes}, dtype);
+  return pack.copy_(staged.view(dtype));
+}
+
+// The 4-bit code pack (see kCodeGroup), or an undefined tensor.
+at::Tensor code_pack(const at::Tensor& weight) {
+  return group_pack(weight, kCodeGroupBytes, at::kByte, [](const float* w, uint8_t* group, int64_t j) {
+    float* steps = reinterpret_cast<float*>(group);
+    uint8_t codes[kCodeGroup];
+    if (!affine_codes(w, &steps[j], &steps[kStreamBlock + j], codes)) return false;
+    uint8_t* pairs = group + 2 * kStreamBlock * sizeof(float);
+    for (int64_t pair = 0; pair < kCodeGroup / 2; ++pair)
+      pairs[pair * kStreamBlock + j] = static_cast<uint8_t>(codes[2 * pair] | (codes[2 * pair + 1] << 4));
+    return true;
+  });
+}
+
+// The 8-bit code pack (see kByteGroupBytes), or an undefined tensor.
+at::Tensor byte_pack(const at::Tensor& weight) {
+  return group_pack(weight, kByteGroupBytes, at::kChar, [](const float* w, uint8_t* group, int64_t j) {
+    float* steps = reinterpret_cast<float*>(group);
+    int8_t codes[kCodeGroup];
+    if (!scaled_codes(w, &steps[j], codes)) return false;
+    uint8_t* bytes = group + kStreamBlock * sizeof(float);
+    for (int64_t k = 0; k < kCodeGroup; ++k) bytes[k * kStreamBlock + j] = static_cast<uint8_t>(codes[k]);
+    return true;
+  });
 }
 
 }  // namespace
@@ -1233,8 +1389,10 @@ at::Tensor code_pack(const at::Tensor& weight) {
 at::Tensor stream_pack(const at::Tensor& weight, bool narrow, bool codes) {
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat, "stream_pack: a float32 (out, in) weight");
   if (narrow && codes) {
-    const at::Tensor coded = code_pack(weight);
-    if (coded.defined()) return coded;
+    for (const auto& pack_of : {code_pack, byte_pack}) {
+      const at::Tensor coded = pack_of(weight);
+      if (coded.defined()) return coded;
+    }
   }
   const int64_t O = weight.size(0), I = weight.size(1), full = O / kStreamBlock * kStreamBlock;
   const at::Tensor halves = weight.to(at::kBFloat16);
@@ -1279,12 +1437,13 @@ bool wide_vectors(const std::string& isa, const char* what) {
 at::Tensor stream_linear(const at::Tensor& rows, const at::Tensor& pack, const std::string& isa) {
   RECORD_FUNCTION("draftsmith::stream_linear", std::vector<c10::IValue>());  // named in bench-tree --profile
   TORCH_CHECK(simd_supported(), "stream_linear: needs an x86-64 CPU with AVX2 and FMA");
-  const bool codes = pack.scalar_type() == at::kByte;
-  TORCH_CHECK(pack.dim() == 2 && (pack.scalar_type() == at::kFloat || pack.scalar_type() == at::kBFloat16 || codes) &&
-                  pack.is_contiguous() && (!codes || pack.size(1) % kCodeGroupBytes == 0),
+  const bool nibbles = pack.scalar_type() == at::kByte, bytes = pack.scalar_type() == at::kChar;
+  const int64_t group_bytes = nibbles ? kCodeGroupBytes : kByteGroupBytes;
+  TORCH_CHECK(pack.dim() == 2 && (pack.scalar_type() == at::kFloat || pack.scalar_type() == at::kBFloat16 || nibbles || bytes) &&
+                  pack.is_contiguous() && (!(nibbles || bytes) || pack.size(1) % group_bytes == 0),
               "stream_linear: pack");
-  const int64_t O = codes ? pack.size(0) * kStreamBlock : pack.size(0);
-  const int64_t I = codes ? pack.size(1) / kCodeGroupBytes * kCodeGroup : pack.size(1);
+  const int64_t O = nibbles || bytes ? pack.size(0) * kStreamBlock : pack.size(0);
+  const int64_t I = nibbles || bytes ? pack.size(1) / group_bytes * kCodeGroup : pack.size(1);
   TORCH_CHECK(rows.scalar_type() == at::kFloat && rows.size(-1) == I, "stream_linear: rows");
   const int64_t count = rows.numel() / I;
   const at::Tensor x = rows.reshape({count, I}).contiguous();
@@ -1304,9 +1463,13 @@ at::Tensor stream_linear(const at::Tensor& rows, const at::Tensor& pack, const s
     });
     stream_tail(xp, count, pp, I, O, yp);
   };
-  if (codes)
+  if (nibbles || bytes)
     at::parallel_for(0, O / kStreamBlock, 4, [&](int64_t begin, int64_t end) {
-      code_blocks(wide, xp, count, pack.data_ptr<uint8_t>(), I, O, begin, end, yp);
+      const uint8_t* pp = static_cast<const uint8_t*>(pack.data_ptr());
+      if (nibbles)
+        code_blocks<FourBitCodes>(wide, xp, count, pp, I, O, begin, end, yp);
+      else
+        code_blocks<ByteCodes>(wide, xp, count, pp, I, O, begin, end, yp);
     });
   else if (pack.scalar_type() == at::kBFloat16)
     product(reinterpret_cast<const Bfloat16Bits*>(pack.data_ptr<at::BFloat16>()));

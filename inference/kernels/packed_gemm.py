@@ -54,7 +54,12 @@ ONE_PACK_KERNELS = ("stream", "onednn")
 PACK_KINDS = {"mkl": 0, "onednn": 1, "stream": 2}  # native.cpp's PackKind codes
 # what a stream pack holds, by its dtype (native.cpp's stream_pack): every form computes the same floats
 CODES_FORM = "exact 4-bit codes"
-PACK_FORMS = {torch.uint8: CODES_FORM, torch.bfloat16: "exact bfloat16", torch.float32: "float32"}
+PACK_FORMS = {
+    torch.uint8: CODES_FORM,
+    torch.int8: "exact 8-bit codes",
+    torch.bfloat16: "exact bfloat16",
+    torch.float32: "float32",
+}
 
 
 def one_pack(kernel: str, weight: torch.Tensor, codes: bool = True) -> torch.Tensor:

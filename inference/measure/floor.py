@@ -52,7 +52,7 @@ def step_weight_bytes(model: nn.Module, screened: GreedyHead | None, as_packed: 
         head_bytes = screened.quantized.numel() * screened.quantized.element_size()
         head_bytes += screened.scales.numel() * screened.scales.element_size()
     else:
-        head_bytes = head.numel() * head.element_size()
+        head_bytes = packed.get(head.data_ptr(), head.numel() * head.element_size())
     return total + head_bytes + embedding.shape[1] * embedding.element_size()
 
 

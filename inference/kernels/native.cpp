@@ -471,15 +471,42 @@ AVX512 inline __m512 widen16(const Bfloat16Bits* w) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
 }
 
-template <int R, int B, typename W>
-AVX512 inline void stream_tile_512(const float* x, int64_t I, const W* w, int64_t k0, int64_t k1, const W* later,
-                                   float* y, int64_t O, int64_t o) {
-  __m512 acc[B][R];
+// A tile's sums of B blocks for R rows (outputs o.. of y's rows, O apart): zero at a tile's first inputs,
+// else what the tile before stored (exactly); and stored back.
+template <int R, int B>
+AVX512 inline void load_sums_512(__m512 (&acc)[B][R], bool first, const float* y, int64_t O, int64_t o) {
 #pragma GCC unroll 16
   for (int b = 0; b < B; ++b)
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r)
-      acc[b][r] = k0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(y + r * O + o + b * kStreamBlock);
+      acc[b][r] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(y + r * O + o + b * kStreamBlock);
+}
+
+template <int R, int B>
+AVX512 inline void store_sums_512(const __m512 (&acc)[B][R], float* y, int64_t O, int64_t o) {
+#pragma GCC unroll 16
+  for (int b = 0; b < B; ++b)
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * O + o + b * kStreamBlock, acc[b][r]);
+}
+
+// Input k's multiply-adds: each row's x[r * I + k] times each block's weights, into its sums.
+template <int R, int B>
+AVX512 inline void add_products_512(__m512 (&acc)[B][R], const __m512 (&weights)[B], const float* x, int64_t I,
+                                    int64_t k) {
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) {
+    const __m512 xr = _mm512_set1_ps(x[r * I + k]);
+#pragma GCC unroll 16
+    for (int b = 0; b < B; ++b) acc[b][r] = _mm512_fmadd_ps(weights[b], xr, acc[b][r]);
+  }
+}
+
+template <int R, int B, typename W>
+AVX512 inline void stream_tile_512(const float* x, int64_t I, const W* w, int64_t k0, int64_t k1, const W* later,
+                                   float* y, int64_t O, int64_t o) {
+  __m512 acc[B][R];
+  load_sums_512<R, B>(acc, k0 == 0, y, O, o);
   for (int64_t k = k0; k < k1; ++k) {
     if (later != nullptr) {
 #pragma GCC unroll 16
@@ -489,17 +516,9 @@ AVX512 inline void stream_tile_512(const float* x, int64_t I, const W* w, int64_
     __m512 wv[B];
 #pragma GCC unroll 16
     for (int b = 0; b < B; ++b) wv[b] = widen16(w + b * kStreamBlock * I + k * kStreamBlock);
-#pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) {
-      const __m512 xr = _mm512_set1_ps(x[r * I + k]);
-#pragma GCC unroll 16
-      for (int b = 0; b < B; ++b) acc[b][r] = _mm512_fmadd_ps(wv[b], xr, acc[b][r]);
-    }
+    add_products_512<R, B>(acc, wv, x, I, k);
   }
-#pragma GCC unroll 16
-  for (int b = 0; b < B; ++b)
-#pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * O + o + b * kStreamBlock, acc[b][r]);
+  store_sums_512<R, B>(acc, y, O, o);
 }
 
 // Blocks a tile of stream_blocks_512 sums at once: four where a pass holds a few rows (more independent
@@ -602,19 +621,27 @@ AVX2 void stream_tail(const float* x, int64_t rows, const W* pack, int64_t I, in
 // inputs, the 16 outputs' d and m (float32), then per pair of inputs (k, k + 1) 16 bytes, byte j holding
 // output j's code for k in its low half and for k + 1 in its high half.
 constexpr int64_t kCodeGroupsPerTile = 4;  // a tile's 1.5 KB of a block stay in L1 across row passes
-constexpr int64_t kCode512WideRows = 2;    // the most rows four blocks a tile take (4 x 2 sums, 4 x 2 steps and offsets)
+constexpr int64_t kCode512WideRows = 2;    // the most rows four blocks a tile take (4 x 2 sums, 8 steps, offsets)
 constexpr int64_t kCode512MaxRowsPerPass = 8;  // two blocks: 2 x 8 sums, 2 x 2 steps and offsets
 constexpr int64_t kCodeMaxRowsPerPass = 3;     // AVX2, one block: 2 x 3 sums, 2 x 2 steps and offsets
 
-// A pair's weights of one block. Each code becomes its float by a table lookup on the shuffle port
-// (_mm512_permutexvar_ps reads an index's low 4 bits alone, so neither half of a byte needs masking)
-// rather than a conversion on the port the multiply-adds take.
-AVX512 inline void code_weights_512(const uint8_t* pair, __m512 d, __m512 m, __m512* first, __m512* second) {
-  const __m512 floats = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(pair));
-  const __m512i codes0 = _mm512_cvtepu8_epi32(bytes), codes1 = _mm512_cvtepu8_epi32(_mm_srli_epi16(bytes, 4));
-  *first = _mm512_fmadd_ps(d, _mm512_permutexvar_ps(codes0, floats), m);
-  *second = _mm512_fmadd_ps(d, _mm512_permutexvar_ps(codes1, floats), m);
+// An AVX2 tile's sums of one block (two vectors) for R rows, as load_sums_512 and store_sums_512.
+template <int R>
+AVX2 inline void load_sums_256(__m256 (&low)[R], __m256 (&high)[R], bool first, const float* y, int64_t O, int64_t o) {
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    low[r] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(y + r * O + o);
+    high[r] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(y + r * O + o + 8);
+  }
+}
+
+template <int R>
+AVX2 inline void store_sums_256(const __m256 (&low)[R], const __m256 (&high)[R], float* y, int64_t O, int64_t o) {
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_ps(y + r * O + o, low[r]);
+    _mm256_storeu_ps(y + r * O + o + 8, high[r]);
+  }
 }
 
 // Asks the L2 cache for line `pair` of group g of B blocks from `later` (block_bytes apart), as stream_tile
@@ -628,194 +655,152 @@ inline void prefetch_group_line(const uint8_t* later, int64_t block_bytes, int64
     _mm_prefetch(reinterpret_cast<const char*>(later + b * block_bytes + g * GroupBytes + pair * 64), _MM_HINT_T1);
 }
 
-// stream_tile_512's sums for a code pack: groups [g0, g1) of B neighbouring blocks (`w`: the first
-// block's bytes, `block_bytes` apart), R rows of x (R x I).
-template <int R, int B>
-AVX512 inline void code_tile_512(const float* x, int64_t I, const uint8_t* w, int64_t block_bytes, int64_t g0,
-                                 int64_t g1, const uint8_t* later, float* y, int64_t O, int64_t o) {
-  __m512 acc[B][R];
+// The 4-bit codes' tiles (code_tiles' Format).
+struct FourBitCodes {
+  static constexpr int64_t kGroupBytes = kCodeGroupBytes;
+
+  // A pair's weights of one block. Each code becomes its float by a table lookup on the shuffle port
+  // (_mm512_permutexvar_ps reads an index's low 4 bits alone, so neither half of a byte needs masking)
+  // rather than a conversion on the port the multiply-adds take.
+  AVX512 static void weights_512(const uint8_t* pair, __m512 d, __m512 m, __m512* first, __m512* second) {
+    const __m512 floats = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(pair));
+    const __m512i codes0 = _mm512_cvtepu8_epi32(bytes), codes1 = _mm512_cvtepu8_epi32(_mm_srli_epi16(bytes, 4));
+    *first = _mm512_fmadd_ps(d, _mm512_permutexvar_ps(codes0, floats), m);
+    *second = _mm512_fmadd_ps(d, _mm512_permutexvar_ps(codes1, floats), m);
+  }
+
+  // stream_tile_512's sums for a 4-bit code pack: groups [g0, g1) of B neighbouring blocks (`w`: the first
+  // block's bytes, `block_bytes` apart), R rows of x (R x I).
+  template <int R, int B>
+  AVX512 static void tile_512(const float* x, int64_t I, const uint8_t* w, int64_t block_bytes, int64_t g0,
+                              int64_t g1, const uint8_t* later, float* y, int64_t O, int64_t o) {
+    __m512 acc[B][R];
+    load_sums_512<R, B>(acc, g0 == 0, y, O, o);
+    for (int64_t g = g0; g < g1; ++g) {
+      __m512 d[B], m[B];
+      const uint8_t* codes[B];
 #pragma GCC unroll 16
-  for (int b = 0; b < B; ++b)
+      for (int b = 0; b < B; ++b) {
+        const uint8_t* group = w + b * block_bytes + g * kCodeGroupBytes;
+        d[b] = _mm512_loadu_ps(reinterpret_cast<const float*>(group));
+        m[b] = _mm512_loadu_ps(reinterpret_cast<const float*>(group) + kStreamBlock);
+        codes[b] = group + 2 * kStreamBlock * sizeof(float);
+      }
+      const float* xk = x + g * kCodeGroup;
+      for (int64_t pair = 0; pair < kCodeGroup / 2; ++pair) {
+        prefetch_group_line<B>(later, block_bytes, g, pair);
+        __m512 first[B], second[B];
 #pragma GCC unroll 16
-    for (int r = 0; r < R; ++r)
-      acc[b][r] = g0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(y + r * O + o + b * kStreamBlock);
-  for (int64_t g = g0; g < g1; ++g) {
-    __m512 d[B], m[B];
-    const uint8_t* codes[B];
+        for (int b = 0; b < B; ++b) weights_512(codes[b] + pair * kStreamBlock, d[b], m[b], &first[b], &second[b]);
 #pragma GCC unroll 16
-    for (int b = 0; b < B; ++b) {
-      const uint8_t* group = w + b * block_bytes + g * kCodeGroupBytes;
-      d[b] = _mm512_loadu_ps(reinterpret_cast<const float*>(group));
-      m[b] = _mm512_loadu_ps(reinterpret_cast<const float*>(group) + kStreamBlock);
-      codes[b] = group + 2 * kStreamBlock * sizeof(float);
-    }
-    const float* xk = x + g * kCodeGroup;
-    for (int64_t pair = 0; pair < kCodeGroup / 2; ++pair) {
-      prefetch_group_line<B>(later, block_bytes, g, pair);
-      __m512 first[B], second[B];
+        for (int r = 0; r < R; ++r) {
+          const __m512 x0 = _mm512_set1_ps(xk[r * I + 2 * pair]), x1 = _mm512_set1_ps(xk[r * I + 2 * pair + 1]);
 #pragma GCC unroll 16
-      for (int b = 0; b < B; ++b) code_weights_512(codes[b] + pair * kStreamBlock, d[b], m[b], &first[b], &second[b]);
-#pragma GCC unroll 16
-      for (int r = 0; r < R; ++r) {
-        const __m512 x0 = _mm512_set1_ps(xk[r * I + 2 * pair]), x1 = _mm512_set1_ps(xk[r * I + 2 * pair + 1]);
-#pragma GCC unroll 16
-        for (int b = 0; b < B; ++b) acc[b][r] = _mm512_fmadd_ps(second[b], x1, _mm512_fmadd_ps(first[b], x0, acc[b][r]));
+          for (int b = 0; b < B; ++b)
+            acc[b][r] = _mm512_fmadd_ps(second[b], x1, _mm512_fmadd_ps(first[b], x0, acc[b][r]));
+        }
       }
     }
+    store_sums_512<R, B>(acc, y, O, o);
   }
-#pragma GCC unroll 16
-  for (int b = 0; b < B; ++b)
-#pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * O + o + b * kStreamBlock, acc[b][r]);
-}
 
-AVX2 inline __m256 code_half(__m128i codes, __m256 d, __m256 m) {
-  return _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(codes)), m);
-}
-
-// code_tile_512's sums with AVX2, one block a tile: a block's 16 outputs are two vectors.
-template <int R>
-AVX2 inline void code_tile(const float* x, int64_t I, const uint8_t* w, int64_t block_bytes, int64_t g0, int64_t g1,
-                           const uint8_t* later, float* y, int64_t O, int64_t o) {
-  __m256 low[R], high[R];
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) {
-    low[r] = g0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(y + r * O + o);
-    high[r] = g0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(y + r * O + o + 8);
+  AVX2 static __m256 half_weights(__m128i codes, __m256 d, __m256 m) {
+    return _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(codes)), m);
   }
-  const __m128i nibble = _mm_set1_epi8(0x0F);
-  for (int64_t g = g0; g < g1; ++g) {
-    const float* group = reinterpret_cast<const float*>(w + g * kCodeGroupBytes);
-    const __m256 d0 = _mm256_loadu_ps(group), d1 = _mm256_loadu_ps(group + 8);
-    const __m256 m0 = _mm256_loadu_ps(group + 16), m1 = _mm256_loadu_ps(group + 24);
-    const uint8_t* codes = w + g * kCodeGroupBytes + 2 * kStreamBlock * sizeof(float);
-    const float* xk = x + g * kCodeGroup;
-    for (int64_t pair = 0; pair < kCodeGroup / 2; ++pair) {
-      prefetch_group_line<1>(later, block_bytes, g, pair);
-      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + pair * kStreamBlock));
-      const __m128i codes0 = _mm_and_si128(bytes, nibble), codes1 = _mm_and_si128(_mm_srli_epi16(bytes, 4), nibble);
-      const __m256 first0 = code_half(codes0, d0, m0), first1 = code_half(_mm_srli_si128(codes0, 8), d1, m1);
-      const __m256 second0 = code_half(codes1, d0, m0), second1 = code_half(_mm_srli_si128(codes1, 8), d1, m1);
+
+  // code_tile_512's sums with AVX2, one block a tile: a block's 16 outputs are two vectors.
+  template <int R>
+  AVX2 static void tile(const float* x, int64_t I, const uint8_t* w, int64_t block_bytes, int64_t g0, int64_t g1,
+                        const uint8_t* later, float* y, int64_t O, int64_t o) {
+    __m256 low[R], high[R];
+    load_sums_256<R>(low, high, g0 == 0, y, O, o);
+    const __m128i nibble = _mm_set1_epi8(0x0F);
+    for (int64_t g = g0; g < g1; ++g) {
+      const float* group = reinterpret_cast<const float*>(w + g * kCodeGroupBytes);
+      const __m256 d0 = _mm256_loadu_ps(group), d1 = _mm256_loadu_ps(group + 8);
+      const __m256 m0 = _mm256_loadu_ps(group + 16), m1 = _mm256_loadu_ps(group + 24);
+      const uint8_t* codes = w + g * kCodeGroupBytes + 2 * kStreamBlock * sizeof(float);
+      const float* xk = x + g * kCodeGroup;
+      for (int64_t pair = 0; pair < kCodeGroup / 2; ++pair) {
+        prefetch_group_line<1>(later, block_bytes, g, pair);
+        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + pair * kStreamBlock));
+        const __m128i codes0 = _mm_and_si128(bytes, nibble), codes1 = _mm_and_si128(_mm_srli_epi16(bytes, 4), nibble);
+        const __m256 first0 = half_weights(codes0, d0, m0), first1 = half_weights(_mm_srli_si128(codes0, 8), d1, m1);
+        const __m256 second0 = half_weights(codes1, d0, m0), second1 = half_weights(_mm_srli_si128(codes1, 8), d1, m1);
 #pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) {
-        const __m256 x0 = _mm256_broadcast_ss(xk + r * I + 2 * pair), x1 = _mm256_broadcast_ss(xk + r * I + 2 * pair + 1);
-        low[r] = _mm256_fmadd_ps(second0, x1, _mm256_fmadd_ps(first0, x0, low[r]));
-        high[r] = _mm256_fmadd_ps(second1, x1, _mm256_fmadd_ps(first1, x0, high[r]));
+        for (int r = 0; r < R; ++r) {
+          const __m256 x0 = _mm256_broadcast_ss(xk + r * I + 2 * pair);
+          const __m256 x1 = _mm256_broadcast_ss(xk + r * I + 2 * pair + 1);
+          low[r] = _mm256_fmadd_ps(second0, x1, _mm256_fmadd_ps(first0, x0, low[r]));
+          high[r] = _mm256_fmadd_ps(second1, x1, _mm256_fmadd_ps(first1, x0, high[r]));
+        }
       }
     }
+    store_sums_256<R>(low, high, y, O, o);
   }
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) {
-    _mm256_storeu_ps(y + r * O + o, low[r]);
-    _mm256_storeu_ps(y + r * O + o + 8, high[r]);
-  }
-}
+};
 
 // The 8-bit codes' weights (GGUF's Q8_0, as the embedded target's tied head): w = d * q for q in -128..127
 // and one float16 step d per 32 inputs of an output, exact in float32 (at most 11 + 8 significant bits).
 // A byte pack is int8 (O / 16, I / 32 * kByteGroupBytes): per block of 16 outputs and group of 32 inputs,
 // the 16 outputs' d (float32), then per input 16 bytes, byte j output j's code. 1.125 bytes a weight.
-template <int R, int B>
-AVX512 inline void byte_tile_512(const float* x, int64_t I, const uint8_t* w, int64_t block_bytes, int64_t g0,
-                                 int64_t g1, const uint8_t* later, float* y, int64_t O, int64_t o) {
-  __m512 acc[B][R];
-#pragma GCC unroll 16
-  for (int b = 0; b < B; ++b)
-#pragma GCC unroll 16
-    for (int r = 0; r < R; ++r)
-      acc[b][r] = g0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(y + r * O + o + b * kStreamBlock);
-  for (int64_t g = g0; g < g1; ++g) {
-    __m512 d[B];
-    const uint8_t* codes[B];
-#pragma GCC unroll 16
-    for (int b = 0; b < B; ++b) {
-      const uint8_t* group = w + b * block_bytes + g * kByteGroupBytes;
-      d[b] = _mm512_loadu_ps(reinterpret_cast<const float*>(group));
-      codes[b] = group + kStreamBlock * sizeof(float);
-    }
-    const float* xk = x + g * kCodeGroup;
-    for (int64_t k = 0; k < kCodeGroup; ++k) {
-      prefetch_group_line<B, kByteGroupBytes>(later, block_bytes, g, k);
-      __m512 weights[B];
-#pragma GCC unroll 16
-      for (int b = 0; b < B; ++b) {
-        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes[b] + k * kStreamBlock));
-        weights[b] = _mm512_mul_ps(d[b], _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)));
-      }
-#pragma GCC unroll 16
-      for (int r = 0; r < R; ++r) {
-        const __m512 xr = _mm512_set1_ps(xk[r * I + k]);
-#pragma GCC unroll 16
-        for (int b = 0; b < B; ++b) acc[b][r] = _mm512_fmadd_ps(weights[b], xr, acc[b][r]);
-      }
-    }
-  }
-#pragma GCC unroll 16
-  for (int b = 0; b < B; ++b)
-#pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * O + o + b * kStreamBlock, acc[b][r]);
-}
-
-template <int R>
-AVX2 inline void byte_tile(const float* x, int64_t I, const uint8_t* w, int64_t block_bytes, int64_t g0, int64_t g1,
-                           const uint8_t* later, float* y, int64_t O, int64_t o) {
-  __m256 low[R], high[R];
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) {
-    low[r] = g0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(y + r * O + o);
-    high[r] = g0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(y + r * O + o + 8);
-  }
-  for (int64_t g = g0; g < g1; ++g) {
-    const float* group = reinterpret_cast<const float*>(w + g * kByteGroupBytes);
-    const __m256 d0 = _mm256_loadu_ps(group), d1 = _mm256_loadu_ps(group + 8);
-    const uint8_t* codes = w + g * kByteGroupBytes + kStreamBlock * sizeof(float);
-    const float* xk = x + g * kCodeGroup;
-    for (int64_t k = 0; k < kCodeGroup; ++k) {
-      prefetch_group_line<1, kByteGroupBytes>(later, block_bytes, g, k);
-      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + k * kStreamBlock));
-      const __m256 w0 = _mm256_mul_ps(d0, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)));
-      const __m256 w1 = _mm256_mul_ps(d1, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(bytes, 8))));
-#pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) {
-        const __m256 xr = _mm256_broadcast_ss(xk + r * I + k);
-        low[r] = _mm256_fmadd_ps(w0, xr, low[r]);
-        high[r] = _mm256_fmadd_ps(w1, xr, high[r]);
-      }
-    }
-  }
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) {
-    _mm256_storeu_ps(y + r * O + o, low[r]);
-    _mm256_storeu_ps(y + r * O + o + 8, high[r]);
-  }
-}
-
-// The two code formats' tiles, as code_tiles calls them.
-struct FourBitCodes {
-  static constexpr int64_t kGroupBytes = kCodeGroupBytes;
-  template <int R, int B>
-  static void tile_512(const float* x, int64_t I, const uint8_t* w, int64_t block_bytes, int64_t g0, int64_t g1,
-                       const uint8_t* later, float* y, int64_t O, int64_t o) {
-    code_tile_512<R, B>(x, I, w, block_bytes, g0, g1, later, y, O, o);
-  }
-  template <int R>
-  static void tile(const float* x, int64_t I, const uint8_t* w, int64_t block_bytes, int64_t g0, int64_t g1,
-                   const uint8_t* later, float* y, int64_t O, int64_t o) {
-    code_tile<R>(x, I, w, block_bytes, g0, g1, later, y, O, o);
-  }
-};
-
 struct ByteCodes {
   static constexpr int64_t kGroupBytes = kByteGroupBytes;
+
   template <int R, int B>
-  static void tile_512(const float* x, int64_t I, const uint8_t* w, int64_t block_bytes, int64_t g0, int64_t g1,
-                       const uint8_t* later, float* y, int64_t O, int64_t o) {
-    byte_tile_512<R, B>(x, I, w, block_bytes, g0, g1, later, y, O, o);
+  AVX512 static void tile_512(const float* x, int64_t I, const uint8_t* w, int64_t block_bytes, int64_t g0,
+                              int64_t g1, const uint8_t* later, float* y, int64_t O, int64_t o) {
+    __m512 acc[B][R];
+    load_sums_512<R, B>(acc, g0 == 0, y, O, o);
+    for (int64_t g = g0; g < g1; ++g) {
+      __m512 d[B];
+      const uint8_t* codes[B];
+#pragma GCC unroll 16
+      for (int b = 0; b < B; ++b) {
+        const uint8_t* group = w + b * block_bytes + g * kByteGroupBytes;
+        d[b] = _mm512_loadu_ps(reinterpret_cast<const float*>(group));
+        codes[b] = group + kStreamBlock * sizeof(float);
+      }
+      const float* xk = x + g * kCodeGroup;
+      for (int64_t k = 0; k < kCodeGroup; ++k) {
+        prefetch_group_line<B, kByteGroupBytes>(later, block_bytes, g, k);
+        __m512 weights[B];
+#pragma GCC unroll 16
+        for (int b = 0; b < B; ++b) {
+          const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes[b] + k * kStreamBlock));
+          weights[b] = _mm512_mul_ps(d[b], _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)));
+        }
+        add_products_512<R, B>(acc, weights, xk, I, k);
+      }
+    }
+    store_sums_512<R, B>(acc, y, O, o);
   }
+
   template <int R>
-  static void tile(const float* x, int64_t I, const uint8_t* w, int64_t block_bytes, int64_t g0, int64_t g1,
-                   const uint8_t* later, float* y, int64_t O, int64_t o) {
-    byte_tile<R>(x, I, w, block_bytes, g0, g1, later, y, O, o);
+  AVX2 static void tile(const float* x, int64_t I, const uint8_t* w, int64_t block_bytes, int64_t g0, int64_t g1,
+                        const uint8_t* later, float* y, int64_t O, int64_t o) {
+    __m256 low[R], high[R];
+    load_sums_256<R>(low, high, g0 == 0, y, O, o);
+    for (int64_t g = g0; g < g1; ++g) {
+      const float* group = reinterpret_cast<const float*>(w + g * kByteGroupBytes);
+      const __m256 d0 = _mm256_loadu_ps(group), d1 = _mm256_loadu_ps(group + 8);
+      const uint8_t* codes = w + g * kByteGroupBytes + kStreamBlock * sizeof(float);
+      const float* xk = x + g * kCodeGroup;
+      for (int64_t k = 0; k < kCodeGroup; ++k) {
+        prefetch_group_line<1, kByteGroupBytes>(later, block_bytes, g, k);
+        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + k * kStreamBlock));
+        const __m256 w0 = _mm256_mul_ps(d0, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)));
+        const __m256 w1 = _mm256_mul_ps(d1, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(bytes, 8))));
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+          const __m256 xr = _mm256_broadcast_ss(xk + r * I + k);
+          low[r] = _mm256_fmadd_ps(w0, xr, low[r]);
+          high[r] = _mm256_fmadd_ps(w1, xr, high[r]);
+        }
+      }
+    }
+    store_sums_256<R>(low, high, y, O, o);
   }
 };
 

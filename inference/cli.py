@@ -275,9 +275,9 @@ def _kernel_parent(compile: bool) -> argparse.ArgumentParser:
         "--no-native": "run verification forwards through the Python loop instead of the runtime's C++ decoder "
         "layers and contender search (the same operations and tokens; the C++ kernels are built once per machine "
         "with g++, ~30 s, and save the interpreter's time between ~1,000 small calls per forward)",
-        "--no-weight-codes": "keep the stream kernel's packs in float32 (or bfloat16) where every weight of a projection "
-        "is an exact 4-bit block code (a target dequantised from GGUF Q4_1, as the embedded one: its packs then "
-        "read 0.75 bytes a weight instead of 4, and compute the same floats)",
+        "--no-weight-codes": "keep the stream kernel's packs in float32 (or bfloat16) where every weight of a "
+        "projection is an exact 4-bit or 8-bit block code (a target dequantised from GGUF Q4_1 or Q8_0, as the "
+        "embedded one: its packs then read 0.75 or 1.125 bytes a weight instead of 4, and compute the same floats)",
     }
     for flag, text in switches.items():
         p.add_argument(flag, action="store_true", help=text + "; float32 on CPU only")

@@ -19,7 +19,7 @@ class KernelOptions:
     linear: str = "auto"  # the linears' kernel: auto, stream, onednn, mkl or default (kernels/packed_gemm.py)
     greedy_head: bool = True  # greedy argmax through a screened int8 head with a proof (kernels/greedy_head.py)
     native: bool = True  # the direct forward's layers and the head's contender search in C++ (kernels/native.py)
-    weight_codes: bool = True  # stream packs of exact 4-bit block weights hold their codes (kernels/packed_gemm.py)
+    weight_codes: bool = True  # stream packs of exact 4- or 8-bit block weights hold their codes (kernels/native.cpp)
     threads: int | None = None  # torch's intra-op threads; None leaves torch's choice
 
     def apply_threads(self) -> None:

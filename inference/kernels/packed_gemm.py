@@ -53,10 +53,10 @@ ANY_ROWS = 0  # the pack key of a kernel whose one pack serves every row count (
 ONE_PACK_KERNELS = ("stream", "onednn")
 PACK_KINDS = {"mkl": 0, "onednn": 1, "stream": 2}  # native.cpp's PackKind codes
 # what a stream pack holds, by its dtype (native.cpp's stream_pack): every form computes the same floats
-CODES_FORM = "exact 4-bit codes"
+CODE_FORMS = ("exact 4-bit codes", "exact 8-bit codes")
 PACK_FORMS = {
-    torch.uint8: CODES_FORM,
-    torch.int8: "exact 8-bit codes",
+    torch.uint8: CODE_FORMS[0],
+    torch.int8: CODE_FORMS[1],
     torch.bfloat16: "exact bfloat16",
     torch.float32: "float32",
 }
@@ -64,7 +64,7 @@ PACK_FORMS = {
 
 def one_pack(kernel: str, weight: torch.Tensor, codes: bool = True) -> torch.Tensor:
     """``weight`` packed for a one-pack kernel (:data:`ONE_PACK_KERNELS`); ``codes``: the stream kernel's
-    pack holds 4-bit codes where they rebuild every weight bit for bit."""
+    pack holds 4- or 8-bit codes where they rebuild every weight bit for bit."""
     if kernel == "stream":
         return native_extension().stream_pack(weight, codes=codes)
     return torch.ops.mkldnn._reorder_linear_weight(weight)  # no row hint: the pack is row-invariant
@@ -159,7 +159,7 @@ def active_pack(linear: nn.Module, rows: int) -> torch.Tensor | None:
 
 def stream_pack_bytes(model: nn.Module) -> dict[int, int]:
     """The bytes of each stream pack a one-row forward of ``model`` reads instead of its linear's weight,
-    by the weight's address (a pack of 4-bit codes or bfloat16 holds fewer bytes than the weight)."""
+    by the weight's address (a pack of codes or bfloat16 holds fewer bytes than the weight)."""
     found = {}
     for module in model.modules():
         if isinstance(module, PackedLinear) and module._owner.kernel == "stream":
@@ -182,7 +182,7 @@ class PackedGemm:
     ``PackedGemm`` of the same model takes them over, with no packs yet."""
 
     def __init__(self, model: nn.Module, kernel: str = "mkl", codes: bool = True) -> None:
-        """``codes``: stream packs hold 4-bit codes where they rebuild every weight of a projection."""
+        """``codes``: stream packs hold 4- or 8-bit codes where they rebuild every weight of a projection."""
         if kernel not in PACK_KINDS:
             raise ValueError(f"PackedGemm packs for 'stream', 'onednn' or 'mkl', not {kernel!r}")
         self.kernel = kernel

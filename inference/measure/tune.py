@@ -59,7 +59,7 @@ from draftsmith.drafters.io import read_drafter_config
 from draftsmith.drafters.medusa import DYNAMIC, MedusaTreeDrafter
 from draftsmith.drafters.registry import TreeSearch, get_family
 from draftsmith.inference.backends import Backends
-from draftsmith.inference.kernels.packed_gemm import CODES_FORM
+from draftsmith.inference.kernels.packed_gemm import CODE_FORMS
 from draftsmith.inference.context import check_fits_context
 from draftsmith.inference.measure.bench import read_questions
 from draftsmith.inference.measure.bench_tree import run_tree_bench
@@ -706,7 +706,7 @@ def run_tune(
         "kernels": {
             **{flag: bool(bench[flag]) for flag in ("native", "greedy_head")},
             "linear": bench["linear"]["kernel"],
-            "weight_codes": CODES_FORM in bench["linear"].get("pack_forms", {}),
+            "weight_codes": any(form in bench["linear"].get("pack_forms", {}) for form in CODE_FORMS),
         },
         "calibration": {
             "prompts": len(prompts),

@@ -295,7 +295,7 @@ class Backends:
         if kernel not in ONE_PACK_KERNELS:
             return None
         if id(module) not in self._drafter_gemms:
-            self._drafter_gemms[id(module)] = PackedGemm(module, kernel)
+            self._drafter_gemms[id(module)] = PackedGemm(module, kernel, self.options.weight_codes)
         return self._drafter_gemms[id(module)]
 
     def drafter_layer_kernel(self) -> NativeDrafterLayer | None:

@@ -404,6 +404,25 @@ def test_weights_of_gguf_blocks_pack_as_their_codes_and_give_the_float32_packs_f
     assert native.stream_pack(weight).dtype == torch.float32
 
 
+def test_no_weight_codes_reaches_the_drafters_packs_too():
+    """``weight_codes=False`` keeps a drafter's own packs in float32 as well (an FSPAD drafts through rows
+    of the target's Q8_0 head, which would otherwise pack as 8-bit codes)."""
+    one_pack_kernel("stream")
+    head = torch.nn.Linear(64, 32, bias=False)
+    with torch.no_grad():
+        head.weight.copy_(q8_0_dequantised(head.weight))
+
+    class Drafter:
+        @staticmethod
+        def own_modules():
+            return head
+
+    for codes, form in ((True, "exact 8-bit codes"), (False, "float32")):
+        gemm = Backends(KernelOptions(linear="stream", weight_codes=codes)).drafter_gemm(Drafter())
+        gemm.padded_rows(1)
+        assert gemm.pack_forms() == {form: 1}
+
+
 def test_a_target_dequantised_from_4bit_blocks_decodes_the_same_from_its_codes():
     """The tiny Llama with Q4_1-rounded linears (as the embedded GGUF target's): its stream packs hold
     codes, ``bench`` names them, and plain and speculative decoding equal the reference on the same packs,

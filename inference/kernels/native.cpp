@@ -54,7 +54,7 @@ enum Weight { kInputNorm, kQuery, kKey, kValue, kOutput, kGate, kUp, kDown, kPos
 constexpr int64_t kProjections = 7;  // kQuery .. kDown
 constexpr int64_t kContenderSpan = 8192;  // tokens per task of screen_contenders
 constexpr int64_t kStreamBlock = 16;  // outputs per block of a stream pack (stream_pack): two vectors
-constexpr int64_t kCodeGroup = 32;  // inputs sharing a step and an offset in a code pack (code_pack)
+constexpr int64_t kCodeGroup = 32;  // inputs sharing a step (and a 4-bit pack's offset) in a code pack (group_pack)
 constexpr int64_t kCodeGroupBytes = 2 * kStreamBlock * sizeof(float) + kCodeGroup * kStreamBlock / 2;
 constexpr int64_t kByteGroupBytes = kStreamBlock * sizeof(float) + kCodeGroup * kStreamBlock;  // byte_pack
 
@@ -609,7 +609,7 @@ AVX2 void stream_tail(const float* x, int64_t rows, const W* pack, int64_t I, in
     }
 }
 
-// ---- exact 4-bit codes ----
+// ---- exact 4-bit and 8-bit codes ----
 // Weights dequantised from a 4-bit block format (GGUF's Q4_1, as the embedded target's) are, in every
 // group of 32 neighbouring inputs of an output, w = fl(fl(d * q) + m) for codes q in 0..15 and one float16
 // step d and offset m per group. stream_pack finds such weights (code_pack, every weight rebuilt bit for

@@ -128,6 +128,33 @@ def test_an_interrupted_checkpoint_write_never_replaces_the_last_good_one(tmp_pa
     assert result.checkpoint.name == "step-4" and not (run / "checkpoints" / ".tmp-step-4").exists()
 
 
+def test_a_crash_while_keep_last_deletes_a_checkpoint_leaves_no_half_deleted_one(recipe_path, monkeypatch):
+    """A kill in the middle of deleting an old checkpoint must not leave a ``step-N`` that keeps its marker but
+    lost files: the resumed run's next save reads every complete one for the best, and would stop on it."""
+    import draftsmith.train.checkpoint as checkpoint
+
+    class Killed(BaseException):
+        pass
+
+    original = shutil.rmtree
+
+    def killed_half_way(path, *args, **kwargs):
+        path = Path(path)
+        if (path / MARKER).is_file() and (path / "trainer_state.json").is_file():
+            (path / "trainer_state.json").unlink()
+            raise Killed
+        original(path, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint.shutil, "rmtree", killed_half_way)
+    with pytest.raises(Killed):  # step 4's save deletes step-2 (keep_last=1) and dies half way
+        main(["train", str(recipe_path), "train.max_steps=6", "train.keep_last=1"])
+    monkeypatch.setattr(checkpoint.shutil, "rmtree", original)
+    run = recipe_path.parent / "run"
+    assert [p.name for p in complete_checkpoints(run)] == ["step-4"]
+    main(["train", str(recipe_path), "train.max_steps=6", "train.keep_last=1", "--resume"])
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-6"]  # the leftover went too
+
+
 def test_nan_loss_stops_with_one_line_naming_the_step(tmp_path, recipe_path, monkeypatch, capsys):
     import functools
 

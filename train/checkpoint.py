@@ -40,6 +40,7 @@ RNG_STATE_KEYS = ("random_state", "numpy_random_seed", "torch_manual_seed")  # w
 # family's loss reports, the closest of the logged figures to decoding speed.
 BEST_METRIC = "eval/sim/accept_length"
 _NAME = re.compile(r"^step-(\d+)$")
+_DELETING = ".deleting-"  # a checkpoint being deleted: renamed first, so it is never a step-N half gone
 
 
 class CheckpointError(DraftsmithError, RuntimeError):
@@ -141,7 +142,8 @@ def _save_checkpoint(accelerator: Any, model: Any, output_dir: Path, state: dict
     step = int(state["step"])
     tmp, final = root / f".tmp-step-{step}", root / f"step-{step}"
     if accelerator.is_main_process:
-        shutil.rmtree(tmp, ignore_errors=True)  # a leftover of an interrupted write
+        for leftover in (tmp, *root.glob(f"{_DELETING}step-*")):  # of an interrupted write or delete
+            shutil.rmtree(leftover, ignore_errors=True)
         tmp.mkdir(parents=True)
     accelerator.wait_for_everyone()
     accelerator.save_state(str(tmp))
@@ -156,9 +158,19 @@ def _save_checkpoint(accelerator: Any, model: Any, output_dir: Path, state: dict
         best = best_checkpoint(output_dir)
         for old in complete_checkpoints(output_dir)[:-keep_last]:
             if old != best:
-                shutil.rmtree(old, ignore_errors=True)
+                delete_checkpoint(old)
     accelerator.wait_for_everyone()
     return final
+
+
+def delete_checkpoint(checkpoint: Path) -> None:
+    """Remove a complete checkpoint. It is renamed out of the ``step-N`` names first: a crash in the middle
+    of the delete then leaves a temp directory, never a ``step-N`` that keeps its marker but lost files,
+    which the next save's search for the best checkpoint would read."""
+    doomed = checkpoint.with_name(f"{_DELETING}{checkpoint.name}")
+    shutil.rmtree(doomed, ignore_errors=True)  # a leftover of an interrupted delete
+    os.rename(checkpoint, doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
 
 
 def rng_state_file(checkpoint: Path, process_index: int) -> Path:

@@ -324,6 +324,11 @@ def run_bench(
     backends.prepare(target.model)  # kernels built here, outside every timing
     kernels = None if backends.options.compiled else backends.kernels(target.model)
     head_before = _head_rows(kernels)
+    # This machine's read speed, before the warm-up and after the last question (never between timed
+    # decodes: ReadSpeed). Two runs' tokens/s differ by it; the ratios inside one run do not.
+    read_speed = ReadSpeed() if kernels is not None else None
+    if read_speed is not None:
+        read_speed.passes()
     with backends.reference_forwards(target.model):
         hf_greedy(target.model, target.encode_chat([{"role": "user", "content": "Hi"}]), 4, eos)  # warm-up
     finished = list(progress.records) if progress is not None else []  # from the run this one resumes
@@ -332,21 +337,18 @@ def run_bench(
             raise BenchError(f"{progress.path} does not follow these questions (at {question.id}); use --overwrite")
     resumed_turns = sum(len(q.turns) for q in questions[: len(finished)])  # counted, but not in the rate
     total_turns = sum(len(q.turns) for q in questions)
-    # One pass over memory after each question: this machine's read speed can change over minutes, and
-    # two runs' tokens/s differ by it too (the ratios inside one run, all methods on the same prompts, do not).
-    read_speed = ReadSpeed() if kernels is not None else None
     bar = tqdm(total=total_turns, initial=resumed_turns, desc="bench", unit="turn", dynamic_ncols=True)
     for index, question in enumerate(questions):
         if index < len(finished):
             record = finished[index]
         else:
             record = _run_question(target, question, plain, drafters, max_new_tokens, backends, bar)
-            if read_speed is not None:
-                read_speed.sample()
             if progress is not None:
                 progress.append(record)
         turns += _tally_question(tallies, record, question.category)
     bar.close()
+    if read_speed is not None:
+        read_speed.passes()
     engine_info = _run_engines(engine_methods, turns, tallies, vllm_python, target_dir, max_new_tokens, eos)
     return {
         "target": target.identity.to_dict(),

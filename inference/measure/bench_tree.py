@@ -124,13 +124,14 @@ def run_tree_bench(
     forward = _VerificationForward(target, prefix, seed, backends)
     timings: dict[int, list[float]] = {size: [] for size in sizes}
     speed = ReadSpeed()
+    speed.passes()  # before the warm-up, which the forwards then need (ReadSpeed)
     for _ in range(WARMUP):
         for size in sizes:
             forward.seconds(trees[size])
     for _ in tqdm(range(repeats), desc="bench-tree", unit="repeat", dynamic_ncols=True):
-        for size in sizes:  # every size and the read speed once per round: a drifting machine shifts them alike
+        for size in sizes:  # every size once per round: a drifting machine shifts them alike
             timings[size].append(forward.seconds(trees[size]))
-        speed.sample()
+    speed.passes()
     base = statistics.median(timings[1])
     spent = profile_forwards(forward, trees) if profile else None
     rows = [

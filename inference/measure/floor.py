@@ -7,7 +7,8 @@ A one-token step reads every decoder weight once, the head as the runtime reads 
 copy where greedy verification uses it, else the float32 head) and one embedding row; nothing a step
 does can take less time than reading those bytes once. The read speed is measured here, as torch's
 ``sum`` over a buffer far larger than the caches, with torch's current thread count, in passes a
-benchmark interleaves with its own (:class:`ReadSpeed`).
+benchmark takes before its warm-up and after its timed work, never between timed forwards
+(:class:`ReadSpeed`).
 
 A forward of k rows also makes k multiply-adds per weight of its linears besides the head (float32 for
 a float32 target: the promise of token identity keeps them so). Past a few rows that work, not the
@@ -59,8 +60,10 @@ def step_weight_bytes(model: nn.Module, screened: GreedyHead | None, as_packed: 
 class ReadSpeed:
     """This machine's memory read speed: torch's ``sum`` over a buffer far larger than the caches (in
     memory backed by huge pages where the runtime's stream packs are, :mod:`native`), timed a pass at a
-    time so that a benchmark can interleave the passes with what it measures. On a shared machine the
-    read speed drifts over minutes; a floor measured apart from the forwards would drift away from them."""
+    time. A benchmark takes passes before its warm-up and after its timed work (:meth:`passes`), not
+    between timed forwards: on a virtual machine a pass can push the benchmark's own memory out on the host
+    (the forward right after one ran several times slower on the 2-core VM this was measured on, and the
+    next few stayed slow), which made the forwards timed after a pass look slower than they are."""
 
     def __init__(self) -> None:
         extension = native_extension()
@@ -75,6 +78,10 @@ class ReadSpeed:
         start = time.perf_counter()
         self.buffer.sum()
         self.seconds.append(time.perf_counter() - start)
+
+    def passes(self, count: int = REPEATS) -> None:
+        for _ in range(count):
+            self.sample()
 
     def bytes_per_second(self) -> float:
         """The median pass's speed (a few passes are taken first where none was)."""

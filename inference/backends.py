@@ -295,8 +295,16 @@ class Backends:
         if kernel not in ONE_PACK_KERNELS:
             return None
         if id(module) not in self._drafter_gemms:
-            self._drafter_gemms[id(module)] = PackedGemm(module, kernel, self.options.weight_codes)
+            options = self.options
+            self._drafter_gemms[id(module)] = PackedGemm(module, kernel, options.weight_codes, options.drafter_codes)
         return self._drafter_gemms[id(module)]
+
+    def drafting_kernels(self, drafter: Drafter) -> PackedGemm | None:
+        """Give ``drafter`` the kernels it drafts with in decoding: the C++ layer forward, and its linears'
+        packs (returned; active inside their ``rows()``), so that what it proposes outside ``generate``
+        (``tune``'s records) is what it proposes there."""
+        drafter.use_layer_kernel(self.drafter_layer_kernel())
+        return self.drafter_gemm(drafter)
 
     def drafter_layer_kernel(self) -> NativeDrafterLayer | None:
         """The C++ layer forward offered to feature drafters (:mod:`kernels.native_drafter`) where the
@@ -338,8 +346,7 @@ class Backends:
         the target's compiled or eager forwards as the options say. ``reads_logits``: greedy tokens alone
         will not do (sampling, or a drafter that reads the logits)."""
         verifier = drafter.verifier_model()
-        gemm = self.drafter_gemm(drafter)
-        drafter.use_layer_kernel(self.drafter_layer_kernel())
+        gemm = self.drafting_kernels(drafter)
         if verifier is not None:
             return EagerBackend(verifier, None, greedy=False, drafter_gemm=gemm)
         served = drafter.served_model()

@@ -94,6 +94,7 @@ def _backends(args: argparse.Namespace):
         greedy_head=not args.no_greedy_head,
         native=not args.no_native,
         weight_codes=not args.no_weight_codes,
+        drafter_codes=not args.no_drafter_codes,
         threads=args.threads,
     )
     options.apply_threads()
@@ -278,6 +279,10 @@ def _kernel_parent(compile: bool) -> argparse.ArgumentParser:
         "--no-weight-codes": "keep the stream kernel's packs in float32 (or bfloat16) where every weight of a "
         "projection is an exact 4-bit or 8-bit block code (a target dequantised from GGUF Q4_1 or Q8_0, as the "
         "embedded one: its packs then read 0.75 or 1.125 bytes a weight instead of 4, and compute the same floats)",
+        "--no-drafter-codes": "keep a feature drafter's own weights as they are in its packs (bfloat16 or float32) "
+        "instead of rounding them to 4-bit blocks, which reads a third of a bfloat16 pack's bytes per drafting "
+        "step; either way every output token is the same (verification is exact), only which tokens the "
+        "drafter proposes may differ; ignored with --no-weight-codes",
     }
     for flag, text in switches.items():
         p.add_argument(flag, action="store_true", help=text + "; float32 on CPU only")

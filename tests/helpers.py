@@ -19,6 +19,7 @@ from draftsmith.core.tree import DraftTree
 from draftsmith.core.verify import SamplingConfig
 from draftsmith.drafters.base import TreeOptions
 from draftsmith.drafters.streaming import StreamingConfig, StreamingModel
+from draftsmith.inference.kernels.packed_gemm import rounded_to_four_bit_blocks
 from draftsmith.inference.measure.bench import hf_greedy as bench_hf_greedy
 from draftsmith.train.batch import TrainBatch
 
@@ -424,11 +425,7 @@ def q4_1_dequantised(weight: torch.Tensor) -> torch.Tensor:
     """``weight`` (out, in; in a multiple of 32) as a GGUF Q4_1 file holds it, read back as gguf-py reads it:
     per 32 inputs, codes round((w - min) / d) with d = (max - min) / 15, d and min stored as float16, then
     d * code + min in float32 (a product, then a sum)."""
-    groups = weight.reshape(weight.shape[0], -1, 32)
-    least, greatest = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
-    step = (greatest - least) / 15
-    codes = torch.where(step > 0, (groups - least) / step, torch.zeros_like(groups)).add(0.5).floor().clamp(0, 15)
-    return (step.half().float() * codes + least.half().float()).reshape(weight.shape)
+    return rounded_to_four_bit_blocks(weight)  # the runtime's rounding of a drafter's weights is Q4_1's
 
 
 def q8_0_dequantised(weight: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,14 @@ from draftsmith.inference.kernels import attention, context, packed_gemm
 from draftsmith.inference.kernels.context import KernelContext
 from draftsmith.inference.kernels.native import native_extension
 from draftsmith.inference.kernels.options import KernelOptions
-from draftsmith.inference.kernels.packed_gemm import PackedGemm, PackedLinear, linear_kernel_available, row_bucket
+from draftsmith.inference.kernels.packed_gemm import (
+    ROUNDED_FORM,
+    PackedGemm,
+    PackedLinear,
+    linear_kernel_available,
+    rounded_to_four_bit_blocks,
+    row_bucket,
+)
 from draftsmith.inference.methods.pld import PromptLookupDrafter
 from draftsmith.inference.runtime import generate
 from helpers import (
@@ -421,6 +428,46 @@ def test_no_weight_codes_reaches_the_drafters_packs_too():
         gemm = Backends(KernelOptions(linear="stream", weight_codes=codes)).drafter_gemm(Drafter())
         gemm.padded_rows(1)
         assert gemm.pack_forms() == {form: 1}
+
+
+def test_a_drafters_packs_hold_its_weights_rounded_to_4bit_blocks():
+    """A drafter's linears whose weights are no exact codes (a bfloat16 checkpoint's) pack as the 4-bit
+    codes of their weights rounded to blocks (``drafter_codes``, the default): products bitwise the float32
+    pack's of the rounded weights. Exact 8-bit codes stay exact, a width not a multiple of 32 keeps its exact
+    pack, and ``drafter_codes=False`` or ``weight_codes=False`` keep every weight as it is."""
+    one_pack_kernel("stream")
+    native = native_extension()
+    layer, head, narrow = (torch.nn.Linear(i, o, bias=False) for i, o in ((64, 48), (64, 32), (40, 16)))
+    with torch.no_grad():
+        for linear in (layer, narrow):
+            linear.weight.copy_(linear.weight.bfloat16().float())
+        head.weight.copy_(q8_0_dequantised(head.weight))
+    modules = torch.nn.ModuleDict({"layer": layer, "head": head, "narrow": narrow})
+
+    class Drafter:
+        @staticmethod
+        def own_modules():
+            return modules
+
+    expected = {
+        (True, True): {ROUNDED_FORM: 1, "exact 8-bit codes": 1, "exact bfloat16": 1},
+        (False, True): {"exact bfloat16": 2, "exact 8-bit codes": 1},
+        (True, False): {"exact bfloat16": 2, "float32": 1},
+    }
+    rows = torch.randn(5, 64, generator=torch.Generator().manual_seed(3))
+    for (drafter_codes, weight_codes), forms in expected.items():
+        options = KernelOptions(linear="stream", weight_codes=weight_codes, drafter_codes=drafter_codes)
+        gemm = Backends(options).drafter_gemm(Drafter())
+        gemm.padded_rows(1)
+        assert gemm.pack_forms() == forms
+        with torch.no_grad(), gemm.rows():
+            product = layer(rows)
+        exact = native.stream_linear(rows, native.stream_pack(layer.weight.detach(), codes=False))
+        if ROUNDED_FORM in forms:
+            rounded = native.stream_pack(rounded_to_four_bit_blocks(layer.weight.detach()), codes=False)
+            assert torch.equal(product, native.stream_linear(rows, rounded)) and not torch.equal(product, exact)
+        else:
+            assert torch.equal(product, exact)
 
 
 def test_a_target_dequantised_from_4bit_blocks_decodes_the_same_from_its_codes():

@@ -134,7 +134,8 @@ def test_tune_writes_a_tree_the_export_still_verifies_and_generate_uses(
     assert chosen["depth"] <= 3 and chosen["top_k"] in (1, 2) and chosen["total_tokens"] in (1, 2, 4, 8)
     assert chosen.get("lookup", 0) in (0, 3) and entry["calibration"]["search"]["lookup"] == [0, 3]
     assert entry["measured"]["prompts"] == 2 and entry["threads"] == torch.get_num_threads()
-    assert set(entry["kernels"]) == {"native", "linear", "greedy_head", "weight_codes"}  # what bench-tree timed with
+    kernels = {"native", "linear", "greedy_head", "weight_codes", "drafter_codes"}
+    assert set(entry["kernels"]) == kernels  # what bench-tree timed with
 
     # generate and bench build drafters through build_drafter: the fitted tree and chain, said in one line
     drafter = build_drafter(f"fspad={export}", tiny)

@@ -54,12 +54,14 @@ ONE_PACK_KERNELS = ("stream", "onednn")
 PACK_KINDS = {"mkl": 0, "onednn": 1, "stream": 2}  # native.cpp's PackKind codes
 # what a stream pack holds, by its dtype (native.cpp's stream_pack): every form computes the same floats
 CODE_FORMS = ("exact 4-bit codes", "exact 8-bit codes")
+ROUNDED_FORM = "4-bit codes of weights rounded to blocks"  # a drafter's packs (PackedGemm's round_to_codes)
 PACK_FORMS = {
     torch.uint8: CODE_FORMS[0],
     torch.int8: CODE_FORMS[1],
     torch.bfloat16: "exact bfloat16",
     torch.float32: "float32",
 }
+CODE_DTYPES = tuple(dtype for dtype, form in PACK_FORMS.items() if form in CODE_FORMS)
 
 
 def one_pack(kernel: str, weight: torch.Tensor, codes: bool = True) -> torch.Tensor:
@@ -68,6 +70,18 @@ def one_pack(kernel: str, weight: torch.Tensor, codes: bool = True) -> torch.Ten
     if kernel == "stream":
         return native_extension().stream_pack(weight, codes=codes)
     return torch.ops.mkldnn._reorder_linear_weight(weight)  # no row hint: the pack is row-invariant
+
+
+def rounded_to_four_bit_blocks(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` (out, in; in a multiple of 32) rounded as GGUF's Q4_1 rounds it, in float32: per 32 inputs
+    of an output, the nearest of 16 evenly spaced values from the least to the greatest, the step and the
+    least held as float16 (so the stream pack rebuilds every value from its code, bit for bit)."""
+    blocks = weight.float().reshape(weight.shape[0], -1, 32)
+    least, greatest = blocks.aminmax(dim=-1, keepdim=True)
+    step = (greatest - least) / 15
+    safe = torch.where(step > 0, step, torch.ones_like(step))
+    codes = ((blocks - least) / safe + 0.5).floor().clamp(0, 15).where(step > 0, torch.zeros_like(blocks))
+    return (step.half().float() * codes + least.half().float()).reshape(weight.shape)
 
 
 def one_pack_product(kernel: str, rows: torch.Tensor, pack: torch.Tensor) -> torch.Tensor:
@@ -181,12 +195,17 @@ class PackedGemm:
     :class:`PackedLinear`, which behave exactly as before outside :meth:`rows`' context; a later
     ``PackedGemm`` of the same model takes them over, with no packs yet."""
 
-    def __init__(self, model: nn.Module, kernel: str = "mkl", codes: bool = True) -> None:
-        """``codes``: stream packs hold 4- or 8-bit codes where they rebuild every weight of a projection."""
+    def __init__(self, model: nn.Module, kernel: str = "mkl", codes: bool = True, round_to_codes: bool = False) -> None:
+        """``codes``: stream packs hold 4- or 8-bit codes where they rebuild every weight of a projection.
+        ``round_to_codes`` (a drafter's packs, never a target's): a projection whose weights are no such
+        codes is packed as the 4-bit codes of its weights rounded to blocks (:func:`rounded_to_four_bit_blocks`),
+        a third of the bytes of a bfloat16 pack; its products then differ from the module's own."""
         if kernel not in PACK_KINDS:
             raise ValueError(f"PackedGemm packs for 'stream', 'onednn' or 'mkl', not {kernel!r}")
         self.kernel = kernel
         self.codes = codes
+        self.round_to_codes = round_to_codes and codes and kernel == "stream"
+        self._rounded: set[int] = set()  # the linears (by id) whose packs hold rounded weights
         self.active = False
         self.library_from: int | None = None  # input rows from which the default kernel serves (library_from_rows)
         # the output head always multiplies through its pack: a prompt's last row is the first token's logits,
@@ -267,6 +286,9 @@ class PackedGemm:
         packs = tuple(linear._packs.get(ANY_ROWS) if _owned_by(linear, self) else None for linear in linears)
         if any(pack is None for pack in packs) or any(linear.bias is not None for linear in linears):
             return None
+        rounded = {id(linear) in self._rounded for linear in linears}
+        if len(rounded) > 1:  # one stacked pack holds its weights in one way
+            return None
         key = tuple(id(linear) for linear in linears)
         made = self._fused.get(key)
         if made is not None and all(a is b for a, b in zip(made[0], packs, strict=True)):
@@ -277,8 +299,11 @@ class PackedGemm:
         if stacked.numel() * stacked.element_size() > MEMORY_SHARE * _available_bytes():
             return None
         start = time.perf_counter()
-        fused = self._pack(stacked, ANY_ROWS)
+        members_rounded = rounded.pop()
+        fused, fused_rounded = self._pack(stacked, ANY_ROWS, may_round=members_rounded)
         self.pack_seconds += time.perf_counter() - start
+        if fused_rounded != members_rounded:
+            return None
         if self._fusion_exact is None:  # checked once, on the first stacked pack
             self._fusion_exact = self._same_columns(fused, packs, stacked.shape[1])
             if not self._fusion_exact:
@@ -328,8 +353,9 @@ class PackedGemm:
         start = time.perf_counter()
         with torch.no_grad():
             for module in missing:
-                module._packs[bucket] = self._pack(module.weight.detach(), bucket)
+                module._packs[bucket], rounded = self._pack(module.weight.detach(), bucket)
                 module._packed_from = CopySource(module.weight)
+                (self._rounded.add if rounded else self._rounded.discard)(id(module))
         self.generation += 1
         self.pack_seconds += time.perf_counter() - start
         return True
@@ -346,14 +372,20 @@ class PackedGemm:
         for module in self._linears:
             pack = module._packs.get(self.pack_key(1))
             if pack is not None:
-                form = PACK_FORMS.get(pack.dtype, "a library's layout")
+                form = ROUNDED_FORM if id(module) in self._rounded else PACK_FORMS.get(pack.dtype, "a library's layout")
                 forms[form] = forms.get(form, 0) + 1
         return forms
 
-    def _pack(self, weight: torch.Tensor, bucket: int) -> torch.Tensor:
-        if self.kernel in ONE_PACK_KERNELS:
-            return one_pack(self.kernel, weight, self.codes)
-        return torch.ops.mkl._mkl_reorder_linear_weight(weight, bucket)
+    def _pack(self, weight: torch.Tensor, bucket: int, may_round: bool = True) -> tuple[torch.Tensor, bool]:
+        """The pack of ``weight`` and whether it holds the weights rounded (:attr:`round_to_codes`)."""
+        if self.kernel not in ONE_PACK_KERNELS:
+            return torch.ops.mkl._mkl_reorder_linear_weight(weight, bucket), False
+        pack = one_pack(self.kernel, weight, self.codes)
+        if may_round and self.round_to_codes and pack.dtype not in CODE_DTYPES and weight.shape[1] % 32 == 0:
+            rounded = one_pack(self.kernel, rounded_to_four_bit_blocks(weight), codes=True)
+            if rounded.dtype in CODE_DTYPES:  # else (a height the code layout does not take) the exact pack
+                return rounded, True
+        return pack, False
 
 
 def _available_bytes() -> int:

@@ -68,8 +68,8 @@ def _forward_note(results: dict[str, Any]) -> str:
     speed = results.get("read_gb_per_s")
     if speed:
         notes.append(
-            f"memory read at {speed['median']} GB/s (median of {speed['passes']} passes, one after each question; "
-            f"{speed['min']}-{speed['max']})"
+            f"memory read at {speed['median']} GB/s (median of {speed['passes']} passes, before and after the "
+            f"timed decodes; {speed['min']}-{speed['max']})"
         )
     return "".join(f"; {note}" for note in notes)
 

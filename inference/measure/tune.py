@@ -40,7 +40,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -59,7 +59,7 @@ from draftsmith.drafters.io import read_drafter_config
 from draftsmith.drafters.medusa import DYNAMIC, MedusaTreeDrafter
 from draftsmith.drafters.registry import TreeSearch, get_family
 from draftsmith.inference.backends import Backends
-from draftsmith.inference.kernels.packed_gemm import CODE_FORMS
+from draftsmith.inference.kernels.packed_gemm import CODE_FORMS, PackedGemm
 from draftsmith.inference.context import check_fits_context
 from draftsmith.inference.measure.bench import read_questions
 from draftsmith.inference.measure.bench_tree import run_tree_bench
@@ -265,12 +265,28 @@ def record_prompt(
     for top_k, drafter in drafters.items():
         per_t: list[list[tuple[int, ...]]] = [[]]  # t = 0 never starts a round
         chains_t: list[list[tuple[int, ...]]] = [[]]
-        for t in range(1, max_new_tokens):
-            _, growth = drafter.grow(contexts[t])
-            per_t.append(chain_ranks(growth, g[t:], max_depth))
-            chains_t.append(chain_ranks(growth, record.chains[t], max_depth))
+        with _drafting(backends or Backends(), drafter):
+            for t in range(1, max_new_tokens):
+                _, growth = drafter.grow(contexts[t])
+                per_t.append(chain_ranks(growth, g[t:], max_depth))
+                chains_t.append(chain_ranks(growth, record.chains[t], max_depth))
         record.ranks[top_k], record.chain_ranks[top_k] = per_t, chains_t
     return record
+
+
+def _packed_drafter(backends: Backends, drafter: Drafter) -> PackedGemm | None:
+    """``drafter`` with the kernels it drafts with in decoding; its linears' packs, made now (before any
+    clock starts, as in decoding)."""
+    gemm = backends.drafting_kernels(drafter)
+    if gemm is not None:
+        gemm.padded_rows(1)
+    return gemm
+
+
+def _drafting(backends: Backends, drafter: Drafter) -> AbstractContextManager[None]:
+    """The context in which ``drafter`` proposes what it proposes in decoding through ``backends``."""
+    gemm = _packed_drafter(backends, drafter)
+    return gemm.rows() if gemm is not None else nullcontext()
 
 
 def drafting_ms(
@@ -285,9 +301,7 @@ def drafting_ms(
     eviction = torch.ones(CACHE_EVICTION_BYTES // 4)
     costs = {}
     for key, drafter in drafters.items():
-        gemm = backends.drafter_gemm(drafter)
-        if gemm is not None:
-            gemm.padded_rows(1)  # packed before the clock starts, as in decoding
+        gemm = _packed_drafter(backends, drafter)
         times = []
         for t in range(1, min(TIMED_POSITIONS + 2, len(g))):
             tokens = prompt + g[:t]
@@ -337,10 +351,11 @@ def record_counted_prompt(
     for shape in shapes:
         drafter = base.model.runtime_drafter(target.model, shape.options())
         counts = [0]  # t = 0 never starts a round
-        for t in range(1, max_new_tokens):
-            tokens = prompt + g[:t]
-            tree = drafter.propose(DraftContext(tokens, len(prompt), features=features[: len(tokens) - 1]))
-            counts.append(len(spelled_path(tree.parents.tolist(), tree.tokens.tolist(), g[t:])))
+        with _drafting(backends or Backends(), drafter):
+            for t in range(1, max_new_tokens):
+                tokens = prompt + g[:t]
+                tree = drafter.propose(DraftContext(tokens, len(prompt), features=features[: len(tokens) - 1]))
+                counts.append(len(spelled_path(tree.parents.tolist(), tree.tokens.tolist(), g[t:])))
         record.counts[shape] = counts
     return record
 
@@ -707,6 +722,7 @@ def run_tune(
             **{flag: bool(bench[flag]) for flag in ("native", "greedy_head")},
             "linear": bench["linear"]["kernel"],
             "weight_codes": any(form in bench["linear"].get("pack_forms", {}) for form in CODE_FORMS),
+            "drafter_codes": backends.options.drafter_codes and backends.options.weight_codes,
         },
         "calibration": {
             "prompts": len(prompts),

@@ -207,6 +207,11 @@ def test_an_entry_without_its_kernels_is_stale(tiny, trained_export, tmp_path, c
     assert used.tree.depth == 1 and "timed with C++ decoder layers, packed GEMM" in used.note
     write_tuned_tree(export, key, {**entry, "kernels": {"native": True, "linear": "onednn"}})
     assert "timed with C++ decoder layers, oneDNN linears" in fitted_tree(export, key).note
+    codes = {"linear": "stream", "weight_codes": True}
+    write_tuned_tree(export, key, {**entry, "kernels": {**codes, "drafter_codes": True}})
+    assert "stream linears (weight codes, the drafter's rounded)" in fitted_tree(export, key).note
+    write_tuned_tree(export, key, {**entry, "kernels": codes})
+    assert "stream linears (weight codes))" in fitted_tree(export, key).note
 
 
 @pytest.fixture(scope="module")

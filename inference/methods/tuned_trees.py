@@ -172,7 +172,7 @@ def _tree_shape(entry: dict[str, Any]) -> dict[str, Any]:
 
 def _described(entry: dict[str, Any], where: str = "here") -> str:
     """"(timed with ...): depth=2 top_k=2 total_tokens=3" and whether tune predicted drafting to pay."""
-    pays = "" if entry.get("drafting_pays", True) else f" (tune predicted plain decoding faster {where}: --method none)"
+    pays = "" if entry.get("drafting_pays", True) else f" (tune found plain decoding faster {where}: --method none)"
     lookup = _lookup(entry)
     shape = _tree_shape(entry) | ({"lookup": lookup} if lookup else {})
     options = " ".join(f"{name}={value}" for name, value in shape.items())
@@ -185,7 +185,8 @@ def kernels_text(kernels: dict[str, Any]) -> str:
     not be the best. (Trees fitted before ``linear`` was recorded say ``packed_gemm``: MKL's.)"""
     names = [name for flag, name in _KERNEL_NAMES.items() if kernels.get(flag)]
     linear = kernels.get("linear", "mkl" if kernels.get("packed_gemm") else "default")
-    codes = " (weight codes)" if kernels.get("weight_codes") else ""
+    codes = " (weight codes" + (", the drafter's rounded)" if kernels.get("drafter_codes") else ")")
+    codes = codes if kernels.get("weight_codes") else ""
     names += [_LINEAR_NAMES[linear] + codes] if linear in _LINEAR_NAMES else []
     return "timed with " + (", ".join(names) if names else "the Python forward")
 

@@ -252,6 +252,7 @@ def record_prompt(
 ) -> PromptRecord:
     """The greedy continuation and every top_k's candidate ranks at every round start; with ``lookup``,
     prompt lookup's chain of up to that many tokens there and the ranks of the candidates spelling it."""
+    backends = backends or Backends()  # one for the continuation and every drafter: kernels and packs built once
     any_drafter = next(iter(drafters.values()))
     layers = any_drafter.feature_layers
     g, features = greedy_continuation(target, prompt, max_new_tokens + max(max_depth, lookup), layers, backends)
@@ -265,7 +266,7 @@ def record_prompt(
     for top_k, drafter in drafters.items():
         per_t: list[list[tuple[int, ...]]] = [[]]  # t = 0 never starts a round
         chains_t: list[list[tuple[int, ...]]] = [[]]
-        with _drafting(backends or Backends(), drafter):
+        with _drafting(backends, drafter):
             for t in range(1, max_new_tokens):
                 _, growth = drafter.grow(contexts[t])
                 per_t.append(chain_ranks(growth, g[t:], max_depth))
@@ -345,13 +346,14 @@ def record_counted_prompt(
     backends: Backends | None = None,
 ) -> CountedRecord:
     """The greedy continuation, and every shape's accepted length at every round start."""
+    backends = backends or Backends()  # one for the continuation and every shape: kernels and packs built once
     depth = max(shape.depth for shape in shapes)
     g, features = greedy_continuation(target, prompt, max_new_tokens + depth, base.feature_layers, backends)
     record = CountedRecord(prompt, g, features)
     for shape in shapes:
         drafter = base.model.runtime_drafter(target.model, shape.options())
         counts = [0]  # t = 0 never starts a round
-        with _drafting(backends or Backends(), drafter):
+        with _drafting(backends, drafter):
             for t in range(1, max_new_tokens):
                 tokens = prompt + g[:t]
                 tree = drafter.propose(DraftContext(tokens, len(prompt), features=features[: len(tokens) - 1]))

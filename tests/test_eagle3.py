@@ -393,3 +393,24 @@ def test_align_mask_trains_a_step_only_where_the_drafter_proposed_every_earlier_
     assert all(0 < int(kept[step].sum()) < int(every[step].sum()) for step in (1, 2))
     assert _chain_metrics(masked.metrics) == _chain_metrics(plain.metrics)
     assert masked.metrics["align/step0"] == 1.0 > masked.metrics["align/step1"] >= masked.metrics["align/step2"] > 0
+
+
+def test_answer_start_weight_weighs_the_first_tokens_of_each_answer(target, monkeypatch):
+    """Weight 1 is the plain loss bit for bit; otherwise each step's loss is a weighted mean of the
+    answer-start rows' and the later rows' CE, so it lies strictly between the two groups' means (weight
+    0: the later rows alone; a huge weight: the first rows alone)."""
+    import draftsmith.train.losses as losses
+
+    model, batch, frozen = _eagle3_loss_case(target)
+    plain = eagle3_loss(model, batch, frozen)
+    same = eagle3_loss(model, batch, frozen, answer_start_weight=1.0)
+    torch.testing.assert_close(plain.loss, same.loss, rtol=0, atol=0)
+    assert plain.metrics == same.metrics
+    monkeypatch.setattr(losses, "ANSWER_START_TOKENS", 4)  # the test's answers are 10 tokens long
+    later, weighted, first = (eagle3_loss(model, batch, frozen, answer_start_weight=w) for w in (0.0, 3.0, 1e6))
+    for step in range(model.config.ttt_steps):
+        low, high = sorted((later.metrics[f"loss/step{step}"], first.metrics[f"loss/step{step}"]))
+        assert low < weighted.metrics[f"loss/step{step}"] < high
+    unweighted = eagle3_loss(model, batch, frozen)
+    assert _chain_metrics(weighted.metrics) == _chain_metrics(unweighted.metrics)  # accuracies do not move
+    assert check_loss_options(get_family("eagle3"), {"answer_start_weight": "2"}) == {"answer_start_weight": 2.0}

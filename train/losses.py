@@ -130,6 +130,7 @@ def eagle3_loss(
     topk_weight: float = 1.0,
     align_mask: bool = False,
     align_topk: int = 3,
+    answer_start_weight: float = 1.0,
 ):
     """EAGLE-3 / FSPAD-3: the training-time test, ``sum_i decay^i * CE_i`` over ``drafter.ttt_steps`` steps.
 
@@ -161,6 +162,9 @@ def eagle3_loss(
       later stages, each started from the previous stage's drafter (``train.init_from``): an
       untrained drafter proposes almost nothing right, so from scratch the deeper steps get next
       to no positions, each weighing the whole step's mean.
+    * ``answer_start_weight`` w != 1: a position whose label is among the first ``ANSWER_START_TOKENS``
+      tokens of its answer weighs w in each step's mean (CE and TopK), the rest 1. An answer's start reads
+      the least context and is where a short decode spends its rounds (``sim/answer_start_tau``).
 
     Metrics: ``loss/step{i}`` (CE_i over the positions step i trains), ``acc/step{i+1}`` (top-1
     agreement with the target's argmax over its whole vocabulary at every labelled position, a token
@@ -198,12 +202,13 @@ def eagle3_loss(
         taught = taught_at[labelled]
         # the teacher's rows gathered at the taught positions only: the rows are as large as the logits
         ce, topk_ce = soft_cross_entropies(logits[taught], teacher.rows_at(taught_at, 1 + step), topk_distill)
-        rows = taught.sum().clamp_min(1)
-        step_loss = ce.sum() / rows
+        weights = _row_weights(_shift_left(answer_start, 2 + step)[taught_at], answer_start_weight)
+        rows = weights.sum().clamp_min(1)
+        step_loss = (ce * weights).sum() / rows
         metrics[f"loss/step{step}"] = float(step_loss.detach())
         if topk_ce is not None:
-            metrics[f"loss/topk{step}"] = float(topk_ce.sum().detach() / rows)
-            step_loss = step_loss + topk_weight * topk_ce.sum() / rows
+            metrics[f"loss/topk{step}"] = float((topk_ce * weights).sum().detach() / rows)
+            step_loss = step_loss + topk_weight * (topk_ce * weights).sum() / rows
         total = total + decay**step * step_loss
         if labelled.any():
             hits = core.token_ids(logits.detach().argmax(-1)) == _shift_left(teacher.argmax, 1 + step)[labelled]
@@ -220,6 +225,11 @@ def eagle3_loss(
     if len(hit_grids) == core.config.ttt_steps and answer_start.any():
         metrics["sim/answer_start_tau"] = walked_tau(hit_grids, answer_start)
     return LossOutput(total, metrics)
+
+
+def _row_weights(early: torch.Tensor, weight: float) -> torch.Tensor:
+    """(N,) float32: ``weight`` where ``early`` (a label among its answer's first tokens), else 1."""
+    return torch.where(early, weight, 1.0).float()
 
 
 def walked_tau(hits: list[torch.Tensor], windows: torch.Tensor) -> float:

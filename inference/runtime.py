@@ -36,6 +36,8 @@ class GenerationResult:
     # setup in this generation: packing the target's weights (a new row bucket, the screened head),
     # loading the native layers
     pack_seconds: float = 0.0
+    # the prompt's forward and the first token, setup excluded: the part of ``seconds`` no drafter shortens
+    prompt_seconds: float = 0.0
 
     @property
     def tau(self) -> float:
@@ -137,6 +139,7 @@ def generate(
     features = FeatureRows(_drafter_states(out.hidden_states, layers), capacity) if hidden else None
     new, done = _finish([_first_token(out.logits[0, -1], sampling, generator)], max_new_tokens, eos)
     result = GenerationResult(new, target_forwards=1)
+    result.prompt_seconds = max(0.0, time.perf_counter() - start - backend.compile_seconds() - backend.setup_seconds())
     if on_tokens:
         on_tokens(new)
     while not done:

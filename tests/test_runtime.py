@@ -309,6 +309,32 @@ def test_bench_writes_the_contract(tmp_path, tiny_target_dir):
     assert speed["passes"] == 2 * REPEATS and 0 < speed["min"] <= speed["median"] <= speed["max"]
     assert f"memory read at {speed['median']} GB/s" in (out / "results.md").read_text()
     assert (out / "chart.png").read_bytes()[:4] == b"\x89PNG"
+    for method in ["none", "pld"]:  # the runtime's methods time their prompts' forwards; HF generate does not
+        overall = results["methods"][method]["overall"]
+        assert 0 < overall["prompt_seconds"] < overall["seconds"]
+    assert "prompt_seconds" not in results["methods"]["hf-generate"]["overall"]
+    assert "After the prompt: the speedup over none" in (out / "results.md").read_text()
+
+
+def test_the_speedup_after_the_prompt_leaves_out_each_methods_prompt_forwards():
+    from draftsmith.inference.measure.bench import BASELINE, RUNTIME_ALONE
+    from draftsmith.inference.measure.bench_report import after_the_prompt, markdown_table
+
+    row = {"tau": 1.0, "speedup": 1.0, "tokens_per_s": 10.0, "identical": 1, "total": 1}
+    alone = {**row, "seconds": 10.0, "prompt_seconds": 4.0}
+    drafted = {**row, "seconds": 7.0, "prompt_seconds": 4.0}
+    assert after_the_prompt(alone, drafted) == 2.0  # 6 s of decoding against 3 s: 10/7 = 1.43x overall
+    assert after_the_prompt(alone, {**row, "seconds": 7.0}) is None  # a method that did not time its prompts
+    assert after_the_prompt(None, drafted) is None
+    results = {
+        "max_new_tokens": 8,
+        "threads": 1,
+        "methods": {BASELINE: {"overall": row}, RUNTIME_ALONE: {"overall": alone}, "pld": {"overall": drafted}},
+    }
+    table = markdown_table(results)
+    assert "| pld | overall | 1.00 | 1.00x | 10.0 | 2.00x | 1/1 |" in table
+    assert f"| {BASELINE} | overall | 1.00 | 1.00x | 10.0 | - | 1/1 |" in table
+    assert "took 40% of none's time" in table
 
 
 def test_bench_hf_stock_decodes_with_transformers_own_kernels(tmp_path, tiny_target_dir, monkeypatch):

@@ -99,6 +99,8 @@ class Tally:
     engine_accepted: int = 0
     agreeing_tokens: int = 0  # adapted-model methods: positions where its output equals the target's
     compared_tokens: int = 0
+    prompt_seconds: float = 0.0  # runtime methods: their prompts' forwards (prefill and first token)
+    prompts_timed: int = 0
 
     def add(
         self,
@@ -108,8 +110,12 @@ class Tally:
         baseline_seconds: float,
         reference: list[int],
         where: str,
+        prompt_seconds: float | None = None,
     ) -> None:
         self.tokens += len(tokens)
+        if prompt_seconds is not None:
+            self.prompt_seconds += prompt_seconds
+            self.prompts_timed += 1
         self.forwards += forwards
         self.seconds += seconds
         self.baseline_seconds += baseline_seconds
@@ -142,6 +148,7 @@ class Tally:
             "target_forwards": self.forwards,
             "seconds": round(self.seconds, 3),
             "first_differences": self.first_differences[:10],
+            **({"prompt_seconds": round(self.prompt_seconds, 3)} if 0 < self.total == self.prompts_timed else {}),
             # vLLM's mean acceptance length: accepted draft tokens per speculative step + 1
             **(
                 {"engine_acceptance_length": 1 + self.engine_accepted / self.engine_drafts}
@@ -252,6 +259,7 @@ def _run_question(
                 "forwards": result.target_forwards,
                 "seconds": result.seconds,
                 "pack_seconds": result.pack_seconds,
+                "prompt_seconds": result.prompt_seconds,
                 "own_reference": own_reference,
                 "own_seconds": own_seconds,
             }
@@ -274,11 +282,13 @@ def _tally_question(tallies: dict[str, dict[str, Tally]], record: dict[str, Any]
                 )
             for name, run in turn["methods"].items():
                 tally = tallies[name][scope]
+                prompt = run.get("prompt_seconds")  # absent from a progress file written before it was recorded
                 if run["own_reference"] is None:
-                    tally.add(run["tokens"], run["forwards"], run["seconds"], base_seconds, reference, where)
+                    tally.add(run["tokens"], run["forwards"], run["seconds"], base_seconds, reference, where, prompt)
                 else:
                     tally.add(
-                        run["tokens"], run["forwards"], run["seconds"], run["own_seconds"], run["own_reference"], where
+                        run["tokens"], run["forwards"], run["seconds"], run["own_seconds"], run["own_reference"], where,
+                        prompt,
                     )
                     tally.add_agreement(run["own_reference"], reference)
         turns.append(Turn(turn["prompt"], reference, base_seconds, category, where))

@@ -18,15 +18,19 @@ def markdown_table(results: dict[str, Any]) -> str:
         f"{results.get('device', 'cpu')}, {results['threads']} threads{_forward_note(results)}; "
         f"speedup = {BASELINE} time / method time on the same prompts.",
         "",
-        "| method | scope | tau | speedup | tokens/s | identical |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "| method | scope | tau | speedup | tokens/s | after the prompt | identical |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
     ]
+    alone = results["methods"].get(RUNTIME_ALONE, {})
     for name, by_scope in results["methods"].items():
         for scope in scopes:
             s = by_scope.get(scope)
             if s:
+                after = after_the_prompt(alone.get(scope), s)
                 cells = [name, scope, f"{s['tau']:.2f}", f"{s['speedup']:.2f}x", f"{s['tokens_per_s']:.1f}"]
+                cells.append("-" if after is None else f"{after:.2f}x")
                 lines.append("| " + " | ".join(map(table_cell, cells)) + f" | {s['identical']}/{s['total']} |")
+    lines += _prompt_share_lines(alone.get("overall"))
     lines += _label_lines(results)
     failed = {name: info["error"] for name, info in results.get("vllm", {}).items() if "error" in info}
     lines += [f"{name} did not run: {error}" for name, error in failed.items()]
@@ -39,6 +43,28 @@ def markdown_table(results: dict[str, Any]) -> str:
             if "engine_acceptance_length" in s
         ]
     return "\n".join(lines) + "\n"
+
+
+def after_the_prompt(alone: dict[str, Any] | None, method: dict[str, Any]) -> float | None:
+    """The runtime without a drafter's seconds after its prompts' forwards over ``method``'s after its own:
+    the speedup of the part of decoding a drafter can shorten (None where either did not time its prompts)."""
+    if not alone or "prompt_seconds" not in alone or "prompt_seconds" not in method:
+        return None
+    mine = method["seconds"] - method["prompt_seconds"]
+    return (alone["seconds"] - alone["prompt_seconds"]) / mine if mine > 0 else None
+
+
+def _prompt_share_lines(alone: dict[str, Any] | None) -> list[str]:
+    """What share of the runtime's time its prompts' forwards took, which the speedup column includes."""
+    if not alone or "prompt_seconds" not in alone or not alone["seconds"]:
+        return []
+    share = alone["prompt_seconds"] / alone["seconds"]
+    return [
+        "",
+        f"After the prompt: the speedup over {RUNTIME_ALONE} of the decoding after each prompt's forward (prefill "
+        f"and first token), which is what a drafter shortens; those forwards took {share:.0%} of {RUNTIME_ALONE}'s "
+        "time here and bound every method's speedup over it.",
+    ]
 
 
 def table_cell(text: str) -> str:

@@ -425,3 +425,37 @@ def test_tune_keeps_the_finalist_that_decodes_fastest(tiny, tmp_path, monkeypatc
     assert len(finalists) == tune.FINALISTS and entry["tree"] == finalists[chosen]["tree"]
     assert entry["measured"]["speedup_vs_plain"] == speedups[chosen] and entry["drafting_pays"] is pays
     assert any("no tree beats plain decoding" in line for line in lines) is not pays
+
+
+def test_finalists_are_decoded_once_untimed_then_in_a_rotating_order_timed_after_the_prompt(monkeypatch):
+    """Each finalist's drafter (and plain decoding) decodes the first prompt once untimed; then every prompt
+    is decoded by all of them, each prompt starting one place further along; speeds count the decoding
+    after the prompt's forward, as the predictions do."""
+    from types import SimpleNamespace
+
+    from draftsmith.inference.measure import tune
+    from draftsmith.inference.runtime import GenerationResult
+
+    calls = []
+
+    def fake_generate(model, prompt, drafter, **kwargs):
+        calls.append((prompt[0], drafter))
+        after = 1.0 if drafter is None else 0.5  # the prompt's forward: 0.5 s for every method
+        return GenerationResult([1, 2], target_forwards=2, accept_lengths=[2], seconds=0.5 + after, prompt_seconds=0.5)
+
+    monkeypatch.setattr(tune, "generate", fake_generate)
+    monkeypatch.setattr(tune, "simulate_rounds", lambda record, shape, budget, eos: [2])
+    base = SimpleNamespace(model=SimpleNamespace(runtime_drafter=lambda model, options: ("tree", options.total_tokens)))
+    shapes = [tune.Shape(1, 1, tokens) for tokens in (1, 2)]
+    finalists = [tune.Prediction(shape, 2.0, 10.0) for shape in shapes]
+    records = [SimpleNamespace(prompt=[i]) for i in range(3)]
+    target = SimpleNamespace(model=None, eos_token_ids=[0])
+    found = tune.measure_finalists(
+        target, base, records, finalists, tune.Prediction(None, 1.0, 10.0), 2, lambda line: None, None
+    )
+    order = [None, ("tree", 1), ("tree", 2)]
+    assert calls[:3] == [(0, method) for method in order]  # the untimed decodes
+    assert [method for _, method in calls[3:]] == order + order[1:] + order[:1] + order[2:] + order[:2]
+    assert [prompt for prompt, _ in calls[3:]] == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    for shape in shapes:  # 1 s against 0.5 s after the prompt (1.5 s against 1 s over whole decodes)
+        assert found[shape]["speedup_vs_plain"] == 2.0

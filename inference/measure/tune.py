@@ -612,6 +612,12 @@ SEARCHES = {
 }
 
 
+def rotated(items: list, turn: int) -> list:
+    """``items`` starting at position ``turn`` (modulo their count), the rest after them in order."""
+    start = turn % len(items) if items else 0
+    return items[start:] + items[:start]
+
+
 @dataclass
 class Measured:
     """Real decodes of the calibration prompts, summed."""
@@ -626,7 +632,7 @@ class Measured:
         self.tokens += len(result.tokens)
         self.accepted += sum(result.accept_lengths)
         self.rounds += len(result.accept_lengths)
-        self.seconds += result.seconds
+        self.seconds += result.seconds - result.prompt_seconds  # after the prompt's forward, as predictions count
         self.as_predicted += result.accept_lengths == predicted
 
     @property
@@ -769,25 +775,29 @@ def measure_finalists(
     backends: Backends,
 ) -> dict[Shape, dict[str, Any]]:
     """Decode the calibration prompts without drafting and with each finalist's tree, interleaved prompt by
-    prompt (machine noise hits them alike), and compare each with its prediction."""
+    prompt (machine noise hits them alike) and each prompt in another order (no place in it favours one),
+    after one untimed decode each (a new drafter's first decode builds what it keeps), and compare each
+    with its prediction over the decoding after the prompt's forward."""
     drafters = {}
     for finalist in finalists:
         shape = finalist.shape
         drafter = base.model.runtime_drafter(target.model, shape.options())
         drafters[shape] = WithPromptLookup(drafter, shape.lookup) if shape.lookup else drafter
     eos = target.eos_token_ids
-    runs = {shape: Measured() for shape in (None, *drafters)}
-    for record in records:
-        for shape, measured in runs.items():
-            result = generate(
-                target.model,
-                record.prompt,
-                drafters.get(shape),
-                max_new_tokens=max_new_tokens,
-                eos_token_ids=eos,
-                backends=backends,
-            )
-            measured.add(result, simulate_rounds(record, shape, max_new_tokens, set(eos)))
+    shapes = [None, *drafters]
+
+    def decode(shape: Shape | None, prompt: list[int]):
+        drafter = drafters.get(shape)
+        return generate(
+            target.model, prompt, drafter, max_new_tokens=max_new_tokens, eos_token_ids=eos, backends=backends
+        )
+
+    for shape in shapes:
+        decode(shape, records[0].prompt)
+    runs = {shape: Measured() for shape in shapes}
+    for turn, record in enumerate(records):
+        for shape in rotated(shapes, turn):
+            runs[shape].add(decode(shape, record.prompt), simulate_rounds(record, shape, max_new_tokens, set(eos)))
     without = runs.pop(None)
     found = {}
     for finalist in finalists:

@@ -203,12 +203,14 @@ def eagle3_loss(
         # the teacher's rows gathered at the taught positions only: the rows are as large as the logits
         ce, topk_ce = soft_cross_entropies(logits[taught], teacher.rows_at(taught_at, 1 + step), topk_distill)
         weights = _row_weights(_shift_left(answer_start, 2 + step)[taught_at], answer_start_weight)
-        rows = weights.sum().clamp_min(1)
+        # a weighted mean; the floor only keeps a step without rows at 0 (weights below 1 may sum under 1)
+        rows = weights.sum().clamp_min(torch.finfo(torch.float32).tiny)
         step_loss = (ce * weights).sum() / rows
         metrics[f"loss/step{step}"] = float(step_loss.detach())
         if topk_ce is not None:
-            metrics[f"loss/topk{step}"] = float((topk_ce * weights).sum().detach() / rows)
-            step_loss = step_loss + topk_weight * (topk_ce * weights).sum() / rows
+            topk_loss = (topk_ce * weights).sum() / rows
+            metrics[f"loss/topk{step}"] = float(topk_loss.detach())
+            step_loss = step_loss + topk_weight * topk_loss
         total = total + decay**step * step_loss
         if labelled.any():
             hits = core.token_ids(logits.detach().argmax(-1)) == _shift_left(teacher.argmax, 1 + step)[labelled]

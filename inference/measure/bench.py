@@ -282,14 +282,17 @@ def _tally_question(tallies: dict[str, dict[str, Tally]], record: dict[str, Any]
                 )
             for name, run in turn["methods"].items():
                 tally = tallies[name][scope]
-                prompt = run.get("prompt_seconds")  # absent from a progress file written before it was recorded
-                if run["own_reference"] is None:
-                    tally.add(run["tokens"], run["forwards"], run["seconds"], base_seconds, reference, where, prompt)
-                else:
-                    tally.add(
-                        run["tokens"], run["forwards"], run["seconds"], run["own_seconds"], run["own_reference"], where,
-                        prompt,
-                    )
+                adapted = run["own_reference"] is not None  # compared with its own served model's generate
+                tally.add(
+                    run["tokens"],
+                    run["forwards"],
+                    run["seconds"],
+                    run["own_seconds"] if adapted else base_seconds,
+                    run["own_reference"] if adapted else reference,
+                    where,
+                    run.get("prompt_seconds"),  # absent from a progress file written before it was recorded
+                )
+                if adapted:
                     tally.add_agreement(run["own_reference"], reference)
         turns.append(Turn(turn["prompt"], reference, base_seconds, category, where))
     return turns

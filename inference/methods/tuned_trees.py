@@ -185,8 +185,9 @@ def kernels_text(kernels: dict[str, Any]) -> str:
     not be the best. (Trees fitted before ``linear`` was recorded say ``packed_gemm``: MKL's.)"""
     names = [name for flag, name in _KERNEL_NAMES.items() if kernels.get(flag)]
     linear = kernels.get("linear", "mkl" if kernels.get("packed_gemm") else "default")
-    codes = " (weight codes" + (", the drafter's rounded)" if kernels.get("drafter_codes") else ")")
-    codes = codes if kernels.get("weight_codes") else ""
+    codes = ""
+    if kernels.get("weight_codes"):
+        codes = " (weight codes, the drafter's rounded)" if kernels.get("drafter_codes") else " (weight codes)"
     names += [_LINEAR_NAMES[linear] + codes] if linear in _LINEAR_NAMES else []
     return "timed with " + (", ".join(names) if names else "the Python forward")
 

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache, LlamaConfig, PretrainedConfig
 from transformers.activations import ACT2FN
-from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRMSNorm, LlamaRotaryEmbedding
+from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRMSNorm, LlamaRotaryEmbedding, rotate_half
 
 from draftsmith.core.cache import PreallocatedCache, cache_length, keep_positions
 from draftsmith.core.cache_kwarg import cache_kwargs
@@ -183,6 +183,19 @@ def attention_and_mlp(
     return residual, at_rows(lambda r: layer.mlp(layer.post_attention_layernorm(r)), residual, rows)
 
 
+def write_keys_values(
+    attention: nn.Module, attention_input: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor], cache
+) -> None:
+    """Append to ``cache`` the keys and values ``attention`` (a Llama attention) computes for the rows of
+    ``attention_input``, and nothing else: no queries, attention, projection or MLP. A drafter reads no
+    output at a committed position but the last, while later rows attend to every one's keys and values."""
+    shape = (*attention_input.shape[:-1], -1, attention.head_dim)
+    keys = attention.k_proj(attention_input).view(shape).transpose(1, 2)
+    values = attention.v_proj(attention_input).view(shape).transpose(1, 2)
+    cos, sin = (factor.unsqueeze(1) for factor in position_embeddings)
+    cache.update(keys * cos + rotate_half(keys) * sin, values, attention.layer_idx)
+
+
 def at_rows(fn: Any, x: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
     """``fn`` (a position-wise map) of ``x`` (B, T, h) only where ``rows`` (B, T) is True, zeros
     elsewhere; everywhere when ``rows`` is None. Training passes the positions its loss reads, so the
@@ -234,9 +247,7 @@ class EagleModel(DraftVocabMixin, DrafterModel):
         """``attention_mask``: a 4D additive mask ``(B, 1, T, past + T)``; None = causal over the inputs.
         ``rows`` (B, T) bool: the positions whose outputs are read (the MLP runs there only, see
         :func:`at_rows`); None = all. ``kernel``: the runtime's layer forward (:func:`attention_and_mlp`)."""
-        x = self.fc(torch.cat([embeds, features], dim=-1))  # (B, T, h)
-        if self.feature_sampler is not None:
-            x = self.feature_sampler(x, embeds)
+        x = self._layer_input(embeds, features)
         if attention_mask is None:
             attention_mask = causal_mask(x.shape[1], x.dtype, x.device)
         rotary = self.rotary_emb(x, position_ids)
@@ -252,6 +263,17 @@ class EagleModel(DraftVocabMixin, DrafterModel):
         """A step over the target's own features (:meth:`forward`: EAGLE reads them as they are)."""
         return self(*args, **kwargs)
 
+    def read_target_context(
+        self, embeds: torch.Tensor, features: torch.Tensor, position_ids: torch.Tensor, cache: DynamicCache
+    ) -> None:
+        """What :meth:`read_target` writes into ``cache`` for these positions, without their outputs."""
+        x = self._layer_input(embeds, features)
+        write_keys_values(self.self_attn, x, self.rotary_emb(x, position_ids), cache)
+
+    def _layer_input(self, embeds: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        x = self.fc(torch.cat([embeds, features], dim=-1))  # (B, T, h)
+        return x if self.feature_sampler is None else self.feature_sampler(x, embeds)
+
     def runtime_drafter(self, target_model: nn.Module, tree: TreeOptions) -> EagleTreeDrafter:
         frozen = FrozenTarget.from_model(target_model)
         options = tree.over(self.config.tree_options())
@@ -263,6 +285,25 @@ class EagleModel(DraftVocabMixin, DrafterModel):
 
 
 _CACHE_ROOM = 1024  # the drafter cache's first capacity in rows (it doubles when a context outgrows it)
+_CONTEXT_ONLY_ROWS = 16  # new positions from which write_context writes all but the last into the cache only
+
+
+def write_context(
+    model: DrafterModel, embed_tokens: nn.Module, tokens: list[int], features: torch.Tensor, start: int, cache
+) -> int:
+    """Where a feature drafter has many committed positions to feed (a prompt: ``start`` up to the last
+    committed one, ``len(tokens) - 2``), give all but the last to ``model.read_target_context``, and return
+    the first position still to feed through the whole layer. A round reads the outputs of the last
+    committed position only, while later rows attend to every one's keys and values: so a long prompt's
+    catch-up costs its fused inputs and their keys and values, not a whole layer per position."""
+    end = len(tokens) - 2
+    if end + 1 - start < _CONTEXT_ONLY_ROWS:
+        return start
+    ids = torch.tensor(tokens[start + 1 : end + 1], device=features.device)
+    embeds = embed_tokens(ids)[None].to(features.dtype)
+    positions = torch.arange(start, end, device=features.device)[None]
+    model.read_target_context(embeds, features[start:end][None], positions, cache)
+    return end
 
 
 class EagleTreeDrafter(Drafter):
@@ -341,12 +382,14 @@ class EagleTreeDrafter(Drafter):
         ]
 
     def _catch_up(self, tokens: list[int], features: torch.Tensor) -> None:
-        """Feed ``(f_t, x_{t+1})`` for every committed position the cache lacks."""
+        """Feed ``(f_t, x_{t+1})`` for every committed position the cache lacks (all but the last only into
+        the cache where there are many: :func:`write_context`)."""
         if tokens[: len(self._fed)] != self._fed or not self._fed:
             self._reset()
         start, end = max(len(self._fed) - 1, 0), len(tokens) - 1
         if start == end:
             return
+        start = write_context(self.model, self.embed_tokens, tokens, features, start, self._cache)
         device = features.device
         ids = torch.tensor(tokens[start + 1 : end + 1], device=device)
         embeds = self.embed_tokens(ids)[None].to(features.dtype)

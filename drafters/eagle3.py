@@ -40,6 +40,7 @@ from draftsmith.drafters.eagle import (
     EagleTreeDrafter,
     FeatureSampler,
     attention_and_mlp,
+    write_keys_values,
 )
 from draftsmith.drafters.engine_layouts import (
     EAGLE3_SPECULATORS_REQUIRED,
@@ -137,11 +138,15 @@ class Eagle3DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(residual after attention, MLP output) for the caller to combine; the MLP only at ``rows``
         (:func:`~draftsmith.drafters.eagle.attention_and_mlp`)."""
-        residual = self.hidden_norm(hidden)  # norm_before_residual: the residual is the normed hidden
-        attention_input = torch.cat([self.input_layernorm(embeds), residual], dim=-1)
+        attention_input, residual = self.attention_input(embeds, hidden)
         return attention_and_mlp(
             self, attention_input, residual, position_embeddings, attention_mask, cache, rows, kernel
         )
+
+    def attention_input(self, embeds: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(what q, k and v read, the residual)."""
+        residual = self.hidden_norm(hidden)  # norm_before_residual: the residual is the normed hidden
+        return torch.cat([self.input_layernorm(embeds), residual], dim=-1), residual
 
 
 class Eagle3Model(DrafterModel):
@@ -200,6 +205,15 @@ class Eagle3Model(DrafterModel):
     def read_target(self, *args: Any, **kwargs: Any) -> DrafterOutput:
         """A step whose hidden is the target's (len(aux_layer_ids) x h) concatenated layer states."""
         return self(*args, from_target=True, **kwargs)
+
+    def read_target_context(
+        self, embeds: torch.Tensor, layer_states: torch.Tensor, position_ids: torch.Tensor, cache: DynamicCache
+    ) -> None:
+        """What :meth:`read_target` writes into ``cache`` for these positions, without their outputs."""
+        hidden = self.fuse(layer_states, embeds)
+        attention_input, _ = self.layer.attention_input(embeds, hidden)
+        rotary = self.rotary_emb(hidden, position_ids)
+        write_keys_values(self.layer.self_attn, attention_input, rotary, cache)
 
     # Step i of the training-time test reads step i-1's output, so a step's MLP runs wherever a later
     # step has a label (see ``draftsmith.train.losses.read_rows``).

@@ -31,7 +31,7 @@ from draftsmith.core.cache import cache_length, keep_positions
 from draftsmith.core.drafting import DraftContext, Drafter, committed_features
 from draftsmith.core.tree import DraftTree, cartesian_tree, causal_mask_after
 from draftsmith.drafters.base import FrozenTarget, TreeOptionError, TreeOptions
-from draftsmith.drafters.eagle import EagleConfigError
+from draftsmith.drafters.eagle import EagleConfigError, write_context
 from draftsmith.drafters.eagle3 import Eagle3Config, Eagle3Model, speculators_eagle3_layout
 from draftsmith.drafters.engine_layouts import EngineExport, EngineLayoutError, Verifier, speculators_block
 from draftsmith.drafters.vocab import unused_token_id
@@ -194,6 +194,7 @@ class PEagleDrafter(Drafter):
     def depth_logits(self, tokens: list[int], features: torch.Tensor, depths: int) -> torch.Tensor:
         """(depths, draft vocabulary) logits of the ``depths`` tokens after the root, in one forward."""
         start, end = self._reusable_positions(tokens), len(tokens) - 1
+        start = write_context(self.model, self.embed_tokens, tokens, features, start, self._cache)
         committed, placeholders = end - start, depths - 1
         device, dtype = features.device, features.dtype
         ids = torch.tensor(tokens[start + 1 : end + 1] + [0] * placeholders, device=device)  # placeholders: any id

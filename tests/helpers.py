@@ -435,3 +435,32 @@ def q8_0_dequantised(weight: torch.Tensor) -> torch.Tensor:
     step = (groups.abs().amax(-1, keepdim=True) / 127).half().float()
     codes = torch.where(step > 0, groups / step, torch.zeros_like(groups)).round().clamp(-128, 127).to(torch.int8)
     return (step * codes.float()).reshape(weight.shape)
+
+
+def catch_up_split_and_whole(model, target, context, monkeypatch, mlp: torch.nn.Module) -> tuple:
+    """The runtime drafters of ``model`` caught up on ``context`` with only its last position through the
+    whole layer (the runtime's way for many positions) and with every position through it, and the rows
+    ``mlp`` read each way."""
+    from draftsmith.drafters import eagle
+
+    rows: list[int] = []
+    hook = mlp.register_forward_hook(lambda module, inputs, output: rows.append(inputs[0].shape[-2]))
+    split = serve(model, target)
+    split._catch_up(context.tokens, context.features)
+    split_rows = list(rows)
+    rows.clear()
+    monkeypatch.setattr(eagle, "_CONTEXT_ONLY_ROWS", len(context.tokens) + 1)
+    whole = serve(model, target)
+    whole._catch_up(context.tokens, context.features)
+    hook.remove()
+    return split, whole, split_rows, rows
+
+
+def assert_same_drafter_state(split, whole, positions: int) -> None:
+    """Both drafters hold ``positions`` cached keys and values and the same root, up to float rounding."""
+    for a, b in ((split._cache.layers[0].keys, whole._cache.layers[0].keys),
+                 (split._cache.layers[0].values, whole._cache.layers[0].values)):
+        assert a.shape[-2] == positions
+        torch.testing.assert_close(a, b)
+    torch.testing.assert_close(split._root_token_features, whole._root_token_features)
+    torch.testing.assert_close(split._last_feature, whole._last_feature)

@@ -13,7 +13,7 @@ from draftsmith.drafters.registry import get_family
 from draftsmith.inference.runtime import generate
 from draftsmith.train.losses import check_loss_options, family_loss
 from draftsmith.train.recipe_loader import RecipeError
-from helpers import fit, hf_greedy, self_distilled_batch, serve
+from helpers import assert_same_drafter_state, catch_up_split_and_whole, fit, hf_greedy, self_distilled_batch, serve
 from helpers import random_prompts as _random_prompts
 
 VOCAB = 97
@@ -153,6 +153,19 @@ def test_incremental_drafter_cache_equals_one_pass(target, trained_fspad):
     assert stepwise._cache.layers[0].keys.shape[-2] == len(full) - 1
     torch.testing.assert_close(stepwise._cache.layers[0].keys, fresh._cache.layers[0].keys)
     torch.testing.assert_close(stepwise._root_token_features, fresh._root_token_features)
+
+
+def test_a_long_catch_up_of_fspad_runs_its_layer_after_attention_at_the_last_position_only(
+    target, trained_fspad, monkeypatch
+):
+    prompt = random_prompts(1, seed=11)[0]
+    context = _context(target, prompt, hf_greedy(target, prompt, 24))
+    split, whole, split_rows, whole_rows = catch_up_split_and_whole(
+        trained_fspad, target, context, monkeypatch, trained_fspad.mlp
+    )
+    positions = len(context.tokens) - 1
+    assert positions >= 16 and split_rows == [1] and whole_rows == [positions]
+    assert_same_drafter_state(split, whole, positions)
 
 
 def test_chain_expansion_equals_running_the_drafter_on_its_own_path(target, trained_fspad):

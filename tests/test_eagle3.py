@@ -28,7 +28,8 @@ from draftsmith.train.losses import (
 )
 from draftsmith.train.recipe_loader import RecipeError
 from helpers import fused_batch as _fused_batch
-from helpers import hf_greedy, padded, serve, train_from_target
+from helpers import assert_same_drafter_state, catch_up_split_and_whole, hf_greedy, padded, serve
+from helpers import train_from_target
 from helpers import random_prompts as _random_prompts
 
 VOCAB = 97
@@ -230,6 +231,19 @@ def test_runtime_chain_is_the_training_time_test(target, trained_eagle3):
             int(trained_eagle3.token_ids(trained_eagle3.logits(out.token_features[0, last]).argmax())) for out in steps
         ]
     assert unrolled == chain
+
+
+def test_a_long_catch_up_runs_the_layer_after_attention_at_its_last_position_only(target, trained_eagle3, monkeypatch):
+    """A prompt's catch-up reads the outputs of its last position only: the others write their keys and
+    values and nothing more, leaving the cache and the root as the whole layer at every position does."""
+    prompt = random_prompts(1, seed=11)[0]
+    context = _context(target, prompt, hf_greedy(target, prompt, 24), LAYERS)
+    split, whole, split_rows, whole_rows = catch_up_split_and_whole(
+        trained_eagle3, target, context, monkeypatch, trained_eagle3.layer.mlp
+    )
+    positions = len(context.tokens) - 1
+    assert positions >= 16 and split_rows == [1] and whole_rows == [positions]
+    assert_same_drafter_state(split, whole, positions)
 
 
 @pytest.mark.parametrize("family", ["eagle3", "fspad3"])

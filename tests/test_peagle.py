@@ -81,15 +81,41 @@ def test_runtime_depths_are_the_training_time_test_with_placeholders(target, tra
     prompt = random_prompts(1, seed=7, vocab=VOCAB)[0]
     continuation = hf_greedy(target, prompt, 6)
     for committed in (1, 3, 3, 6):  # the context grows, then stays, then grows again
-        context = context_after(target, prompt, continuation[:committed])
+        assert_depths_are_the_unroll(model, drafter, frozen, context_after(target, prompt, continuation[:committed]))
+
+
+def test_a_long_context_is_written_as_keys_and_values_and_drafts_the_same_depths(target, trained):
+    """From 16 new committed positions on (a prompt, or a new turn) all but the last only write their keys
+    and values: q reads the last one and the placeholders alone, and the depths are still the unroll's."""
+    model, _ = trained
+    frozen = FrozenTarget.from_model(target)
+    prompt = random_prompts(1, seed=7, vocab=VOCAB)[0]
+    continuation = hf_greedy(target, prompt, 24)
+    whole = context_after(target, prompt, continuation)
+    first = assert_depths_are_the_unroll(model, serve(model, target), frozen, whole)
+    later_round = serve(model, target)
+    assert_depths_are_the_unroll(model, later_round, frozen, context_after(target, prompt, continuation[:2]))
+    later = assert_depths_are_the_unroll(model, later_round, frozen, whole)
+    assert first == later == [4]  # q read the last committed position and the 3 placeholders only
+
+
+def assert_depths_are_the_unroll(model, drafter, frozen, context) -> list[int]:
+    """The drafter's depths equal the training-time test's; returns the rows its q projection read."""
+    rows = []
+    hook = model.layer.self_attn.q_proj.register_forward_hook(lambda m, inputs, out: rows.append(inputs[0].shape[-2]))
+    try:
         with torch.no_grad():
             drafted = drafter.depth_logits(context.tokens, context.features, 4)
-            ids = torch.tensor([context.tokens + [0] * 4])  # what placeholders stand for is never read
-            states = torch.cat([context.features, context.features.new_zeros(5, 3 * 64)])[None]
-            steps = list(ttt_unroll(model, frozen, ids, torch.ones_like(ids), states))
-        last = len(context.tokens) - 2  # the position reading the root token
-        unrolled = torch.stack([model.logits(out.token_features[0, last]) for out in steps])
-        torch.testing.assert_close(drafted, unrolled, rtol=1e-4, atol=1e-5)
+    finally:
+        hook.remove()
+    with torch.no_grad():
+        ids = torch.tensor([context.tokens + [0] * 4])  # what placeholders stand for is never read
+        states = torch.cat([context.features, context.features.new_zeros(5, 3 * 64)])[None]
+        steps = list(ttt_unroll(model, frozen, ids, torch.ones_like(ids), states))
+    last = len(context.tokens) - 2  # the position reading the root token
+    unrolled = torch.stack([model.logits(out.token_features[0, last]) for out in steps])
+    torch.testing.assert_close(drafted, unrolled, rtol=1e-4, atol=1e-5)
+    return rows
 
 
 def test_loss_trains_the_placeholders_and_only_the_drafter(target, batch):

@@ -299,11 +299,19 @@ def write_context(
     end = len(tokens) - 2
     if end + 1 - start < _CONTEXT_ONLY_ROWS:
         return start
-    ids = torch.tensor(tokens[start + 1 : end + 1], device=features.device)
-    embeds = embed_tokens(ids)[None].to(features.dtype)
-    positions = torch.arange(start, end, device=features.device)[None]
+    embeds, positions = committed_inputs(embed_tokens, tokens, features, start, end)
     model.read_target_context(embeds, features[start:end][None], positions, cache)
     return end
+
+
+def committed_inputs(
+    embed_tokens: nn.Module, tokens: list[int], features: torch.Tensor, start: int, end: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The token embeddings (1, n, h) and positions (1, n) committed positions ``start``..``end - 1`` read
+    beside their features: position t reads ``x_{t+1}``."""
+    ids = torch.tensor(tokens[start + 1 : end + 1], device=features.device)
+    positions = torch.arange(start, end, device=features.device)[None]
+    return embed_tokens(ids)[None].to(features.dtype), positions
 
 
 class EagleTreeDrafter(Drafter):
@@ -390,11 +398,8 @@ class EagleTreeDrafter(Drafter):
         if start == end:
             return
         start = write_context(self.model, self.embed_tokens, tokens, features, start, self._cache)
-        device = features.device
-        ids = torch.tensor(tokens[start + 1 : end + 1], device=device)
-        embeds = self.embed_tokens(ids)[None].to(features.dtype)
-        positions = torch.arange(start, end, device=device)[None]
-        mask = causal_mask_after(start, end - start, features.dtype, device)
+        embeds, positions = committed_inputs(self.embed_tokens, tokens, features, start, end)
+        mask = causal_mask_after(start, end - start, features.dtype, features.device)
         out = self.model.read_target(
             embeds, features[start:end][None], positions, mask, self._cache, kernel=self._kernel
         )

@@ -445,14 +445,16 @@ def catch_up_split_and_whole(model, target, context, monkeypatch, mlp: torch.nn.
 
     rows: list[int] = []
     hook = mlp.register_forward_hook(lambda module, inputs, output: rows.append(inputs[0].shape[-2]))
-    split = serve(model, target)
-    split._catch_up(context.tokens, context.features)
-    split_rows = list(rows)
-    rows.clear()
-    monkeypatch.setattr(eagle, "_CONTEXT_ONLY_ROWS", len(context.tokens) + 1)
-    whole = serve(model, target)
-    whole._catch_up(context.tokens, context.features)
-    hook.remove()
+    try:  # the model is a module fixture: a failed catch-up must not leave the hook on it
+        split = serve(model, target)
+        split._catch_up(context.tokens, context.features)
+        split_rows = list(rows)
+        rows.clear()
+        monkeypatch.setattr(eagle, "_CONTEXT_ONLY_ROWS", len(context.tokens) + 1)
+        whole = serve(model, target)
+        whole._catch_up(context.tokens, context.features)
+    finally:
+        hook.remove()
     return split, whole, split_rows, rows
 
 

@@ -46,13 +46,34 @@ def committed_features(context: DraftContext, drafter: str) -> torch.Tensor:
     return features
 
 
+@dataclass(frozen=True)
+class DraftingStep:
+    """The modules of a feature drafter's whole drafting forward as EAGLE-3 makes it, for a kernel that
+    computes it and its head in one call (:meth:`LayerKernel.step`): ``fc`` fuses the target's layer
+    states (None: the hidden is a fed-back feature); the decoder layer reads ``[input_norm(embeddings),
+    hidden_norm(hidden)]`` and adds its attention to ``hidden_norm(hidden)``; the feature is that plus the
+    MLP of its ``post_norm``; the logits are ``lm_head(norm(feature))``; ``rotary`` gives the positions'
+    rotary embedding."""
+
+    fc: Any
+    hidden_norm: Any
+    input_norm: Any
+    attention: Any
+    post_norm: Any
+    mlp: Any
+    norm: Any
+    lm_head: Any
+    rotary: Any
+
+
 class LayerKernel(Protocol):
     """A faster forward of a feature drafter's decoder layer that the runtime may offer (its C++ layers on
     a CPU, ``inference/kernels/native_drafter.py``): given the layer's attention module, post-attention
     norm and MLP, its attention input and the residual that attention adds to, the rotary
     ``position_embeddings``, the additive mask and the drafter's cache (a ``PreallocatedCache``), it
     appends the rows' keys and values to the cache and returns ``(residual + attention, MLP output)``;
-    or None, touching nothing, where it cannot serve the layer (the drafter then runs its own forward)."""
+    or None, touching nothing, where it cannot serve the layer (the drafter then runs its own forward).
+    :meth:`step` does the same for a whole drafting forward and its head."""
 
     def __call__(
         self,
@@ -65,6 +86,22 @@ class LayerKernel(Protocol):
         mask: torch.Tensor | None,
         cache: Any,
     ) -> tuple[torch.Tensor, torch.Tensor] | None: ...
+
+    def step(
+        self,
+        step: DraftingStep,
+        embeds: torch.Tensor,
+        hidden: torch.Tensor,
+        position_ids: torch.Tensor,
+        mask: torch.Tensor | None,
+        cache: Any,
+        logit_rows: int,
+        top_k: int,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """``step``'s forward of ``embeds`` and ``hidden`` (1, rows, ·) at ``position_ids`` (1, rows)
+        under ``mask``, its keys and values appended to ``cache``: ``(features (rows, h), the top_k
+        log-probabilities and their head columns (logit_rows, top_k) of the last logit_rows rows)``, the
+        same floats as the modules' forward, ``log_softmax`` and ``topk``; or None, touching nothing."""
 
 
 class Drafter:

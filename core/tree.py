@@ -23,11 +23,10 @@ class DraftTree:
     def __post_init__(self) -> None:
         if self.tokens.shape != self.parents.shape or self.tokens.dim() != 1:
             raise ValueError("tokens and parents must be 1-D tensors of the same length")
-        parents = self.parents.cpu()
-        misplaced = ((parents < -1) | (parents >= torch.arange(parents.numel()))).nonzero()
-        if misplaced.numel():
-            i = int(misplaced[0])
-            raise ValueError(f"node {i} has parent {int(parents[i])}: parents must come before their children")
+        # in Python: a round's trees are a few nodes, where each tensor operation costs more than the scan
+        for i, parent in enumerate(self.parents.tolist()):
+            if not -1 <= parent < i:
+                raise ValueError(f"node {i} has parent {parent}: parents must come before their children")
 
     @classmethod
     def empty(cls) -> DraftTree:
@@ -216,7 +215,8 @@ def causal_mask_after(past: int, length: int, dtype: torch.dtype, device: torch.
     """``(1, 1, length, past + length)`` additive mask of ``length`` new rows appended to ``past`` cached
     positions: every row sees the whole cache and the new rows up to itself."""
     mask = torch.zeros(1, 1, length, past + length, dtype=dtype, device=device)
-    mask[..., past:] = causal_mask(length, dtype, device)
+    if length > 1:  # one row sees every column: nothing to hide (a drafting round's usual catch-up)
+        mask[0, 0, :, past:] = torch.full((length, length), torch.finfo(dtype).min, dtype=dtype, device=device).triu(1)
     return mask
 
 

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from draftsmith.core.drafting import Drafter
+from draftsmith.core.drafting import Drafter, DraftingStep
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.drafters.engine_layouts import EngineExport, EngineLayoutError, Verifier
 from draftsmith.drafters.io import load_drafter_weights, load_weights_into, save_drafter_weights
@@ -291,6 +291,13 @@ class DrafterModel(nn.Module):
         """The runtime :class:`Drafter` that decodes with this model for ``target_model``; ``tree``
         holds serve-time overrides of :meth:`DrafterConfig.tree_options`."""
         raise NotImplementedError(f"{type(self).__name__} must define runtime_drafter()")
+
+    def drafting_step(self, from_target: bool) -> DraftingStep | None:
+        """The modules of one drafting forward and its head, for a runtime kernel that computes them in one
+        call (:class:`~draftsmith.core.drafting.DraftingStep`), where the model is built that way; None:
+        the drafter calls the model's forward. ``from_target``: the forward reads the target's states
+        (committed positions), else fed-back features (a tree's nodes)."""
+        return None
 
     def stored_token_ids(self) -> dict[str, torch.Tensor]:
         """The target token ids this drafter stores (its draft vocabulary), by buffer name: a damaged

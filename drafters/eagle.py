@@ -351,6 +351,7 @@ class EagleTreeDrafter(Drafter):
         self._cache = PreallocatedCache(1, _CACHE_ROOM)
         self._fed: list[int] = []  # tokens[: positions in cache + 1]
         self._last_feature: torch.Tensor | None = None  # predicted feature at the root position
+        self._root_top: tuple[torch.Tensor, torch.Tensor] | None = None  # the root's children (_top)
 
     def own_modules(self) -> nn.Module:
         return self._own_modules
@@ -370,24 +371,47 @@ class EagleTreeDrafter(Drafter):
         def expand(growth: TreeGrowth, frontier: list[int]) -> list[list[tuple[float, int, torch.Tensor]]]:
             level = next(levels)
             if level == 0:  # the root's children come from the last committed position
-                return self._children(self._root_token_features[None], self._last_feature[None])
+                return self._children(self._root_top, self._last_feature[None])
             # a node at depth L holds the token at position len(tokens) - 1 + L, read at the one before
-            out = self._expand(growth, frontier, columns, position=len(tokens) - 2 + level)
-            return self._children(out.token_features[0], out.next_features[0])
+            return self._expand(growth, frontier, columns, position=len(tokens) - 2 + level)
 
         tree, growth = grow_tree(expand, self.depth, self.top_k, self.total_tokens)
         self._drop_tree_kv(len(tokens) - 1)
         return tree, growth
 
-    def _children(self, token_features: torch.Tensor, next_features: torch.Tensor) -> list[list[tuple]]:
-        """Each frontier node's ``top_k`` children, from one head product over all of them (one read of
-        the head's weights): (log p, token id, the feature they read when expanded)."""
-        top = self.head(token_features).float().log_softmax(-1).topk(self.top_k)
-        ids = self.head.token_ids(top.indices)
+    def _top(self, token_features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ``top_k`` log-probabilities and head columns of each row, from one head product over all of
+        them (one read of the head's weights)."""
+        return tuple(self.head(token_features).float().log_softmax(-1).topk(self.top_k))
+
+    def _children(self, top: tuple[torch.Tensor, torch.Tensor], next_features: torch.Tensor) -> list[list[tuple]]:
+        """Each frontier node's ``top_k`` children from its row of ``top``: (log p, token id, the feature
+        they read when expanded)."""
+        values, columns = top
+        ids = self.head.token_ids(columns)
         return [
-            [(value, token, next_feature) for value, token in zip(values, tokens)]
-            for values, tokens, next_feature in zip(top.values.tolist(), ids.tolist(), next_features)
+            [(value, token, next_feature) for value, token in zip(row_values, row_tokens)]
+            for row_values, row_tokens, next_feature in zip(values.tolist(), ids.tolist(), next_features)
         ]
+
+    def _forward(
+        self, embeds: torch.Tensor, hidden: torch.Tensor, from_target: bool, positions, mask, logit_rows: int
+    ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """One drafting forward (its keys and values appended to the cache): the token features and next
+        features of its last ``logit_rows`` rows and their :meth:`_top`. Through the kernel's whole-step
+        call where it serves the model (the same floats), else the model's forward and the head."""
+        step = self.model.drafting_step(from_target) if self._kernel is not None else None
+        done = None
+        if step is not None:
+            done = self._kernel.step(step, embeds, hidden, positions, mask, self._cache, logit_rows, self.top_k)
+        if done is not None:
+            features, values, columns = done
+            last = features[-logit_rows:]
+            return last, last, (values, columns)
+        forward = self.model.read_target if from_target else self.model
+        out = forward(embeds, hidden, positions, mask, self._cache, kernel=self._kernel)
+        token_features, next_features = out.token_features[0, -logit_rows:], out.next_features[0, -logit_rows:]
+        return token_features, next_features, self._top(token_features)
 
     def _catch_up(self, tokens: list[int], features: torch.Tensor) -> None:
         """Feed ``(f_t, x_{t+1})`` for every committed position the cache lacks (all but the last only into
@@ -400,16 +424,16 @@ class EagleTreeDrafter(Drafter):
         start = write_context(self.model, self.embed_tokens, tokens, features, start, self._cache)
         embeds, positions = committed_inputs(self.embed_tokens, tokens, features, start, end)
         mask = causal_mask_after(start, end - start, features.dtype, features.device)
-        out = self.model.read_target(
-            embeds, features[start:end][None], positions, mask, self._cache, kernel=self._kernel
-        )
+        fed = features[start:end][None]
+        _, next_features, self._root_top = self._forward(embeds, fed, True, positions, mask, logit_rows=1)
         self._fed = list(tokens)
-        self._root_token_features = out.token_features[0, -1]
-        self._last_feature = out.next_features[0, -1]
+        self._last_feature = next_features[-1]
 
-    def _expand(self, growth: TreeGrowth, frontier: list[int], columns: dict[int, int], position: int):
+    def _expand(
+        self, growth: TreeGrowth, frontier: list[int], columns: dict[int, int], position: int
+    ) -> list[list[tuple]]:
         """One drafter forward over the frontier nodes, each attending to the committed cache, its
-        ancestors' columns and itself."""
+        ancestors' columns and itself: their children."""
         committed = len(self._fed) - 1
         past = committed + len(columns)
         dtype = self._last_feature.dtype
@@ -432,7 +456,8 @@ class EagleTreeDrafter(Drafter):
         embeds = self.embed_tokens(ids)[None].to(dtype)
         feats = torch.stack([growth.payloads[i] for i in frontier])[None]
         positions = torch.full((1, len(frontier)), position, device=device)
-        return self.model(embeds, feats, positions, mask.to(device), self._cache, kernel=self._kernel)
+        _, next_features, top = self._forward(embeds, feats, False, positions, mask.to(device), len(frontier))
+        return self._children(top, next_features)
 
     def _drop_tree_kv(self, committed: int) -> None:
         if cache_length(self._cache) > committed:

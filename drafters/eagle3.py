@@ -29,7 +29,7 @@ from torch import nn
 from transformers import DynamicCache, PretrainedConfig
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRMSNorm, LlamaRotaryEmbedding
 
-from draftsmith.core.drafting import LayerKernel
+from draftsmith.core.drafting import DraftingStep, LayerKernel
 from draftsmith.core.tree import causal_mask
 from draftsmith.drafters.base import DrafterModel, FrozenTarget, TreeOptions
 from draftsmith.drafters.eagle import (
@@ -263,6 +263,24 @@ class Eagle3Model(DrafterModel):
     def logits(self, token_features: torch.Tensor) -> torch.Tensor:
         """Logits over the draft vocabulary (column i is target token ``i + d2t[i]``)."""
         return self.lm_head(self.norm(token_features))
+
+    def drafting_step(self, from_target: bool) -> DraftingStep | None:
+        """EAGLE-3's forward as :class:`DraftingStep` describes it (FSPAD-3's sampler and partial alignment
+        are not): :meth:`forward` and :meth:`logits`."""
+        if self.feature_sampler is not None or self.config.partial_alignment:
+            return None
+        layer = self.layer
+        return DraftingStep(
+            fc=self.fc if from_target else None,
+            hidden_norm=layer.hidden_norm,
+            input_norm=layer.input_layernorm,
+            attention=layer.self_attn,
+            post_norm=layer.post_attention_layernorm,
+            mlp=layer.mlp,
+            norm=self.norm,
+            lm_head=self.lm_head,
+            rotary=self.rotary_emb,
+        )
 
     def runtime_drafter(self, target_model: nn.Module, tree: TreeOptions) -> EagleTreeDrafter:
         frozen = FrozenTarget.from_model(target_model)

@@ -1849,6 +1849,42 @@ std::vector<at::Tensor> drafter_layer(
   return {after, mlp_block(normed, weights.data(), layer_packs)};
 }
 
+// One drafting forward of an EAGLE-3 drafter (no feature sampler, no partial alignment) and its head, as
+// Eagle3Model.forward, Eagle3Model.logits and the drafter's log_softmax and topk compute them, in one call:
+// `hidden` (rows, in) is fused by `fc` first where `fc_transposed` is given (the target's layer states),
+// else it is the fed-back feature; the layer reads [input_norm(embeds), hidden_norm(hidden)] and adds its
+// attention to hidden_norm(hidden) (norm_before_residual); the feature is that plus its MLP. The head
+// (final norm, lm_head) runs on the last `logit_rows` rows only. `layer` holds drafter_layer's arguments
+// after its attention input and residual. Returns (features (rows, h), the top_k log-probabilities and
+// their columns per logit row).
+std::vector<at::Tensor> eagle3_step(const at::Tensor& embeds, const at::Tensor& hidden, const at::Tensor& fc_transposed,
+                                    const at::Tensor& fc_pack, int64_t fc_kind, const at::Tensor& hidden_norm,
+                                    const at::Tensor& input_norm, double norm_eps, const at::Tensor& final_norm,
+                                    const at::Tensor& head_transposed, const at::Tensor& head_pack, int64_t head_kind,
+                                    int64_t logit_rows, int64_t top_k, const std::vector<at::Tensor>& weights,
+                                    const std::vector<at::Tensor>& packs, const std::vector<int64_t>& kinds,
+                                    const std::vector<at::Tensor>& fused, double post_norm_eps, const at::Tensor& cos,
+                                    const at::Tensor& signed_sin, const std::optional<at::Tensor>& mask,
+                                    const at::Tensor& key_buffer, const at::Tensor& value_buffer, int64_t start,
+                                    int64_t heads, int64_t kv_heads, int64_t head_dim, double scaling) {
+  RECORD_FUNCTION("draftsmith::eagle3_step", std::vector<c10::IValue>());
+  TORCH_CHECK(embeds.dim() == 2 && hidden.dim() == 2 && embeds.size(0) == hidden.size(0), "eagle3_step: (rows, width)");
+  const int64_t rows = embeds.size(0);
+  TORCH_CHECK(logit_rows >= 1 && logit_rows <= rows && top_k >= 1, "eagle3_step: logit_rows, top_k");
+  const at::Tensor state = fc_transposed.numel() > 0 ? project(hidden.contiguous(), fc_transposed, fc_pack, fc_kind)
+                                                     : hidden.contiguous();
+  const at::Tensor residual = rms_norm(state.unsqueeze(0), hidden_norm, norm_eps);
+  const at::Tensor input = at::cat({rms_norm(embeds.unsqueeze(0), input_norm, norm_eps), residual}, 1);
+  const std::vector<at::Tensor> layer =
+      drafter_layer(input.unsqueeze(0), residual.unsqueeze(0), weights, packs, kinds, fused, post_norm_eps, cos,
+                    signed_sin, mask, key_buffer, value_buffer, start, heads, kv_heads, head_dim, scaling);
+  const at::Tensor features = add_rows(layer[0].view({rows, -1}), layer[1].view({rows, -1}));
+  const at::Tensor last = features.narrow(0, rows - logit_rows, logit_rows).unsqueeze(0);
+  const at::Tensor logits = project(rms_norm(last, final_norm, norm_eps), head_transposed, head_pack, head_kind);
+  const auto top = at::topk(at::log_softmax(logits, -1), std::min(top_k, logits.size(1)));
+  return {features, std::get<0>(top), std::get<1>(top)};
+}
+
 // The bound of screen_contenders for tokens of one row: (c0 * b0_i + c1 * b1_i + out * |a_i|) * slack,
 // each operation rounded to float32 on its own (no fused multiply-add), whatever the code's vector width.
 struct ContenderBound {
@@ -2068,6 +2104,7 @@ int64_t proven_argmax(const at::Tensor& x, const at::Tensor& weight, const at::T
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decoder_layers", &decoder_layers, "The lean path's decoder layers (bitwise the same)");
   m.def("drafter_layer", &drafter_layer, "A feature drafter's decoder layer from its attention input and residual");
+  m.def("eagle3_step", &eagle3_step, "An EAGLE-3 drafter's forward and its head's top_k log-probabilities");
   m.def("screen_contenders", &screen_contenders, "The screened head's floors and contenders per row",
         py::arg("screen"), py::arg("row_bounds"), py::arg("coefficients"), py::arg("output"), py::arg("safety"),
         py::arg("isa") = "auto");

@@ -9,6 +9,12 @@ drafter's preallocated cache, ``attend``'s attention under the drafter's mask, t
 and the gated MLP. Its rounding differs from the module's own forward (another attention and other
 products), which changes at most which tokens the drafter proposes, never what verification commits.
 
+:meth:`NativeDrafterLayer.step` goes further for an EAGLE-3 drafter: its whole drafting forward (the
+fusing ``fc``, the norms and concatenation before the layer, the layer, the residual) and its head's
+top log-probabilities in one call, ``eagle3_step``, the same floats as the modules compute (the layer's
+as above; the norms are the extension's exact replicas, the products the same packs'). A round's
+few-row forwards otherwise spend more in ~40 small tensor calls than in their products.
+
 It serves float32 CPU layers without biases whose MLP is SiLU-gated; anything else (and training,
 which needs autograd) keeps the module's forward.
 """
@@ -22,8 +28,10 @@ import torch
 from torch import nn
 
 from draftsmith.core.cache import PreallocatedCache
+from draftsmith.core.drafting import DraftingStep
 from draftsmith.inference.kernels.direct_forward import _rotary_factors
 from draftsmith.inference.kernels.native_layers import _pack_inputs, projections_of, silu_gated
+from draftsmith.inference.kernels.packed_gemm import PackedLinear, active_pack, pack_kind
 
 _UNREAD = torch.empty(0)  # the input norm's slot in the extension's nine weights: the drafter norms itself
 
@@ -63,22 +71,81 @@ class NativeDrafterLayer:
         mask: torch.Tensor | None,
         cache: object,
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        if torch.is_grad_enabled() or not isinstance(cache, PreallocatedCache) or attention_input.shape[0] != 1:
-            return None
-        plan = self._plan(attention, post_norm, mlp)
-        if plan is None or attention_input.dtype != torch.float32 or attention_input.device.type != "cpu":
+        plan = self._served_plan(attention, post_norm, mlp, attention_input, cache)
+        if plan is None:
             return None
         rows = attention_input.shape[1]
+        after, out = self.extension.drafter_layer(
+            attention_input, residual, *self._layer_arguments(plan, attention, rows, position_embeddings, mask, cache)
+        )
+        return after, out.view(1, rows, -1)
+
+    def step(
+        self,
+        step: DraftingStep,
+        embeds: torch.Tensor,
+        hidden: torch.Tensor,
+        position_ids: torch.Tensor,
+        mask: torch.Tensor | None,
+        cache: object,
+        logit_rows: int,
+        top_k: int,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """:meth:`~draftsmith.core.drafting.LayerKernel.step` through ``eagle3_step``, or None where a
+        projection outside the layer is not a plain bias-free product, the norms' epsilons differ, or the
+        layer is not served."""
+        plan = self._served_plan(step.attention, step.post_norm, step.mlp, embeds, cache)
+        rows = embeds.shape[1]
+        fc = _projection(step.fc, rows) if step.fc is not None else (_NO_WEIGHT, _UNREAD, 0)
+        head = _projection(step.lm_head, logit_rows)
+        eps = {norm.variance_epsilon for norm in (step.hidden_norm, step.input_norm, step.norm)}
+        if plan is None or fc is None or head is None or len(eps) != 1 or hidden.dtype != torch.float32:
+            return None
+        rotary = step.rotary(hidden, position_ids)
+        features, values, columns = self.extension.eagle3_step(
+            embeds[0],
+            hidden[0],
+            *fc,
+            step.hidden_norm.weight,
+            step.input_norm.weight,
+            eps.pop(),
+            step.norm.weight,
+            *head,
+            logit_rows,
+            top_k,
+            *self._layer_arguments(plan, step.attention, rows, rotary, mask, cache),
+        )
+        return features, values, columns
+
+    def _served_plan(
+        self, attention: nn.Module, post_norm: nn.Module, mlp: nn.Module, rows: torch.Tensor, cache: object
+    ) -> _LayerPlan | None:
+        """The layer's plan where the extension serves these rows (1, rows, ·) and cache, else None."""
+        if torch.is_grad_enabled() or not isinstance(cache, PreallocatedCache) or rows.shape[0] != 1:
+            return None
+        if rows.dtype != torch.float32 or rows.device.type != "cpu":
+            return None
+        return self._plan(attention, post_norm, mlp)
+
+    def _layer_arguments(
+        self,
+        plan: _LayerPlan,
+        attention: nn.Module,
+        rows: int,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        mask: torch.Tensor | None,
+        cache: PreallocatedCache,
+    ) -> tuple:
+        """drafter_layer's arguments after the attention input and residual; the cache's next ``rows``
+        rows taken for the keys and values this forward writes."""
         layer = cache.layers[attention.layer_idx]
         if not layer.is_initialized:
-            empty = attention_input.new_empty(1, plan.kv_heads, 0, plan.head_dim)
+            empty = plan.weights[1].new_empty(1, plan.kv_heads, 0, plan.head_dim)
             layer.lazy_initialization(empty, empty)
         key_buffer, value_buffer, start = layer.append_rows(rows)
         cos, signed_sin = _rotary_factors(position_embeddings)
         packs, kinds, fused = _pack_inputs(plan, rows)
-        after, out = self.extension.drafter_layer(
-            attention_input,
-            residual,
+        return (
             plan.weights,
             packs,
             kinds,
@@ -95,13 +162,27 @@ class NativeDrafterLayer:
             plan.head_dim,
             plan.scaling,
         )
-        return after, out.view(1, rows, -1)
 
     def _plan(self, attention: nn.Module, post_norm: nn.Module, mlp: nn.Module) -> _LayerPlan | None:
         key = (id(attention), id(post_norm), id(mlp))
         if key not in self._plans:
             self._plans[key] = _layer_plan(attention, post_norm, mlp)
         return self._plans[key]
+
+
+_NO_WEIGHT = torch.empty(0)
+
+
+def _projection(linear: nn.Module, rows: int) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+    """``eagle3_step``'s view of a bias-free float32 linear for ``rows`` rows: (transposed weight, its active
+    pack or an empty one, the pack's kind); None where its forward would not be that product (a bias, or
+    rows its owner sends to the default kernel)."""
+    if getattr(linear, "bias", None) is not None or linear.weight.dtype != torch.float32:
+        return None
+    pack = active_pack(linear, rows)
+    if pack is not None and isinstance(linear, PackedLinear) and linear._owner.library_serves(linear, rows):
+        return None
+    return linear.weight.t(), _UNREAD if pack is None else pack, pack_kind(linear)
 
 
 def _layer_plan(attention: nn.Module, post_norm: nn.Module, mlp: nn.Module) -> _LayerPlan | None:

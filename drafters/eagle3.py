@@ -22,6 +22,7 @@ embedding is used frozen and never saved.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -32,6 +33,7 @@ from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRMSNor
 from draftsmith.core.drafting import DraftingStep, LayerKernel
 from draftsmith.core.tree import causal_mask
 from draftsmith.drafters.base import DrafterModel, FrozenTarget, TreeOptions
+from draftsmith.drafters.io import load_weights_into
 from draftsmith.drafters.eagle import (
     DrafterMLP,
     DrafterOutput,
@@ -200,6 +202,30 @@ class Eagle3Model(DrafterModel):
         """The draft ``lm_head`` starts as the target's rows of the draft vocabulary."""
         weight = frozen.lm_head.weight
         self.lm_head.weight.copy_(weight[self.draft_token_ids().to(weight.device)].to(self.lm_head.weight))
+
+    def load_initial_weights(self, directory: str | Path) -> list[str]:
+        """``train.init_from``. A drafter whose draft vocabulary has another size (a run with a larger
+        ``draft_vocab_size``) starts this one's head: each token both vocabularies hold keeps its trained
+        row, the others keep their rows from :meth:`init_from_target`, and this run's vocabulary stays.
+        One of the same size is loaded whole, its vocabulary included (the same drafter trained on)."""
+        return load_weights_into(self, directory, adapt=self._head_rows_by_token)
+
+    @torch.no_grad()
+    def _head_rows_by_token(self, state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], list[str]]:
+        head, offsets = state.get("lm_head.weight"), state.get("d2t")
+        if head is None or offsets is None or head.shape == self.lm_head.weight.shape:
+            return state, []
+        theirs = {token: row for row, token in enumerate((torch.arange(offsets.numel()) + offsets).tolist())}
+        mine = self.draft_token_ids().tolist()
+        kept = [(row, theirs[token]) for row, token in enumerate(mine) if token in theirs]
+        weight = self.lm_head.weight.detach().clone()
+        if kept:
+            rows, sources = (torch.tensor(side) for side in zip(*kept))
+            weight[rows] = head[sources].to(weight)
+        state = {name: tensor for name, tensor in state.items() if name not in ("d2t", "t2d")}
+        state["lm_head.weight"] = weight
+        new = len(mine) - len(kept)
+        return state, [f"lm_head.weight's rows of the {new} of {len(mine)} draft tokens it had no row for"] if new else []
 
     # ---- one step ------------------------------------------------------------------------------
     def read_target(self, *args: Any, **kwargs: Any) -> DrafterOutput:

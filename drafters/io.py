@@ -11,6 +11,7 @@ import json
 import math
 import shutil
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -149,22 +150,31 @@ def load_drafter_weights(cls: Any, directory: str | Path) -> nn.Module:
     return model
 
 
-def load_weights_into(model: nn.Module, directory: str | Path) -> list[str]:
+def load_weights_into(
+    model: nn.Module,
+    directory: str | Path,
+    adapt: Callable[[dict[str, torch.Tensor]], tuple[dict[str, torch.Tensor], list[str]]] | None = None,
+) -> list[str]:
     """Copy a drafter directory's weights into ``model`` (e.g. to start training from a finished run);
     returns the names of the tensors the directory lacks, which keep their values (a part added since,
     such as Speculative Streaming's pruning adapter). A tensor ``model`` has no place for, or one of
-    another shape, means the two were built with different options."""
+    another shape, means the two were built with different options. ``adapt`` may first fit the
+    directory's tensors to ``model`` (returning them and what starts fresh in them)."""
     path = Path(directory) / WEIGHTS_NAME
     if not path.is_file():
         raise DrafterCheckpointError(f"{directory} is not a drafter directory: {WEIGHTS_NAME} is missing")
     state, own = load_weights_file(path), model.state_dict()
+    lacking = sorted(set(own) - set(state))
+    adapted: list[str] = []
+    if adapt is not None:
+        state, adapted = adapt(state)
     misfits = sorted(name for name, tensor in state.items() if name not in own or own[name].shape != tensor.shape)
     if misfits:
         raise DrafterCheckpointError(
             f"{path} does not fit this drafter ({', '.join(misfits[:3])}): use the options it was trained with"
         )
     model.load_state_dict(state, strict=False)
-    return sorted(set(own) - set(state))
+    return lacking + adapted
 
 
 def read_drafter_config(directory: str | Path) -> dict[str, Any]:

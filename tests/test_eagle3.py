@@ -98,6 +98,36 @@ def test_draft_vocabulary_maps_round_trip(target, tmp_path):
     assert loaded.config.aux_layer_ids == LAYERS and loaded.config.drafter_family == "eagle3"
 
 
+def test_a_warm_start_into_a_larger_draft_vocabulary_keeps_each_shared_tokens_trained_row(target, tmp_path):
+    def drafter(size, counts):
+        model = get_family("eagle3").build(target.config, {"aux_layer_ids": LAYERS, "draft_vocab_size": size})
+        model.fit_data(counts)
+        model.init_from_target(FrozenTarget.from_model(target))
+        return model
+
+    counts = torch.arange(VOCAB, 0, -1)  # token i is the i-th most frequent
+    small = drafter(6, counts)
+    with torch.no_grad():
+        small.lm_head.weight.add_(1.0)  # "trained": away from the target's rows
+        small.fc.weight.mul_(2.0)
+    export_drafter(small, {"name": "t"}, tmp_path / "small")
+    counts[[3, 4]] = 0  # two of the small vocabulary's tokens are no longer among the larger one's
+    large = drafter(10, counts)
+    target_rows = large.lm_head.weight.detach().clone()
+    fresh = large.load_initial_weights(tmp_path / "small")
+    mine = large.draft_token_ids().tolist()
+    assert mine == [0, 1, 2, 5, 6, 7, 8, 9, 10, 11]  # this run's vocabulary stays
+    for row, token in enumerate(mine):
+        expected = small.lm_head.weight[token] if token < 6 else target_rows[row]
+        assert torch.equal(large.lm_head.weight[row], expected), token
+    assert torch.equal(large.fc.weight, small.fc.weight)
+    assert fresh == ["lm_head.weight's rows of the 6 of 10 draft tokens it had no row for"]
+    same_size = drafter(6, torch.arange(VOCAB))  # another vocabulary of the same size: loaded whole
+    assert same_size.load_initial_weights(tmp_path / "small") == []
+    assert same_size.draft_token_ids().tolist() == list(range(6))
+    assert torch.equal(same_size.lm_head.weight, small.lm_head.weight)
+
+
 def test_ttt_mask_shape():
     mask = ttt_mask(torch.tensor([[1, 1, 1, 0]]), 2, torch.float32)
     allowed = (mask[0, 0] == 0).int()

@@ -395,23 +395,27 @@ class EagleTreeDrafter(Drafter):
         ]
 
     def _forward(
-        self, embeds: torch.Tensor, hidden: torch.Tensor, from_target: bool, positions, mask, logit_rows: int
-    ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-        """One drafting forward (its keys and values appended to the cache): the token features and next
-        features of its last ``logit_rows`` rows and their :meth:`_top`. Through the kernel's whole-step
+        self,
+        embeds: torch.Tensor,
+        hidden: torch.Tensor,
+        from_target: bool,
+        positions: torch.Tensor,
+        mask: torch.Tensor,
+        logit_rows: int,
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """One drafting forward (its keys and values appended to the cache): the next features of its last
+        ``logit_rows`` rows and the :meth:`_top` of their token features. Through the kernel's whole-step
         call where it serves the model (the same floats), else the model's forward and the head."""
         step = self.model.drafting_step(from_target) if self._kernel is not None else None
         done = None
         if step is not None:
             done = self._kernel.step(step, embeds, hidden, positions, mask, self._cache, logit_rows, self.top_k)
-        if done is not None:
+        if done is not None:  # a drafting step's token and next features are one
             features, values, columns = done
-            last = features[-logit_rows:]
-            return last, last, (values, columns)
+            return features[-logit_rows:], (values, columns)
         forward = self.model.read_target if from_target else self.model
         out = forward(embeds, hidden, positions, mask, self._cache, kernel=self._kernel)
-        token_features, next_features = out.token_features[0, -logit_rows:], out.next_features[0, -logit_rows:]
-        return token_features, next_features, self._top(token_features)
+        return out.next_features[0, -logit_rows:], self._top(out.token_features[0, -logit_rows:])
 
     def _catch_up(self, tokens: list[int], features: torch.Tensor) -> None:
         """Feed ``(f_t, x_{t+1})`` for every committed position the cache lacks (all but the last only into
@@ -425,7 +429,7 @@ class EagleTreeDrafter(Drafter):
         embeds, positions = committed_inputs(self.embed_tokens, tokens, features, start, end)
         mask = causal_mask_after(start, end - start, features.dtype, features.device)
         fed = features[start:end][None]
-        _, next_features, self._root_top = self._forward(embeds, fed, True, positions, mask, logit_rows=1)
+        next_features, self._root_top = self._forward(embeds, fed, True, positions, mask, logit_rows=1)
         self._fed = list(tokens)
         self._last_feature = next_features[-1]
 
@@ -456,7 +460,7 @@ class EagleTreeDrafter(Drafter):
         embeds = self.embed_tokens(ids)[None].to(dtype)
         feats = torch.stack([growth.payloads[i] for i in frontier])[None]
         positions = torch.full((1, len(frontier)), position, device=device)
-        _, next_features, top = self._forward(embeds, feats, False, positions, mask.to(device), len(frontier))
+        next_features, top = self._forward(embeds, feats, False, positions, mask.to(device), len(frontier))
         return self._children(top, next_features)
 
     def _drop_tree_kv(self, committed: int) -> None:

@@ -30,7 +30,7 @@ from torch import nn
 from draftsmith.core.cache import PreallocatedCache
 from draftsmith.core.drafting import DraftingStep
 from draftsmith.inference.kernels.direct_forward import _rotary_factors
-from draftsmith.inference.kernels.native_layers import _pack_inputs, projections_of, silu_gated
+from draftsmith.inference.kernels.native_layers import _NO_PACK, _pack_inputs, projections_of, silu_gated
 from draftsmith.inference.kernels.packed_gemm import PackedLinear, active_pack, pack_kind
 
 _UNREAD = torch.empty(0)  # the input norm's slot in the extension's nine weights: the drafter norms itself
@@ -96,7 +96,7 @@ class NativeDrafterLayer:
         layer is not served."""
         plan = self._served_plan(step.attention, step.post_norm, step.mlp, embeds, cache)
         rows = embeds.shape[1]
-        fc = _projection(step.fc, rows) if step.fc is not None else (_NO_WEIGHT, _UNREAD, 0)
+        fc = _projection(step.fc, rows) if step.fc is not None else (_UNREAD, _NO_PACK, 0)  # hidden read as is
         head = _projection(step.lm_head, logit_rows)
         eps = {norm.variance_epsilon for norm in (step.hidden_norm, step.input_norm, step.norm)}
         if plan is None or fc is None or head is None or len(eps) != 1 or hidden.dtype != torch.float32:
@@ -170,9 +170,6 @@ class NativeDrafterLayer:
         return self._plans[key]
 
 
-_NO_WEIGHT = torch.empty(0)
-
-
 def _projection(linear: nn.Module, rows: int) -> tuple[torch.Tensor, torch.Tensor, int] | None:
     """``eagle3_step``'s view of a bias-free float32 linear for ``rows`` rows: (transposed weight, its active
     pack or an empty one, the pack's kind); None where its forward would not be that product (a bias, or
@@ -182,7 +179,7 @@ def _projection(linear: nn.Module, rows: int) -> tuple[torch.Tensor, torch.Tenso
     pack = active_pack(linear, rows)
     if pack is not None and isinstance(linear, PackedLinear) and linear._owner.library_serves(linear, rows):
         return None
-    return linear.weight.t(), _UNREAD if pack is None else pack, pack_kind(linear)
+    return linear.weight.t(), _NO_PACK if pack is None else pack, pack_kind(linear)
 
 
 def _layer_plan(attention: nn.Module, post_norm: nn.Module, mlp: nn.Module) -> _LayerPlan | None:

@@ -216,7 +216,7 @@ def causal_mask_after(past: int, length: int, dtype: torch.dtype, device: torch.
     positions: every row sees the whole cache and the new rows up to itself."""
     mask = torch.zeros(1, 1, length, past + length, dtype=dtype, device=device)
     if length > 1:  # one row sees every column: nothing to hide (a drafting round's usual catch-up)
-        mask[0, 0, :, past:] = torch.full((length, length), torch.finfo(dtype).min, dtype=dtype, device=device).triu(1)
+        mask[..., past:] = causal_mask(length, dtype, device)
     return mask
 
 

@@ -225,7 +225,8 @@ class Eagle3Model(DrafterModel):
         state = {name: tensor for name, tensor in state.items() if name not in ("d2t", "t2d")}
         state["lm_head.weight"] = weight
         new = len(mine) - len(kept)
-        return state, [f"lm_head.weight's rows of the {new} of {len(mine)} draft tokens it had no row for"] if new else []
+        fresh = f"lm_head.weight's rows of the {new} of {len(mine)} draft tokens it had no row for"
+        return state, [fresh] if new else []
 
     # ---- one step ------------------------------------------------------------------------------
     def read_target(self, *args: Any, **kwargs: Any) -> DrafterOutput:

@@ -62,3 +62,37 @@ def test_a_bfloat16_student_gets_a_bfloat16_gradient_computed_in_float32():
 def test_a_teacher_that_requires_a_gradient_is_refused():
     with pytest.raises(ValueError, match="teacher"):
         soft_cross_entropy(torch.randn(2, 3), torch.randn(2, 3, requires_grad=True))
+
+
+@pytest.mark.parametrize("top_k", [0, 3])
+def test_paired_rows_are_the_gathered_rows_and_unread_rows_get_no_gradient(top_k):
+    rows = 2 * module.CHUNK_ROWS + 7
+    torch.manual_seed(0)
+    teacher = torch.randn(rows + 9, 40) * 3
+    student_rows = torch.randperm(rows + 5)[:rows]
+    student_rows[-1] = student_rows[0]  # a row read twice gets both gradients
+    teacher_rows = torch.randint(0, rows + 9, (rows,))
+    weights = torch.rand(rows), torch.rand(rows)
+    results = []
+    for paired in (False, True):
+        student = (torch.randn(rows + 5, 40, generator=torch.Generator().manual_seed(1)) * 2).requires_grad_()
+        if paired:
+            ce, topk = soft_cross_entropies(student, teacher, top_k, student_rows, teacher_rows)
+        else:
+            ce, topk = soft_cross_entropies(student[student_rows], teacher[teacher_rows], top_k)
+        loss = (ce * weights[0]).sum() + ((topk * weights[1]).sum() if top_k else 0.0)
+        loss.backward()
+        results.append((ce.detach(), topk, student.grad))
+    (ce_a, topk_a, grad_a), (ce_b, topk_b, grad_b) = results
+    assert torch.equal(ce_b, ce_a)
+    if top_k:
+        assert torch.equal(topk_b.detach(), topk_a.detach())
+    torch.testing.assert_close(grad_b, grad_a)
+    unread = torch.ones(rows + 5, dtype=torch.bool)
+    unread[student_rows] = False
+    assert unread.any() and not grad_b[unread].any()
+
+
+def test_rows_that_do_not_pair_up_are_refused():
+    with pytest.raises(ValueError, match="differ in number"):
+        soft_cross_entropy(torch.randn(4, 3), torch.randn(5, 3), teacher_rows=torch.tensor([0, 1, 2]))

@@ -199,9 +199,9 @@ def eagle3_loss(
             if labelled.any():
                 metrics[f"align/step{step}"] = float(on_chain[labelled].float().mean())
             on_chain = on_chain & _proposed_next_input(core, logits, labelled, batch.input_ids, step, align_topk)
-        taught = taught_at[labelled]
-        # the teacher's rows gathered at the taught positions only: the rows are as large as the logits
-        ce, topk_ce = soft_cross_entropies(logits[taught], teacher.rows_at(taught_at, 1 + step), topk_distill)
+        # the taught rows of the logits and their teachers go by index: a gathered copy is as large as the logits
+        taught, teachers = taught_at[labelled].nonzero().squeeze(1), teacher.rows(taught_at, 1 + step)
+        ce, topk_ce = soft_cross_entropies(logits, teacher.logits, topk_distill, taught, teachers)
         weights = _row_weights(_shift_left(answer_start, 2 + step)[taught_at], answer_start_weight)
         # a weighted mean; the floor only keeps a step without rows at 0 (weights below 1 may sum under 1)
         rows = weights.sum().clamp_min(torch.finfo(torch.float32).tiny)
@@ -344,7 +344,7 @@ def dflash_loss(
     vocab_index = core.vocab_index(frozen.lm_head.weight.shape[0])
     if soft_labels:
         columns = truth if vocab_index is None else vocab_index[truth]
-        ce = soft_cross_entropy(logits, teacher.logits[teacher.row[batch_index, before]])
+        ce = soft_cross_entropy(logits, teacher.logits, teacher_rows=teacher.row[batch_index, before])
     else:
         tokens = batch.input_ids.gather(1, at.flatten(1))[rows]
         columns = tokens if vocab_index is None else vocab_index[tokens]
@@ -491,9 +491,10 @@ class DraftVocabTeacher:
     row: torch.Tensor
     argmax: torch.Tensor
 
-    def rows_at(self, where: torch.Tensor, shift: int) -> torch.Tensor:
-        """The logits rows read ``shift`` positions ahead of each True position of ``where`` (B, T)."""
-        return self.logits[_shift_left(self.row, shift)[where]]
+    def rows(self, where: torch.Tensor, shift: int) -> torch.Tensor:
+        """The indices of the logits rows read ``shift`` positions ahead of each True position of ``where``
+        (B, T)."""
+        return _shift_left(self.row, shift)[where]
 
 
 @torch.no_grad()

@@ -319,14 +319,20 @@ def cmd_cache_features(args: argparse.Namespace) -> None:
     if any(not -n_layers - 1 <= layer <= n_layers for layer in args.layers):
         raise DataOptionError(f"--layers must be within 0..{n_layers} (hidden_states indices)")
     settings = CacheSettings(
-        dtype=args.dtype, layers=args.layers, shard_tokens=args.shard_tokens, batch_tokens=args.batch_tokens
+        dtype=args.dtype,
+        layers=args.layers,
+        shard_tokens=args.shard_tokens,
+        batch_tokens=args.batch_tokens,
+        eval_samples=args.eval_samples,
+        train_samples=args.train_samples,
     )
     manifest = build_feature_cache(dataset, target, Path(args.out), settings, overwrite=args.overwrite)
-    cache = FeatureCache(Path(args.out))
+    cache = FeatureCache(Path(args.out), require_complete=False)
+    held = "" if manifest["complete"] else f"; {len(cache):,} of the {len(dataset):,} samples so far"
     print(
         f"{len(manifest['shards'])} shards, {cache.n_tokens} tokens, {cache.n_bytes / 1e6:.1f} MB "
         f"= {cache.n_bytes / cache.n_tokens:.0f} bytes per token ({args.dtype}, hidden {target.hidden_size}, "
-        f"{1 + len(args.layers)} layer(s)); written to {args.out}"
+        f"{1 + len(args.layers)} layer(s)); written to {args.out}{held}"
     )
 
 
@@ -536,6 +542,23 @@ def _add_cache_features_command(commands: Any, recipe_layers: Callable[[str, Any
         help="tokens per shard (default %(default)s); an interrupted run resumes at the first unfinished shard",
     )
     p.add_argument("--batch-tokens", type=int, default=4096, help="padded tokens per forward")
+    p.add_argument(
+        "--eval-samples",
+        type=int,
+        default=None,
+        metavar="E",
+        help="cache the samples in the order runs with data.eval_samples=E use them: their held-out samples first, "
+        "then the training ones in the order data.train_samples takes them, so that a run on a subset can start "
+        "before the whole cache is done (default: the prepared order)",
+    )
+    p.add_argument(
+        "--train-samples",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with --eval-samples: stop once the held-out samples and the first N training ones are cached (what "
+        "data.train_samples=N needs); run again with a larger N, or without it, to extend the same cache",
+    )
     p.add_argument("--device", default="cpu")
     p.add_argument(
         "--model-dtype",

@@ -37,7 +37,7 @@ from tqdm.auto import tqdm
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.io import atomic_write_bytes, atomic_write_json, check_apart_from_inputs
 from draftsmith.core.target import Target, TargetIdentity
-from draftsmith.data.prepared import PreparedDataset
+from draftsmith.data.prepared import PreparedDataset, training_order
 
 CACHE_FORMAT = "draftsmith.features/1"
 MANIFEST = "manifest.json"
@@ -61,16 +61,31 @@ class CacheSettings:
     layers: tuple[int, ...] = ()  # extra hidden_states indices besides the feature
     shard_tokens: int = 1 << 17  # small enough that an interrupted CPU run loses minutes, not hours
     batch_tokens: int = 4096
+    # None: the samples in their prepared order. E: in the order a run with data.eval_samples=E uses them (its
+    # held-out samples, then its training ones in the order data.train_samples takes them), so that the cache
+    # can stop after ``train_samples`` of them and serve every run on up to that many before it is finished.
+    eval_samples: int | None = None
+    train_samples: int | None = None  # stop once the held-out samples and this many training ones are cached
 
 
 def _dataset_fingerprint(dataset: PreparedDataset) -> str:
     return hashlib.sha256(json.dumps(dataset.manifest, sort_keys=True).encode()).hexdigest()
 
 
-def _plan_shards(dataset: PreparedDataset, shard_tokens: int) -> list[list[int]]:
-    """Consecutive sample indices per shard; deterministic, so a resumed run plans the same shards."""
+def cache_order(n_samples: int, eval_samples: int | None) -> list[int]:
+    """The sample indices in the order a cache made with ``CacheSettings.eval_samples`` holds them."""
+    if eval_samples is None:
+        return list(range(n_samples))
+    held_out, training = training_order(n_samples, eval_samples)
+    return held_out + training
+
+
+def _plan_shards(dataset: PreparedDataset, settings: CacheSettings) -> list[list[int]]:
+    """Sample indices per shard, in :func:`cache_order`; deterministic, so a resumed or extended run plans
+    the same shards."""
     shards, current, tokens = [], [], 0
-    for index in range(len(dataset)):
+    shard_tokens = settings.shard_tokens
+    for index in cache_order(len(dataset), settings.eval_samples):
         length = dataset.sample_length(index)
         if current and tokens + length > shard_tokens:
             shards.append(current)
@@ -80,6 +95,31 @@ def _plan_shards(dataset: PreparedDataset, shard_tokens: int) -> list[list[int]]
     if current:
         shards.append(current)
     return shards
+
+
+def _shards_to_cache(dataset: PreparedDataset, plan: list[list[int]], settings: CacheSettings) -> int:
+    """How many of ``plan``'s shards hold the held-out samples and the first ``train_samples`` training ones."""
+    if settings.eval_samples is not None and not 0 <= settings.eval_samples < len(dataset):
+        raise FeatureCacheError(
+            f"--eval-samples {settings.eval_samples}: choose from 0 to {len(dataset) - 1} (the prepared set holds "
+            f"{len(dataset)} samples)"
+        )
+    if settings.train_samples is None:
+        return len(plan)
+    if settings.eval_samples is None:
+        raise FeatureCacheError("--train-samples needs --eval-samples (the data.eval_samples of the runs it serves)")
+    n_training = len(dataset) - settings.eval_samples
+    if not 0 < settings.train_samples <= n_training:
+        raise FeatureCacheError(
+            f"--train-samples {settings.train_samples}: choose from 1 to the {n_training} training samples "
+            f"that --eval-samples {settings.eval_samples} leaves"
+        )
+    wanted, held = settings.eval_samples + settings.train_samples, 0
+    for count, shard in enumerate(plan, start=1):
+        held += len(shard)
+        if held >= wanted:
+            return count
+    return len(plan)
 
 
 def _batches(dataset: PreparedDataset, indices: list[int], batch_tokens: int) -> list[list[int]]:
@@ -246,6 +286,7 @@ def _new_manifest(dataset: PreparedDataset, target: Target, settings: CacheSetti
         "layers": list(settings.layers),
         "target_argmax": True,
         "shard_tokens": settings.shard_tokens,
+        "order": {"eval_samples": settings.eval_samples},
         "shards": [],
         "complete": False,
     }
@@ -258,16 +299,20 @@ def _check_resumable(manifest: dict[str, Any], fresh: dict[str, Any], out: Path)
         ("dtype", "dtype"),
         ("layers", "layers"),
         ("shard_tokens", "shard size"),
+        ("order", "sample order (--eval-samples)"),
     ):
         if key == "dataset":
             same = manifest[key]["fingerprint"] == fresh[key]["fingerprint"]
         else:
-            same = manifest[key] == fresh[key]
+            same = manifest.get(key, CONSECUTIVE if key == "order" else None) == fresh[key]
         if not same:
             raise FeatureCacheError(
                 f"{out} holds a feature cache for another {what}; "
                 "choose another --out or pass --overwrite to rebuild it"
             )
+
+
+CONSECUTIVE = {"eval_samples": None}  # the order of caches written before the order was chosen
 
 
 def is_feature_cache(path: Path) -> bool:
@@ -311,15 +356,15 @@ def build_feature_cache(
     elif out.exists() and any(out.iterdir()) and not overwrite and not manifest_path.is_file():
         raise FeatureCacheError(f"{out} is not empty and holds no feature cache; choose another --out")
     out.mkdir(parents=True, exist_ok=True)
-    plan = _plan_shards(dataset, settings.shard_tokens)
-    done = len(manifest["shards"])
-    remaining = sum(dataset.sample_length(i) for shard in plan[done:] for i in shard)
+    plan = _plan_shards(dataset, settings)
+    done, stop = len(manifest["shards"]), _shards_to_cache(dataset, plan, settings)
+    remaining = sum(dataset.sample_length(i) for shard in plan[done:stop] for i in shard)
     _check_free_space(out, remaining, target.hidden_size, settings)
-    total_tokens = int(dataset.offsets[-1])
+    total_tokens = sum(dataset.sample_length(i) for shard in plan[:stop] for i in shard)
     progress = tqdm(total=total_tokens, unit="tok", desc="caching features", dynamic_ncols=True)
-    progress.update(int(sum(s["n_tokens"] for s in manifest["shards"])))
+    progress.update(min(total_tokens, int(sum(s["n_tokens"] for s in manifest["shards"]))))
     argmax_dtype = DTYPES[settings.dtype] if manifest["target_argmax"] else None
-    for shard_index in range(done, len(plan)):
+    for shard_index in range(done, stop):
         indices = plan[shard_index]
         features: dict[int, dict[str, torch.Tensor]] = {}
         for batch in _batches(dataset, indices, settings.batch_tokens):
@@ -436,6 +481,18 @@ class FeatureCache:
 
     def __len__(self) -> int:
         return len(self._index)
+
+    def rows(self, n_samples: int) -> list[int | None]:
+        """The row holding each of the prepared dataset's ``n_samples`` samples (by index), None where the cache
+        does not (yet) hold it: a cache made with ``--eval-samples`` holds them in :func:`cache_order`."""
+        rows: list[int | None] = [None] * n_samples
+        order = cache_order(n_samples, self.manifest.get("order", CONSECUTIVE)["eval_samples"])
+        for row, index in enumerate(order[: len(self)]):
+            rows[index] = row
+        return rows
+
+    def shard_of(self, row: int) -> int:
+        return self._index[row][0]
 
     def __getitem__(self, index: int) -> dict[str, Any]:
         shard_index, k = self._index[index]

@@ -62,6 +62,22 @@ def sample_digest(input_ids: Any, loss_mask: Any) -> bytes:
     return hashlib.sha256(ids + np.asarray(loss_mask, dtype=np.uint8).tobytes()).digest()
 
 
+EVAL_SPLIT_SEED = 0  # the held-out split does not move when train.seed changes
+SUBSET_SEED = 1  # which training samples data.train_samples keeps: nested subsets of one prepared set
+
+
+def training_order(n_samples: int, eval_samples: int) -> tuple[list[int], list[int]]:
+    """(the held-out sample indices, sorted; the training ones in the order ``data.train_samples=N`` takes
+    its first N). Fixed by the two numbers alone, so a smaller N keeps a subset of what a larger one keeps,
+    the held-out samples stay the same, and a feature cache can be computed in this order and used before
+    it is finished."""
+    split = np.random.default_rng(EVAL_SPLIT_SEED).permutation(n_samples)
+    held_out = sorted(int(i) for i in split[n_samples - eval_samples :]) if eval_samples else []
+    excluded = set(held_out)
+    training = [i for i in range(n_samples) if i not in excluded]
+    return held_out, [training[int(i)] for i in np.random.default_rng(SUBSET_SEED).permutation(len(training))]
+
+
 def write_prepared(
     out: Path,
     samples: Iterable[TokenizedConversation],

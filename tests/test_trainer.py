@@ -345,6 +345,32 @@ def test_offline_features_match_online_training(tmp_path, tiny_target_dir, prepa
         Trainer(load_train_recipe(wrong))
 
 
+def test_a_cache_in_a_runs_order_serves_it_before_it_is_finished(tmp_path, tiny_target_dir, prepared_dir):
+    dataset, target = PreparedDataset(prepared_dir), load_target(str(tiny_target_dir))
+    cache = tmp_path / "features"
+
+    def cache_features(**order):
+        manifest = build_feature_cache(dataset, target, cache, CacheSettings(dtype="fp32", shard_tokens=60, **order))
+        return manifest, sum(len(shard["sample_ids"]) for shard in manifest["shards"])
+
+    partial, held = cache_features(eval_samples=2, train_samples=3)
+    assert not partial["complete"] and 5 <= held < len(dataset)
+    recipe = write_recipe(tmp_path / "off", tiny_target_dir, prepared_dir, data={"features": str(cache)})
+    subset = ["data.eval_samples=2", "data.train_samples=3", "train.max_steps=1", "train.batch_size=1"]
+    trainer = Trainer(load_train_recipe(recipe, subset))
+    for index in trainer.data.eval_indices + trainer.data.train_indices:
+        assert torch.equal(trainer.data.sample(index)[0], dataset[index].input_ids)  # each sample its own features
+    with pytest.raises(FeatureCacheError, match=r"lacks the features of \d+ of the 16 samples .*--eval-samples 2`"):
+        Trainer(load_train_recipe(recipe, ["data.eval_samples=2"]))
+    with pytest.raises(FeatureCacheError, match="another sample order"):
+        build_feature_cache(dataset, target, cache, CacheSettings(dtype="fp32", shard_tokens=60))
+    whole, held = cache_features(eval_samples=2)  # extends the same cache to every sample
+    assert whole["complete"] and held == len(dataset) and whole["shards"][0] == partial["shards"][0]
+    assert json.loads((train(load_train_recipe(recipe, subset)).output_dir / "run_info.json").read_text())[
+        "features"
+    ] == "offline"
+
+
 def test_export_writes_a_self_describing_drafter(tmp_path, recipe_path, capsys):
     from draftsmith.drafters.eagle import EagleModel
 

@@ -25,11 +25,9 @@ import torch
 
 from draftsmith.core.target import TargetIdentity
 from draftsmith.data.features import FeatureCache, FeatureCacheError, _dataset_fingerprint
-from draftsmith.data.prepared import PreparedDataError, PreparedDataset, sample_digest
+from draftsmith.data.prepared import PreparedDataError, PreparedDataset, sample_digest, training_order
 from draftsmith.train.batch import TrainBatch
 
-EVAL_SPLIT_SEED = 0  # the held-out split does not move when train.seed changes
-SUBSET_SEED = 1  # which training samples data.train_samples keeps: nested subsets of one prepared set
 # Micro-batches sorted together by length: more means less padding but batches less mixed in length.
 LENGTH_WINDOW = 32
 
@@ -68,9 +66,9 @@ def open_prepared(path: str, identity: TargetIdentity) -> PreparedDataset:
 def open_feature_cache(
     path: str, prepared: PreparedDataset, identity: TargetIdentity, hidden: int, layers: tuple[int, ...] = (-1,)
 ) -> FeatureCache:
-    """The recipe's feature cache: complete, for this target, for this prepared dataset, this hidden
+    """The recipe's feature cache: for this target, for this prepared dataset, this hidden
     size, holding the target states ``layers`` (``hidden_states`` indices; -1 = the feature)."""
-    cache = FeatureCache(Path(path))
+    cache = FeatureCache(Path(path), require_complete=False)  # TrainData checks it holds the samples a run uses
     cache.check_target(identity)
     if cache.manifest["dataset"]["fingerprint"] != _dataset_fingerprint(prepared):
         raise FeatureCacheError(
@@ -116,29 +114,35 @@ class TrainData:
     train_indices: list[int] = field(init=False)
     eval_indices: list[int] = field(init=False)
     _order: tuple[int, list[int]] | None = field(default=None, init=False, repr=False)
+    _cache_rows: list[int | None] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
         n = len(self.prepared)
         if self.eval_samples >= n:
             raise PreparedDataError(f"data.eval_samples={self.eval_samples} leaves no training sample ({n} in total)")
-        split = np.random.default_rng(EVAL_SPLIT_SEED).permutation(n)
-        self.eval_indices = sorted(int(i) for i in split[n - self.eval_samples :]) if self.eval_samples else []
-        held_out = set(self.eval_indices)
-        self.train_indices = [i for i in range(n) if i not in held_out]
-        if self.train_samples is not None:
-            self.train_indices = self._subset(self.train_indices, self.train_samples)
-
-    @staticmethod
-    def _subset(indices: list[int], count: int) -> list[int]:
-        """``count`` of ``indices`` in a fixed random order, so a smaller count keeps a subset of what a
-        larger one keeps and the held-out samples stay the same: one prepared set and one feature cache
-        serve a whole data-scaling study."""
-        if not 0 < count <= len(indices):
+        self.eval_indices, order = training_order(n, self.eval_samples)
+        count = len(order) if self.train_samples is None else self.train_samples
+        if not 0 < count <= len(order):
             raise PreparedDataError(
-                f"data.train_samples={count}: choose from 1 to the {len(indices)} training samples of this prepared set"
+                f"data.train_samples={count}: choose from 1 to the {len(order)} training samples of this prepared set"
             )
-        order = np.random.default_rng(SUBSET_SEED).permutation(len(indices))[:count]
-        return sorted(indices[int(i)] for i in order)
+        # one prepared set and one feature cache serve a whole data-scaling study (see training_order)
+        self.train_indices = sorted(order[:count])
+        if self.cache is not None:
+            self._cache_rows = self.cache.rows(n)
+            self._check_cached(self.eval_indices + self.train_indices, count)
+
+    def _check_cached(self, needed: list[int], count: int) -> None:
+        missing = sum(self._cache_rows[i] is None for i in needed)
+        if missing:
+            extend = f"--eval-samples {self.eval_samples}" + (
+                f" --train-samples {count}" if self.train_samples is not None else ""
+            )
+            raise FeatureCacheError(
+                f"data.features: {self.cache.path} lacks the features of {missing:,} of the {len(needed):,} samples "
+                f"this run uses; run `draftsmith data cache-features {self.prepared.path} --out {self.cache.path} "
+                f"{extend}` (with the cache's other options) to add them"
+            )
 
     @property
     def offline(self) -> bool:
@@ -202,11 +206,9 @@ class TrainData:
     def _shard_groups(self) -> list[list[int]]:
         if self.cache is None:
             return [self.train_indices]
-        shard_sizes = [len(shard["sample_ids"]) for shard in self.cache.manifest["shards"]]
-        shard_of = np.repeat(np.arange(len(shard_sizes)), shard_sizes)
         groups: dict[int, list[int]] = {}
         for index in self.train_indices:
-            groups.setdefault(int(shard_of[index]), []).append(index)
+            groups.setdefault(self.cache.shard_of(self._cache_rows[index]), []).append(index)
         return [groups[k] for k in sorted(groups)]
 
     def global_batch(self, step: int, plan: BatchPlan, seed: int) -> list[int]:
@@ -236,7 +238,7 @@ class TrainData:
         the states are the feature (-1) and :attr:`layers`, and ``"target_argmax"`` where the cache
         holds the target's greedy tokens."""
         if self.cache is not None:
-            item = self.cache[index]
+            item = self.cache[self._cache_rows[index]]
             ids, mask = item["input_ids"], item["loss_mask"]
             states = {layer: item[state_key(layer)] for layer in {-1, *self.layers}}
             if "target_argmax" in item:

@@ -23,19 +23,17 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from tqdm.auto import tqdm
 
 from draftsmith.core import target as targets
 from draftsmith.core.io import atomic_write_json, check_output_file, record_rewritten_file
 from draftsmith.data.features import CACHE_FORMAT, FeatureCache, target_features
-from draftsmith.data.prepared import PreparedDataset
+from draftsmith.data.prepared import PreparedDataset, training_order
 from draftsmith.drafters.base import TreeOptions
 from draftsmith.drafters.io import check_drafter_target, read_drafter_config
 from draftsmith.drafters.medusa import MedusaHeads, MedusaTreeError, calibrated_paths, expected_accept_length
 from draftsmith.drafters.registry import FAMILIES, get_family
-from draftsmith.train.loader import EVAL_SPLIT_SEED
 
 TREE_FORMAT = "draftsmith.medusa_tree/1"
 
@@ -52,8 +50,7 @@ def held_out_indices(n_samples: int, count: int) -> list[int]:
     """The samples the trainer holds out with ``data.eval_samples=count`` (``TrainData``'s split)."""
     if not 0 < count < n_samples:
         raise MedusaTreeError(f"--samples must be between 1 and {n_samples - 1} (the data holds {n_samples} samples)")
-    split = np.random.default_rng(EVAL_SPLIT_SEED).permutation(n_samples)
-    return sorted(int(i) for i in split[n_samples - count :])
+    return training_order(n_samples, count)[0]
 
 
 def iter_samples(
@@ -67,8 +64,9 @@ def iter_samples(
     if is_cache:
         cache = FeatureCache(data_dir)
         cache.check_target(target.identity)
+        rows = cache.rows(len(cache))
         for index in held_out_indices(len(cache), count):
-            item = cache[index]
+            item = cache[rows[index]]
             ids = item["input_ids"]
             yield ids, item["loss_mask"], item["feature"].float() if cached_features else _features(target, ids)
         return

@@ -360,15 +360,16 @@ def test_a_cache_in_a_runs_order_serves_it_before_it_is_finished(tmp_path, tiny_
     trainer = Trainer(load_train_recipe(recipe, subset))
     for index in trainer.data.eval_indices + trainer.data.train_indices:
         assert torch.equal(trainer.data.sample(index)[0], dataset[index].input_ids)  # each sample its own features
-    with pytest.raises(FeatureCacheError, match=r"lacks the features of \d+ of the 16 samples .*--eval-samples 2`"):
+    with pytest.raises(FeatureCacheError, match=r"lacks the features of \d+ of the 16 samples .*--eval-samples 2` and"):
         Trainer(load_train_recipe(recipe, ["data.eval_samples=2"]))
+    with pytest.raises(FeatureCacheError, match="in the order of data.eval_samples=2: train with that"):
+        Trainer(load_train_recipe(recipe, ["data.eval_samples=3", "data.train_samples=3"]))
     with pytest.raises(FeatureCacheError, match="another sample order"):
         build_feature_cache(dataset, target, cache, CacheSettings(dtype="fp32", shard_tokens=60))
     whole, held = cache_features(eval_samples=2)  # extends the same cache to every sample
     assert whole["complete"] and held == len(dataset) and whole["shards"][0] == partial["shards"][0]
-    assert json.loads((train(load_train_recipe(recipe, subset)).output_dir / "run_info.json").read_text())[
-        "features"
-    ] == "offline"
+    run = train(load_train_recipe(recipe, subset)).output_dir
+    assert json.loads((run / "run_info.json").read_text())["features"] == "offline"
 
 
 def test_export_writes_a_self_describing_drafter(tmp_path, recipe_path, capsys):

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from draftsmith.core.target import TargetIdentity
-from draftsmith.data.features import FeatureCache, FeatureCacheError, _dataset_fingerprint
+from draftsmith.data.features import CONSECUTIVE, FeatureCache, FeatureCacheError, _dataset_fingerprint
 from draftsmith.data.prepared import PreparedDataError, PreparedDataset, sample_digest, training_order
 from draftsmith.train.batch import TrainBatch
 
@@ -134,15 +134,24 @@ class TrainData:
 
     def _check_cached(self, needed: list[int], count: int) -> None:
         missing = sum(self._cache_rows[i] is None for i in needed)
-        if missing:
-            extend = f"--eval-samples {self.eval_samples}" + (
-                f" --train-samples {count}" if self.train_samples is not None else ""
+        if not missing:
+            return
+        command = f"draftsmith data cache-features {self.prepared.path} --out {self.cache.path}"
+        order = self.cache.manifest.get("order", CONSECUTIVE)["eval_samples"]
+        if order is None:
+            fix = "run the cache-features command that made it again to finish it"
+        elif order != self.eval_samples:
+            fix = (
+                f"it was cached in the order of data.eval_samples={order}: train with that, or finish it with "
+                f"`{command} --eval-samples {order}` and its other options"
             )
-            raise FeatureCacheError(
-                f"data.features: {self.cache.path} lacks the features of {missing:,} of the {len(needed):,} samples "
-                f"this run uses; run `draftsmith data cache-features {self.prepared.path} --out {self.cache.path} "
-                f"{extend}` (with the cache's other options) to add them"
-            )
+        else:
+            subset = f" --train-samples {count}" if self.train_samples is not None else ""
+            fix = f"add them with `{command} --eval-samples {order}{subset}` and the cache's other options"
+        raise FeatureCacheError(
+            f"data.features: {self.cache.path} lacks the features of {missing:,} of the {len(needed):,} samples "
+            f"this run uses; {fix}"
+        )
 
     @property
     def offline(self) -> bool:

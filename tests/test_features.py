@@ -236,3 +236,17 @@ def test_cli_prints_bytes_per_token_and_verifies(tmp_path, prepared, tiny_target
     assert 64 * 2 + 9 <= per_token < 64 * 2 + 44
     main(["data", "cache-features", "--out", str(out), "--verify"])
     assert "verified" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "order, message",
+    [
+        ({"train_samples": 3}, "--train-samples needs --eval-samples"),
+        ({"eval_samples": 2, "train_samples": 99}, "--train-samples 99: choose from 1 to the"),
+        ({"eval_samples": 99}, "--eval-samples 99: choose from 0 to"),
+    ],
+)
+def test_a_cache_order_that_cannot_be_met_is_refused(tmp_path, prepared, tiny_target, order, message):
+    with pytest.raises(FeatureCacheError, match=message):
+        build_feature_cache(prepared, tiny_target, tmp_path / "cache", small_shards(**order))
+    assert not (tmp_path / "cache" / "manifest.json").exists()

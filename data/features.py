@@ -304,7 +304,7 @@ def _check_resumable(manifest: dict[str, Any], fresh: dict[str, Any], out: Path)
         if key == "dataset":
             same = manifest[key]["fingerprint"] == fresh[key]["fingerprint"]
         else:
-            same = manifest.get(key, CONSECUTIVE if key == "order" else None) == fresh[key]
+            same = manifest.get(key) == fresh[key]
         if not same:
             raise FeatureCacheError(
                 f"{out} holds a feature cache for another {what}; "
@@ -313,6 +313,12 @@ def _check_resumable(manifest: dict[str, Any], fresh: dict[str, Any], out: Path)
 
 
 CONSECUTIVE = {"eval_samples": None}  # the order of caches written before the order was chosen
+
+
+def _with_defaults(manifest: dict[str, Any]) -> dict[str, Any]:
+    """A manifest as this version writes it: older caches lack ``order`` and hold the prepared order."""
+    manifest.setdefault("order", dict(CONSECUTIVE))
+    return manifest
 
 
 def is_feature_cache(path: Path) -> bool:
@@ -349,7 +355,7 @@ def build_feature_cache(
     manifest = _new_manifest(dataset, target, settings)
     manifest_path = out / MANIFEST
     if manifest_path.is_file() and not overwrite:
-        existing = json.loads(manifest_path.read_text())
+        existing = _with_defaults(json.loads(manifest_path.read_text()))
         _check_resumable(existing, manifest, out)
         manifest["shards"] = existing["shards"]
         manifest["target_argmax"] = bool(existing.get("target_argmax"))  # its shards all have it, or none
@@ -418,7 +424,7 @@ class FeatureCache:
     def __init__(self, path: Path, require_complete: bool = True) -> None:
         self.path = Path(path)
         try:
-            self.manifest = json.loads((self.path / MANIFEST).read_text())
+            self.manifest = _with_defaults(json.loads((self.path / MANIFEST).read_text()))
         except FileNotFoundError:
             raise FeatureCacheError(
                 f"{self.path} is not a feature cache (no {MANIFEST}); make one with "
@@ -447,6 +453,11 @@ class FeatureCache:
     @property
     def n_tokens(self) -> int:
         return int(sum(s["n_tokens"] for s in self.manifest["shards"]))
+
+    @property
+    def eval_order(self) -> int | None:
+        """The ``--eval-samples`` this cache was made in the order of (None: the prepared order)."""
+        return self.manifest["order"]["eval_samples"]
 
     @property
     def n_bytes(self) -> int:
@@ -486,7 +497,7 @@ class FeatureCache:
         """The row holding each of the prepared dataset's ``n_samples`` samples (by index), None where the cache
         does not (yet) hold it: a cache made with ``--eval-samples`` holds them in :func:`cache_order`."""
         rows: list[int | None] = [None] * n_samples
-        order = cache_order(n_samples, self.manifest.get("order", CONSECUTIVE)["eval_samples"])
+        order = cache_order(n_samples, self.eval_order)
         for row, index in enumerate(order[: len(self)]):
             rows[index] = row
         return rows

@@ -250,3 +250,16 @@ def test_a_cache_order_that_cannot_be_met_is_refused(tmp_path, prepared, tiny_ta
     with pytest.raises(FeatureCacheError, match=message):
         build_feature_cache(prepared, tiny_target, tmp_path / "cache", small_shards(**order))
     assert not (tmp_path / "cache" / "manifest.json").exists()
+
+
+def test_a_cache_written_before_orders_reads_and_resumes_in_the_prepared_order(tmp_path, prepared, tiny_target):
+    out = tmp_path / "cache"
+    build_feature_cache(prepared, tiny_target, out, small_shards(dtype="fp32"))
+    manifest = json.loads((out / "manifest.json").read_text())
+    del manifest["order"]
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    cache = FeatureCache(out)
+    assert cache.eval_order is None and cache.rows(len(prepared)) == list(range(len(prepared)))
+    build_feature_cache(prepared, tiny_target, out, small_shards(dtype="fp32"))  # resumes: the same order
+    with pytest.raises(FeatureCacheError, match="another sample order"):
+        build_feature_cache(prepared, tiny_target, out, small_shards(dtype="fp32", eval_samples=2))

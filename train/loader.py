@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from draftsmith.core.target import TargetIdentity
-from draftsmith.data.features import CONSECUTIVE, FeatureCache, FeatureCacheError, _dataset_fingerprint
+from draftsmith.data.features import FeatureCache, FeatureCacheError, _dataset_fingerprint
 from draftsmith.data.prepared import PreparedDataError, PreparedDataset, sample_digest, training_order
 from draftsmith.train.batch import TrainBatch
 
@@ -137,7 +137,7 @@ class TrainData:
         if not missing:
             return
         command = f"draftsmith data cache-features {self.prepared.path} --out {self.cache.path}"
-        order = self.cache.manifest.get("order", CONSECUTIVE)["eval_samples"]
+        order = self.cache.eval_order
         if order is None:
             fix = "run the cache-features command that made it again to finish it"
         elif order != self.eval_samples:

@@ -385,42 +385,17 @@ def test_trained_export_calibrates_and_decodes_losslessly(medusa_export, tiny_ta
     from draftsmith.train.cli import main
 
     root, export = medusa_export, medusa_export / "export"
-    main(
-        [
-            "medusa",
-            "calibrate",
-            str(export),
-            "--data",
-            str(root / "prepared"),
-            "--nodes",
-            "6",
-            "--samples",
-            "4",
-            "--target",
-            str(tiny_target_dir),
-            "--out",
-            str(root / "tree.json"),
-        ]
-    )
+
+    def calibrate(*out):
+        data = ["--data", str(root / "prepared"), "--nodes", "6", "--samples", "4"]
+        main(["medusa", "calibrate", str(export), *data, "--target", str(tiny_target_dir), *out])
+
+    calibrate("--out", str(root / "tree.json"))
     written = json.loads((root / "tree.json").read_text())
     assert written["format"] == "draftsmith.medusa_tree/1" and len(written["paths"]) == written["nodes"] == 6
     assert len(written["head_accuracy"]) == 3 and all(len(row) == 10 for row in written["head_accuracy"])
     assert json.loads((export / "config.json").read_text())["tree"] == "medusa-8"  # --out leaves the drafter as is
-    main(
-        [
-            "medusa",
-            "calibrate",
-            str(export),
-            "--data",
-            str(root / "prepared"),
-            "--nodes",
-            "6",
-            "--samples",
-            "4",
-            "--target",
-            str(tiny_target_dir),
-        ]
-    )
+    calibrate()
     assert "6-node tree" in capsys.readouterr().out
     config = json.loads((export / "config.json").read_text())
     assert config["tree"] == written["paths"] and config["tree_calibration"]["nodes"] == 6

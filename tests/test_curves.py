@@ -53,3 +53,23 @@ def test_runs_of_different_families_are_labelled_by_family(tmp_path, capsys):
     main(["curves", *map(str, runs), "--out", str(tmp_path / "curves")])
     table = capsys.readouterr().out
     assert "| eagle3, 40 training samples |" in table and "| dflash, 40 training samples |" in table
+
+
+def test_a_goal_says_after_how_many_tokens_each_run_reached_it(tmp_path, capsys):
+    runs = []
+    for samples, values in ((40, (1.1, 1.25, 1.24)), (80, (1.2, 1.3, 1.4))):
+        run = tmp_path / f"n{samples}"
+        run.mkdir()
+        (run / "run_info.json").write_text(json.dumps({"train_samples": samples}))
+        rows = [
+            {"step": 5 * (i + 1), "eval/sim/accept_length": v, "tokens_seen": 100 * (i + 1)}
+            for i, v in enumerate(values)
+        ]
+        (run / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+        runs.append(run)
+    main(["curves", *map(str, runs), "--out", str(tmp_path / "curves"), "--goal", "1.3"])
+    table = capsys.readouterr().out
+    assert "tokens to reach 1.3 |" in table.splitlines()[0]
+    assert table.splitlines()[2].endswith("| not reached |") and table.splitlines()[3].endswith("| 200 |")
+    written = json.loads((tmp_path / "curves" / "curves.json").read_text())
+    assert written["goal"] == 1.3 and [r["reached_goal_at"] for r in written["runs"]] == [None, 200]

@@ -35,6 +35,10 @@ class Curve:
     def best(self) -> tuple[int, float]:
         return max(self.points, key=lambda point: point[1])
 
+    def reached(self, goal: float) -> int | None:
+        """The tokens trained on at the first evaluation at or above ``goal`` (None: not reached)."""
+        return next((tokens for tokens, value in self.points if value >= goal), None)
+
 
 def read_curve(run: Path, metric: str = DEFAULT_METRIC) -> Curve:
     """``metric`` at each evaluation of the run in ``run``, against the tokens trained on by then."""
@@ -67,21 +71,26 @@ def read_curves(runs: list[Path], metric: str = DEFAULT_METRIC) -> list[Curve]:
     return curves
 
 
-def curves_markdown(curves: list[Curve], metric: str) -> str:
+def curves_markdown(curves: list[Curve], metric: str, goal: float | None = None) -> str:
+    goal_column = f" tokens to reach {goal:g} |" if goal is not None else ""
     lines = [
-        f"| run | label | evaluations | tokens at the last | last {metric} | best | tokens at the best |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        f"| run | label | evaluations | tokens at the last | last {metric} | best | tokens at the best |{goal_column}",
+        "| --- | --- | --- | --- | --- | --- | --- |" + (" --- |" if goal is not None else ""),
     ]
     for curve in curves:
         (last_tokens, last), (best_tokens, best) = curve.points[-1], curve.best()
-        lines.append(
+        row = (
             f"| `{curve.run}` | {curve.label} | {len(curve.points)} | {last_tokens:,} | {last:.3f} | {best:.3f} | "
             f"{best_tokens:,} |"
         )
+        if goal is not None:
+            reached = curve.reached(goal)
+            row += f" {reached:,} |" if reached is not None else " not reached |"
+        lines.append(row)
     return "\n".join(lines) + "\n"
 
 
-def curves_png(curves: list[Curve], metric: str) -> bytes:
+def curves_png(curves: list[Curve], metric: str, goal: float | None = None) -> bytes:
     import io
 
     import matplotlib
@@ -93,6 +102,8 @@ def curves_png(curves: list[Curve], metric: str) -> bytes:
     for curve in curves:
         tokens, values = zip(*curve.points)
         axis.plot([t / 1e6 for t in tokens], values, marker="o", markersize=3, label=curve.label)
+    if goal is not None:
+        axis.axhline(goal, color="grey", linestyle="--", linewidth=1, label=f"goal {goal:g}")
     axis.set_xlabel("tokens trained on (millions)")
     axis.set_ylabel(f"held-out {metric.removeprefix('eval/')}")
     axis.grid(alpha=0.3)
@@ -108,22 +119,29 @@ def is_curves_output(path: Path) -> bool:
     return (Path(path) / CURVES_FILES[0]).is_file()
 
 
-def write_curves(runs: list[Path], out: Path, metric: str = DEFAULT_METRIC, overwrite: bool = False) -> list[Curve]:
-    """curves.json, curves.md and curves.png in ``out``, all or none."""
+def write_curves(
+    runs: list[Path], out: Path, metric: str = DEFAULT_METRIC, overwrite: bool = False, goal: float | None = None
+) -> list[Curve]:
+    """curves.json, curves.md and curves.png in ``out``, all or none; with ``goal``, where each run reached it."""
     curves = read_curves([Path(run) for run in runs], metric)
     keep = tuple(("a run it plots", Path(run)) for run in runs)
     rules = OutputRules("curves written by `draftsmith curves`", is_curves_output, keep, writes=CURVES_FILES)
     with atomic_directory(Path(out), overwrite, rules) as staging:
         records: list[dict[str, Any]] = [{"run": c.run, "label": c.label, "points": c.points} for c in curves]
-        atomic_write_json(staging / CURVES_FILES[0], {"metric": metric, "runs": records})
-        atomic_write_bytes(staging / CURVES_FILES[1], curves_markdown(curves, metric).encode())
-        atomic_write_bytes(staging / CURVES_FILES[2], curves_png(curves, metric))
+        summary: dict[str, Any] = {"metric": metric, "runs": records}
+        if goal is not None:
+            summary["goal"] = goal
+            for record, curve in zip(records, curves, strict=True):
+                record["reached_goal_at"] = curve.reached(goal)
+        atomic_write_json(staging / CURVES_FILES[0], summary)
+        atomic_write_bytes(staging / CURVES_FILES[1], curves_markdown(curves, metric, goal).encode())
+        atomic_write_bytes(staging / CURVES_FILES[2], curves_png(curves, metric, goal))
     return curves
 
 
 def cmd_curves(args: argparse.Namespace) -> None:
-    curves = write_curves([Path(run) for run in args.runs], Path(args.out), args.metric, args.overwrite)
-    print(curves_markdown(curves, args.metric), end="")
+    curves = write_curves([Path(run) for run in args.runs], Path(args.out), args.metric, args.overwrite, args.goal)
+    print(curves_markdown(curves, args.metric, args.goal), end="")
     print(f"wrote {args.out}/{CURVES_FILES[2]}")
 
 
@@ -139,5 +157,12 @@ def add_curves_command(subparsers: Any) -> None:
     p.add_argument("runs", nargs="+", help="training runs' output_dir")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--metric", default=DEFAULT_METRIC, help=f"the logged held-out figure (default {DEFAULT_METRIC})")
+    p.add_argument(
+        "--goal",
+        type=float,
+        default=None,
+        help="a value of the metric to aim at: drawn as a dashed line, and each run's table row says after how many "
+        "tokens it first reached it (or that it did not)",
+    )
     p.add_argument("--overwrite", action="store_true", help="replace curves an earlier `draftsmith curves` wrote")
     p.set_defaults(func=cmd_curves, output_args=("out",))

@@ -7,6 +7,7 @@ import os
 import random
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -198,6 +199,29 @@ def test_one_pack_serves_every_row_count_and_the_models_own_forwards(kernel):
             assert all(linear.active_pack(rows) is not None for rows in (1, 2, 7, 300))
             torch.testing.assert_close(linear(x), torch.nn.functional.linear(x, linear.weight), rtol=1e-5, atol=1e-5)
         assert linear.active_pack(1) is None
+
+
+@ONE_PACK
+def test_packing_inside_a_timed_build_counts_once_in_the_setup_time(kernel):
+    """The screened head's timing forwards pack the linears inside a timed build, and the gemm's
+    ``pack_seconds`` holds that packing already: counted twice, a first generation's setup outgrew its
+    wall clock and ``draftsmith generate`` printed negative tokens/s."""
+    model = fresh_model(seed=9)
+    kernels = KernelContext(model, KernelOptions(linear=one_pack_kernel(kernel)))
+
+    def build_that_packs():
+        with torch.no_grad(), kernels.gemm.model_forwards():
+            model(torch.tensor([[5, 6, 7]]))
+
+    start = time.perf_counter()
+    kernels._timed(build_that_packs)
+    wall = time.perf_counter() - start
+    assert kernels.gemm.pack_seconds > 0 and kernels.setup_seconds <= wall
+    backends = Backends(KernelOptions(linear=one_pack_kernel(kernel)))
+    start = time.perf_counter()
+    result = generate(model, [5, 6, 7], None, max_new_tokens=4, eos_token_ids=[TINY_EOS], backends=backends)
+    wall = time.perf_counter() - start
+    assert 0 < result.seconds and result.seconds + result.pack_seconds + result.compile_seconds <= wall
 
 
 @ONE_PACK

@@ -273,7 +273,9 @@ class Backends:
         self.options = options or KernelOptions()
         self._compile_backend = compile_backend
         self._kernels: dict[int, KernelContext] = {}  # by id(model); the context holds the model alive
-        self._drafter_gemms: dict[int, PackedGemm] = {}  # by id(drafter module); the packs hold it alive
+        # by id(drafter module), held beside its packs: a drafter's own modules may be a wrapper made for it
+        # (model and head), whose id a later drafter's wrapper could reuse once it is collected
+        self._drafter_gemms: dict[int, tuple[nn.Module, PackedGemm]] = {}
         self._compiled: CompiledTarget | None = None
         self._drafter_layer: NativeDrafterLayer | None = None
 
@@ -296,8 +298,9 @@ class Backends:
             return None
         if id(module) not in self._drafter_gemms:
             options = self.options
-            self._drafter_gemms[id(module)] = PackedGemm(module, kernel, options.weight_codes, options.drafter_codes)
-        return self._drafter_gemms[id(module)]
+            gemm = PackedGemm(module, kernel, options.weight_codes, options.drafter_codes)
+            self._drafter_gemms[id(module)] = (module, gemm)
+        return self._drafter_gemms[id(module)][1]
 
     def drafting_kernels(self, drafter: Drafter) -> PackedGemm | None:
         """Give ``drafter`` the kernels it drafts with in decoding: the C++ layer forward, and its linears'

@@ -19,6 +19,8 @@ from draftsmith.core.tree import DraftTree
 from draftsmith.core.verify import SamplingConfig
 from draftsmith.drafters.base import TreeOptions
 from draftsmith.drafters.streaming import StreamingConfig, StreamingModel
+from draftsmith.inference.backends import Backends
+from draftsmith.inference.kernels.options import KernelOptions
 from draftsmith.inference.kernels.packed_gemm import rounded_to_four_bit_blocks
 from draftsmith.inference.measure.bench import hf_greedy as bench_hf_greedy
 from draftsmith.train.batch import TrainBatch
@@ -113,6 +115,16 @@ def fused_batch(target, vocab: int, layers: Sequence[int], **kwargs) -> TrainBat
     batch = self_distilled_batch(target, vocab, **kwargs)
     batch.hidden_states, batch.drafter_states = online_features(target, batch, tuple(layers))
     return batch
+
+
+def row_invariant_backends() -> Backends:
+    """Backends whose linears (the target's and the drafter's) all run the stream kernel, whose rows are
+    bitwise row-invariant on every CPU by construction. ``tune`` counts a tree's acceptance from plain
+    steps and one-row drafter catch-ups, while decoding verifies and catches up several rows at a time:
+    the two agree bit for bit only where a row rounds the same among others. ``--linear auto`` times its
+    choice per machine and may take oneDNN, row-invariant on some CPUs only; there a tiny random model's
+    near-tied drafts can flip between the two."""
+    return Backends(KernelOptions(linear="stream"))
 
 
 def train_from_target(family_name: str, target, batch: TrainBatch, steps: int, **options):
@@ -460,8 +472,10 @@ def catch_up_split_and_whole(model, target, context, monkeypatch, mlp: torch.nn.
 
 def assert_same_drafter_state(split, whole, positions: int) -> None:
     """Both drafters hold ``positions`` cached keys and values and the same root, up to float rounding."""
-    for a, b in ((split._cache.layers[0].keys, whole._cache.layers[0].keys),
-                 (split._cache.layers[0].values, whole._cache.layers[0].values)):
+    for a, b in (
+        (split._cache.layers[0].keys, whole._cache.layers[0].keys),
+        (split._cache.layers[0].values, whole._cache.layers[0].values),
+    ):
         assert a.shape[-2] == positions
         torch.testing.assert_close(a, b)
     torch.testing.assert_close(split._root_top[0], whole._root_top[0])  # the root's top log-probabilities

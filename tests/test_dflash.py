@@ -18,6 +18,7 @@ from helpers import (
     fused_batch,
     hf_greedy,
     random_prompts,
+    row_invariant_backends,
     serve,
     train_from_target,
 )
@@ -253,11 +254,12 @@ def test_tune_fits_a_dflash_tree_that_generate_uses(tiny_target_dir, tmp_path):
     base = tune_base(export, tiny)
     prompt = random_prompts(1, seed=0, vocab=vocab)[0]
     shapes = [Shape(1, 1, 1), Shape(3, 1, 3), Shape(2, 2, 4)]
-    record = record_counted_prompt(tiny, base, prompt, 16, shapes)
+    backends, eos = row_invariant_backends(), tiny.eos_token_ids
+    record = record_counted_prompt(tiny, base, prompt, 16, shapes, backends)
     for shape in shapes:
         drafter = base.model.runtime_drafter(tiny.model, shape.options())
-        real = generate(tiny.model, prompt, drafter, max_new_tokens=16, eos_token_ids=tiny.eos_token_ids)
-        assert simulate_rounds(record, shape, 16, set(tiny.eos_token_ids)) == real.accept_lengths, shape
+        real = generate(tiny.model, prompt, drafter, max_new_tokens=16, eos_token_ids=eos, backends=backends)
+        assert simulate_rounds(record, shape, 16, set(eos)) == real.accept_lengths, shape
     argv = ["tune", str(export), "--target", str(tiny_target_dir), "--limit", "1", "--max-new-tokens", "8"]
     main([*argv, "--top-k", "1,2", "--total-tokens", "1,2,4"])
     entry = read_tuned_trees(export)[DeviceKey.current(tiny.model).text()]

@@ -494,6 +494,27 @@ def test_a_drafters_packs_hold_its_weights_rounded_to_4bit_blocks():
             assert torch.equal(product, exact)
 
 
+def test_packs_taken_over_by_a_later_gemm_are_taken_back_when_used_again():
+    """Two drafters over one model (tune's record and decoding) each pack its linears; the first, used
+    again after the second took them over, multiplies through its own packs again (its rounded codes),
+    not through the default kernel."""
+    one_pack_kernel("stream")
+    layer = torch.nn.Linear(64, 48, bias=False)
+    rows = torch.randn(3, 64, generator=torch.Generator().manual_seed(1))
+    first = PackedGemm(layer, "stream", round_to_codes=True)
+    first.padded_rows(1)
+    with torch.no_grad(), first.rows():
+        before = layer(rows)
+    second = PackedGemm(layer, "stream", round_to_codes=True)
+    second.padded_rows(1)
+    with torch.no_grad(), first.rows():
+        again = layer(rows)
+    assert torch.equal(again, before) and not torch.equal(before, layer(rows).detach())
+    assert first.pack_forms() == {ROUNDED_FORM: 1}
+    with torch.no_grad(), second.rows():
+        assert torch.equal(layer(rows), before)
+
+
 def test_a_target_dequantised_from_4bit_blocks_decodes_the_same_from_its_codes():
     """The tiny Llama with Q4_1-rounded linears (as the embedded GGUF target's): its stream packs hold
     codes, ``bench`` names them, and plain and speculative decoding equal the reference on the same packs,

@@ -36,7 +36,15 @@ from draftsmith.inference.methods.tuned_trees import (
 from draftsmith.inference.runtime import generate
 from draftsmith.train.cli import main
 from draftsmith.train.losses import family_loss, medusa2_loss, medusa_loss
-from helpers import fit, fused_batch, hf_greedy, random_prompts, self_distilled_batch, train_from_target
+from helpers import (
+    fit,
+    fused_batch,
+    hf_greedy,
+    random_prompts,
+    row_invariant_backends,
+    self_distilled_batch,
+    train_from_target,
+)
 
 
 @pytest.fixture(scope="module")
@@ -71,12 +79,12 @@ def test_acceptance_read_from_the_record_equals_decoding_with_each_smaller_tree(
     drafters = {k: runtime_drafter_for_tune(trained_export, tiny, max_depth, k) for k in (1, 2, 3)}
     eos = tiny.eos_token_ids
     shapes = [Shape(4, 3, 12), Shape(2, 3, 4), Shape(3, 2, 3), Shape(4, 1, 4), Shape(1, 3, 2), Shape(3, 3, 1)]
-    drafted = 0
+    drafted, backends = 0, row_invariant_backends()
     for prompt in random_prompts(4, seed=0, vocab=int(tiny.model.config.vocab_size)):
-        record = record_prompt(tiny, drafters, prompt, max_new, max_depth)
+        record = record_prompt(tiny, drafters, prompt, max_new, max_depth, backends)
         for shape in shapes:
             drafter = drafters[1].model.runtime_drafter(tiny.model, shape.options())
-            real = generate(tiny.model, prompt, drafter, max_new_tokens=max_new, eos_token_ids=eos)
+            real = generate(tiny.model, prompt, drafter, max_new_tokens=max_new, eos_token_ids=eos, backends=backends)
             assert simulate_rounds(record, shape, max_new, set(eos)) == real.accept_lengths, shape
             drafted += sum(n - 1 for n in real.accept_lengths)
         assert simulate_rounds(record, None, max_new, set(eos)) == [1] * (max_new - 1)
@@ -92,8 +100,9 @@ def test_acceptance_and_rows_with_a_grafted_lookup_chain_equal_decoding_with_it(
     eos = tiny.eos_token_ids
     shapes = [Shape(3, 2, 4, lookup=4), Shape(2, 1, 2, lookup=2), Shape(1, 2, 1, lookup=1), Shape(2, 2, 3)]
     chain_wins = grafted = 0
+    backends = row_invariant_backends()
     for prompt in random_prompts(4, seed=3, vocab=int(tiny.model.config.vocab_size)):
-        record = record_prompt(tiny, drafters, prompt, max_new, max_depth, lookup=4)
+        record = record_prompt(tiny, drafters, prompt, max_new, max_depth, backends, lookup=4)
         for shape in shapes:
             drafter = drafters[1].model.runtime_drafter(tiny.model, shape.options())
             if shape.lookup:
@@ -101,7 +110,7 @@ def test_acceptance_and_rows_with_a_grafted_lookup_chain_equal_decoding_with_it(
             rows = []
             propose = drafter.propose
             drafter.propose = lambda context: rows.append(1 + len(tree := propose(context))) or tree
-            real = generate(tiny.model, prompt, drafter, max_new_tokens=max_new, eos_token_ids=eos)
+            real = generate(tiny.model, prompt, drafter, max_new_tokens=max_new, eos_token_ids=eos, backends=backends)
             assert simulate_rounds(record, shape, max_new, set(eos)) == real.accept_lengths, shape
             assert round_rows(record, shape, real.accept_lengths) == rows, shape
             plain = Shape(shape.depth, shape.top_k, shape.total_tokens)
@@ -231,11 +240,12 @@ def assert_counted_rounds_are_real_rounds(tiny, export, shapes: list[Shape]) -> 
     """Each tree's accepted lengths as tune counts them equal decoding with that tree."""
     base = tune_base(export, tiny)
     eos, max_new, drafted = tiny.eos_token_ids, 24, 0
+    backends = row_invariant_backends()
     for prompt in random_prompts(4, seed=0, vocab=int(tiny.model.config.vocab_size)):
-        record = record_counted_prompt(tiny, base, prompt, max_new, shapes)
+        record = record_counted_prompt(tiny, base, prompt, max_new, shapes, backends)
         for shape in shapes:
             drafter = base.model.runtime_drafter(tiny.model, shape.options())
-            real = generate(tiny.model, prompt, drafter, max_new_tokens=max_new, eos_token_ids=eos)
+            real = generate(tiny.model, prompt, drafter, max_new_tokens=max_new, eos_token_ids=eos, backends=backends)
             assert simulate_rounds(record, shape, max_new, set(eos)) == real.accept_lengths, shape
             drafted += sum(n - 1 for n in real.accept_lengths)
     assert drafted > 10  # draft tokens were accepted, so the comparison says something
@@ -337,12 +347,13 @@ def test_medusa2_acceptance_is_recorded_on_the_model_it_serves(tiny_target_dir, 
     assert served.model is base.served_model() and served.model is not target.model
     shapes = [Shape(3, 1, 3, medusa=True), Shape(3, 2, 4, medusa=True)]
     eos, max_new, drafted, differs = target.eos_token_ids, 24, 0, 0
+    backends = row_invariant_backends()
     for prompt in random_prompts(6, seed=3, vocab=int(target.model.config.vocab_size)):
-        record = record_counted_prompt(served, base, prompt, max_new, shapes)
+        record = record_counted_prompt(served, base, prompt, max_new, shapes, backends)
         differs += hf_greedy(served.model, prompt, max_new) != hf_greedy(target.model, prompt, max_new)
         for shape in shapes:
             drafter = load_drafter(medusa2_export, target, tree=shape.options())
-            real = generate(target.model, prompt, drafter, max_new_tokens=max_new, eos_token_ids=eos)
+            real = generate(target.model, prompt, drafter, max_new_tokens=max_new, eos_token_ids=eos, backends=backends)
             assert real.tokens == hf_greedy(drafter.served_model(), prompt, max_new)[: len(real.tokens)]
             assert simulate_rounds(record, shape, max_new, set(eos)) == real.accept_lengths, shape
             drafted += sum(n - 1 for n in real.accept_lengths)

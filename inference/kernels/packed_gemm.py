@@ -193,7 +193,10 @@ class PackedGemm:
     """The packs of one target model for ``kernel`` (``stream``, ``onednn`` or ``mkl``, see the module docstring),
     held by its kernel context (:mod:`kernels.context`). It turns the model's ``nn.Linear`` modules into
     :class:`PackedLinear`, which behave exactly as before outside :meth:`rows`' context; a later
-    ``PackedGemm`` of the same model takes them over, with no packs yet."""
+    ``PackedGemm`` of the same modules takes them over, with no packs yet, and this one takes them back
+    (packing them again) when it is used next (:meth:`_reclaim`)."""
+
+    takeovers = 0  # linears taken from another PackedGemm so far, process-wide: a gemm rescans when it changes
 
     def __init__(self, model: nn.Module, kernel: str = "mkl", codes: bool = True, round_to_codes: bool = False) -> None:
         """``codes``: stream packs hold 4- or 8-bit codes where they rebuild every weight of a projection.
@@ -215,9 +218,12 @@ class PackedGemm:
         self._linears: list[PackedLinear] = []
         for module in model.modules():
             if type(module) in (nn.Linear, PackedLinear):
+                PackedGemm.takeovers += type(module) is PackedLinear
                 module.__class__ = PackedLinear
                 module._packs, module._owner = {}, self
                 self._linears.append(module)
+        self._made: set[int] = set()  # the pack keys made so far, made again for linears taken back
+        self._takeovers_seen = PackedGemm.takeovers
         self._bytes_per_bucket = sum(m.weight.numel() * m.weight.element_size() for m in self._linears)
         self._refused: set[int] = set()
         self.pack_seconds = 0.0  # time spent packing so far: callers keep it out of speed figures
@@ -242,6 +248,7 @@ class PackedGemm:
         one-pack kernel's pack serves as it is, without looking at every weight again."""
         if not self._linears:
             return rows
+        self._reclaim()
         if self.kernel in ONE_PACK_KERNELS:
             if not (checked and ANY_ROWS in self._linears[0]._packs):
                 self._drop_stale_packs()
@@ -337,11 +344,30 @@ class PackedGemm:
     @contextmanager
     def rows(self) -> Iterator[None]:
         """Within this context, linears whose input row count has a pack use it."""
+        self._reclaim()
         self.active = True
         try:
             yield
         finally:
             self.active = False
+
+    def _reclaim(self) -> None:
+        """Take back the linears a later ``PackedGemm`` of the same modules took over (a second runtime
+        drafter over one model, another ``Backends`` over one target) and make again the packs this one
+        had made: otherwise they would multiply through the default kernel inside :meth:`rows`, which
+        differs from the packs' products by rounding (by much more where a drafter's packs hold rounded
+        codes), and ``tune`` would count drafts that decoding does not propose."""
+        if self._takeovers_seen == PackedGemm.takeovers:
+            return
+        taken = [module for module in self._linears if module._owner is not self]
+        for module in taken:
+            module._packs, module._owner = {}, self
+        if taken:
+            PackedGemm.takeovers += 1
+            self.generation += 1
+            for key in sorted(self._made):
+                self._ensure(key)
+        self._takeovers_seen = PackedGemm.takeovers
 
     def _ensure(self, bucket: int) -> bool:
         missing = [module for module in self._linears if bucket not in module._packs]
@@ -358,6 +384,7 @@ class PackedGemm:
                 (self._rounded.add if rounded else self._rounded.discard)(id(module))
         self.generation += 1
         self.pack_seconds += time.perf_counter() - start
+        self._made.add(bucket)
         return True
 
     def _same_columns(self, stacked: torch.Tensor, packs: tuple[torch.Tensor, ...], width: int) -> bool:

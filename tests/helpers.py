@@ -123,7 +123,9 @@ def row_invariant_backends() -> Backends:
     steps and one-row drafter catch-ups, while decoding verifies and catches up several rows at a time:
     the two agree bit for bit only where a row rounds the same among others. ``--linear auto`` times its
     choice per machine and may take oneDNN, row-invariant on some CPUs only; there a tiny random model's
-    near-tied drafts can flip between the two."""
+    near-tied drafts can flip between the two. The drafter's stream packs hold its weights rounded to 4-bit
+    codes (``drafter_codes``), so a draft that bypassed them (the default kernel) differs loudly, not by a
+    near-tie: tests sharing one of these between tune's record and decoding see it."""
     return Backends(KernelOptions(linear="stream"))
 
 

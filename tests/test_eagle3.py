@@ -27,9 +27,8 @@ from draftsmith.train.losses import (
     walked_tau,
 )
 from draftsmith.train.recipe_loader import RecipeError
+from helpers import assert_same_drafter_state, catch_up_split_and_whole, hf_greedy, padded, serve, train_from_target
 from helpers import fused_batch as _fused_batch
-from helpers import assert_same_drafter_state, catch_up_split_and_whole, hf_greedy, padded, serve
-from helpers import train_from_target
 from helpers import random_prompts as _random_prompts
 
 VOCAB = 97

@@ -166,8 +166,8 @@ def test_the_native_layers_follow_replaced_and_updated_weights():
 
 def test_generation_with_the_native_layers_equals_plain_decoding():
     model = tiny_llama(VOCAB, seed=2)
-    for native in (True, False):
-        backends = Backends(KernelOptions(native=native))
+    for use_native in (True, False):
+        backends = Backends(KernelOptions(native=use_native))
         with backends.reference_forwards(model):
             reference = hf_greedy(model, PROMPT, 24)
         for drafter in (None, PromptLookupDrafter(num_draft=4)):

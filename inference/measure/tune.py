@@ -59,8 +59,8 @@ from draftsmith.drafters.io import read_drafter_config
 from draftsmith.drafters.medusa import DYNAMIC, MedusaTreeDrafter
 from draftsmith.drafters.registry import TreeSearch, get_family
 from draftsmith.inference.backends import Backends
-from draftsmith.inference.kernels.packed_gemm import CODE_FORMS, PackedGemm
 from draftsmith.inference.context import check_fits_context
+from draftsmith.inference.kernels.packed_gemm import CODE_FORMS, PackedGemm
 from draftsmith.inference.measure.bench import read_questions
 from draftsmith.inference.measure.bench_tree import run_tree_bench
 from draftsmith.inference.methods.learned import load_drafter

@@ -293,11 +293,11 @@ class Backends:
         module = drafter.own_modules()
         if module is None:
             return None
-        kernel = linear_kernel_for(module, self.options.linear, self.options.native)
+        options = self.options
+        kernel = linear_kernel_for(module, options.linear, options.native, options.weight_codes, options.drafter_codes)
         if kernel not in ONE_PACK_KERNELS:
             return None
         if id(module) not in self._drafter_gemms:
-            options = self.options
             gemm = PackedGemm(module, kernel, options.weight_codes, options.drafter_codes)
             self._drafter_gemms[id(module)] = (module, gemm)
         return self._drafter_gemms[id(module)][1]

@@ -603,13 +603,14 @@ def test_auto_times_the_one_pack_kernels_once_per_machine_and_remembers(monkeypa
     (keyed by CPU, torch release, threads and the model's shapes) instead of timing again."""
     from draftsmith.inference.kernels import linear_choice
 
+    one_pack_kernel("stream")  # the key says what its packs hold
     model = fresh_model(seed=10)
     monkeypatch.setattr(linear_choice, "choices_path", lambda: tmp_path / "choices.json")
     monkeypatch.setattr(packed_gemm, "linear_kernel_available", lambda kernel, native=True: True)
     timed = []
     speeds = {"stream": 2.0, "onednn": 1.0}
     monkeypatch.setattr(
-        linear_choice, "_seconds", lambda weights, kernels: [timed.append(k) or speeds[k] for k in kernels]
+        linear_choice, "_seconds", lambda weights, kernels, **packing: [timed.append(k) or speeds[k] for k in kernels]
     )
     assert packed_gemm.linear_kernel_for(model, "auto") == "onednn"
     assert sorted(timed) == ["onednn", "stream"] and "using onednn" in capsys.readouterr().err
@@ -621,12 +622,42 @@ def test_auto_times_the_one_pack_kernels_once_per_machine_and_remembers(monkeypa
     assert len(timed) == 4
 
 
+def test_auto_times_again_where_the_stream_packs_hold_another_form(monkeypatch, tmp_path):
+    """The same shapes with weights that are exact 4-bit codes (read in a fraction of float32's time) are
+    timed on their own, not given the answer timed on float32 weights (a merged LoRA copy or a fine-tune
+    of the target timed first had made every later run of the target take oneDNN); the packs timed are
+    those decoding makes, so ``weight_codes=False`` gets the float32 answer."""
+    from draftsmith.inference.kernels import linear_choice
+
+    one_pack_kernel("stream")
+    one_pack_kernel("onednn")
+    monkeypatch.setattr(linear_choice, "choices_path", lambda: tmp_path / "choices.json")
+    timed = []
+
+    def seconds(weights, kernels, codes, round_to_codes):
+        coded = packed_gemm.stream_pack_made(weights[0], codes)[0].dtype in packed_gemm.CODE_DTYPES
+        timed.append(coded)
+        return [1.0 if (kernel == "stream") == coded else 2.0 for kernel in kernels]
+
+    monkeypatch.setattr(linear_choice, "_seconds", seconds)
+    floats = fresh_model(seed=15)
+    coded = fresh_model(seed=15)
+    with torch.no_grad():
+        for module in coded.modules():
+            if isinstance(module, torch.nn.Linear) and module.weight.shape[1] % 32 == 0:
+                module.weight.copy_(rounded_to_four_bit_blocks(module.weight))
+    assert packed_gemm.linear_kernel_for(floats, "auto") == "onednn" and timed == [False]
+    assert packed_gemm.linear_kernel_for(coded, "auto") == "stream" and timed == [False, True]
+    assert packed_gemm.linear_kernel_for(coded, "auto") == "stream" and len(timed) == 2  # remembered
+    assert KernelContext(coded, KernelOptions(weight_codes=False)).linear == "onednn"
+
+
 def test_auto_without_a_choice_takes_what_serves(monkeypatch, tmp_path):
     from draftsmith.inference.kernels import linear_choice
 
     model = fresh_model(seed=11)
     monkeypatch.setattr(linear_choice, "choices_path", lambda: tmp_path / "choices.json")
-    monkeypatch.setattr(linear_choice, "_seconds", lambda weights, kernels: pytest.fail("nothing to choose between"))
+    monkeypatch.setattr(linear_choice, "_seconds", lambda *timed, **packing: pytest.fail("nothing to choose between"))
     monkeypatch.setattr(packed_gemm, "linear_kernel_available", lambda kernel, native=True: kernel != "stream")
     assert packed_gemm.linear_kernel_for(model, "auto") == "onednn"
     monkeypatch.setattr(packed_gemm, "linear_kernel_available", lambda kernel, native=True: kernel == "default")

@@ -44,7 +44,8 @@ class KernelContext:
 
     def __init__(self, model: nn.Module, options: KernelOptions) -> None:
         self.model, self.options = model, options
-        self.linear = linear_kernel_for(model, options.linear, options.native)  # what the options ask, where it serves
+        # what the options ask, where it serves
+        self.linear = linear_kernel_for(model, options.linear, options.native, options.weight_codes)
         self.gemm = PackedGemm(model, self.linear, options.weight_codes) if self.linear != "default" else None
         self.rows_attention = rows_attention_available(model, options.native)  # attention.py
         self._direct: DirectForward | None = None

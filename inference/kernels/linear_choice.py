@@ -5,8 +5,10 @@ hand-over row count the same way).
 Which of the two reads the weights faster depends on the CPU (its vendor, vector width, caches and
 memory) more than on the model, so the first run on a machine times both on the model's own weight
 shapes and keeps the answer in a small JSON file beside the C++ build (torch's extensions folder,
-one per torch release), keyed by the CPU's name, torch's release, the thread count, the shapes and the
-C++ kernels' source (a changed kernel is timed again). One kernel serves every row count: choosing per
+one per torch release), keyed by the CPU's name, torch's release, the thread count, the shapes, what the
+stream packs hold (4-bit codes read in a fraction of float32's time: the same shapes in float32, a
+fine-tuned copy or a merged LoRA, may well time the other way) and the C++ kernels' source (a changed
+kernel is timed again). One kernel serves every row count: choosing per
 row count would make a tree's rows round differently from the plain steps they stand for, and
 verification would no longer compute what plain decoding does.
 """
@@ -33,23 +35,46 @@ T = TypeVar("T")
 CHOICES_FILE = "linear_kernel_choices.json"
 TIMED_ROWS = (1, 4)  # a plain decoding step and a small tree, weighted alike
 TIMED_BYTES = 96 << 20  # weights cycled through per timing: past the last-level cache, as in a forward
+# A stream pack's outputs come in blocks of 16 (native.cpp's kStreamBlock): a weight's first 16 rows take
+# the form its whole pack takes, unless only some of its rows are codes (a weight not met in practice).
+SAMPLED_ROWS = 16
 
 
-def chosen_kernel(model: nn.Module, candidates: tuple[str, ...]) -> str:
+def chosen_kernel(
+    model: nn.Module, candidates: tuple[str, ...], codes: bool = True, round_to_codes: bool = False
+) -> str:
     """The fastest of ``candidates`` (one-pack kernels that serve ``model``) on this machine: remembered
-    where timed before, else timed now on ``model``'s linears (a second or two) and remembered."""
+    where timed before, else timed now on ``model``'s linears (a second or two) and remembered. The
+    stream packs timed are those ``PackedGemm(model, "stream", codes, round_to_codes)`` makes."""
     shapes = sorted({tuple(module.weight.shape) for module in model.modules() if isinstance(module, nn.Linear)})
     digest = hashlib.sha256(json.dumps(shapes).encode()).hexdigest()[:16]
+    weights = _timed_weights(model)
+    packing = {"codes": codes, "round_to_codes": round_to_codes and codes}
 
     def fastest() -> str:
-        seconds = dict(zip(candidates, _seconds(_timed_weights(model), candidates), strict=True))
+        seconds = dict(zip(candidates, _seconds(weights, candidates, **packing), strict=True))
         best = min(seconds, key=seconds.__getitem__)
         timings = ", ".join(f"{kernel} {1e3 * value:.1f} ms" for kernel, value in seconds.items())
         where = choices_path()
         print(f"[kernels] linears: timed {timings} on this CPU; using {best} (remembered in {where})", file=sys.stderr)
         return best
 
-    return remembered(model, f"linears | {'/'.join(candidates)} | shapes {digest}", fastest, candidates.__contains__)
+    what = f"linears | {'/'.join(candidates)} | shapes {digest} | stream packs {_stream_forms(weights, **packing)}"
+    return remembered(model, what, fastest, candidates.__contains__)
+
+
+def _stream_forms(weights: list[torch.Tensor], codes: bool, round_to_codes: bool) -> str:
+    """What the stream packs of ``weights`` hold, by form (``"exact 4-bit codes 210, float32 2"``), judged
+    from each weight's first :data:`SAMPLED_ROWS` rows: packing them all would cost seconds."""
+    from draftsmith.inference.kernels.packed_gemm import pack_form, stream_pack_made  # it imports this module
+
+    forms: dict[str, int] = {}
+    for weight in weights:
+        blocks = weight.shape[0] % SAMPLED_ROWS == 0  # else no code layout takes the whole weight
+        sample = weight[:SAMPLED_ROWS]
+        form = pack_form(*stream_pack_made(sample, codes and blocks, round_to_codes and blocks))
+        forms[form] = forms.get(form, 0) + 1
+    return ", ".join(f"{form} {count}" for form, count in sorted(forms.items()))
 
 
 def remembered(model: nn.Module, what: str, measure: Callable[[], T], valid: Callable[[Any], bool]) -> T:
@@ -94,12 +119,16 @@ def _timed_weights(model: nn.Module) -> list[torch.Tensor]:
     return weights
 
 
-def _seconds(weights: list[torch.Tensor], kernels: tuple[str, ...]) -> list[float]:
-    """Median seconds of every product of ``weights`` through each of ``kernels``' packs, summed over
-    :data:`TIMED_ROWS`; the kernels take turns, so a load that comes and goes weighs on each alike."""
-    from draftsmith.inference.kernels.packed_gemm import one_pack, one_pack_product  # it imports this module
+def _seconds(weights: list[torch.Tensor], kernels: tuple[str, ...], codes: bool, round_to_codes: bool) -> list[float]:
+    """Median seconds of every product of ``weights`` through each of ``kernels``' packs (the stream ones
+    with ``codes`` and ``round_to_codes``), summed over :data:`TIMED_ROWS`; the kernels take turns, so a
+    load that comes and goes weighs on each alike."""
+    from draftsmith.inference.kernels.packed_gemm import one_pack, one_pack_product, stream_pack_made
 
-    packs = {kernel: [one_pack(kernel, weight) for weight in weights] for kernel in kernels}
+    def pack(kernel: str, weight: torch.Tensor) -> torch.Tensor:
+        return stream_pack_made(weight, codes, round_to_codes)[0] if kernel == "stream" else one_pack(kernel, weight)
+
+    packs = {kernel: [pack(kernel, weight) for weight in weights] for kernel in kernels}
     totals = [0.0] * len(kernels)
     with torch.no_grad():
         for rows in TIMED_ROWS:

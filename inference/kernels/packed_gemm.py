@@ -72,6 +72,25 @@ def one_pack(kernel: str, weight: torch.Tensor, codes: bool = True) -> torch.Ten
     return torch.ops.mkldnn._reorder_linear_weight(weight)  # no row hint: the pack is row-invariant
 
 
+def stream_pack_made(
+    weight: torch.Tensor, codes: bool = True, round_to_codes: bool = False
+) -> tuple[torch.Tensor, bool]:
+    """The stream kernel's pack of ``weight`` as :class:`PackedGemm` makes it, and whether it holds the
+    weights rounded: with ``round_to_codes`` (a drafter's packs), the 4-bit codes of its weights rounded to
+    blocks where they are no such codes themselves and the code layout takes their shape."""
+    pack = one_pack("stream", weight, codes)
+    if round_to_codes and pack.dtype not in CODE_DTYPES and weight.shape[1] % 32 == 0:
+        rounded = one_pack("stream", rounded_to_four_bit_blocks(weight), codes=True)
+        if rounded.dtype in CODE_DTYPES:  # else (a height the code layout does not take) the exact pack
+            return rounded, True
+    return pack, False
+
+
+def pack_form(pack: torch.Tensor, rounded: bool) -> str:
+    """What a one-pack kernel's pack holds (:data:`PACK_FORMS`, :data:`ROUNDED_FORM`)."""
+    return ROUNDED_FORM if rounded else PACK_FORMS.get(pack.dtype, "a library's layout")
+
+
 def rounded_to_four_bit_blocks(weight: torch.Tensor) -> torch.Tensor:
     """``weight`` (out, in; in a multiple of 32) rounded as GGUF's Q4_1 rounds it, in float32: per 32 inputs
     of an output, the nearest of 16 evenly spaced values from the least to the greatest, the step and the
@@ -104,11 +123,14 @@ def linear_kernel_available(kernel: str, native: bool = True) -> bool:
     return kernel == "default"
 
 
-def linear_kernel_for(model: nn.Module, asked: str, native: bool = True) -> str:
+def linear_kernel_for(
+    model: nn.Module, asked: str, native: bool = True, codes: bool = True, round_to_codes: bool = False
+) -> str:
     """The kernel ``model``'s linears run with when ``asked`` is wanted: a prepacked one needs float32
     weights on the CPU and a build that has it (``stream`` also ``native``); otherwise the next one in
     :data:`LINEAR_KERNELS`. ``auto``: the faster one-pack kernel on this machine where both serve
-    (:mod:`linear_choice`)."""
+    (:mod:`linear_choice`), timed with the stream packs :class:`PackedGemm` would make (``codes``,
+    ``round_to_codes``)."""
     if asked not in LINEAR_KERNELS:
         raise ValueError(f"unknown linear kernel {asked!r}; choose one of {', '.join(LINEAR_KERNELS)}")
     parameter = next(model.parameters(), None)
@@ -118,7 +140,7 @@ def linear_kernel_for(model: nn.Module, asked: str, native: bool = True) -> str:
     served = [kernel for kernel in candidates if kernel != "auto" and linear_kernel_available(kernel, native)]
     one_pack_kernels = tuple(kernel for kernel in served if kernel in ONE_PACK_KERNELS)
     if asked == "auto" and len(one_pack_kernels) > 1:
-        return chosen_kernel(model, one_pack_kernels)
+        return chosen_kernel(model, one_pack_kernels, codes, round_to_codes)
     return served[0]
 
 
@@ -399,20 +421,17 @@ class PackedGemm:
         for module in self._linears:
             pack = module._packs.get(self.pack_key(1))
             if pack is not None:
-                form = ROUNDED_FORM if id(module) in self._rounded else PACK_FORMS.get(pack.dtype, "a library's layout")
+                form = pack_form(pack, id(module) in self._rounded)
                 forms[form] = forms.get(form, 0) + 1
         return forms
 
     def _pack(self, weight: torch.Tensor, bucket: int, may_round: bool = True) -> tuple[torch.Tensor, bool]:
         """The pack of ``weight`` and whether it holds the weights rounded (:attr:`round_to_codes`)."""
-        if self.kernel not in ONE_PACK_KERNELS:
-            return torch.ops.mkl._mkl_reorder_linear_weight(weight, bucket), False
-        pack = one_pack(self.kernel, weight, self.codes)
-        if may_round and self.round_to_codes and pack.dtype not in CODE_DTYPES and weight.shape[1] % 32 == 0:
-            rounded = one_pack(self.kernel, rounded_to_four_bit_blocks(weight), codes=True)
-            if rounded.dtype in CODE_DTYPES:  # else (a height the code layout does not take) the exact pack
-                return rounded, True
-        return pack, False
+        if self.kernel == "stream":
+            return stream_pack_made(weight, self.codes, may_round and self.round_to_codes)
+        if self.kernel == "onednn":
+            return one_pack(self.kernel, weight), False
+        return torch.ops.mkl._mkl_reorder_linear_weight(weight, bucket), False
 
 
 def _available_bytes() -> int:

@@ -29,7 +29,13 @@ from draftsmith.core.drafting import DraftContext, Drafter, LayerKernel, committ
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.tree import DraftTree, TreeGrowth, causal_mask, causal_mask_after, grow_tree
 from draftsmith.drafters.base import DrafterConfig, DrafterModel, DraftVocabMixin, FrozenTarget, TreeOptions
-from draftsmith.drafters.engine_layouts import EngineExport, EngineLayoutError, Verifier, llama_layer_config, llama_layers
+from draftsmith.drafters.engine_layouts import (
+    EngineExport,
+    EngineLayoutError,
+    Verifier,
+    llama_layer_config,
+    llama_layers,
+)
 from draftsmith.drafters.vocab import DraftHead, modules_with_head
 
 # Target config keys the drafter's layer copies: the shape of one decoder layer and its positions.

@@ -33,7 +33,6 @@ from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRMSNor
 from draftsmith.core.drafting import DraftingStep, LayerKernel
 from draftsmith.core.tree import causal_mask
 from draftsmith.drafters.base import DrafterModel, FrozenTarget, TreeOptions
-from draftsmith.drafters.io import load_weights_into
 from draftsmith.drafters.eagle import (
     DrafterMLP,
     DrafterOutput,
@@ -57,6 +56,7 @@ from draftsmith.drafters.engine_layouts import (
     llama_layer_config,
     speculators_block,
 )
+from draftsmith.drafters.io import load_weights_into
 from draftsmith.drafters.vocab import draft_vocab_maps, most_frequent_tokens
 
 

@@ -8,9 +8,9 @@ shapes and keeps the answer in a small JSON file beside the C++ build (torch's e
 one per torch release), keyed by the CPU's name, torch's release, the thread count, the shapes, what the
 stream packs hold (4-bit codes read in a fraction of float32's time: the same shapes in float32, a
 fine-tuned copy or a merged LoRA, may well time the other way) and the C++ kernels' source (a changed
-kernel is timed again). One kernel serves every row count: choosing per
-row count would make a tree's rows round differently from the plain steps they stand for, and
-verification would no longer compute what plain decoding does.
+kernel is timed again). One kernel serves every row count: choosing per row count would make a tree's
+rows round differently from the plain steps they stand for, and verification would no longer compute
+what plain decoding does.
 """
 
 from __future__ import annotations

@@ -262,13 +262,13 @@ def _kernel_parent(compile: bool) -> argparse.ArgumentParser:
         "--linear",
         choices=LINEAR_KERNELS,
         default="auto",
-        help="the target's linears in the runtime's forwards (float32 on CPU): auto = the faster of stream "
-        "and onednn on this CPU (default; timed once per machine and model shapes, then remembered beside the "
-        "C++ build), stream = the runtime's C++ kernel, which reads each weight once for all rows of a forward "
-        "(x86-64 with AVX2 and FMA; one extra copy of the weights), onednn = oneDNN's prepacked linear for "
-        "every forward (one extra copy), mkl = MKL's packed GEMM for tree verifications padded to row buckets "
-        "(a copy per bucket used), default = PyTorch's matrix multiply; where one is missing from this PyTorch "
-        "build, the next serves",
+        help="the target's linears in the runtime's forwards (float32 on CPU): auto = the faster of stream and "
+        "onednn on this CPU (default; timed once per machine, model shapes and weight forms, then remembered "
+        "beside the C++ build), stream = the runtime's C++ kernel, which reads each weight once for all rows "
+        "of a forward (x86-64 with AVX2 and FMA; one extra copy of the weights), onednn = oneDNN's prepacked "
+        "linear for every forward (one extra copy), mkl = MKL's packed GEMM for tree verifications padded to "
+        "row buckets (a copy per bucket used), default = PyTorch's matrix multiply; where one is missing from "
+        "this PyTorch build, the next serves",
     )
     switches = {
         "--no-greedy-head": "in greedy verification, compute the target's full logits instead of its argmax through "

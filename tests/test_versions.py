@@ -49,3 +49,34 @@ def test_an_untested_transformers_gets_one_line_naming_the_range(module):
 
 def test_the_tested_releases_import_without_a_word():
     assert import_quietly("draftsmith.train.trainer") == []  # no warning of ours, nor a deprecation from our calls
+
+
+def above_caps_script():
+    """CI's report pass (``.ci/above_caps.py``), imported as a module."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("above_caps", REPO / ".ci" / "above_caps.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize(
+    ("declared", "uncapped"),
+    [
+        ("transformers>=5.23,<5.26", "transformers>=5.23"),
+        ("peft>=0.21.2,<=0.21.9", "peft>=0.21.2"),
+        ("wandb~=0.31.0", "wandb"),
+        ("pytest>=9.2,<10; python_version >= '3.11'", 'pytest>=9.2; python_version >= "3.11"'),
+    ],
+)
+def test_the_report_pass_drops_upper_bounds_and_keeps_lower_ones(declared, uncapped):
+    assert above_caps_script().without_upper_bound(Requirement(declared)) == uncapped
+
+
+def test_the_report_pass_holds_torch_at_the_lock_and_lifts_every_other_bound():
+    script = above_caps_script()
+    requirements = script.uncapped_requirements()
+    assert script.locked_release("torch") in requirements
+    lifted = [Requirement(line) for line in requirements if not line.startswith("torch==")]
+    assert lifted and all(s.operator in (">=", ">") for r in lifted for s in r.specifier)

@@ -1403,18 +1403,15 @@ at::Tensor stream_pack(const at::Tensor& weight, bool narrow, bool codes) {
   return pack;
 }
 
-// Whether a kernel (`what`: stream_linear, int8_screen, screen_contenders, proven_argmax, attend) runs its
-// AVX-512 code: `isa` "auto" (where the CPU has AVX-512F, unless DRAFTSMITH_MAX_CPU_ISA=avx2 is set, as
-// oneDNN's ONEDNN_MAX_CPU_ISA), "avx2" or "avx512". The choice is speed only: the stream kernel's floats
-// are the same either way, the screen's sums are of the same exact products (its bound holds in any
-// order), the contender search and the attention compute the same floats, and the proof's float64 sums
-// are of the same exact products (its bound holds in any order too).
-bool wide_vectors(const std::string& isa, const char* what) {
-  TORCH_CHECK(isa == "auto" || isa == "avx2" || isa == "avx512", what, ": isa 'auto', 'avx2' or 'avx512', not '",
-              isa, "'");
+// The instruction set "auto" takes in every kernel (set_isa): kNoChoice until the runtime has timed the paths
+// on this CPU (linear_choice.py) or been told one (DRAFTSMITH_ISA, a test), then kAvx2 or kAvx512.
+constexpr int kNoChoice = -1, kAvx2 = 0, kAvx512 = 1;
+std::atomic<int> chosen_isa{kNoChoice};
+
+// Whether this CPU runs the AVX-512 kernels and DRAFTSMITH_MAX_CPU_ISA (read once, as oneDNN's
+// ONEDNN_MAX_CPU_ISA) does not cap them at AVX2.
+bool avx512_allowed() {
 #ifdef DRAFTSMITH_X86
-  const bool has = __builtin_cpu_supports("avx512f");
-  TORCH_CHECK(has || isa != "avx512", what, ": this CPU has no AVX-512F");
   static const bool capped = [] {
     const std::string cap = std::getenv("DRAFTSMITH_MAX_CPU_ISA") ? std::getenv("DRAFTSMITH_MAX_CPU_ISA") : "";
     if (!cap.empty() && cap != "avx2" && cap != "avx512")
@@ -1422,10 +1419,56 @@ bool wide_vectors(const std::string& isa, const char* what) {
                  "where this CPU has it)");
     return cap == "avx2";
   }();
-  return isa == "avx512" || (isa == "auto" && has && !capped);
+  return __builtin_cpu_supports("avx512f") && !capped;
 #else
   return false;
 #endif
+}
+
+// Whether a kernel (`what`: stream_linear, int8_screen, screen_contenders, proven_argmax, attend) runs its
+// AVX-512 code: `isa` "auto" (the path set_isa chose, else AVX-512 where avx512_allowed()), "avx2" or
+// "avx512". The choice is speed only: the stream kernel's floats are the same either way, the screen's sums
+// are of the same exact products (its bound holds in any order), the contender search and the attention
+// compute the same floats, and the proof's float64 sums are of the same exact products (its bound holds in
+// any order too).
+bool wide_vectors(const std::string& isa, const char* what) {
+  TORCH_CHECK(isa == "auto" || isa == "avx2" || isa == "avx512", what, ": isa 'auto', 'avx2' or 'avx512', not '",
+              isa, "'");
+#ifdef DRAFTSMITH_X86
+  TORCH_CHECK(__builtin_cpu_supports("avx512f") || isa != "avx512", what, ": this CPU has no AVX-512F");
+  if (isa != "auto") return isa == "avx512";
+  const int chosen = chosen_isa.load(std::memory_order_relaxed);
+  return chosen == kNoChoice ? avx512_allowed() : chosen == kAvx512;
+#else
+  return false;
+#endif
+}
+
+// The instruction sets whose kernels run here, narrowest first: what set_isa takes.
+std::vector<std::string> isas_available() {
+  if (!simd_supported()) return {};
+  if (!avx512_allowed()) return {"avx2"};
+  return {"avx2", "avx512"};
+}
+
+// The path "auto" takes from now on in every kernel, process-wide ("auto": no choice, AVX-512 where allowed).
+void set_isa(const std::string& isa) {
+  if (isa == "auto") {
+    chosen_isa = kNoChoice;
+    return;
+  }
+  const std::vector<std::string> paths = isas_available();
+  std::string runs;
+  for (const std::string& path : paths) runs += (runs.empty() ? "" : ", ") + path;
+  TORCH_CHECK(std::find(paths.begin(), paths.end(), isa) != paths.end(), "set_isa: '", isa,
+              "' does not run on this CPU (it runs: ", runs.empty() ? "none" : runs, ")");
+  chosen_isa = isa == "avx512" ? kAvx512 : kAvx2;
+}
+
+// The path "auto" takes now: "avx2" or "avx512" ("none" off x86-64 or without AVX2 and FMA).
+std::string isa_in_use() {
+  if (!simd_supported()) return "none";
+  return wide_vectors("auto", "isa_in_use") ? "avx512" : "avx2";
 }
 
 // rows (..., I) float32 times the weight packed in `pack` (O, I), bias-free: (..., O). Only where
@@ -2123,6 +2166,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("weight"), py::arg("contenders"), py::arg("gamma32"), py::arg("gamma64"), py::arg("safety"),
         py::arg("isa") = "auto");
   m.def("simd_supported", &simd_supported, "Whether int8_screen and stream_linear run on this CPU");
+  m.def("isas_available", &isas_available, "The instruction sets whose kernels run on this CPU, narrowest first");
+  m.def("set_isa", &set_isa, "The instruction set every kernel's isa='auto' takes from now on", py::arg("isa"));
+  m.def("isa_in_use", &isa_in_use, "The instruction set isa='auto' takes now");
   m.def("huge_page_empty", &huge_page_empty, "An uninitialised tensor in memory backed by huge pages where the OS gives them",
         py::arg("shape"), py::arg("dtype") = at::kFloat);
   m.def("stream_pack", &stream_pack, "A float32 weight in the stream kernel's layout (4-bit codes or bfloat16 where exact)",

@@ -20,6 +20,7 @@ from __future__ import annotations
 import random
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -85,16 +86,16 @@ class _VerificationForward:
         self.generator = generator
 
     @torch.no_grad()
-    def seconds(self, tree: DraftTree) -> float:
+    def seconds(self, tree: DraftTree, clock: Callable[[], float] = time.perf_counter) -> float:
         if self.kernels.gemm is not None:
             self.kernels.gemm.padded_rows(1 + len(tree))  # packing a new bucket is not part of a forward's cost
         tokens = torch.randint(0, self.vocab, (len(tree) + 1,), generator=self.generator).tolist()
         tree = DraftTree(torch.tensor(tokens[1:]), tree.parents)
-        start = time.perf_counter()
+        start = clock()
         self.backend.verify(self.cache, tokens[0], tree, self.prefix, False)
         if self.device.type == "cuda":
             torch.cuda.synchronize()
-        elapsed = time.perf_counter() - start
+        elapsed = clock() - start
         keep_positions(self.cache.kv, torch.arange(self.prefix))  # back to the prefix, untimed
         return elapsed
 
@@ -199,9 +200,7 @@ def component_profile(
     least: dict[int, dict[str, float]] = {size: {} for size in sizes}
     for _ in range(repeats):
         for size in sizes:
-            before = time.thread_time()
-            forward.seconds(trees[size])
-            _keep_least(least[size], "forward", time.thread_time() - before)
+            _keep_least(least[size], "forward", forward.seconds(trees[size], time.thread_time))
             for name, run in parts[size].items():
                 before = time.thread_time()
                 run()
@@ -237,7 +236,8 @@ def _parts(forward: _VerificationForward, rows: int) -> dict[str, Any]:
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     keys = forward.prefix + rows
     query = torch.randn(1, heads, rows, head_dim, generator=generator)
-    cached = torch.randn(2, 1, kv_heads, keys, head_dim, generator=generator)
+    # every layer its own keys and values, as the cache holds them: read from memory, not from the caches
+    cached = torch.randn(len(model.model.layers), 2, 1, kv_heads, keys, head_dim, generator=generator)
     mask = torch.ones(1, 1, rows, keys, dtype=torch.bool)
     mask[0, 0, :, forward.prefix :] = torch.ones(rows, rows, dtype=torch.bool).tril()
     scaling = head_dim**-0.5
@@ -249,8 +249,8 @@ def _parts(forward: _VerificationForward, rows: int) -> dict[str, Any]:
             extension.stream_linear(x, pack)
 
     def attend() -> None:
-        for _ in model.model.layers:
-            extension.attend(query, cached[0], cached[1], mask, scaling, False)
+        for layer in cached:
+            extension.attend(query, layer[0], layer[1], mask, scaling, False)
 
     return {"linears": linears, "attention": attend, "greedy head": lambda: head(states, extension)}
 

@@ -27,6 +27,31 @@ def test_bench_tree_writes_json_and_markdown(tmp_path, tiny_target_dir, capsys):
     floor = results["floor"]
     assert floor["read_gb_per_s"] > 0 and floor["floor_ms"] > 0 and "no step can take less than" in table
     assert results["linear"]["kernel"] in ("stream", "onednn", "mkl", "default")
+    if results["linear"]["kernel"] == "stream":  # the instruction-set path that ran is named
+        path = {"avx2": "AVX2", "avx512": "AVX-512"}[results["linear"]["isa"]]
+        assert f"C++ stream kernel ({path} path)" in table
+
+
+def test_the_component_profile_times_each_part_of_a_forward(tiny_target_dir):
+    """Linears, attention and greedy head alone, and the whole forward, in one thread's CPU time; the table
+    shows what the forward takes beyond its parts."""
+    from draftsmith.core.target import load_target
+    from draftsmith.inference.kernels.packed_gemm import linear_kernel_available
+    from draftsmith.inference.measure.bench_tree import component_markdown, component_profile
+
+    if not linear_kernel_available("stream"):
+        pytest.skip("the stream kernel does not run here")
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        spent = component_profile(load_target(str(tiny_target_dir)), [1, 4], prefix=20, repeats=2)
+    finally:
+        torch.set_num_threads(threads)
+    assert list(spent) == [1, 4]
+    for parts in spent.values():
+        assert set(parts) == {"forward", "linears", "attention", "greedy head"} and all(ms > 0 for ms in parts.values())
+    table = component_markdown(spent)
+    assert "| linears |" in table and "| whole forward |" in table and "| 1 rows | 4 rows |" in table
 
 
 def test_profile_names_the_kernels_that_take_each_sizes_time(tmp_path, tiny_target_dir, capsys):

@@ -221,6 +221,8 @@ def test_an_entry_without_its_kernels_is_stale(tiny, trained_export, tmp_path, c
     assert "stream linears (weight codes, the drafter's rounded)" in fitted_tree(export, key).note
     write_tuned_tree(export, key, {**entry, "kernels": codes})
     assert "stream linears (weight codes))" in fitted_tree(export, key).note
+    write_tuned_tree(export, key, {**entry, "kernels": {**codes, "isa": "avx2"}})  # the path tune timed
+    assert "stream linears (AVX2 path) (weight codes))" in fitted_tree(export, key).note
 
 
 @pytest.fixture(scope="module")

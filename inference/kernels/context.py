@@ -174,6 +174,8 @@ class KernelContext:
         if gemm is None:
             return {"kernel": "default"}
         record: dict[str, Any] = {"kernel": gemm.kernel, "pack_seconds": round(gemm.pack_seconds, 1)}
+        if gemm.kernel == "stream":
+            record["isa"] = native_extension().isa_in_use()
         if gemm.kernel in ONE_PACK_KERNELS:
             invariant = {"row_invariant": gemm.row_invariant(), "full_head_from": self.full_head_from}
             return {**record, **invariant, "pack_forms": gemm.pack_forms()}

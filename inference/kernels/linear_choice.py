@@ -11,12 +11,18 @@ fine-tuned copy or a merged LoRA, may well time the other way) and the C++ kerne
 kernel is timed again). One kernel serves every row count: choosing per row count would make a tree's
 rows round differently from the plain steps they stand for, and verification would no longer compute
 what plain decoding does.
+
+The stream kernel's instruction set (AVX2, or AVX-512 where the CPU has it) is chosen the same way, once per
+process and remembered per CPU model (:func:`choose_isa`): every path computes the same floats, so the choice
+is speed alone, and it holds for every C++ kernel (attention and the screened head too). ``DRAFTSMITH_ISA``
+(``avx2`` or ``avx512``) forces a path instead, as tests do to check each path a machine runs.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import statistics
 import sys
 import time
@@ -29,7 +35,7 @@ from torch import nn
 
 from draftsmith.core.devices import device_name
 from draftsmith.core.io import atomic_write_json
-from draftsmith.inference.kernels.native import build_directory, source_digest
+from draftsmith.inference.kernels.native import build_directory, native_extension, source_digest
 
 T = TypeVar("T")
 CHOICES_FILE = "linear_kernel_choices.json"
@@ -38,6 +44,56 @@ TIMED_BYTES = 96 << 20  # weights cycled through per timing: past the last-level
 # A stream pack's outputs come in blocks of 16 (native.cpp's kStreamBlock): a weight's first 16 rows take
 # the form its whole pack takes, unless only some of its rows are codes (a weight not met in practice).
 SAMPLED_ROWS = 16
+FORCED_ISA = "DRAFTSMITH_ISA"  # the environment variable that forces the C++ kernels' instruction set
+
+
+def choose_isa(model: nn.Module, codes: bool = True, round_to_codes: bool = False) -> str | None:
+    """The C++ kernels' instruction set for this process (None: they do not run on this CPU), set in the
+    extension on the first call: :data:`FORCED_ISA` where set, the only one this CPU runs, or the faster of
+    the stream kernel's paths on ``model``'s linears (packed as :func:`chosen_kernel` packs them), timed
+    once per CPU model and remembered."""
+    extension = native_extension()
+    paths = tuple(extension.isas_available()) if extension is not None else ()
+    if not paths:
+        return None
+    return _isa_set_once(model, paths, codes, round_to_codes)
+
+
+def _isa_set_once(model: nn.Module, paths: tuple[str, ...], codes: bool, round_to_codes: bool) -> str:
+    if _isa_state["chosen"] is None:
+        forced = os.environ.get(FORCED_ISA, "").strip()
+        if forced and forced not in paths:
+            raise ValueError(f"{FORCED_ISA}={forced}: this CPU runs {', '.join(paths)}")
+        use_isa(forced or (paths[0] if len(paths) == 1 else _timed_isa(model, paths, codes, round_to_codes)))
+    return _isa_state["chosen"]
+
+
+def use_isa(isa: str | None) -> None:
+    """Every C++ kernel through ``isa`` (one of the extension's ``isas_available()``) from now on in this
+    process, as if :func:`choose_isa` had chosen it; None: forget the choice (the next :func:`choose_isa`
+    chooses again, the kernels take AVX-512 where the CPU has it until then)."""
+    native_extension().set_isa(isa or "auto")
+    _isa_state["chosen"] = isa
+
+
+_isa_state: dict[str, str | None] = {"chosen": None}  # one choice per process: the extension's is process-wide
+
+
+def _timed_isa(model: nn.Module, paths: tuple[str, ...], codes: bool, round_to_codes: bool) -> str:
+    shapes = sorted({tuple(module.weight.shape) for module in model.modules() if isinstance(module, nn.Linear)})
+    digest = hashlib.sha256(json.dumps(shapes).encode()).hexdigest()[:16]
+    weights = _timed_weights(model)
+    packing = {"codes": codes, "round_to_codes": round_to_codes and codes}
+
+    def fastest() -> str:
+        seconds = dict(zip(paths, _seconds(weights, ("stream",) * len(paths), isas=paths, **packing), strict=True))
+        best = min(seconds, key=seconds.__getitem__)
+        timings = ", ".join(f"{path} {1e3 * value:.1f} ms" for path, value in seconds.items())
+        print(f"[kernels] stream kernel: timed {timings} on this CPU; using {best}", file=sys.stderr)
+        return best
+
+    what = f"isa | {'/'.join(paths)} | shapes {digest} | stream packs {_stream_forms(weights, **packing)}"
+    return remembered(model, what, fastest, paths.__contains__)
 
 
 def chosen_kernel(
@@ -119,29 +175,37 @@ def _timed_weights(model: nn.Module) -> list[torch.Tensor]:
     return weights
 
 
-def _seconds(weights: list[torch.Tensor], kernels: tuple[str, ...], codes: bool, round_to_codes: bool) -> list[float]:
+def _seconds(
+    weights: list[torch.Tensor],
+    kernels: tuple[str, ...],
+    codes: bool,
+    round_to_codes: bool,
+    isas: tuple[str, ...] | None = None,
+) -> list[float]:
     """Median seconds of every product of ``weights`` through each of ``kernels``' packs (the stream ones
-    with ``codes`` and ``round_to_codes``), summed over :data:`TIMED_ROWS`; the kernels take turns, so a
-    load that comes and goes weighs on each alike."""
+    with ``codes`` and ``round_to_codes``; ``isas``: each kernel's instruction set, else the extension's
+    choice), summed over :data:`TIMED_ROWS`; the kernels take turns, so a load that comes and goes weighs on
+    each alike."""
     from draftsmith.inference.kernels.packed_gemm import one_pack, one_pack_product, stream_pack_made
 
     def pack(kernel: str, weight: torch.Tensor) -> torch.Tensor:
         return stream_pack_made(weight, codes, round_to_codes)[0] if kernel == "stream" else one_pack(kernel, weight)
 
-    packs = {kernel: [pack(kernel, weight) for weight in weights] for kernel in kernels}
+    packs = {kernel: [pack(kernel, weight) for weight in weights] for kernel in set(kernels)}
+    paths = isas or ("auto",) * len(kernels)
     totals = [0.0] * len(kernels)
     with torch.no_grad():
         for rows in TIMED_ROWS:
             inputs = {weight.shape[1]: torch.randn(rows, weight.shape[1]) for weight in weights}
 
-            def products(kernel: str) -> Callable[[], None]:
+            def products(kernel: str, isa: str) -> Callable[[], None]:
                 def run() -> None:
                     for weight, pack in zip(weights, packs[kernel], strict=True):
-                        one_pack_product(kernel, inputs[weight.shape[1]], pack)
+                        one_pack_product(kernel, inputs[weight.shape[1]], pack, isa)
 
                 return run
 
-            seconds = side_by_side_seconds([products(kernel) for kernel in kernels])
+            seconds = side_by_side_seconds([products(kernel, isa) for kernel, isa in zip(kernels, paths, strict=True)])
             totals = [total + value for total, value in zip(totals, seconds, strict=True)]
     return totals
 

@@ -623,26 +623,8 @@ AVX2 void stream_tail(const float* x, int64_t rows, const W* pack, int64_t I, in
 constexpr int64_t kCodeGroupsPerTile = 4;  // a tile's 1.5 KB of a block stay in L1 across row passes
 constexpr int64_t kCode512WideRows = 2;    // the most rows four blocks a tile take (4 x 2 sums, 8 steps, offsets)
 constexpr int64_t kCode512MaxRowsPerPass = 8;  // two blocks: 2 x 8 sums, 2 x 2 steps and offsets
-constexpr int64_t kCodeMaxRowsPerPass = 3;     // AVX2, one block: 2 x 3 sums, 2 x 2 steps and offsets
-
-// An AVX2 tile's sums of one block (two vectors) for R rows, as load_sums_512 and store_sums_512.
-template <int R>
-AVX2 inline void load_sums_256(__m256 (&low)[R], __m256 (&high)[R], bool first, const float* y, int64_t O, int64_t o) {
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) {
-    low[r] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(y + r * O + o);
-    high[r] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(y + r * O + o + 8);
-  }
-}
-
-template <int R>
-AVX2 inline void store_sums_256(const __m256 (&low)[R], const __m256 (&high)[R], float* y, int64_t O, int64_t o) {
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) {
-    _mm256_storeu_ps(y + r * O + o, low[r]);
-    _mm256_storeu_ps(y + r * O + o + 8, high[r]);
-  }
-}
+constexpr int64_t kCodeMaxRowsPerPass = 8;     // AVX2: 8 sums (one half block), a step's weights, broadcasts
+constexpr int kCodeSums256 = 8;                // AVX2: the sums a tile holds (code_half_tile)
 
 // Asks the L2 cache for line `pair` of group g of B blocks from `later` (block_bytes apart), as stream_tile
 // does: a group's lines one a pair over its first pairs, not all at its start (which stalls the loads the
@@ -705,39 +687,19 @@ struct FourBitCodes {
     store_sums_512<R, B>(acc, y, O, o);
   }
 
-  AVX2 static __m256 half_weights(__m128i codes, __m256 d, __m256 m) {
-    return _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(codes)), m);
-  }
+  // The AVX2 tiles' weights (code_half_tile): inputs 2 pair and 2 pair + 1 of outputs [8 half, 8 half + 8)
+  // of a block, from its group (d, m, then the codes), as weights_512 rebuilds them. A byte's high code needs
+  // no mask once the byte is widened to 32 bits.
+  static constexpr int kInputsPerStep = 2;
+  static constexpr int64_t kStepsPerGroup = kCodeGroup / 2;
 
-  // code_tile_512's sums with AVX2, one block a tile: a block's 16 outputs are two vectors.
-  template <int R>
-  AVX2 static void tile(const float* x, int64_t I, const uint8_t* w, int64_t block_bytes, int64_t g0, int64_t g1,
-                        const uint8_t* later, float* y, int64_t O, int64_t o) {
-    __m256 low[R], high[R];
-    load_sums_256<R>(low, high, g0 == 0, y, O, o);
-    const __m128i nibble = _mm_set1_epi8(0x0F);
-    for (int64_t g = g0; g < g1; ++g) {
-      const float* group = reinterpret_cast<const float*>(w + g * kCodeGroupBytes);
-      const __m256 d0 = _mm256_loadu_ps(group), d1 = _mm256_loadu_ps(group + 8);
-      const __m256 m0 = _mm256_loadu_ps(group + 16), m1 = _mm256_loadu_ps(group + 24);
-      const uint8_t* codes = w + g * kCodeGroupBytes + 2 * kStreamBlock * sizeof(float);
-      const float* xk = x + g * kCodeGroup;
-      for (int64_t pair = 0; pair < kCodeGroup / 2; ++pair) {
-        prefetch_group_line<1>(later, block_bytes, g, pair);
-        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + pair * kStreamBlock));
-        const __m128i codes0 = _mm_and_si128(bytes, nibble), codes1 = _mm_and_si128(_mm_srli_epi16(bytes, 4), nibble);
-        const __m256 first0 = half_weights(codes0, d0, m0), first1 = half_weights(_mm_srli_si128(codes0, 8), d1, m1);
-        const __m256 second0 = half_weights(codes1, d0, m0), second1 = half_weights(_mm_srli_si128(codes1, 8), d1, m1);
-#pragma GCC unroll 8
-        for (int r = 0; r < R; ++r) {
-          const __m256 x0 = _mm256_broadcast_ss(xk + r * I + 2 * pair);
-          const __m256 x1 = _mm256_broadcast_ss(xk + r * I + 2 * pair + 1);
-          low[r] = _mm256_fmadd_ps(second0, x1, _mm256_fmadd_ps(first0, x0, low[r]));
-          high[r] = _mm256_fmadd_ps(second1, x1, _mm256_fmadd_ps(first1, x0, high[r]));
-        }
-      }
-    }
-    store_sums_256<R>(low, high, y, O, o);
+  AVX2 static void half_step(const uint8_t* group, int64_t pair, int half, __m256 (&w)[kInputsPerStep]) {
+    const float* steps = reinterpret_cast<const float*>(group);
+    const __m256 d = _mm256_loadu_ps(steps + 8 * half), m = _mm256_loadu_ps(steps + kStreamBlock + 8 * half);
+    const uint8_t* bytes = group + 2 * kStreamBlock * sizeof(float) + pair * kStreamBlock + 8 * half;
+    const __m256i codes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes)));
+    w[0] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_and_si256(codes, _mm256_set1_epi32(0x0F))), m);
+    w[1] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_srli_epi32(codes, 4)), m);
   }
 };
 
@@ -777,32 +739,75 @@ struct ByteCodes {
     store_sums_512<R, B>(acc, y, O, o);
   }
 
-  template <int R>
-  AVX2 static void tile(const float* x, int64_t I, const uint8_t* w, int64_t block_bytes, int64_t g0, int64_t g1,
-                        const uint8_t* later, float* y, int64_t O, int64_t o) {
-    __m256 low[R], high[R];
-    load_sums_256<R>(low, high, g0 == 0, y, O, o);
-    for (int64_t g = g0; g < g1; ++g) {
-      const float* group = reinterpret_cast<const float*>(w + g * kByteGroupBytes);
-      const __m256 d0 = _mm256_loadu_ps(group), d1 = _mm256_loadu_ps(group + 8);
-      const uint8_t* codes = w + g * kByteGroupBytes + kStreamBlock * sizeof(float);
-      const float* xk = x + g * kCodeGroup;
-      for (int64_t k = 0; k < kCodeGroup; ++k) {
-        prefetch_group_line<1, kByteGroupBytes>(later, block_bytes, g, k);
-        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + k * kStreamBlock));
-        const __m256 w0 = _mm256_mul_ps(d0, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)));
-        const __m256 w1 = _mm256_mul_ps(d1, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(bytes, 8))));
-#pragma GCC unroll 8
-        for (int r = 0; r < R; ++r) {
-          const __m256 xr = _mm256_broadcast_ss(xk + r * I + k);
-          low[r] = _mm256_fmadd_ps(w0, xr, low[r]);
-          high[r] = _mm256_fmadd_ps(w1, xr, high[r]);
-        }
-      }
-    }
-    store_sums_256<R>(low, high, y, O, o);
+  // The AVX2 tiles' weights (code_half_tile): input k of outputs [8 half, 8 half + 8) of a block.
+  static constexpr int kInputsPerStep = 1;
+  static constexpr int64_t kStepsPerGroup = kCodeGroup;
+
+  AVX2 static void half_step(const uint8_t* group, int64_t k, int half, __m256 (&w)[kInputsPerStep]) {
+    const __m256 d = _mm256_loadu_ps(reinterpret_cast<const float*>(group) + 8 * half);
+    const uint8_t* bytes = group + kStreamBlock * sizeof(float) + k * kStreamBlock + 8 * half;
+    const __m128i codes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes));
+    w[0] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(codes)));
   }
 };
+
+// An AVX2 tile of a code pack: groups [g0, g1) of B neighbouring blocks for R rows, H halves of each block
+// (8 outputs, one vector) from `half0`. Each step's weights of a half are rebuilt once and multiplied into
+// every row's sums at once, so more rows cost only their multiply-adds; B x H x R sums stay within 8 of the
+// 16 registers (the rest hold a step's weights and broadcasts), and 8 independent chains of multiply-adds
+// hide their latency even for one row. Lane j's sum is output j's, input by input: the AVX-512 floats.
+template <class Format, int R, int B, int H>
+AVX2 void code_half_tile(const float* x, int64_t I, const uint8_t* w, int64_t block_bytes, int64_t g0, int64_t g1,
+                         const uint8_t* later, float* y, int64_t O, int64_t o, int half0) {
+  constexpr int n = Format::kInputsPerStep;
+  __m256 acc[B][H][R];
+#pragma GCC unroll 8
+  for (int b = 0; b < B; ++b)
+#pragma GCC unroll 8
+    for (int h = 0; h < H; ++h)
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const float* sums = y + r * O + o + b * kStreamBlock + 8 * (half0 + h);
+        acc[b][h][r] = g0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(sums);
+      }
+  for (int64_t g = g0; g < g1; ++g) {
+    const float* xk = x + g * kCodeGroup;
+    for (int64_t step = 0; step < Format::kStepsPerGroup; ++step) {
+      if (half0 == 0) prefetch_group_line<B, Format::kGroupBytes>(later, block_bytes, g, step);
+#pragma GCC unroll 8
+      for (int b = 0; b < B; ++b)
+#pragma GCC unroll 8
+        for (int h = 0; h < H; ++h) {
+          __m256 weights[n];
+          Format::half_step(w + b * block_bytes + g * Format::kGroupBytes, step, half0 + h, weights);
+#pragma GCC unroll 8
+          for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+            for (int j = 0; j < n; ++j)
+              acc[b][h][r] = _mm256_fmadd_ps(weights[j], _mm256_broadcast_ss(xk + r * I + n * step + j), acc[b][h][r]);
+        }
+    }
+  }
+#pragma GCC unroll 8
+  for (int b = 0; b < B; ++b)
+#pragma GCC unroll 8
+    for (int h = 0; h < H; ++h)
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + r * O + o + b * kStreamBlock + 8 * (half0 + h), acc[b][h][r]);
+}
+
+// code_half_tile over whole blocks: both halves together where B x 2 x R sums fit, else one half after the
+// other (the second finds the tile's codes in L1 and rebuilds the other half's weights: each weight once).
+template <class Format, int R, int B>
+AVX2 void code_tile_256(const float* x, int64_t I, const uint8_t* w, int64_t block_bytes, int64_t g0, int64_t g1,
+                        const uint8_t* later, float* y, int64_t O, int64_t o) {
+  if constexpr (B * 2 * R <= kCodeSums256) {
+    code_half_tile<Format, R, B, 2>(x, I, w, block_bytes, g0, g1, later, y, O, o, 0);
+  } else {
+    code_half_tile<Format, R, B, 1>(x, I, w, block_bytes, g0, g1, later, y, O, o, 0);
+    code_half_tile<Format, R, B, 1>(x, I, w, block_bytes, g0, g1, nullptr, y, O, o, 1);
+  }
+}
 
 template <typename Format, bool Wide, int B>
 void code_pass(int64_t rows, const float* x, int64_t I, const uint8_t* w, int64_t block_bytes, int64_t g0, int64_t g1,
@@ -812,8 +817,9 @@ void code_pass(int64_t rows, const float* x, int64_t I, const uint8_t* w, int64_
       Format::template tile_512<decltype(r)::value, B>(x, I, w, block_bytes, g0, g1, later, y, O, o);
     });
   else
-    with_rows<kCodeMaxRowsPerPass>(
-        rows, [&](auto r) { Format::template tile<decltype(r)::value>(x, I, w, block_bytes, g0, g1, later, y, O, o); });
+    with_rows<kCodeMaxRowsPerPass>(rows, [&](auto r) {
+      code_tile_256<Format, decltype(r)::value, B>(x, I, w, block_bytes, g0, g1, later, y, O, o);
+    });
 }
 
 // stream_tiles for a code pack: blocks [begin, end), B a tile (the last ones alone), kCodeGroupsPerTile
@@ -844,11 +850,16 @@ void code_tiles(const float* x, int64_t rows, int64_t max_rows, const uint8_t* p
   }
 }
 
-// AVX-512: four blocks a tile for up to kCode512WideRows rows, two for more; AVX2: one.
+// AVX-512: four blocks a tile for up to kCode512WideRows rows, two for more. AVX2: four blocks for one row, two
+// for two, one for more (code_half_tile's 8 sums).
 template <typename Format>
 void code_blocks(bool wide, const float* x, int64_t rows, const uint8_t* pack, int64_t I, int64_t O, int64_t begin,
                  int64_t end, float* y) {
-  if (!wide)
+  if (!wide && rows == 1)
+    code_tiles<Format, false, 4>(x, rows, 1, pack, I, O, begin, end, y);
+  else if (!wide && rows == 2)
+    code_tiles<Format, false, 2>(x, rows, 2, pack, I, O, begin, end, y);
+  else if (!wide)
     code_tiles<Format, false, 1>(x, rows, kCodeMaxRowsPerPass, pack, I, O, begin, end, y);
   else if (rows <= kCode512WideRows)
     code_tiles<Format, true, 4>(x, rows, kCode512WideRows, pack, I, O, begin, end, y);
@@ -1392,18 +1403,15 @@ at::Tensor stream_pack(const at::Tensor& weight, bool narrow, bool codes) {
   return pack;
 }
 
-// Whether a kernel (`what`: stream_linear, int8_screen, screen_contenders, proven_argmax, attend) runs its
-// AVX-512 code: `isa` "auto" (where the CPU has AVX-512F, unless DRAFTSMITH_MAX_CPU_ISA=avx2 is set, as
-// oneDNN's ONEDNN_MAX_CPU_ISA), "avx2" or "avx512". The choice is speed only: the stream kernel's floats
-// are the same either way, the screen's sums are of the same exact products (its bound holds in any
-// order), the contender search and the attention compute the same floats, and the proof's float64 sums
-// are of the same exact products (its bound holds in any order too).
-bool wide_vectors(const std::string& isa, const char* what) {
-  TORCH_CHECK(isa == "auto" || isa == "avx2" || isa == "avx512", what, ": isa 'auto', 'avx2' or 'avx512', not '",
-              isa, "'");
+// The instruction set "auto" takes in every kernel (set_isa): kNoChoice until the runtime has timed the paths
+// on this CPU (linear_choice.py) or been told one (DRAFTSMITH_ISA, a test), then kAvx2 or kAvx512.
+constexpr int kNoChoice = -1, kAvx2 = 0, kAvx512 = 1;
+std::atomic<int> chosen_isa{kNoChoice};
+
+// Whether this CPU runs the AVX-512 kernels and DRAFTSMITH_MAX_CPU_ISA (read once, as oneDNN's
+// ONEDNN_MAX_CPU_ISA) does not cap them at AVX2.
+bool avx512_allowed() {
 #ifdef DRAFTSMITH_X86
-  const bool has = __builtin_cpu_supports("avx512f");
-  TORCH_CHECK(has || isa != "avx512", what, ": this CPU has no AVX-512F");
   static const bool capped = [] {
     const std::string cap = std::getenv("DRAFTSMITH_MAX_CPU_ISA") ? std::getenv("DRAFTSMITH_MAX_CPU_ISA") : "";
     if (!cap.empty() && cap != "avx2" && cap != "avx512")
@@ -1411,10 +1419,56 @@ bool wide_vectors(const std::string& isa, const char* what) {
                  "where this CPU has it)");
     return cap == "avx2";
   }();
-  return isa == "avx512" || (isa == "auto" && has && !capped);
+  return __builtin_cpu_supports("avx512f") && !capped;
 #else
   return false;
 #endif
+}
+
+// Whether a kernel (`what`: stream_linear, int8_screen, screen_contenders, proven_argmax, attend) runs its
+// AVX-512 code: `isa` "auto" (the path set_isa chose, else AVX-512 where avx512_allowed()), "avx2" or
+// "avx512". The choice is speed only: the stream kernel's floats are the same either way, the screen's sums
+// are of the same exact products (its bound holds in any order), the contender search and the attention
+// compute the same floats, and the proof's float64 sums are of the same exact products (its bound holds in
+// any order too).
+bool wide_vectors(const std::string& isa, const char* what) {
+  TORCH_CHECK(isa == "auto" || isa == "avx2" || isa == "avx512", what, ": isa 'auto', 'avx2' or 'avx512', not '",
+              isa, "'");
+#ifdef DRAFTSMITH_X86
+  TORCH_CHECK(__builtin_cpu_supports("avx512f") || isa != "avx512", what, ": this CPU has no AVX-512F");
+  if (isa != "auto") return isa == "avx512";
+  const int chosen = chosen_isa.load(std::memory_order_relaxed);
+  return chosen == kNoChoice ? avx512_allowed() : chosen == kAvx512;
+#else
+  return false;
+#endif
+}
+
+// The instruction sets whose kernels run here, narrowest first: what set_isa takes.
+std::vector<std::string> isas_available() {
+  if (!simd_supported()) return {};
+  if (!avx512_allowed()) return {"avx2"};
+  return {"avx2", "avx512"};
+}
+
+// The path "auto" takes from now on in every kernel, process-wide ("auto": no choice, AVX-512 where allowed).
+void set_isa(const std::string& isa) {
+  if (isa == "auto") {
+    chosen_isa = kNoChoice;
+    return;
+  }
+  const std::vector<std::string> paths = isas_available();
+  std::string runs;
+  for (const std::string& path : paths) runs += (runs.empty() ? "" : ", ") + path;
+  TORCH_CHECK(std::find(paths.begin(), paths.end(), isa) != paths.end(), "set_isa: '", isa,
+              "' does not run on this CPU (it runs: ", runs.empty() ? "none" : runs, ")");
+  chosen_isa = isa == "avx512" ? kAvx512 : kAvx2;
+}
+
+// The path "auto" takes now: "avx2" or "avx512" ("none" off x86-64 or without AVX2 and FMA).
+std::string isa_in_use() {
+  if (!simd_supported()) return "none";
+  return wide_vectors("auto", "isa_in_use") ? "avx512" : "avx2";
 }
 
 // rows (..., I) float32 times the weight packed in `pack` (O, I), bias-free: (..., O). Only where
@@ -2112,6 +2166,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("weight"), py::arg("contenders"), py::arg("gamma32"), py::arg("gamma64"), py::arg("safety"),
         py::arg("isa") = "auto");
   m.def("simd_supported", &simd_supported, "Whether int8_screen and stream_linear run on this CPU");
+  m.def("isas_available", &isas_available, "The instruction sets whose kernels run on this CPU, narrowest first");
+  m.def("set_isa", &set_isa, "The instruction set every kernel's isa='auto' takes from now on", py::arg("isa"));
+  m.def("isa_in_use", &isa_in_use, "The instruction set isa='auto' takes now");
   m.def("huge_page_empty", &huge_page_empty, "An uninitialised tensor in memory backed by huge pages where the OS gives them",
         py::arg("shape"), py::arg("dtype") = at::kFloat);
   m.def("stream_pack", &stream_pack, "A float32 weight in the stream kernel's layout (4-bit codes or bfloat16 where exact)",

@@ -44,7 +44,7 @@ from torch import nn
 
 from draftsmith.core.weight_copies import CopySource
 from draftsmith.inference.kernels import LINEAR_KERNELS
-from draftsmith.inference.kernels.linear_choice import chosen_kernel
+from draftsmith.inference.kernels.linear_choice import choose_isa, chosen_kernel
 from draftsmith.inference.kernels.native import native_extension
 
 ROW_BUCKETS = (2, 4, 8, 16, 32)
@@ -103,10 +103,11 @@ def rounded_to_four_bit_blocks(weight: torch.Tensor) -> torch.Tensor:
     return (step.half().float() * codes + least.half().float()).reshape(weight.shape)
 
 
-def one_pack_product(kernel: str, rows: torch.Tensor, pack: torch.Tensor) -> torch.Tensor:
-    """A one-pack kernel's bias-free product of ``rows`` with a weight packed by :func:`one_pack`."""
+def one_pack_product(kernel: str, rows: torch.Tensor, pack: torch.Tensor, isa: str = "auto") -> torch.Tensor:
+    """A one-pack kernel's bias-free product of ``rows`` with a weight packed by :func:`one_pack` (the stream
+    kernel's through the instruction set ``isa``, ``auto``: the process's choice)."""
     if kernel == "stream":
-        return native_extension().stream_linear(rows, pack)
+        return native_extension().stream_linear(rows, pack, isa=isa)
     return torch.ops.mkldnn._linear_pointwise(rows, pack, None, "none", [], "")
 
 
@@ -130,7 +131,7 @@ def linear_kernel_for(
     weights on the CPU and a build that has it (``stream`` also ``native``); otherwise the next one in
     :data:`LINEAR_KERNELS`. ``auto``: the faster one-pack kernel on this machine where both serve
     (:mod:`linear_choice`), timed with the stream packs :class:`PackedGemm` would make (``codes``,
-    ``round_to_codes``)."""
+    ``round_to_codes``) through the stream kernel's instruction set, chosen first (:func:`choose_isa`)."""
     if asked not in LINEAR_KERNELS:
         raise ValueError(f"unknown linear kernel {asked!r}; choose one of {', '.join(LINEAR_KERNELS)}")
     parameter = next(model.parameters(), None)
@@ -139,6 +140,8 @@ def linear_kernel_for(
     candidates = LINEAR_KERNELS[LINEAR_KERNELS.index(asked) :]
     served = [kernel for kernel in candidates if kernel != "auto" and linear_kernel_available(kernel, native)]
     one_pack_kernels = tuple(kernel for kernel in served if kernel in ONE_PACK_KERNELS)
+    if native and linear_kernel_available("stream", native):
+        choose_isa(model, codes, round_to_codes)
     if asked == "auto" and len(one_pack_kernels) > 1:
         return chosen_kernel(model, one_pack_kernels, codes, round_to_codes)
     return served[0]

@@ -101,6 +101,7 @@ def _forward_note(results: dict[str, Any]) -> str:
 
 
 _ONE_PACK_NAMES = {"stream": "the runtime's C++ stream kernel", "onednn": "oneDNN's prepacked kernel"}
+_ISA_NAMES = {"avx2": "AVX2", "avx512": "AVX-512"}  # the stream kernel's instruction sets (linear_record's isa)
 
 
 def linear_note(linear: dict[str, Any]) -> str:
@@ -112,7 +113,9 @@ def linear_note(linear: dict[str, Any]) -> str:
         forms = linear.get("pack_forms")
         held = "; packs: " + ", ".join(f"{count} {form}" for form, count in forms.items()) if forms else ""
         packing = f", {linear['pack_seconds']} s packing, not counted"
-        return f"linears through {_ONE_PACK_NAMES[linear['kernel']]}, every forward ({invariant}{head}{held}{packing})"
+        path = f" ({_ISA_NAMES.get(linear['isa'], linear['isa'])} path)" if linear.get("isa") else ""
+        name = _ONE_PACK_NAMES[linear["kernel"]] + path
+        return f"linears through {name}, every forward ({invariant}{head}{held}{packing})"
     if linear["kernel"] == "mkl":
         packing = f", {linear['pack_seconds']} s packing, not counted"
         return f"tree forwards through MKL packed GEMM (row buckets {linear.get('buckets')}{packing})"

@@ -20,6 +20,7 @@ from __future__ import annotations
 import random
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -85,16 +86,16 @@ class _VerificationForward:
         self.generator = generator
 
     @torch.no_grad()
-    def seconds(self, tree: DraftTree) -> float:
+    def seconds(self, tree: DraftTree, clock: Callable[[], float] = time.perf_counter) -> float:
         if self.kernels.gemm is not None:
             self.kernels.gemm.padded_rows(1 + len(tree))  # packing a new bucket is not part of a forward's cost
         tokens = torch.randint(0, self.vocab, (len(tree) + 1,), generator=self.generator).tolist()
         tree = DraftTree(torch.tensor(tokens[1:]), tree.parents)
-        start = time.perf_counter()
+        start = clock()
         self.backend.verify(self.cache, tokens[0], tree, self.prefix, False)
         if self.device.type == "cuda":
             torch.cuda.synchronize()
-        elapsed = time.perf_counter() - start
+        elapsed = clock() - start
         keep_positions(self.cache.kv, torch.arange(self.prefix))  # back to the prefix, untimed
         return elapsed
 
@@ -178,6 +179,93 @@ def profile_forwards(forward: _VerificationForward, trees: dict[int, DraftTree])
             ops["(outside operators)"] = max(0.0, wall_ms - sum(ops.values()))
             rounds[size].append(ops)
     return {str(size): _median_per_operator(taken) for size, taken in rounds.items()}
+
+
+def component_profile(
+    target: Target, sizes: list[int], prefix: int, repeats: int = 30, backends: Backends | None = None
+) -> dict[int, dict[str, float]]:
+    """Milliseconds of this thread's CPU time (one torch thread: on a machine others share, the time it
+    waits for a core is left out; the least over ``repeats``, sizes in turns) of a verification forward per
+    size and of its parts run alone on inputs of its shapes: the linears (every layer's stream products, as
+    the C++ layers take them), the attention over the cached prefix, the greedy head (screen, contenders and
+    proof, on the model's own last hidden states). What the forward takes beyond its parts is the glue (norms,
+    RoPE, residuals, the cache) and the dispatch from Python. Needs the C++ kernels and the stream kernel."""
+    if torch.get_num_threads() != 1:
+        raise BenchError("component_profile times one thread's CPU time: torch.set_num_threads(1) first")
+    forward = _VerificationForward(target, prefix, 0, backends or Backends(KernelOptions(linear="stream")))
+    trees = {size: build_tree(size - 1, "random") for size in sizes}
+    for size in sizes:
+        forward.seconds(trees[size])  # makes the packs (and the stacked ones) the parts read
+    parts = {size: _parts(forward, size) for size in sizes}
+    least: dict[int, dict[str, float]] = {size: {} for size in sizes}
+    for _ in range(repeats):
+        for size in sizes:
+            _keep_least(least[size], "forward", forward.seconds(trees[size], time.thread_time))
+            for name, run in parts[size].items():
+                before = time.thread_time()
+                run()
+                _keep_least(least[size], name, time.thread_time() - before)
+    return {size: {name: 1e3 * value for name, value in taken.items()} for size, taken in least.items()}
+
+
+def _keep_least(taken: dict[str, float], name: str, seconds: float) -> None:
+    taken[name] = min(taken.get(name, seconds), seconds)
+
+
+def _parts(forward: _VerificationForward, rows: int) -> dict[str, Any]:
+    """The parts of a ``rows``-row forward that :func:`component_profile` times alone, as callables."""
+    model, kernels, extension = forward.model, forward.kernels, forward.kernels.extension()
+    gemm, head = kernels.gemm, kernels.greedy_head()
+    config = model.config
+    generator = torch.Generator().manual_seed(rows)
+    products = []
+    with gemm.rows(), torch.no_grad():  # packs serve inference only
+        for layer in model.model.layers:
+            attention, mlp = layer.self_attn, layer.mlp
+            for group in (
+                (attention.q_proj, attention.k_proj, attention.v_proj),
+                (attention.o_proj,),
+                (mlp.gate_proj, mlp.up_proj),
+                (mlp.down_proj,),
+            ):
+                stacked = gemm.fused_pack(group) if len(group) > 1 else None
+                packs = [stacked] if stacked is not None else [linear.active_pack(rows) for linear in group]
+                x = torch.randn(rows, group[0].in_features, generator=generator)
+                products += [(x, pack) for pack in packs]
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    keys = forward.prefix + rows
+    query = torch.randn(1, heads, rows, head_dim, generator=generator)
+    # every layer its own keys and values, as the cache holds them: read from memory, not from the caches
+    cached = torch.randn(len(model.model.layers), 2, 1, kv_heads, keys, head_dim, generator=generator)
+    mask = torch.ones(1, 1, rows, keys, dtype=torch.bool)
+    mask[0, 0, :, forward.prefix :] = torch.ones(rows, rows, dtype=torch.bool).tril()
+    scaling = head_dim**-0.5
+    with torch.no_grad():
+        states = kernels._sample_states(rows).contiguous()
+
+    def linears() -> None:
+        for x, pack in products:
+            extension.stream_linear(x, pack)
+
+    def attend() -> None:
+        for layer in cached:
+            extension.attend(query, layer[0], layer[1], mask, scaling, False)
+
+    return {"linears": linears, "attention": attend, "greedy head": lambda: head(states, extension)}
+
+
+def component_markdown(spent: dict[int, dict[str, float]]) -> str:
+    """:func:`component_profile` as a table, the forward's remainder past its parts as its own line."""
+    sizes = list(spent)
+    names = ["linears", "attention", "greedy head"]
+    lines = ["| part | " + " | ".join(f"{size} rows" for size in sizes) + " |", "| --- |" + " --- |" * len(sizes)]
+    for name in names:
+        lines.append(f"| {name} | " + " | ".join(f"{spent[size][name]:.2f}" for size in sizes) + " |")
+    rest = [spent[size]["forward"] - sum(spent[size][name] for name in names) for size in sizes]
+    lines.append("| norms, RoPE, glue, dispatch, Python | " + " | ".join(f"{ms:.2f}" for ms in rest) + " |")
+    lines.append("| whole forward | " + " | ".join(f"{spent[size]['forward']:.2f}" for size in sizes) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def _median_per_operator(rounds: list[dict[str, float]]) -> dict[str, float]:

@@ -733,6 +733,7 @@ def run_tune(
         "kernels": {
             **{flag: bool(bench[flag]) for flag in ("native", "greedy_head")},
             "linear": bench["linear"]["kernel"],
+            **({"isa": bench["linear"]["isa"]} if "isa" in bench["linear"] else {}),
             "weight_codes": any(form in bench["linear"].get("pack_forms", {}) for form in CODE_FORMS),
             "drafter_codes": backends.options.drafter_codes and backends.options.weight_codes,
         },

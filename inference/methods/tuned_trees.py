@@ -188,9 +188,11 @@ def kernels_text(kernels: dict[str, Any]) -> str:
     codes = ""
     if kernels.get("weight_codes"):
         codes = " (weight codes, the drafter's rounded)" if kernels.get("drafter_codes") else " (weight codes)"
-    names += [_LINEAR_NAMES[linear] + codes] if linear in _LINEAR_NAMES else []
+    path = f" ({_ISA_NAMES[kernels['isa']]} path)" if kernels.get("isa") in _ISA_NAMES else ""
+    names += [_LINEAR_NAMES[linear] + path + codes] if linear in _LINEAR_NAMES else []
     return "timed with " + (", ".join(names) if names else "the Python forward")
 
 
 _KERNEL_NAMES = {"native": "C++ decoder layers", "greedy_head": "screened head"}
 _LINEAR_NAMES = {"stream": "stream linears", "onednn": "oneDNN linears", "mkl": "packed GEMM"}
+_ISA_NAMES = {"avx2": "AVX2", "avx512": "AVX-512"}  # the stream kernel's instruction set (tune records it)

@@ -50,7 +50,8 @@ def test_resume_refuses_other_data_at_the_same_path(tmp_path, run_on_own_data, c
     replace_with_other_data(tmp_path, prepare)
     before = snapshot(run)
     line = refused(["train", recipe, "train.max_steps=4", "--resume"], capsys)
-    assert f"cannot resume {run}: data.prepared {tmp_path / 'prepared'} holds other data than the run started on" in line
+    prepared = tmp_path / "prepared"
+    assert f"cannot resume {run}: data.prepared {prepared} holds other data than the run started on" in line
     assert "tokens.safetensors" in line and "--resume-new-data" in line
     assert snapshot(run) == before and read_run_info(run)["data"] == started
 
@@ -81,7 +82,7 @@ def test_resume_on_the_same_data_moved_elsewhere_goes_on(tmp_path, run_on_own_da
     "family, override, message",
     [
         ("fspad3", "drafter.feature_sampler=maybe", "drafter.feature_sampler must be true or false, got 'maybe'"),
-        ("eagle", "drafter.partial_alignment=perhaps", "drafter.partial_alignment must be true or false, got 'perhaps'"),
+        ("eagle", "drafter.partial_alignment=perhaps", "drafter.partial_alignment must be true or false"),
         ("eagle3", "drafter.ttt_steps=100000", "drafter.ttt_steps must be from 1 to 64 (a step per draft depth)"),
         ("fspad", "drafter.draft_vocab_size=-1", "drafter.draft_vocab_size must be a whole number >= 0"),
         ("fspad", "train.warmup_steps=1000000000000", "train.warmup_steps=1000000000000 is longer than the run's 2"),
@@ -148,3 +149,51 @@ def test_an_export_config_with_inconsistent_layer_settings_is_one_line(
     }[command]
     line = refused(argv, capsys)
     assert f"{drafter}/config.json is invalid (" in line and message in line and "export it again" in line
+
+
+# ---- one output rule: quickstart, export --checkpoint, records that vouch only for what is on disk -------
+
+
+def test_quickstart_refuses_a_folder_holding_the_users_files(tmp_path, no_model_loads, capsys):
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    (folder / "thesis.tex").write_text("years of work\n")
+    before = snapshot(folder)
+    line = refused(["quickstart", "--out", folder, "--steps", "2"], capsys)
+    assert f"--out {folder} holds files that are not part of a quickstart's working directory (thesis.tex)" in line
+    assert snapshot(folder) == before and sorted(p.name for p in folder.iterdir()) == ["thesis.tex"]
+
+
+def test_quickstart_refuses_zero_steps_up_front(tmp_path, no_model_loads, capsys):
+    line = refused(["quickstart", "--out", tmp_path / "qs", "--steps", "0"], capsys)
+    assert "--steps" in line and not (tmp_path / "qs").exists()
+
+
+def test_export_checkpoint_takes_only_a_name_among_the_runs_checkpoints(runs, tmp_path, capsys):
+    other = Path(shutil.copytree(runs / "run", runs / "other"))
+    before = snapshot(other)
+    outside = "../../other/checkpoints/step-2"
+    line = refused(["export", runs / "run", "--checkpoint", outside, "--out", tmp_path / "x"], capsys)
+    assert "--checkpoint '../../other/checkpoints/step-2' is not one of the complete checkpoints of" in line
+    assert "(step-2); give one of their names" in line
+    assert not (tmp_path / "x").exists() and snapshot(other) == before
+    main(["export", str(runs / "run"), "--checkpoint", "step-2", "--out", str(tmp_path / "x")])  # a name of its own
+    assert (tmp_path / "x" / "model.safetensors").is_file()
+
+
+def test_a_forged_record_does_not_make_a_folder_the_commands(
+    tmp_path, data_dir, tiny_target_dir, no_model_loads, capsys
+):
+    """A fake manifest and a files.json listing the user's index.html with a wrong sha256 vouch for nothing."""
+    folder = tmp_path / "site"
+    folder.mkdir()
+    (folder / "manifest.json").write_text('{"format": "draftsmith.prepared/1"}')
+    (folder / "index.html").write_text("<h1>my site</h1>\n")
+    record = {"format": "draftsmith.files/1", "files": {"index.html": {"size": 17, "sha256": "0" * 64}}}
+    (folder / "files.json").write_text(json.dumps(record))
+    before = snapshot(folder)
+    argv = ["data", "prepare", data_dir / "mydata.jsonl", "--out", folder, "--target", tiny_target_dir, "--overwrite"]
+    line = refused(argv, capsys)
+    assert "holds files that are not part of a prepared dataset" in line
+    assert "index.html (not as files.json records it)" in line
+    assert snapshot(folder) == before

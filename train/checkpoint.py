@@ -76,17 +76,21 @@ def latest_checkpoint(output_dir: Path) -> Path | None:
 
 
 def find_checkpoint(output_dir: Path, name: str | None) -> Path:
-    """The named checkpoint (``step-N``) or the last complete one; a clear error when there is none."""
+    """The named checkpoint (``step-N``) or the last complete one; a clear error when there is none. The
+    name is looked up among the run's own complete checkpoints, never joined to a path: ``../../OTHER/
+    checkpoints/step-2`` would export another run's checkpoint (of another family, perhaps) as this one's."""
     if name is None:
         path = latest_checkpoint(output_dir)
         if path is None:
             raise CheckpointError(f"{output_dir} holds no complete checkpoint (no checkpoints/step-N/{MARKER})")
         return path
-    path = checkpoints_dir(output_dir) / name
-    if not (path / MARKER).is_file():
-        names = ", ".join(p.name for p in complete_checkpoints(output_dir)) or "none"
-        raise CheckpointError(f"{path} is not a complete checkpoint; complete ones: {names}")
-    return path
+    complete = {path.name: path for path in complete_checkpoints(output_dir)}
+    if name not in complete:
+        raise CheckpointError(
+            f"--checkpoint {name!r} is not one of the complete checkpoints of {output_dir} "
+            f"({', '.join(complete) or 'none'}); give one of their names"
+        )
+    return complete[name]
 
 
 def best_checkpoint(output_dir: Path) -> Path | None:

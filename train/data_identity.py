@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from draftsmith.core.io import IntegrityError, recorded_files, sha256_file
+from draftsmith.core.io import IntegrityError, first_few, recorded_files, sha256_file
 from draftsmith.train.recipe import DataSection
 
 # The feature cache's manifest keys that change while `cache-features` still adds shards to it (a run may
@@ -69,8 +69,7 @@ def data_change(started: dict[str, Any], now: dict[str, Any]) -> str | None:
         if part == "prepared":  # a prepared set that gained files is other data too
             changed += sorted(set(after["files"]) - set(before["files"]))
         if changed:
-            shown = ", ".join(changed[:3]) + (f" and {len(changed) - 3} more" if len(changed) > 3 else "")
-            return f"{option} {after['path']} holds other data than the run started on ({shown} changed)"
+            return f"{option} {after['path']} holds other data than the run started on ({first_few(changed)} changed)"
     return None
 
 

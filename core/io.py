@@ -179,23 +179,23 @@ def _names(name: str, pattern: str) -> bool:
     return name.count("/") == pattern.count("/") and fnmatch.fnmatchcase(name, pattern)
 
 
-def check_creatable_directory(dest: Path, inside: bool = False, option: str = "--out") -> None:
+def check_creatable_directory(dest: Path, inside: bool = False, option: str = "--out", fix: str = "") -> None:
     """Fail now, not after hours of work, if ``dest`` could not be written by :func:`atomic_directory`:
     its nearest existing ancestor must be a directory in which we can create (and remove) an entry.
     With ``inside`` (a directory written in place, such as a training run), an existing ``dest`` itself
-    must take new entries."""
+    must take new entries. ``fix``: what to do instead (default: choose another ``option``)."""
+    fix = fix or f"choose another {option}"
     dest = Path(dest)
     # the staging directory and the final rename happen in dest's parent
     candidates = [dest.absolute(), *dest.absolute().parents] if inside else list(dest.absolute().parents)
     ancestor = next(p for p in candidates if p.exists())
     if not ancestor.is_dir():
-        raise OutputDirectoryError(f"{option} {dest} cannot be created: {ancestor} is a file; choose another {option}")
+        raise OutputDirectoryError(f"{option} {dest} cannot be created: {ancestor} is a file; {fix}")
     try:
         os.rmdir(tempfile.mkdtemp(prefix=".draftsmith-probe-", dir=ancestor))
     except OSError as error:
-        raise OutputDirectoryError(
-            f"{option} {dest} cannot be written ({error.strerror} in {ancestor}); choose another {option}"
-        ) from None
+        problem = f"{error.strerror} in {ancestor}"
+        raise OutputDirectoryError(f"{option} {dest} cannot be written ({problem}); {fix}") from None
 
 
 def jsonl_lines(text: str) -> list[str]:
@@ -256,6 +256,12 @@ class OutputWriteError(DraftsmithError, OSError):
     """A write that failed for lack of room or a read-only disk; what was there before is intact."""
 
 
+def disk_fix(reason: str) -> str:
+    """What frees a write the disk refused for ``reason`` (:func:`disk_failure`): room on a full disk or
+    quota, write access on a read-only one (where freeing space would not help)."""
+    return "make it writable" if reason == os.strerror(errno.EROFS) or "Read-only" in reason else "free space"
+
+
 def disk_failure(error: BaseException) -> str | None:
     """Why ``error`` says the disk refused a write (e.g. "No space left on device"), or None."""
     if isinstance(error, OSError) and error.errno in _DISK_ERRNOS:
@@ -289,7 +295,7 @@ def atomic_directory(
             raise
         kept = f"the earlier {dest} is intact" if dest.exists() else "nothing was written"
         raise OutputWriteError(
-            f"writing {dest} failed ({reason}); {kept}: free space or choose another --out, and run again"
+            f"writing {dest} failed ({reason}); {kept}: {disk_fix(reason)} or choose another --out, and run again"
         ) from None
     finally:
         shutil.rmtree(staging, ignore_errors=True)

@@ -197,3 +197,94 @@ def test_a_forged_record_does_not_make_a_folder_the_commands(
     assert "holds files that are not part of a prepared dataset" in line
     assert "index.html (not as files.json records it)" in line
     assert snapshot(folder) == before
+
+
+# ---- write checks before any model loads, in words that name the cause --------------------------------------
+
+
+def read_only(monkeypatch):
+    """A read-only file system as the write probe meets it (we run as root, so a chmod would not stop us)."""
+    import errno
+
+    def refuse(*args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr("draftsmith.core.io.tempfile.mkdtemp", refuse)
+
+
+def test_tune_on_a_read_only_export_is_refused_before_the_target_loads(
+    plain_export, tmp_path, no_model_loads, monkeypatch, capsys
+):
+    drafter = Path(shutil.copytree(plain_export, tmp_path / "drafter"))
+    before = snapshot(drafter)
+    read_only(monkeypatch)
+    line = refused(["tune", drafter, "--limit", "1"], capsys)
+    assert f"EXPORT {drafter} cannot be written (Read-only file system in {drafter})" in line
+    assert "copy the export somewhere writable" in line and "free space" not in line
+    assert snapshot(drafter) == before
+
+
+@pytest.mark.parametrize("option, value", [("--top-k", "100000"), ("--total-tokens", "1,99999")])
+def test_tune_numbers_beyond_a_trees_limits_are_one_line(plain_export, no_model_loads, capsys, option, value):
+    line = refused(["tune", plain_export, option, value], capsys)
+    assert f"{option} takes comma-separated whole numbers from 1 to" in line
+
+
+@pytest.mark.parametrize("problem", ["a-file", "read-only"])
+def test_a_target_cache_that_cannot_be_written_is_one_line(tmp_path, monkeypatch, capsys, problem):
+    cache = tmp_path / "cache"
+    if problem == "a-file":
+        cache.write_text("not a folder\n")
+    else:
+        read_only(monkeypatch)
+    monkeypatch.setenv("DRAFTSMITH_CACHE", str(cache))
+    monkeypatch.setattr("draftsmith.core.target._build_embedded_cache", lambda *a: pytest.fail("converting"))
+    line = refused(["generate", "Hi", "--target", "smollm2", "--max-new-tokens", "2"], capsys)
+    expected = f"{cache} is a file" if problem == "a-file" else "cannot be written (Read-only file system in"
+    assert "the target cache" in line and expected in line and "set DRAFTSMITH_CACHE to a folder you can write" in line
+
+
+def test_a_write_refused_by_a_read_only_disk_does_not_say_free_space():
+    import errno
+
+    from draftsmith.core.io import disk_failure, disk_fix
+
+    assert disk_fix(disk_failure(OSError(errno.EROFS, "Read-only file system"))) == "make it writable"
+    assert disk_fix(disk_failure(OSError(errno.ENOSPC, "No space left on device"))) == "free space"
+
+
+# ---- lines that name the real cause -------------------------------------------------------------------------
+
+
+def test_a_recipe_that_is_a_folder_is_one_line(tmp_path, no_model_loads, capsys):
+    folder = tmp_path / "recipes"
+    folder.mkdir()
+    (folder / "fspad.yaml").write_text("{}\n")
+    line = refused(["train", folder], capsys)
+    assert f"recipe {folder} is a folder, not a YAML file; give the recipe file, e.g. {folder / 'fspad.yaml'}" in line
+    assert "Errno" not in line
+
+
+def test_a_missing_drafter_folder_is_not_called_an_unknown_method(tmp_path, tiny_target_dir, capsys):
+    missing = tmp_path / "run" / "drafter"  # what an export killed before its final rename leaves: nothing
+    line = refused(["generate", "Hi", "--method", missing, "--target", tiny_target_dir], capsys)
+    assert f"{missing} does not exist: no drafter folder there" in line and "unknown method" not in line
+
+
+def test_overrides_may_follow_the_options(runs, capsys):
+    main(["train", str(runs / "recipe.yaml"), "--resume", "train.max_steps=3"])
+    assert read_run_info(runs / "run")["total_steps"] == 3
+    line = refused(["train", runs / "recipe.yaml", "--resume", "--no-such-option"], capsys)
+    assert "unrecognized arguments: --no-such-option" in line
+
+
+def test_bench_methods_take_a_quoted_entry_holding_a_comma(tmp_path, plain_export, monkeypatch):
+    from draftsmith.inference import cli as inference_cli
+
+    drafter = Path(shutil.copytree(plain_export, tmp_path / "a,b" / "drafter"))
+    parser = inference_cli.argparse.ArgumentParser()
+    commands = parser.add_subparsers()
+    inference_cli.add_inference_commands(commands)
+    methods = f'pld,"eagle={drafter}:depth=2"'
+    args = parser.parse_args(["bench", "--questions", "q.jsonl", "--out", "out", "--methods", methods])
+    assert args.methods == ["pld", f"eagle={drafter}:depth=2"]

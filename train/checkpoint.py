@@ -27,7 +27,14 @@ from pathlib import Path
 from typing import Any
 
 from draftsmith.core.errors import DraftsmithError
-from draftsmith.core.io import atomic_write_json, disk_failure, file_problems, publish_directory, write_files_manifest
+from draftsmith.core.io import (
+    atomic_write_json,
+    disk_failure,
+    disk_fix,
+    file_problems,
+    publish_directory,
+    write_files_manifest,
+)
 from draftsmith.drafters.io import save_drafter_weights
 
 MARKER = "COMPLETE"
@@ -137,7 +144,8 @@ def save_checkpoint(accelerator: Any, model: Any, output_dir: Path, state: dict[
         previous = latest_checkpoint(output_dir)
         kept = f"the last complete checkpoint {previous.name} is intact" if previous else "no earlier checkpoint exists"
         raise CheckpointError(
-            f"saving checkpoint step-{step} in {root} failed ({reason}); {kept}: free space and rerun with --resume"
+            f"saving checkpoint step-{step} in {root} failed ({reason}); {kept}: {disk_fix(reason)} and rerun with "
+            "--resume"
         ) from None
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from draftsmith.core.errors import DraftsmithError
-from draftsmith.core.io import disk_failure
+from draftsmith.core.io import disk_failure, disk_fix
 from draftsmith.core.malloc import keep_freed_memory
 
 # This module imports nothing heavy: torch and transformers load while the parser is built, inside
@@ -62,11 +62,25 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> None:
     try:  # Ctrl-C while torch and transformers import (building the parser) or while parsing: one line
         argv = list(sys.argv[1:] if argv is None else argv)
-        args = build_parser().parse_args(argv)
+        args = parse_command_line(build_parser(), argv)
         args.command_line = "draftsmith " + shlex.join(argv)  # what a run's records say made them
     except KeyboardInterrupt:
         interrupted()
     run_command(args)
+
+
+def parse_command_line(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.Namespace:
+    """``parser.parse_args(argv)``, but a command's ``KEY=VALUE`` overrides may also follow its options
+    (``train RECIPE --resume train.max_steps=50``): argparse fills a positional list once, so it would call
+    the later ones unrecognized arguments."""
+    args, extras = parser.parse_known_args(argv)
+    late = [item for item in extras if hasattr(args, "overrides") and "=" in item and not item.startswith("-")]
+    unknown = [item for item in extras if item not in late]
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    if late:
+        args.overrides = [*args.overrides, *late]
+    return args
 
 
 def interrupted() -> NoReturn:
@@ -87,9 +101,10 @@ def run_command(args: argparse.Namespace) -> None:
     except OSError as error:  # a write the disk refused outside an atomic artifact (e.g. appending a log)
         if disk_failure(error) is None:
             raise
+        reason = disk_failure(error)
         print(
-            f"draftsmith: error: {disk_failure(error)} writing {error.filename or 'a file'}; files already complete "
-            "were kept (each is written to a temporary copy first): free space and run the command again",
+            f"draftsmith: error: {reason} writing {error.filename or 'a file'}; files already complete were kept "
+            f"(each is written to a temporary copy first): {disk_fix(reason)} and run the command again",
             file=sys.stderr,
         )
         raise SystemExit(2) from None

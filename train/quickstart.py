@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from draftsmith.core.arguments import positive_int, thread_count
+from draftsmith.core.arguments import comma_joined, positive_int, thread_count
 from draftsmith.core.io import atomic_write_bytes, check_creatable_directory, check_working_directory
 from draftsmith.data.default_prompts import held_out_questions
 
@@ -162,7 +162,7 @@ class Quickstart:
         tune = ["tune", str(export), "--questions", str(calibration), "--max-new-tokens", str(args.max_new_tokens)]
         self.run(tune + ["--top-k", "1,2,4", *self.target_args, *self.threads])
         drafters = ["pld", f"fspad={export}", f"fspad={export}:{_recipe_tree(export)}", *_shipped_methods(self.target)]
-        bench = ["bench", "--questions", str(questions), "--methods", ",".join(drafters)]
+        bench = ["bench", "--questions", str(questions), "--methods", comma_joined(drafters)]
         bench += ["--max-new-tokens", str(args.max_new_tokens), "--out", str(out / "bench"), "--overwrite"]
         self.run(bench + self.target_args + self.threads)
 

@@ -288,3 +288,64 @@ def test_bench_methods_take_a_quoted_entry_holding_a_comma(tmp_path, plain_expor
     methods = f'pld,"eagle={drafter}:depth=2"'
     args = parser.parse_args(["bench", "--questions", "q.jsonl", "--out", "out", "--methods", methods])
     assert args.methods == ["pld", f"eagle={drafter}:depth=2"]
+
+
+# ---- under accelerate launch: one line, the launcher's summary names it --------------------------------------
+
+
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_each_rank_hands_a_user_error_to_the_launcher_and_rank_0_prints_it(tmp_path, monkeypatch, capsys, rank):
+    from draftsmith.train.__main__ import main as launched_main
+
+    error_file = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+    monkeypatch.setenv("RANK", rank)
+    with pytest.raises(SystemExit) as info:
+        launched_main([str(tmp_path / "missing.yaml")])
+    err = capsys.readouterr().err
+    line = f"draftsmith: error: recipe {tmp_path / 'missing.yaml'} does not exist"
+    assert info.value.code == 2 and "Traceback" not in err
+    assert err.splitlines() == ([line] if rank == "0" else [])
+    assert json.loads(error_file.read_text())["message"] == line  # torchrun's failure summary shows it
+
+
+def test_python_m_draftsmith_train_reports_a_bad_option_in_one_line(tmp_path, capsys):
+    from draftsmith.train.__main__ import main as launched_main
+
+    with pytest.raises(SystemExit) as info:
+        launched_main([str(tmp_path / "recipe.yaml"), "--no-such-option"])
+    lines = capsys.readouterr().err.splitlines()
+    assert info.value.code == 2 and len(lines) == 1 and "unrecognized arguments: --no-such-option" in lines[0]
+
+
+@pytest.mark.slow
+def test_two_launched_processes_end_a_user_error_in_one_line(tmp_path):
+    """`accelerate launch --quiet` of two processes: the one line, no traceback (without --quiet the launcher
+    adds its own, whatever the status: docs/reliability.md)."""
+    import os
+    import subprocess
+    import sys
+
+    accelerate = shutil.which("accelerate", path=str(Path(sys.executable).parent)) or "accelerate"
+    config = Path(__file__).resolve().parents[1] / "recipes" / "accelerate" / "zero2.yaml"
+    command = [accelerate, "launch", "--quiet", "--config_file", str(config), "--num_processes", "2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "WANDB_MODE": "disabled"}
+    missing = tmp_path / "missing.yaml"
+    result = subprocess.run(
+        [*command, "-m", "draftsmith.train", str(missing)], capture_output=True, text=True, timeout=600, env=env
+    )
+    line = f"draftsmith: error: recipe {missing} does not exist"
+    assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert [text for text in result.stderr.splitlines() if text.startswith("draftsmith: error:")] == [line]
+
+
+@pytest.mark.parametrize("command", ["generate", "tune", "export-vllm"])
+def test_an_export_of_an_unknown_family_is_one_line(plain_export, tmp_path, tiny_target_dir, capsys, command):
+    drafter = edited_export(plain_export, tmp_path / "drafter", lambda config: config.update(drafter_family="bogus"))
+    argv = {
+        "generate": ["generate", "Hi", "--target", tiny_target_dir, "--method", drafter],
+        "tune": ["tune", drafter, "--target", tiny_target_dir, "--limit", "1"],
+        "export-vllm": ["export", drafter, "--format", "vllm", "--out", tmp_path / "vllm"],
+    }[command]
+    line = refused(argv, capsys)
+    assert "'bogus'" in line and ("does not know" in line or "unknown drafter family" in line)

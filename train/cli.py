@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
+import os
 import shlex
 import sys
+import time
 from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
@@ -96,20 +100,32 @@ def run_command(args: argparse.Namespace) -> None:
         with _exclusive_output(args):
             args.func(args)
     except USER_ERRORS as error:
-        print(f"draftsmith: error: {error}", file=sys.stderr)
-        raise SystemExit(2) from None
+        user_error(str(error))
     except OSError as error:  # a write the disk refused outside an atomic artifact (e.g. appending a log)
         if disk_failure(error) is None:
             raise
         reason = disk_failure(error)
-        print(
-            f"draftsmith: error: {reason} writing {error.filename or 'a file'}; files already complete were kept "
-            f"(each is written to a temporary copy first): {disk_fix(reason)} and run the command again",
-            file=sys.stderr,
+        user_error(
+            f"{reason} writing {error.filename or 'a file'}; files already complete were kept (each is written "
+            f"to a temporary copy first): {disk_fix(reason)} and run the command again"
         )
-        raise SystemExit(2) from None
     except KeyboardInterrupt:
         interrupted()
+
+
+def user_error(message: str) -> NoReturn:
+    """Exit with status 2 after one ``draftsmith: error:`` line. Under torchrun (``accelerate launch`` of
+    several processes) every rank meets the same error: rank 0 alone prints it, and each rank hands it to
+    the launcher through its error file, so the launcher's failure summary shows the line (a rank's own
+    error included) instead of a pointer to tracebacks."""
+    line = f"draftsmith: error: {message}"
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        with contextlib.suppress(OSError):
+            Path(error_file).write_text(json.dumps({"message": line, "timestamp": int(time.time())}))
+    if not error_file or os.environ.get("RANK", "0") == "0":
+        print(line, file=sys.stderr)
+    raise SystemExit(2) from None
 
 
 def _exclusive_output(args: argparse.Namespace) -> AbstractContextManager[None]:

@@ -13,6 +13,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from test_hostile import read_only
 
 from conftest import sharegpt, write_jsonl
 from draftsmith.core.io import write_files_manifest
@@ -200,16 +201,6 @@ def test_a_forged_record_does_not_make_a_folder_the_commands(
 
 
 # ---- write checks before any model loads, in words that name the cause --------------------------------------
-
-
-def read_only(monkeypatch):
-    """A read-only file system as the write probe meets it (we run as root, so a chmod would not stop us)."""
-    import errno
-
-    def refuse(*args, **kwargs):
-        raise OSError(errno.EROFS, "Read-only file system")
-
-    monkeypatch.setattr("draftsmith.core.io.tempfile.mkdtemp", refuse)
 
 
 def test_tune_on_a_read_only_export_is_refused_before_the_target_loads(

@@ -175,8 +175,8 @@ def test_export_checkpoint_takes_only_a_name_among_the_runs_checkpoints(runs, tm
     before = snapshot(other)
     outside = "../../other/checkpoints/step-2"
     line = refused(["export", runs / "run", "--checkpoint", outside, "--out", tmp_path / "x"], capsys)
-    assert "--checkpoint '../../other/checkpoints/step-2' is not one of the complete checkpoints of" in line
-    assert "(step-2); give one of their names" in line
+    assert "--checkpoint '../../other/checkpoints/step-2' is not the name of a complete checkpoint of" in line
+    assert line.endswith("; complete ones: step-2")
     assert not (tmp_path / "x").exists() and snapshot(other) == before
     main(["export", str(runs / "run"), "--checkpoint", "step-2", "--out", str(tmp_path / "x")])  # a name of its own
     assert (tmp_path / "x" / "model.safetensors").is_file()

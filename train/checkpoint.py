@@ -94,8 +94,8 @@ def find_checkpoint(output_dir: Path, name: str | None) -> Path:
     complete = {path.name: path for path in complete_checkpoints(output_dir)}
     if name not in complete:
         raise CheckpointError(
-            f"--checkpoint {name!r} is not one of the complete checkpoints of {output_dir} "
-            f"({', '.join(complete) or 'none'}); give one of their names"
+            f"--checkpoint {name!r} is not the name of a complete checkpoint of {output_dir}; complete ones: "
+            f"{', '.join(complete) or 'none'}"
         )
     return complete[name]
 

@@ -52,6 +52,7 @@ def _cache_files(directory: Path) -> dict[str, str]:
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return {}  # the run's own check of the cache says what is wrong with it
     settings = {key: value for key, value in manifest.items() if key not in _GROWING_CACHE_KEYS}
+    settings["dataset"] = (manifest.get("dataset") or {}).get("fingerprint")  # not its path: data may move
     digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
     return {"manifest.json": digest, **shards}
 

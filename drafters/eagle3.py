@@ -111,7 +111,7 @@ class Eagle3Config(EagleConfig):
             )
         if not 1 <= self.ttt_steps <= MAX_TTT_STEPS:  # each step adds a forward and its activations to a batch
             raise EagleConfigError(
-                f"drafter.ttt_steps must be from 1 to {MAX_TTT_STEPS} (a step per draft depth), got {self.ttt_steps}"
+                f"drafter.ttt_steps must be >= 1 and <= {MAX_TTT_STEPS} (a step per draft depth), got {self.ttt_steps}"
             )
 
     def feature_layers(self) -> tuple[int, ...]:

@@ -84,7 +84,7 @@ def test_resume_on_the_same_data_moved_elsewhere_goes_on(tmp_path, run_on_own_da
     [
         ("fspad3", "drafter.feature_sampler=maybe", "drafter.feature_sampler must be true or false, got 'maybe'"),
         ("eagle", "drafter.partial_alignment=perhaps", "drafter.partial_alignment must be true or false"),
-        ("eagle3", "drafter.ttt_steps=100000", "drafter.ttt_steps must be from 1 to 64 (a step per draft depth)"),
+        ("eagle3", "drafter.ttt_steps=100000", "drafter.ttt_steps must be >= 1 and <= 64 (a step per draft depth)"),
         ("fspad", "drafter.draft_vocab_size=-1", "drafter.draft_vocab_size must be a whole number >= 0"),
         ("fspad", "train.warmup_steps=1000000000000", "train.warmup_steps=1000000000000 is longer than the run's 2"),
     ],

@@ -131,14 +131,7 @@ def llama_layers(layer: dict[str, Any], num_hidden_layers: int) -> LlamaConfig:
 
 
 # The decoder-layer settings every target-shaped ``layer`` section holds, each a whole number >= 1.
-LAYER_SIZES = (
-    "hidden_size",
-    "intermediate_size",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "head_dim",
-    "vocab_size",
-)
+LAYER_SIZES = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "vocab_size")
 
 
 def layer_settings_problem(layer: Any) -> str | None:
@@ -157,13 +150,15 @@ def layer_settings_problem(layer: Any) -> str | None:
             f"layer.hidden_size {layer['hidden_size']}, num_attention_heads {heads} and num_key_value_heads "
             f"{kv_heads} do not fit: the hidden size must be a multiple of the heads, the heads of the key-value heads"
         )
-    if layer["head_dim"] % 2:
-        return f"layer.head_dim must be even (rotary embeddings turn pairs of numbers), got {layer['head_dim']}"
+    head_dim = layer.get("head_dim", layer["hidden_size"] // heads)  # absent in a config: Llama's default
+    if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim < 2 or head_dim % 2:
+        return f"layer.head_dim must be an even whole number (rotary embeddings turn pairs), got {head_dim!r}"
     eps = layer.get("rms_norm_eps", 1e-6)
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (math.isfinite(eps) and eps > 0):
         return f"layer.rms_norm_eps must be a finite number > 0, got {eps!r}"
-    if layer.get("hidden_act", "silu") not in ACT2FN:
-        return f"layer.hidden_act {layer.get('hidden_act')!r} is no activation transformers knows"
+    act = layer.get("hidden_act", "silu")
+    if not isinstance(act, str) or act not in ACT2FN:
+        return f"layer.hidden_act {act!r} is no activation transformers knows"
     rope = layer.get("rope_parameters")
     rope_type = rope.get("rope_type", "default") if isinstance(rope, dict) else "default"
     if rope_type not in ("default", *ROPE_INIT_FUNCTIONS):

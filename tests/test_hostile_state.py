@@ -127,7 +127,7 @@ def set_layer(**values):
 LAYER_EDITS = {
     "heads-7": (set_layer(num_attention_heads=7), "the hidden size must be a multiple of the heads"),
     "hidden-66": (set_layer(hidden_size=66), "the hidden size must be a multiple of the heads"),
-    "head-dim-7": (set_layer(head_dim=7), "layer.head_dim must be even"),
+    "head-dim-7": (set_layer(head_dim=7), "layer.head_dim must be an even whole number"),
     "eps-negative": (set_layer(rms_norm_eps=-1.0), "layer.rms_norm_eps must be a finite number > 0, got -1.0"),
     "act-bogus": (set_layer(hidden_act="bogus_act"), "layer.hidden_act 'bogus_act' is no activation"),
     "rope-bogus": (set_layer(rope_parameters={"rope_type": "bogus"}), "rope_type 'bogus' is none of default"),

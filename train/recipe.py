@@ -175,8 +175,6 @@ def validate(recipe: TrainRecipe) -> None:
             raise RecipeError(f"{key} must be > 0, got {value}")
     if train.warmup_steps < 0 or recipe.data.eval_samples < 0:
         raise RecipeError("train.warmup_steps and data.eval_samples must be >= 0")
-    if train.max_steps is not None:
-        check_warmup(train.warmup_steps, train.max_steps)
     _check_lr_scale(train.lr_scale, family.name, family.parameter_groups)
     if len(train.betas) != 2:
         raise RecipeError(f"train.betas must be two numbers, got {list(train.betas)}")
@@ -186,15 +184,6 @@ def validate(recipe: TrainRecipe) -> None:
         raise RecipeError(f"train.seed must be a whole number from 0 to {MAX_TRAIN_SEED}, got {train.seed}")
     if recipe.data.max_length is not None and recipe.data.max_length < 3:
         raise RecipeError(f"data.max_length must be >= 3 tokens, got {recipe.data.max_length}")
-
-
-def check_warmup(warmup_steps: int, total_steps: int) -> None:
-    """A warm-up longer than the run never reaches ``train.lr`` (one of 10**12 steps trains at 1e-16 of it)."""
-    if warmup_steps > total_steps:
-        raise RecipeError(
-            f"train.warmup_steps={warmup_steps} is longer than the run's {total_steps} steps, so the learning rate "
-            f"would never reach train.lr; choose at most {total_steps}"
-        )
 
 
 def _check_lr_scale(scales: dict[str, Any], family: str, groups: tuple[str, ...]) -> None:

@@ -54,7 +54,7 @@ from draftsmith.train.checkpoint import (
 from draftsmith.train.data_identity import data_change, data_identity
 from draftsmith.train.loader import BatchPlan, TrainData, online_features, open_feature_cache, open_prepared
 from draftsmith.train.losses import family_loss
-from draftsmith.train.recipe import DataSection, TrainRecipe, TrainSection, check_warmup
+from draftsmith.train.recipe import DataSection, TrainRecipe, TrainSection
 from draftsmith.train.recipe_loader import RecipeError, save_resolved, to_tree
 from draftsmith.train.tracking import Tracker
 
@@ -163,6 +163,12 @@ def _not_partitioned(accelerator: Any) -> Iterator[None]:
         set_hf_deepspeed_config(registered)
 
 
+def warmup_limit(total_steps: int) -> int:
+    """The longest warm-up a run of ``total_steps`` takes: one that ends before its last step, so the last
+    trains at train.lr (a longer one never reaches it: 10**12 steps of it train 2 steps at 1e-16 of it)."""
+    return max(total_steps - 1, 0)
+
+
 def build_scheduler(optimizer: torch.optim.Optimizer, train: TrainSection, total_steps: int) -> Any:
     from transformers import (
         get_constant_schedule_with_warmup,
@@ -170,10 +176,11 @@ def build_scheduler(optimizer: torch.optim.Optimizer, train: TrainSection, total
         get_linear_schedule_with_warmup,
     )
 
+    warmup = min(train.warmup_steps, warmup_limit(total_steps))
     if train.scheduler == "constant":
-        return get_constant_schedule_with_warmup(optimizer, train.warmup_steps)
+        return get_constant_schedule_with_warmup(optimizer, warmup)
     schedule = get_linear_schedule_with_warmup if train.scheduler == "linear" else get_cosine_schedule_with_warmup
-    return schedule(optimizer, train.warmup_steps, total_steps)
+    return schedule(optimizer, warmup, total_steps)
 
 
 def optimizer_groups(model: DrafterModel, train: TrainSection) -> list[dict[str, Any]]:
@@ -406,7 +413,13 @@ class Trainer:
         self.plan = BatchPlan(recipe.train.batch_size, self.accelerator.num_processes, recipe.train.grad_accum)
         self.steps_per_epoch = self.data.steps_per_epoch(self.plan)
         self.total_steps = recipe.train.max_steps or recipe.train.epochs * self.steps_per_epoch
-        check_warmup(recipe.train.warmup_steps, self.total_steps)  # known only now for a run of train.epochs
+        if recipe.train.warmup_steps > warmup_limit(self.total_steps) and self.is_main:
+            tqdm.write(
+                f"draftsmith: note: train.warmup_steps={recipe.train.warmup_steps} is longer than the run's "
+                f"{self.total_steps} steps; it warms up over {warmup_limit(self.total_steps)}, so that the last "
+                "step trains at train.lr",
+                file=sys.stderr,
+            )
 
     def _warn_about_held_out_copies(self) -> None:
         copies = self.data.held_out_copies() if self.accelerator.is_main_process else 0

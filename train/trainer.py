@@ -640,8 +640,6 @@ class Trainer:
             "global_batch": self.plan.global_batch,
             "family": self.family.name,
             "target_identity": self.target.identity.to_dict(),
-            "data": self.data_identity,
-            **({"data_changes": self.data_changes} if self.data_changes else {}),
         }
 
     def _save(self, step: int, tracker: Tracker) -> Path:

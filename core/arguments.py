@@ -4,9 +4,11 @@ file is read or any model is loaded, with the option's allowed range in the mess
 from __future__ import annotations
 
 import argparse
+import csv
+import io
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 
 def int_at_least(minimum: int) -> Callable[[str], int]:
@@ -27,6 +29,23 @@ def int_at_least(minimum: int) -> Callable[[str], int]:
 
 positive_int = int_at_least(1)
 non_negative_int = int_at_least(0)
+
+
+def comma_list(text: str) -> list[str]:
+    """``a,b`` -> [a, b]; an entry that holds a comma itself (a folder ``a,b``) is given in double quotes,
+    as in a CSV line: ``pld,"fspad=runs/a,b/drafter"``. Blank entries are dropped."""
+    try:
+        entries = next(csv.reader([text], skipinitialspace=True), [])
+    except csv.Error as error:
+        raise argparse.ArgumentTypeError(f"cannot read {text!r} as comma-separated entries ({error})") from None
+    return [entry.strip() for entry in entries if entry.strip()]
+
+
+def comma_joined(entries: Sequence[str]) -> str:
+    """The text :func:`comma_list` reads back as ``entries`` (an entry holding a comma is quoted)."""
+    line = io.StringIO()
+    csv.writer(line, lineterminator="").writerow(entries)
+    return line.getvalue()
 
 
 # torch.manual_seed takes any 64-bit integer; a seed is recorded and compared, so keep it non-negative

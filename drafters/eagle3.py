@@ -32,7 +32,7 @@ from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRMSNor
 
 from draftsmith.core.drafting import DraftingStep, LayerKernel
 from draftsmith.core.tree import causal_mask
-from draftsmith.drafters.base import DrafterModel, FrozenTarget, TreeOptions
+from draftsmith.drafters.base import TREE_LIMITS, DrafterModel, FrozenTarget, TreeOptions
 from draftsmith.drafters.eagle import (
     DrafterMLP,
     DrafterOutput,
@@ -58,6 +58,10 @@ from draftsmith.drafters.engine_layouts import (
 )
 from draftsmith.drafters.io import load_weights_into
 from draftsmith.drafters.vocab import draft_vocab_maps, most_frequent_tokens
+
+# Training-time-test steps are draft depths trained (EAGLE-3: 7, P-EAGLE: 8 on a GPU); each adds a drafter
+# forward and its activations to every batch, so no more than a tree's deepest draft.
+MAX_TTT_STEPS = TREE_LIMITS["depth"]
 
 
 def default_aux_layer_ids(num_layers: int) -> list[int]:
@@ -105,8 +109,10 @@ class Eagle3Config(EagleConfig):
                 f"drafter.aux_layer_ids must name at least two of the target's layers 0..{layers - 1} "
                 f"(the states entering them), got {self.aux_layer_ids}; the default is {default_aux_layer_ids(layers)}"
             )
-        if self.ttt_steps < 1:
-            raise EagleConfigError(f"drafter.ttt_steps must be >= 1, got {self.ttt_steps}")
+        if not 1 <= self.ttt_steps <= MAX_TTT_STEPS:  # each step adds a forward and its activations to a batch
+            raise EagleConfigError(
+                f"drafter.ttt_steps must be >= 1 and <= {MAX_TTT_STEPS} (a step per draft depth), got {self.ttt_steps}"
+            )
 
     def feature_layers(self) -> tuple[int, ...]:
         return tuple(self.aux_layer_ids)

@@ -14,12 +14,15 @@ dropped the speculators EAGLE-1 type), ``sglang`` SGLang's EAGLE-3 layout.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from transformers import LlamaConfig
+from transformers.activations import ACT2FN
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.drafters import ttt_attention
@@ -125,6 +128,42 @@ def llama_layers(layer: dict[str, Any], num_hidden_layers: int) -> LlamaConfig:
     config = LlamaConfig(**settings, num_hidden_layers=num_hidden_layers)
     config._attn_implementation = ttt_attention.ATTENTION  # SDPA, but for the training-time test's masks
     return config
+
+
+# The decoder-layer settings every target-shaped ``layer`` section holds, each a whole number >= 1.
+LAYER_SIZES = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "vocab_size")
+
+
+def layer_settings_problem(layer: Any) -> str | None:
+    """Why a drafter config's ``layer`` section (the target's decoder-layer settings, copied into a recipe's
+    drafter and its export's config.json) cannot build a decoder layer, naming the key, or None: the one
+    check a training run, an export and every load go through before a module is built."""
+    if not isinstance(layer, dict) or not layer:
+        return "it has no layer section (the target's decoder-layer settings)"
+    for key in LAYER_SIZES:
+        value = layer.get(key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            return f"layer.{key} must be a whole number >= 1, got {value!r}"
+    heads, kv_heads = layer["num_attention_heads"], layer["num_key_value_heads"]
+    if layer["hidden_size"] % heads or heads % kv_heads:
+        return (
+            f"layer.hidden_size {layer['hidden_size']}, num_attention_heads {heads} and num_key_value_heads "
+            f"{kv_heads} do not fit: the hidden size must be a multiple of the heads, the heads of the key-value heads"
+        )
+    head_dim = layer.get("head_dim", layer["hidden_size"] // heads)  # absent in a config: Llama's default
+    if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim < 2 or head_dim % 2:
+        return f"layer.head_dim must be an even whole number (rotary embeddings turn pairs), got {head_dim!r}"
+    eps = layer.get("rms_norm_eps", 1e-6)
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (math.isfinite(eps) and eps > 0):
+        return f"layer.rms_norm_eps must be a finite number > 0, got {eps!r}"
+    act = layer.get("hidden_act", "silu")
+    if not isinstance(act, str) or act not in ACT2FN:
+        return f"layer.hidden_act {act!r} is no activation transformers knows"
+    rope = layer.get("rope_parameters")
+    rope_type = rope.get("rope_type", "default") if isinstance(rope, dict) else "default"
+    if rope_type not in ("default", *ROPE_INIT_FUNCTIONS):
+        return f"layer.rope_parameters.rope_type {rope_type!r} is none of default, {', '.join(ROPE_INIT_FUNCTIONS)}"
+    return None
 
 
 def llama_layer_config(layer: dict[str, Any], **extra: Any) -> dict[str, Any]:

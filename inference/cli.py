@@ -7,7 +7,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from draftsmith.core.arguments import add_sampling_arguments, add_target_argument, positive_int, thread_count
+from draftsmith.core.arguments import (
+    add_sampling_arguments,
+    add_target_argument,
+    comma_list,
+    positive_int,
+    thread_count,
+)
 from draftsmith.inference.kernels import LINEAR_KERNELS
 
 
@@ -126,7 +132,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
     backends = _backends(args)
     categories = [c.strip() for c in args.categories.split(",")] if args.categories else None
     questions = read_questions(Path(args.questions), categories, args.limit)
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    methods = args.methods
     out = Path(args.out)
     rules = bench_output_rules((("the questions file", Path(args.questions)), *_method_inputs(methods)))
     # before the model loads: a run's measurements must not be lost to an --out that cannot take them
@@ -188,11 +194,19 @@ def cmd_bench_tree(args: argparse.Namespace) -> None:
 
 
 def cmd_tune(args: argparse.Namespace) -> None:
-    from draftsmith.inference.measure.tune import parse_numbers, run_tune
+    from draftsmith.core.io import check_creatable_directory
+    from draftsmith.drafters.base import TREE_LIMITS
+    from draftsmith.inference.measure.tune import TuneError, parse_numbers, run_tune
 
     backends = _backends(args)
-    top_ks, totals = parse_numbers(args.top_k, "--top-k"), parse_numbers(args.total_tokens, "--total-tokens")
+    top_ks = parse_numbers(args.top_k, "--top-k", most=TREE_LIMITS["top_k"])
+    totals = parse_numbers(args.total_tokens, "--total-tokens", most=TREE_LIMITS["total_tokens"])
     lookups = parse_numbers(args.lookup, "--lookup", least=0)
+    if args.max_depth > TREE_LIMITS["depth"]:
+        raise TuneError(f"--max-depth takes a whole number from 1 to {TREE_LIMITS['depth']}, got {args.max_depth}")
+    # the fitted tree is written into the export: a read-only one fails now, not after minutes of timing
+    fix = "copy the export somewhere writable and tune the copy"
+    check_creatable_directory(Path(args.export), inside=True, option="EXPORT", fix=fix)
     target = _load_target(args)
     run_tune(
         Path(args.export),
@@ -336,8 +350,10 @@ def _add_bench_parser(subparsers: Any) -> None:
     p.add_argument("--questions", required=True, help="Spec-Bench-format .jsonl (question_id, category, turns)")
     p.add_argument(
         "--methods",
+        type=comma_list,
         default="pld",
-        help="comma-separated methods, e.g. pld,draft=layers:20 (none is always included); hf-stock adds plain "
+        help="comma-separated methods, e.g. pld,draft=layers:20 (none is always included; quote an entry that holds "
+        'a comma: pld,"fspad=runs/a,b/drafter"); hf-stock adds plain '
         "decoding by transformers as it comes (PyTorch's linears and SDPA; the reference runs the runtime's kernels), "
         "hf-static-compile plain decoding by transformers with a static cache and torch.compile; vllm and "
         "vllm=DIR[:tokens=N] run vLLM plain and with a drafter exported by `draftsmith export --format vllm`",

@@ -2,22 +2,21 @@
 
 from __future__ import annotations
 
-import argparse
 import sys
 from collections.abc import Sequence
 
-from draftsmith.train.cli import interrupted, run_command
+from draftsmith.train.cli import OneLineErrorParser, interrupted, parse_command_line, run_command
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     try:  # Ctrl-C while torch and transformers import: one line, as for `draftsmith`
         from draftsmith.train.commands import add_train_arguments, cmd_train
 
-        parser = argparse.ArgumentParser(
+        parser = OneLineErrorParser(
             prog="accelerate launch -m draftsmith.train", description="Train a drafter from a YAML recipe."
         )
         add_train_arguments(parser)
-        args = parser.parse_args(argv)
+        args = parse_command_line(parser, sys.argv[1:] if argv is None else argv)
     except KeyboardInterrupt:
         interrupted()
     args.func = cmd_train

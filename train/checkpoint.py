@@ -27,7 +27,14 @@ from pathlib import Path
 from typing import Any
 
 from draftsmith.core.errors import DraftsmithError
-from draftsmith.core.io import atomic_write_json, disk_failure, file_problems, publish_directory, write_files_manifest
+from draftsmith.core.io import (
+    atomic_write_json,
+    disk_failure,
+    disk_fix,
+    file_problems,
+    publish_directory,
+    write_files_manifest,
+)
 from draftsmith.drafters.io import save_drafter_weights
 
 MARKER = "COMPLETE"
@@ -76,17 +83,21 @@ def latest_checkpoint(output_dir: Path) -> Path | None:
 
 
 def find_checkpoint(output_dir: Path, name: str | None) -> Path:
-    """The named checkpoint (``step-N``) or the last complete one; a clear error when there is none."""
+    """The named checkpoint (``step-N``) or the last complete one; a clear error when there is none. The
+    name is looked up among the run's own complete checkpoints, never joined to a path: ``../../OTHER/
+    checkpoints/step-2`` would export another run's checkpoint (of another family, perhaps) as this one's."""
     if name is None:
         path = latest_checkpoint(output_dir)
         if path is None:
             raise CheckpointError(f"{output_dir} holds no complete checkpoint (no checkpoints/step-N/{MARKER})")
         return path
-    path = checkpoints_dir(output_dir) / name
-    if not (path / MARKER).is_file():
-        names = ", ".join(p.name for p in complete_checkpoints(output_dir)) or "none"
-        raise CheckpointError(f"{path} is not a complete checkpoint; complete ones: {names}")
-    return path
+    complete = {path.name: path for path in complete_checkpoints(output_dir)}
+    if name not in complete:
+        raise CheckpointError(
+            f"--checkpoint {name!r} is not the name of a complete checkpoint of {output_dir}; complete ones: "
+            f"{', '.join(complete) or 'none'}"
+        )
+    return complete[name]
 
 
 def best_checkpoint(output_dir: Path) -> Path | None:
@@ -133,7 +144,8 @@ def save_checkpoint(accelerator: Any, model: Any, output_dir: Path, state: dict[
         previous = latest_checkpoint(output_dir)
         kept = f"the last complete checkpoint {previous.name} is intact" if previous else "no earlier checkpoint exists"
         raise CheckpointError(
-            f"saving checkpoint step-{step} in {root} failed ({reason}); {kept}: free space and rerun with --resume"
+            f"saving checkpoint step-{step} in {root} failed ({reason}); {kept}: {disk_fix(reason)} and rerun with "
+            "--resume"
         ) from None
 
 

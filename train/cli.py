@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
+import os
 import shlex
 import sys
+import time
 from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import NoReturn
 
 from draftsmith.core.errors import DraftsmithError
-from draftsmith.core.io import disk_failure
+from draftsmith.core.io import disk_failure, disk_fix
 from draftsmith.core.malloc import keep_freed_memory
 
 # This module imports nothing heavy: torch and transformers load while the parser is built, inside
@@ -62,11 +66,25 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> None:
     try:  # Ctrl-C while torch and transformers import (building the parser) or while parsing: one line
         argv = list(sys.argv[1:] if argv is None else argv)
-        args = build_parser().parse_args(argv)
+        args = parse_command_line(build_parser(), argv)
         args.command_line = "draftsmith " + shlex.join(argv)  # what a run's records say made them
     except KeyboardInterrupt:
         interrupted()
     run_command(args)
+
+
+def parse_command_line(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.Namespace:
+    """``parser.parse_args(argv)``, but a command's ``KEY=VALUE`` overrides may also follow its options
+    (``train RECIPE --resume train.max_steps=50``): argparse fills a positional list once, so it would call
+    the later ones unrecognized arguments."""
+    args, extras = parser.parse_known_args(argv)
+    late = [item for item in extras if hasattr(args, "overrides") and "=" in item and not item.startswith("-")]
+    unknown = [item for item in extras if item not in late]
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    if late:
+        args.overrides = [*args.overrides, *late]
+    return args
 
 
 def interrupted() -> NoReturn:
@@ -82,19 +100,32 @@ def run_command(args: argparse.Namespace) -> None:
         with _exclusive_output(args):
             args.func(args)
     except USER_ERRORS as error:
-        print(f"draftsmith: error: {error}", file=sys.stderr)
-        raise SystemExit(2) from None
+        user_error(str(error))
     except OSError as error:  # a write the disk refused outside an atomic artifact (e.g. appending a log)
         if disk_failure(error) is None:
             raise
-        print(
-            f"draftsmith: error: {disk_failure(error)} writing {error.filename or 'a file'}; files already complete "
-            "were kept (each is written to a temporary copy first): free space and run the command again",
-            file=sys.stderr,
+        reason = disk_failure(error)
+        user_error(
+            f"{reason} writing {error.filename or 'a file'}; files already complete were kept (each is written "
+            f"to a temporary copy first): {disk_fix(reason)} and run the command again"
         )
-        raise SystemExit(2) from None
     except KeyboardInterrupt:
         interrupted()
+
+
+def user_error(message: str) -> NoReturn:
+    """Exit with status 2 after one ``draftsmith: error:`` line. Under torchrun (``accelerate launch`` of
+    several processes) every rank meets the same error: rank 0 alone prints it, and each rank hands it to
+    the launcher through its error file, so the launcher's failure summary shows the line (a rank's own
+    error included) instead of a pointer to tracebacks."""
+    line = f"draftsmith: error: {message}"
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        with contextlib.suppress(OSError):
+            Path(error_file).write_text(json.dumps({"message": line, "timestamp": int(time.time())}))
+    if not error_file or os.environ.get("RANK", "0") == "0":
+        print(line, file=sys.stderr)
+    raise SystemExit(2) from None
 
 
 def _exclusive_output(args: argparse.Namespace) -> AbstractContextManager[None]:

@@ -27,6 +27,12 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --resume: go on even if the checkpoint's random states (random_states_N.pkl) are missing or "
         "damaged, with fresh ones; the run then differs from an uninterrupted one (also train.resume_inexact=true)",
     )
+    parser.add_argument(
+        "--resume-new-data",
+        action="store_true",
+        help="with --resume: go on although data.prepared or data.features now hold other data than the run started "
+        "on (compared by content; recorded in run_info.json under data_changes; also train.resume_new_data=true)",
+    )
 
 
 def cmd_train(args: argparse.Namespace) -> None:
@@ -34,6 +40,7 @@ def cmd_train(args: argparse.Namespace) -> None:
     from draftsmith.train.trainer import is_launch_main_process, train
 
     recipe = load_train_recipe(Path(args.recipe), args.overrides)
+    recipe.train.resume_new_data = recipe.train.resume_new_data or args.resume_new_data
     result = train(recipe, resume=args.resume, resume_inexact=args.resume_inexact)
     if result.checkpoint is not None and is_launch_main_process():
         print(

@@ -19,11 +19,23 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from draftsmith.core.arguments import positive_int, thread_count
-from draftsmith.core.io import atomic_write_bytes
+from draftsmith.core.arguments import comma_joined, positive_int, thread_count
+from draftsmith.core.io import atomic_write_bytes, check_creatable_directory, check_working_directory
 from draftsmith.data.default_prompts import held_out_questions
 
 DEFAULT_OUT = "runs/quickstart"
+# What the quickstart's steps write in its folder (each step checks its own output as its command does).
+QUICKSTART_WRITES = (
+    "prepared",
+    "features",
+    "fspad",
+    "fspad-drafter",
+    "bench",
+    "questions.jsonl",
+    "calibration.jsonl",
+    "answers.jsonl",
+    "answers.jsonl.meta.json",
+)
 
 
 def _run(build_parser: Callable[[], argparse.ArgumentParser], argv: list[str]) -> None:
@@ -150,7 +162,7 @@ class Quickstart:
         tune = ["tune", str(export), "--questions", str(calibration), "--max-new-tokens", str(args.max_new_tokens)]
         self.run(tune + ["--top-k", "1,2,4", *self.target_args, *self.threads])
         drafters = ["pld", f"fspad={export}", f"fspad={export}:{_recipe_tree(export)}", *_shipped_methods(self.target)]
-        bench = ["bench", "--questions", str(questions), "--methods", ",".join(drafters)]
+        bench = ["bench", "--questions", str(questions), "--methods", comma_joined(drafters)]
         bench += ["--max-new-tokens", str(args.max_new_tokens), "--out", str(out / "bench"), "--overwrite"]
         self.run(bench + self.target_args + self.threads)
 
@@ -177,6 +189,8 @@ def cmd_quickstart(args: argparse.Namespace) -> None:
     # each target works in its own directory by default: one target's data never resumes as another's
     out = Path(args.out or (DEFAULT_OUT if _answers_bundled(target) else f"{DEFAULT_OUT}-{target}"))
     with exclusive_output(out, "--out"):
+        check_working_directory(out, "a quickstart's working directory", QUICKSTART_WRITES)
+        check_creatable_directory(out, inside=True)
         quickstart = Quickstart(args, target, out)
         export = quickstart.train(quickstart.prepare())
         quickstart.tune_and_bench(export)
@@ -204,7 +218,9 @@ def add_quickstart_command(subparsers: Any, build_parser: Callable[[], argparse.
     p.add_argument(
         "--out", default=None, help=f"working directory (default: {DEFAULT_OUT}, or {DEFAULT_OUT}-TARGET for --target)"
     )
-    p.add_argument("--steps", type=int, default=120, help="training steps (default 120, ~1.5 minutes on 2 cores)")
+    p.add_argument(
+        "--steps", type=positive_int, default=120, help="training steps (default 120, ~1.5 minutes on 2 cores)"
+    )
     p.add_argument(
         "--distill-prompts",
         type=positive_int,
@@ -215,8 +231,8 @@ def add_quickstart_command(subparsers: Any, build_parser: Callable[[], argparse.
     p.add_argument(
         "--distill-tokens", type=positive_int, default=64, help="with --distill-prompts: tokens per answer (default 64)"
     )
-    p.add_argument("--questions-per-category", type=int, default=1, help="held-out bench prompts per category")
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--questions-per-category", type=positive_int, default=1, help="held-out bench prompts per category")
+    p.add_argument("--max-new-tokens", type=positive_int, default=64)
     p.add_argument(
         "--threads", type=thread_count, default=None, help="torch threads for regeneration and bench, 1 to the cores"
     )

@@ -68,6 +68,9 @@ class TrainSection:
     # with resume: go on even if the checkpoint's random states are missing or damaged (the run then
     # draws other noise than an uninterrupted one would); without it that is an error
     resume_inexact: bool = False
+    # with resume: go on even if data.prepared or data.features now hold other data than the run started on
+    # (recorded in run_info.json); without it that is an error
+    resume_new_data: bool = False
     # a directory written by `draftsmith export` (same family and target) whose weights start this run;
     # parts it lacks start fresh (e.g. Speculative Streaming's pruning adapter, trained afterwards)
     init_from: Optional[str] = None
@@ -145,6 +148,7 @@ def validate(recipe: TrainRecipe) -> None:
         raise RecipeError(f"unknown drafter family {recipe.family_name!r}; available: {', '.join(FAMILIES)}")
     family = FAMILIES[recipe.family_name]
     check_keys("drafter", recipe.drafter_options, family.option_names())
+    family.config_class.check_option_types(recipe.drafter_options)  # `feature_sampler: maybe`: before the target loads
     recipe.loss = check_loss_options(family, recipe.loss)  # nan, inf or -1 as a weight: one line
     if not recipe.data.prepared:
         raise RecipeError(

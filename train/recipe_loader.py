@@ -181,6 +181,10 @@ def load_recipe(path: Path, schema: type[T], overrides: Sequence[str] = ()) -> T
         text = read_text_file(path, RecipeError)
     except FileNotFoundError:
         raise RecipeError(f"recipe {path} does not exist") from None
+    except IsADirectoryError:
+        inside = sorted(child.name for child in path.glob("*.yaml"))
+        example = f", e.g. {path / inside[0]}" if inside else ""
+        raise RecipeError(f"recipe {path} is a folder, not a YAML file; give the recipe file{example}") from None
     try:
         tree = yaml.load(text, Loader=_UniqueKeyLoader) or {}
     except RecipeError as exc:

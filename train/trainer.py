@@ -46,10 +46,12 @@ from draftsmith.train.checkpoint import (
     is_rng_state,
     latest_checkpoint,
     load_checkpoint,
+    read_run_info,
     read_state,
     rng_state_problem,
     save_checkpoint,
 )
+from draftsmith.train.data_identity import data_change, data_identity
 from draftsmith.train.loader import BatchPlan, TrainData, online_features, open_feature_cache, open_prepared
 from draftsmith.train.losses import family_loss
 from draftsmith.train.recipe import DataSection, TrainRecipe, TrainSection
@@ -60,13 +62,17 @@ warn_about_untested_versions()
 
 # Recipe keys a resumed run may change: they do not alter what the finished steps computed. The run is
 # found at the current output_dir, so where it was written before (a moved or copied run, or the same
-# place spelt differently: a trailing slash, ./, a relative path) does not matter.
+# place spelt differently: a trailing slash, ./, a relative path) does not matter; its data is compared
+# by content (train/data_identity.py), so neither does where the data lies now.
 RESUMABLE_CHANGES = (
     "output_dir",
+    "data.prepared",
+    "data.features",
     "train.max_steps",
     "train.max_minutes",
     "train.resume",
     "train.resume_inexact",
+    "train.resume_new_data",
     "tracking.",
 )
 
@@ -157,6 +163,12 @@ def _not_partitioned(accelerator: Any) -> Iterator[None]:
         set_hf_deepspeed_config(registered)
 
 
+def warmup_limit(total_steps: int) -> int:
+    """The longest warm-up a run of ``total_steps`` takes: one that ends before its last step, so the last
+    trains at train.lr (a longer one never reaches it: 10**12 steps of it train 2 steps at 1e-16 of it)."""
+    return max(total_steps - 1, 0)
+
+
 def build_scheduler(optimizer: torch.optim.Optimizer, train: TrainSection, total_steps: int) -> Any:
     from transformers import (
         get_constant_schedule_with_warmup,
@@ -164,10 +176,11 @@ def build_scheduler(optimizer: torch.optim.Optimizer, train: TrainSection, total
         get_linear_schedule_with_warmup,
     )
 
+    warmup = min(train.warmup_steps, warmup_limit(total_steps))
     if train.scheduler == "constant":
-        return get_constant_schedule_with_warmup(optimizer, train.warmup_steps)
+        return get_constant_schedule_with_warmup(optimizer, warmup)
     schedule = get_linear_schedule_with_warmup if train.scheduler == "linear" else get_cosine_schedule_with_warmup
-    return schedule(optimizer, train.warmup_steps, total_steps)
+    return schedule(optimizer, warmup, total_steps)
 
 
 def optimizer_groups(model: DrafterModel, train: TrainSection) -> list[dict[str, Any]]:
@@ -329,6 +342,8 @@ class Trainer:
         self.inexact = resume_inexact or recipe.train.resume_inexact
         # an output_dir that cannot take a checkpoint fails now, before the target loads, not at the first save
         check_creatable_directory(self.output_dir, inside=True, option="output_dir")
+        self.data_identity = data_identity(recipe.data)
+        self.data_changes = self._check_same_data() if self.checkpoint is not None else []
         if self.checkpoint is not None:  # before the target loads: a refused resume costs nothing
             self.candidates = _Candidates(list(reversed(complete_checkpoints(self.output_dir))))
             self.checkpoint = self._next_checkpoint()
@@ -344,6 +359,26 @@ class Trainer:
         self.accelerator.wait_for_everyone()
 
     # ---- setup -----------------------------------------------------------------------------
+    def _check_same_data(self) -> list[dict[str, Any]]:
+        """A resume goes on with the data the run started on (compared by content, not path), or with
+        train.resume_new_data; returns the run's record of changed data, this one added."""
+        try:
+            earlier = read_run_info(self.output_dir)
+        except (OSError, ValueError):  # a damaged record vouches for nothing: the run is resumed as before records
+            earlier = {}
+        started, changes = earlier.get("data"), list(earlier.get("data_changes", []))
+        change = data_change(started, self.data_identity) if started else None  # a run from before records
+        if change is None:
+            return changes
+        if not self.recipe.train.resume_new_data:
+            raise TrainingError(
+                f"cannot resume {self.output_dir}: {change}; resume with the data it started on, pass "
+                "--resume-new-data (train.resume_new_data=true) to go on with this data, or use another output_dir"
+            )
+        if self.is_main:
+            tqdm.write(f"draftsmith: going on with new data: {change}")
+        return [*changes, {"at": self.checkpoint.name, "change": change, "before": started}]
+
     def _load_target_and_data(self) -> None:
         recipe, device = self.recipe, self.accelerator.device
         self.family = get_family(recipe.family_name)
@@ -378,6 +413,13 @@ class Trainer:
         self.plan = BatchPlan(recipe.train.batch_size, self.accelerator.num_processes, recipe.train.grad_accum)
         self.steps_per_epoch = self.data.steps_per_epoch(self.plan)
         self.total_steps = recipe.train.max_steps or recipe.train.epochs * self.steps_per_epoch
+        if recipe.train.warmup_steps > warmup_limit(self.total_steps) and self.is_main:
+            tqdm.write(
+                f"draftsmith: note: train.warmup_steps={recipe.train.warmup_steps} is longer than the run's "
+                f"{self.total_steps} steps; it warms up over {warmup_limit(self.total_steps)}, so that the last "
+                "step trains at train.lr",
+                file=sys.stderr,
+            )
 
     def _warn_about_held_out_copies(self) -> None:
         copies = self.data.held_out_copies() if self.accelerator.is_main_process else 0
@@ -497,6 +539,8 @@ class Trainer:
             "eval_samples": len(self.data.eval_indices),
             "trainable_parameters": self.n_trainable,
             "target_identity": self.target.identity.to_dict(),
+            "data": self.data_identity,
+            **({"data_changes": self.data_changes} if self.data_changes else {}),
         }
 
     # ---- one step --------------------------------------------------------------------------

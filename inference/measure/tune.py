@@ -53,7 +53,7 @@ from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.target import Target
 from draftsmith.core.tree import DraftTree, TreeGrowth, admission_order, candidate_depths
 from draftsmith.data.default_prompts import held_out_questions
-from draftsmith.drafters.base import TreeOptions
+from draftsmith.drafters.base import TreeOptions, top_k_problem
 from draftsmith.drafters.eagle import EagleTreeDrafter
 from draftsmith.drafters.io import read_drafter_config
 from draftsmith.drafters.medusa import DYNAMIC, MedusaTreeDrafter
@@ -417,15 +417,16 @@ def search_space(
     ]
 
 
-def parse_numbers(text: str, option: str, least: int = 1) -> list[int]:
-    """``1,2,4`` -> [1, 2, 4], each >= ``least``."""
+def parse_numbers(text: str, option: str, least: int = 1, most: int | None = None) -> list[int]:
+    """``1,2,4`` -> [1, 2, 4], each >= ``least`` (and <= ``most``: a tree number's limit, TREE_LIMITS)."""
     try:
         numbers = sorted({int(part) for part in text.split(",") if part.strip()})
     except ValueError:
         numbers = []
-    if not numbers or numbers[0] < least:
+    if not numbers or numbers[0] < least or (most is not None and numbers[-1] > most):
         example = "0,3" if least == 0 else "1,2,4"
-        raise TuneError(f"{option} takes comma-separated whole numbers >= {least}, e.g. {example}; got {text!r}")
+        allowed = f"from {least} to {most}" if most is not None else f">= {least}"
+        raise TuneError(f"{option} takes comma-separated whole numbers {allowed}, e.g. {example}; got {text!r}")
     return numbers
 
 
@@ -687,6 +688,9 @@ def run_tune(
     if max_new_tokens < 2:
         raise TuneError(f"--max-new-tokens must be at least 2 for a drafting round to happen; got {max_new_tokens}")
     base = tune_base(directory, target)
+    draft_vocab = base.model.config.draft_vocab_limit() or int(target.model.config.vocab_size)
+    if problem := top_k_problem(max(top_ks), draft_vocab):  # torch.topk would fail deep in the first recording
+        raise TuneError(f"--top-k: {problem}; try smaller values")
     search = SEARCHES[family_tree_search(directory)]
     target = serving_target(base, target)
     depth = search.deepest(base, max_depth)

@@ -129,6 +129,11 @@ METHODS: dict[str, Callable[..., Drafter | None]] = {
 }
 
 
+def _names_a_folder(spec: str) -> bool:
+    """Whether a method spec is written as a path (``runs/x/drafter``, ``./d``), never a method's name."""
+    return "/" in spec or spec.startswith(".") or Path(spec).is_absolute()
+
+
 def build_drafter(spec: str, target) -> Drafter | None:
     """``pld``, ``name=ARG`` (e.g. ``fspad=DIR``) or an exported drafter directory itself."""
     if "=" not in spec and Path(spec).is_dir():
@@ -137,6 +142,11 @@ def build_drafter(spec: str, target) -> Drafter | None:
     if ":" in name:  # options straight after a method that takes no argument: pld:num_draft=5
         name, _, options = spec.partition(":")
         arg = ":" + options
+    if name not in METHODS and _names_a_folder(name):
+        raise MethodError(
+            f"{name} does not exist: no drafter folder there (an export that was interrupted writes none; run "
+            "`draftsmith export` again) and no method of that name"
+        )
     if name not in METHODS:
         served_as = f" (a {name} export is served as {FAMILIES[name].method_name}=DIR)" if name in FAMILIES else ""
         raise MethodError(f"unknown method {name!r}{served_as}; available: {', '.join(METHODS)}")

@@ -274,8 +274,8 @@ class Pipeline:
         argv = ["train", self.args.recipe, *self.recipe_overrides(run, steps, save_every=max(1, min(500, steps // 10)))]
         # past the budget the sitting ends with a checkpoint, which is exported (a rerun resumes it)
         argv.append(f"train.max_minutes={self.args.train_minutes * 1.2:g}")
-        if resuming:
-            argv.append("--resume")
+        if resuming:  # the regeneration may have answered more conversations since: go on with all of them
+            argv += ["--resume", "--resume-new-data"]
         self.draftsmith("train", argv)
         return self.draftsmith("train", ["export", str(run), "--out", str(export), "--overwrite"])
 

@@ -221,9 +221,9 @@ def test_llamacpp_serves_the_shipped_eagle3_exported_as_gguf_and_decodes_as_with
     messages = [{"role": "user", "content": "Translate to French: the cat sleeps on the warm windowsill."}]
     prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     tools, model = find_llamacpp_tools(str(llamacpp_bin())), target_gguf_file("smollm2")
-    plain = run_plain(tools, model, prompt, 32, 2, 512)
+    plain = run_plain(tools, model, prompt, 32, 1, 512)
     assert list(plain.prompt_ids) == tokenizer(prompt, add_special_tokens=False)["input_ids"]
     method = LlamaCppMethod("llamacpp=e3", tmp_path / "e3" / "model.gguf", 3)
-    drafted = run_speculative(tools, model, method, prompt, 32, 2, 512)
+    drafted = run_speculative(tools, model, method, prompt, 32, 1, 512)
     assert drafted.accepted > 0 and drafted.steps < drafted.generated
     assert drafted.text.startswith(plain.text) or plain.text.startswith(drafted.text)  # it may overshoot -n

@@ -532,8 +532,9 @@ class LlamaCppBench:
             seconds = run.prompt_seconds + run.decode_seconds
             for scope in scopes_of(turn.category):
                 tally = tallies[scope]
-                steps = run.steps or len(tokens)
-                tally.add(tokens, steps, seconds, turn.base_seconds, reference, turn.where, run.prompt_seconds)
+                # as the runtime counts: the prompt's forward and, with a drafter, each verification forward
+                forwards = run.steps + 1 if run.steps else len(tokens)
+                tally.add(tokens, forwards, seconds, turn.base_seconds, reference, turn.where, run.prompt_seconds)
                 if run.steps:
                     tally.add_engine_counters(run.steps, run.accepted)
         return sums

@@ -57,7 +57,8 @@ def _llamacpp_lines(results: dict[str, Any]) -> list[str]:
         "",
         f"llama.cpp methods on {info['model']} (its prompt token ids equal the runtime's on {info['prompt_ids_match']} "
         "prompts), by its own timings; identical above = equal to llama.cpp's plain decoding (llamacpp), its "
-        "reference, as it rounds activations to 8 bits; tau = its tokens per target forward:",
+        "reference, as it rounds activations to 8 bits; tau above = tokens / (its verification forwards + the "
+        "prompt's), as the runtime counts; tau here = its own, tokens per verification forward:",
         "",
         "| method | depth | tau | tokens/s after the prompt | tokens/s | prompt share | vs llamacpp after the prompt "
         "| vs llamacpp | agreement with the runtime |",

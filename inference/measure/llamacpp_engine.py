@@ -47,7 +47,7 @@ class LlamaCppRun:
     text: str
     prompt_seconds: float
     decode_seconds: float
-    generated: int
+    generated: int  # tokens it decoded after the prompt's forward (a drafter's run: all it committed)
     prompt_ids: tuple[int, ...] = ()
     steps: int = 0
     accepted: int = 0
@@ -96,9 +96,12 @@ def find_llamacpp_tools(directory: str | None) -> Path:
 
 
 def common_arguments(model: Path, prompt: str, max_new_tokens: int, threads: int, context: int) -> list[str]:
-    """Greedy decoding of ``prompt`` as given (no template of llama.cpp's own), on ``threads`` cores."""
+    """Greedy decoding of ``prompt`` as given (no template of llama.cpp's own), on ``threads`` cores, the
+    weights in the file's own layout (``--no-repack``): llama.cpp's AMX kernels, which its repacking picks
+    where the CPU reports AMX, stop with an illegal instruction in VMs that do not give guests AMX's state
+    (this project's Sapphire Rapids VMs)."""
     return [
-        "-m", str(model), "-p", prompt, "-n", str(max_new_tokens), "-c", str(context),
+        "-m", str(model), "-p", prompt, "-n", str(max_new_tokens), "-c", str(context), "--no-repack",
         "--temp", "0", "--top-k", "1", "--seed", "0", "-t", str(threads), "-tb", str(threads),
     ]  # fmt: skip
 
@@ -129,18 +132,18 @@ def run_plain(tools: Path, model: Path, prompt: str, max_new_tokens: int, thread
     done = run_tool([*arguments, "-no-cnv", "--no-display-prompt", "--verbose-prompt"], LLAMACPP, 600)
     text = done.stdout.removesuffix(TRAILER).removesuffix(END_OF_TEXT)
     log = done.stderr
-    # the prompt's ids, one "%6d -> 'piece'" line each, up to the first line that is not one
-    listing = log.split("number of tokens in prompt", 1)[-1].splitlines()[1:]
-    ids = []
-    for line in listing:
-        match = re.match(r"\s*(\d+) -> '", line)
-        if match is None:
-            break
-        ids.append(int(match.group(1)))
     prompt_ms = number(r"prompt eval time =\s*([\d.]+) ms", log, LLAMACPP)
     decode_ms = number(r"\beval time =\s*([\d.]+) ms", log.split("prompt eval time", 1)[-1], LLAMACPP)
     runs = number(r"\beval time =\s*[\d.]+ ms /\s*(\d+) runs", log.split("prompt eval time", 1)[-1], LLAMACPP)
-    return LlamaCppRun(text, prompt_ms / 1000, decode_ms / 1000, int(runs) + 1, tuple(ids))
+    return LlamaCppRun(text, prompt_ms / 1000, decode_ms / 1000, int(runs), prompt_ids(log))
+
+
+def prompt_ids(log: str) -> tuple[int, ...]:
+    """The prompt's token ids as ``--verbose-prompt`` lists them: their count, then one ``ID -> 'piece'``
+    line each (after the log's time and level prefix; a piece may hold line breaks)."""
+    count = int(number(r"number of tokens in prompt = (\d+)", log, LLAMACPP))
+    listing = log.split("number of tokens in prompt", 1)[1]
+    return tuple(int(i) for i in re.findall(r"^(?:\S+ [A-Z] )?\s*(\d+) -> '", listing, re.MULTILINE)[:count])
 
 
 def run_speculative(
@@ -156,8 +159,8 @@ def run_speculative(
         raise LlamaCppError(f"llama.cpp ({method.name}) echoed another prompt than it was given; its output is unread")
     text = text[len(prompt) :].removesuffix(TRAILER).removesuffix(TRAILER)
     log = done.stderr
-    generated = int(number(r"^n_predict\s*=\s*(\d+)", log, method.name))
-    accepted = int(number(r"^n_accept\s*=\s*(\d+)", log, method.name))
+    generated = int(number(r"n_predict\s*=\s*(\d+)", log, method.name))
+    accepted = int(number(r"n_accept\s*=\s*(\d+)", log, method.name))
     return LlamaCppRun(
         text,
         number(r"encoded\s+\d+ tokens in\s+([\d.]+) seconds", log, method.name),

@@ -38,6 +38,7 @@ from draftsmith.inference.measure.errors import BenchError
 from draftsmith.inference.measure.floor import ReadSpeed
 from draftsmith.inference.measure.hf_baselines import PLAIN_BASELINES, hf_greedy
 from draftsmith.inference.measure.llamacpp_engine import (
+    LLAMACPP,
     LlamaCppError,
     LlamaCppMethod,
     find_llamacpp_tools,
@@ -494,7 +495,8 @@ class LlamaCppBench:
         prompts = [self.tokenizer.decode(t.prompt, skip_special_tokens=False) for t in turns]
         context = max(len(t.prompt) for t in turns) + self.max_new_tokens + 64
         try:
-            plains = [run_plain(self.tools, self.model, p, self.max_new_tokens, threads, context) for p in prompts]
+            bar = tqdm(prompts, desc=LLAMACPP, unit="turn", dynamic_ncols=True)
+            plains = [run_plain(self.tools, self.model, p, self.max_new_tokens, threads, context) for p in bar]
         except LlamaCppError as error:
             print(f"bench: {error}", flush=True)
             for method in methods:
@@ -520,9 +522,8 @@ class LlamaCppBench:
         return info
 
     def drafted(self, method: LlamaCppMethod, prompts: list[str], threads: int, context: int) -> list:
-        return [
-            run_speculative(self.tools, self.model, method, p, self.max_new_tokens, threads, context) for p in prompts
-        ]
+        bar = tqdm(prompts, desc=method.name, unit="turn", dynamic_ncols=True)
+        return [run_speculative(self.tools, self.model, method, p, self.max_new_tokens, threads, context) for p in bar]
 
     def tally(self, method, runs, references, turns, tallies: dict[str, Tally]) -> LlamaCppSums:
         sums = LlamaCppSums()

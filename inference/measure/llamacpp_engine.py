@@ -96,12 +96,16 @@ def find_llamacpp_tools(directory: str | None) -> Path:
 
 
 def common_arguments(model: Path, prompt: str, max_new_tokens: int, threads: int, context: int) -> list[str]:
-    """Greedy decoding of ``prompt`` as given (no template of llama.cpp's own), on ``threads`` cores, the
-    weights in the file's own layout (``--no-repack``): llama.cpp's AMX kernels, which its repacking picks
-    where the CPU reports AMX, stop with an illegal instruction in VMs that do not give guests AMX's state
-    (this project's Sapphire Rapids VMs)."""
+    """Greedy decoding of ``prompt`` as given (no template of llama.cpp's own), on ``threads`` cores.
+
+    Without flash attention (``-fa off``): with it (llama.cpp's default here) a verification batch of
+    several rows rounds attention otherwise than one-token decoding, so drafted and plain outputs part on
+    long prompts (with llama.cpp built ``-DGGML_LLAMAFILE=OFF``, whose matrix products otherwise differ by
+    batch shape too: docs/engines.md). The weights stay in the file's own layout (``--no-repack``): the AMX
+    kernels its repacking picks where the CPU reports AMX stop with an illegal instruction in VMs that do
+    not give guests AMX's state (this project's Sapphire Rapids VMs)."""
     return [
-        "-m", str(model), "-p", prompt, "-n", str(max_new_tokens), "-c", str(context), "--no-repack",
+        "-m", str(model), "-p", prompt, "-n", str(max_new_tokens), "-c", str(context), "--no-repack", "-fa", "off",
         "--temp", "0", "--top-k", "1", "--seed", "0", "-t", str(threads), "-tb", str(threads),
     ]  # fmt: skip
 

@@ -226,4 +226,5 @@ def test_llamacpp_serves_the_shipped_eagle3_exported_as_gguf_and_decodes_as_with
     method = LlamaCppMethod("llamacpp=e3", tmp_path / "e3" / "model.gguf", 3)
     drafted = run_speculative(tools, model, method, prompt, 32, 1, 512)
     assert drafted.accepted > 0 and drafted.steps < drafted.generated
-    assert drafted.text.startswith(plain.text)  # the same tokens (it may commit a few past -n)
+    # the same tokens: it may commit a few past -n, and the plain run may stop inside a character (U+FFFD)
+    assert drafted.text.startswith(plain.text.rstrip("\ufffd"))

@@ -93,7 +93,7 @@ if "-md" in args:
     if args[args.index("--spec-draft-n-max") + 1] == "1":
         sys.stderr.write("0.00.010.000 E llama_model_load: error loading model: tensor 'fc.weight' is missing\\n")
         sys.exit(1)
-    sys.stdout.write("\\n\\n" + prompt + answer + "\\n\\n\\n\\n")
+    sys.stdout.write("\\n\\n" + prompt + answer + " It" + "\\n\\n\\n\\n")  # past -n: its last step's tokens
     sys.stderr.write(
         "0.00.500.000 I encoded   12 tokens in    0.200 seconds, speed:   60.000 t/s\\n"
         "0.00.500.001 I decoded    6 tokens in    0.100 seconds, speed:   60.000 t/s\\n"

@@ -62,8 +62,8 @@ def cmd_export(args: argparse.Namespace) -> None:
         gguf = out / "model.gguf"
         print(
             f"exported to {gguf} in llama.cpp's eagle3 layout; serve it with `llama-server -m TARGET.gguf -md {gguf} "
-            f"--spec-type draft-eagle3`, or compare it with `draftsmith bench --methods none,llamacpp,llamacpp={out} "
-            "--llamacpp-bin DIR`"
+            f"--spec-type draft-eagle3 -fa off`, or compare it with `draftsmith bench --methods "
+            f"llamacpp,llamacpp={out} --llamacpp-bin DIR` (docs/engines.md)"
         )
         return
     if args.format != "draftsmith":

@@ -514,7 +514,7 @@ class LlamaCppBench:
                 info[method.name] = {"error": str(error)}
                 del tallies[method.name]
                 continue
-            sums[method.name] = self.tally(method, runs, references, turns, tallies[method.name])
+            sums[method.name] = self.tally(runs, plains, references, turns, tallies[method.name])
         plain_sums = sums.get(next((m.name for m in methods if m.draft is None), ""), None)
         for method in methods:
             if method.name in sums:
@@ -525,10 +525,14 @@ class LlamaCppBench:
         bar = tqdm(prompts, desc=method.name, unit="turn", dynamic_ncols=True)
         return [run_speculative(self.tools, self.model, method, p, self.max_new_tokens, threads, context) for p in bar]
 
-    def tally(self, method, runs, references, turns, tallies: dict[str, Tally]) -> LlamaCppSums:
+    def tally(self, runs, plains, references, turns, tallies: dict[str, Tally]) -> LlamaCppSums:
         sums = LlamaCppSums()
-        for run, reference, turn in zip(runs, references, turns):
-            tokens = self.encoded(run.text)
+        for run, plain, reference, turn in zip(runs, plains, references, turns):
+            # a drafted run commits up to its draft length past -n; where its text extends the plain run's, it
+            # committed the plain tokens (encoding the longer text could merge the last ones otherwise; the plain
+            # run's last token may end inside a character, printed as U+FFFD)
+            extends = run.text.startswith(plain.text.rstrip("\ufffd"))
+            tokens = reference if extends else self.encoded(run.text)
             sums.add(run, tokens, turn.reference)
             seconds = run.prompt_seconds + run.decode_seconds
             for scope in scopes_of(turn.category):

@@ -284,6 +284,29 @@ def smollm2_gguf_path() -> Path:
         raise entry.missing_package() from None
 
 
+def target_gguf_file(name: str | None) -> Path | None:
+    """The GGUF file llama.cpp serves a target from: a .gguf target itself, or a named target's (the one
+    its package carries, or assembles once into the cache); None for a model directory or hub id."""
+    path = Path(name).expanduser() if name else None
+    if path is not None and path.suffix == ".gguf":
+        if not path.is_file():
+            raise TargetError(f"GGUF file {path} does not exist")
+        return path
+    entry = embedded_target(name)
+    if entry is None:
+        return None
+    if isinstance(entry.gguf, PackagedGGUF):
+        try:
+            return entry.gguf.path()
+        except ImportError:
+            raise entry.missing_package() from None
+    assembled = cache_root() / "targets" / f"{entry.cache_prefix}-gguf-{entry.gguf_sha256()[:16]}"
+    if not assembled.is_dir():
+        with atomic_directory(assembled) as staging:
+            entry.materialise_gguf(staging)
+    return next(assembled.glob("*.gguf"))
+
+
 def _weights_fingerprint(model_dir: Path) -> str:
     """A cheap fingerprint of a local model directory's weight files (size, head and tail bytes):
     hashing multi-GB weights on every load would cost more than the load itself."""

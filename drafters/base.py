@@ -21,7 +21,7 @@ import typing
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import nn
@@ -32,6 +32,9 @@ from draftsmith.core.errors import DraftsmithError
 from draftsmith.drafters.engine_layouts import EngineExport, EngineLayoutError, Verifier
 from draftsmith.drafters.io import load_drafter_weights, load_weights_into, save_drafter_weights
 from draftsmith.drafters.vocab import most_frequent_tokens, vocab_token_ids
+
+if TYPE_CHECKING:  # the gguf package is imported by exports only
+    from draftsmith.drafters.gguf_layout import LlamaCppDraft
 
 
 class UnknownOptionError(DraftsmithError, ValueError):
@@ -297,7 +300,8 @@ class DrafterModel(nn.Module):
 
     The trainer calls :meth:`fit_data`, :meth:`init_from_target`, :meth:`load_initial_weights` and
     :meth:`attach_target` in that order; ``draftsmith export`` calls :meth:`save_pretrained` and
-    :meth:`parameter_counts` (``--format vllm|speculators|sglang``: :meth:`engine_layout`); the runtime
+    :meth:`parameter_counts` (``--format vllm|speculators|sglang``: :meth:`engine_layout`; ``gguf``:
+    :meth:`llamacpp_layout`); the runtime
     calls :meth:`from_pretrained` and :meth:`runtime_drafter`."""
 
     config_class: ClassVar[type[DrafterConfig]]
@@ -367,6 +371,15 @@ class DrafterModel(nn.Module):
         raise EngineLayoutError(
             f"a {self.config.drafter_family!r} drafter has no {fmt} layout (no serving engine runs this "
             "family); serve it with `draftsmith generate` or `draftsmith bench`"
+        )
+
+    def llamacpp_layout(self, speculative_tokens: int | None) -> LlamaCppDraft:
+        """This drafter as llama.cpp loads it (``--format gguf``), proposing ``speculative_tokens`` per step
+        by default (None: the family's own); families llama.cpp can serve override it."""
+        raise EngineLayoutError(
+            f"a {self.config.drafter_family!r} drafter has no gguf layout: llama.cpp's learned drafters are "
+            "EAGLE-3 (draft-eagle3) and DFlash-style blocks; export an eagle3 drafter, or serve this one with "
+            "`draftsmith generate`"
         )
 
 

@@ -22,7 +22,7 @@ reference reads a reserved mask token's (frozen) embedding where this drafter le
 from __future__ import annotations
 
 import io
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -56,6 +56,9 @@ from draftsmith.drafters.engine_layouts import (
     llama_layers,
 )
 from draftsmith.drafters.vocab import DraftHead, modules_with_head, unused_token_id
+
+if TYPE_CHECKING:
+    from draftsmith.drafters.gguf_layout import LlamaCppDraft
 
 
 class DFlashConfigError(DraftsmithError, ValueError):
@@ -290,6 +293,14 @@ class DFlashModel(DraftVocabMixin, DrafterModel):
         if fmt != "vllm":
             raise EngineLayoutError(f"DFlash's only engine layout is vLLM's dflash method: --format vllm, not {fmt}")
         return vllm_dflash_layout(self, speculative_tokens)
+
+    def llamacpp_layout(self, speculative_tokens: int | None) -> LlamaCppDraft:
+        raise EngineLayoutError(
+            "DFlash has no gguf layout yet: llama.cpp's dflash graph requires Qwen3's q/k norms (drafter.qk_norm="
+            "true) and drafts its masks with a vocabulary token's embedding, where this drafter learned its own "
+            "mask_embedding, so its GGUF would carry the target's embedding with that row replaced, which has not "
+            "been checked against llama.cpp; serve it with `draftsmith generate` or --format vllm"
+        )
 
 
 # vLLM 0.32's ``dflash`` method (model_executor/models/qwen3_dflash.py, v1/spec_decode/dflash.py) runs this

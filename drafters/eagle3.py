@@ -54,8 +54,10 @@ from draftsmith.drafters.engine_layouts import (
     check_ascending_aux_layers,
     engine_tensor,
     llama_layer_config,
+    llama_layers,
     speculators_block,
 )
+from draftsmith.drafters.gguf_layout import LlamaCppDraft, llama_rope_rows
 from draftsmith.drafters.io import load_weights_into
 from draftsmith.drafters.vocab import draft_vocab_maps, most_frequent_tokens
 
@@ -330,6 +332,15 @@ class Eagle3Model(DrafterModel):
             return sglang_eagle3_layout(self, speculative_tokens or self.config.depth)
         return speculators_eagle3_layout(self, verifier, speculative_tokens or self.config.depth)
 
+    def llamacpp_layout(self, speculative_tokens: int | None) -> LlamaCppDraft:
+        if self.config.feature_sampler or self.config.partial_alignment:
+            raise EngineLayoutError(
+                "FSPAD-3 has no gguf layout: llama.cpp's eagle3 graph has no feature sampler and feeds back the "
+                "token head's own input (no partial alignment); serve it with `draftsmith generate`, or export "
+                "an eagle3 drafter"
+            )
+        return llamacpp_eagle3_layout(self, speculative_tokens or self.config.depth)
+
 
 # How the engines' EAGLE-3 models take this drafter: vLLM reads ``norm_before_residual`` (true here:
 # the residual starts from the normed hidden) and defaults it to true, the speculators library to false,
@@ -421,6 +432,100 @@ def sglang_eagle3_layout(model: Eagle3Model, speculative_tokens: int) -> EngineE
         required_tensors=("fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"),
         speculative_tokens=speculative_tokens,
         caveat=SGLANG_RESIDUAL_CAVEAT,
+    )
+
+
+# llama.cpp's eagle3 tensors (src/models/eagle3.cpp) by this drafter's parameter names; ``d2t`` is written
+# as absolute target ids and ``t2d`` (target -> draft) has no use there.
+LLAMACPP_EAGLE3_TENSORS = {
+    "fc.weight": "fc.weight",
+    "layer.input_layernorm.weight": "blk.0.attn_norm.weight",
+    "layer.hidden_norm.weight": "blk.0.attn_norm_2.weight",
+    "layer.self_attn.q_proj.weight": "blk.0.attn_q.weight",
+    "layer.self_attn.k_proj.weight": "blk.0.attn_k.weight",
+    "layer.self_attn.v_proj.weight": "blk.0.attn_v.weight",
+    "layer.self_attn.o_proj.weight": "blk.0.attn_output.weight",
+    "layer.post_attention_layernorm.weight": "blk.0.ffn_norm.weight",
+    "layer.mlp.gate_proj.weight": "blk.0.ffn_gate.weight",
+    "layer.mlp.up_proj.weight": "blk.0.ffn_up.weight",
+    "layer.mlp.down_proj.weight": "blk.0.ffn_down.weight",
+    "norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+# What llama.cpp reads without a default (llama_model_base::load_hparams and the eagle3 loader).
+LLAMACPP_EAGLE3_KEYS = (
+    "context_length",
+    "embedding_length",
+    "block_count",
+    "feed_forward_length",
+    "attention.head_count",
+    "attention.head_count_kv",
+    "attention.layer_norm_rms_epsilon",
+    "rope.freq_base",
+    "rope.dimension_count",
+    "target_layers",
+    "target_hidden_size",
+    "norm_before_residual",
+)
+
+
+def llamacpp_eagle3_layout(model: Eagle3Model, speculative_tokens: int) -> LlamaCppDraft:
+    """llama.cpp's ``eagle3`` GGUF: one Llama layer (q/k rows in ggml's RoPE order), ``fc``, ``output``
+    over the draft vocabulary and ``d2t`` as absolute target ids (absent for the whole vocabulary, which
+    llama.cpp then assumes); no token embedding (llama.cpp reads the target's). ``norm_before_residual``
+    is true, as this drafter trains."""
+    config = model.config
+    layer = llama_layers(config.layer, 1)
+    rope_type = (layer.rope_parameters or {}).get("rope_type", "default")
+    unsupported = {
+        "len(drafter.aux_layer_ids) != 3": len(config.aux_layer_ids) != 3,
+        f"the activation {layer.hidden_act}": layer.hidden_act != "silu",
+        f"RoPE scaling {rope_type!r}": rope_type != "default",
+        "attention or MLP biases": bool(layer.attention_bias or layer.mlp_bias),
+    }
+    for what, present in unsupported.items():
+        if present:
+            raise EngineLayoutError(f"llama.cpp's eagle3 graph cannot run this drafter: {what}")
+    heads, kv_heads = layer.num_attention_heads, layer.num_key_value_heads
+    head_dim = getattr(layer, "head_dim", None) or layer.hidden_size // heads
+    state = model.state_dict()
+    unmapped = sorted(set(state) - set(LLAMACPP_EAGLE3_TENSORS) - {"d2t", "t2d"})
+    if unmapped:
+        raise EngineLayoutError(f"llama.cpp's eagle3 graph has no place for {', '.join(unmapped)}")
+    tensors = {gguf_name: state[name] for name, gguf_name in LLAMACPP_EAGLE3_TENSORS.items()}
+    tensors["blk.0.attn_q.weight"] = llama_rope_rows(tensors["blk.0.attn_q.weight"], heads)
+    tensors["blk.0.attn_k.weight"] = llama_rope_rows(tensors["blk.0.attn_k.weight"], kv_heads)
+    vocab = int(config.layer["vocab_size"])
+    if int(config.draft_vocab_size) < vocab:
+        tensors["d2t"] = model.draft_token_ids().to(torch.int64)
+    metadata = {
+        "context_length": int(layer.max_position_embeddings),
+        "embedding_length": int(layer.hidden_size),
+        "block_count": 1,
+        "feed_forward_length": int(layer.intermediate_size),
+        "attention.head_count": int(heads),
+        "attention.head_count_kv": int(kv_heads),
+        "attention.key_length": int(head_dim),
+        "attention.value_length": int(head_dim),
+        "attention.layer_norm_rms_epsilon": float(layer.rms_norm_eps),
+        "rope.freq_base": float(layer.rope_parameters["rope_theta"]),
+        "rope.dimension_count": int(head_dim),
+        "vocab_size": vocab,
+        "target_layers": [int(i) for i in config.aux_layer_ids],
+        "target_hidden_size": int(config.hidden_size),
+        "norm_before_residual": True,
+        "norm_before_fc": False,
+    }
+    return LlamaCppDraft(
+        architecture="eagle3",
+        metadata=metadata,
+        tensors=tensors,
+        target_vocab_size=vocab,
+        target_hidden_size=int(config.hidden_size),
+        target_layers=list(config.aux_layer_ids),
+        speculative_tokens=speculative_tokens,
+        required_keys=LLAMACPP_EAGLE3_KEYS,
+        required_tensors=tuple(LLAMACPP_EAGLE3_TENSORS.values()),
     )
 
 

@@ -225,14 +225,22 @@ def check_drafter_target(config: dict[str, Any], target: Target, directory: str 
 
 def is_exported_drafter(path: Path) -> bool:
     """Whether ``path`` holds what ``draftsmith export`` writes, in any format (its config.json names a
-    drafter family, or records an engine export; older exports: a speculators model type)."""
+    drafter family, or records an engine export; older exports: a speculators model type; a GGUF export:
+    its record in the file)."""
     try:
         config = json.loads((Path(path) / "config.json").read_text())
     except (OSError, ValueError):
-        return False
+        return is_gguf_export(Path(path))
     return isinstance(config, dict) and any(
         key in config for key in ("drafter_family", ENGINE_EXPORT_KEY, "speculators_model_type")
     )
+
+
+def is_gguf_export(path: Path) -> bool:
+    """Whether ``path`` holds a ``--format gguf`` export: a GGUF file carrying draftsmith's record."""
+    from draftsmith.drafters.gguf_layout import GGUF_FILE, read_gguf_record  # it writes with this module
+
+    return (path / GGUF_FILE).is_file() and read_gguf_record(path / GGUF_FILE) is not None
 
 
 # What an export (of any family or format) writes, for one made before its files were recorded; `tune`

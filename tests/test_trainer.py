@@ -436,9 +436,10 @@ def test_an_export_stores_its_weights_in_the_precision_the_run_trained_in(tmp_pa
     from draftsmith.inference.methods.learned import load_drafter
     from draftsmith.inference.runtime import generate
     from draftsmith.train.commands import EXPORT_DTYPES
-    from draftsmith.train.export import STORAGE_DTYPES
+    from draftsmith.train.export import DTYPES_BY_FORMAT, STORAGE_DTYPES
 
-    assert EXPORT_DTYPES == tuple(STORAGE_DTYPES)
+    assert set(EXPORT_DTYPES) == {dtype for dtypes in DTYPES_BY_FORMAT.values() for dtype in dtypes}
+    assert DTYPES_BY_FORMAT["draftsmith"] == tuple(STORAGE_DTYPES)
     recipe_path = write_recipe(tmp_path, tiny_target_dir, prepared_dir)
     recipe = load_train_recipe(recipe_path, ["train.max_steps=1"])
     train(recipe)  # in float32 (one process keeps one accelerate precision: a bf16 run is said in run_info)

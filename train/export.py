@@ -3,7 +3,7 @@
 The directory holds ``config.json`` (the family's config with ``drafter_family`` and the target's
 identity) and ``model.safetensors`` (the drafter's own weights, nothing of the target), which
 ``inference/`` loads with one call and refuses for any other target. ``--format vllm|speculators|sglang``
-writes a serving engine's layout instead.
+writes a serving engine's layout instead, ``--format gguf`` llama.cpp's (``model.gguf``).
 """
 
 from __future__ import annotations
@@ -16,8 +16,15 @@ import yaml
 from safetensors import safe_open
 
 from draftsmith.core.io import check_creatable_directory, check_output_directory, verify_files
-from draftsmith.core.target import TargetIdentity, load_tokenizer, safetensors_directory, target_name
+from draftsmith.core.target import (
+    TargetIdentity,
+    load_tokenizer,
+    safetensors_directory,
+    target_gguf_file,
+    target_name,
+)
 from draftsmith.drafters.engine_layouts import ENGINE_FORMATS, EngineLayoutError, Verifier
+from draftsmith.drafters.gguf_layout import GGUF_DTYPES, export_gguf
 from draftsmith.drafters.io import (
     check_finite_weights,
     drafter_output_rules,
@@ -43,9 +50,11 @@ from draftsmith.train.recipe_loader import build
 EMBEDDING = "model.embed_tokens.weight"
 
 
-FORMATS = ("draftsmith", *ENGINE_FORMATS)
+FORMATS = ("draftsmith", *ENGINE_FORMATS, "gguf")
 # the precisions an export may store its weights in; the runtime computes in the target's dtype either way
 STORAGE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# by format: the draftsmith layout's above, llama.cpp's GGUF (default float32); engine layouts keep the checkpoint's
+DTYPES_BY_FORMAT = {"draftsmith": tuple(STORAGE_DTYPES), "gguf": GGUF_DTYPES}
 
 
 def trained_precision(run_dir: Path) -> str:
@@ -80,20 +89,16 @@ def export_run(
     run_dir = Path(run_dir)
     if fmt not in FORMATS:
         raise CheckpointError(f"unknown export format {fmt!r}; use one of {', '.join(FORMATS)}")
-    if dtype is not None and (dtype not in STORAGE_DTYPES or fmt != "draftsmith"):
-        raise CheckpointError(
-            f"--dtype {dtype}: an export stores its weights as {' or '.join(STORAGE_DTYPES)}, in draftsmith's "
-            "layout only; an engine layout keeps the checkpoint's"
-        )
+    check_storage_dtype(fmt, dtype)
     recipe_path = run_dir / RESOLVED_RECIPE
     exported = exported_drafter_source(run_dir) if not recipe_path.is_file() else None
     if exported is not None:
         if fmt == "draftsmith" or checkpoint is not None or best:
             raise CheckpointError(
                 f"{run_dir} is an exported drafter, not a training run: it has no checkpoints to choose from, and "
-                "it is already in draftsmith's layout; give --format vllm, speculators or sglang to convert it"
+                "it is already in draftsmith's layout; give --format vllm, speculators, sglang or gguf to convert it"
             )
-        return export_exported_drafter(exported, out, overwrite, fmt, verifier, speculative_tokens)
+        return export_exported_drafter(exported, out, overwrite, fmt, verifier, speculative_tokens, dtype)
     if not recipe_path.is_file():
         raise CheckpointError(
             f"{run_dir} is not a training run (no {RESOLVED_RECIPE}) nor an exported drafter; give the run's "
@@ -117,8 +122,22 @@ def export_run(
     if fmt == "draftsmith":
         model = model.to(STORAGE_DTYPES[dtype or trained_precision(run_dir)])
         return export_drafter(model, state["target_identity"], out, overwrite=overwrite, keep=keep)
+    trained_for = state["target_identity"]
+    if fmt == "gguf":
+        return write_gguf_layout(model, verifier, trained_for, speculative_tokens, dtype, out, overwrite, keep)
     verifier = verifier or recipe.target.name
-    return write_engine_layout(model, fmt, verifier, state["target_identity"], speculative_tokens, out, overwrite, keep)
+    return write_engine_layout(model, fmt, verifier, trained_for, speculative_tokens, out, overwrite, keep)
+
+
+def check_storage_dtype(fmt: str, dtype: str | None) -> None:
+    """``--dtype`` is for the layouts that choose their precision (:data:`DTYPES_BY_FORMAT`)."""
+    if dtype is None or dtype in DTYPES_BY_FORMAT.get(fmt, ()):
+        return
+    choices = "; ".join(f"{name}: {', '.join(dtypes)}" for name, dtypes in DTYPES_BY_FORMAT.items())
+    raise CheckpointError(
+        f"--dtype {dtype} with --format {fmt}: an export stores its weights as ({choices}); the other engine "
+        "layouts keep the checkpoint's"
+    )
 
 
 def exported_drafter_source(path: Path) -> Path | None:
@@ -133,7 +152,13 @@ def exported_drafter_source(path: Path) -> Path | None:
 
 
 def export_exported_drafter(
-    directory: Path, out: Path, overwrite: bool, fmt: str, verifier: str | None, speculative_tokens: int | None
+    directory: Path,
+    out: Path,
+    overwrite: bool,
+    fmt: str,
+    verifier: str | None,
+    speculative_tokens: int | None,
+    dtype: str | None = None,
 ) -> Path:
     """An exported drafter (its files checked first) in a serving engine's layout, for ``verifier``
     (default: the target it was exported for, by its embedded name where it has one)."""
@@ -144,6 +169,8 @@ def export_exported_drafter(
     check_creatable_directory(Path(out))
     model = family.model_class.from_pretrained(str(directory)).float()
     identity = config["target_identity"]
+    if fmt == "gguf":
+        return write_gguf_layout(model, verifier, identity, speculative_tokens, dtype, out, overwrite, keep)
     verifier = verifier or target_name(identity["name"])
     return write_engine_layout(model, fmt, verifier, identity, speculative_tokens, out, overwrite, keep)
 
@@ -165,6 +192,38 @@ def write_engine_layout(
         return export_for_engine(model, fmt, engine_target, speculative_tokens, trained_for, out, overwrite, keep)
     except EngineLayoutError as error:
         raise CheckpointError(f"cannot export {keep[0][1]} as {fmt}: {error}") from None
+
+
+def write_gguf_layout(
+    model: torch.nn.Module,
+    verifier: str | None,
+    trained_for: dict[str, str],
+    speculative_tokens: int | None,
+    dtype: str | None,
+    out: Path,
+    overwrite: bool,
+    keep: tuple[tuple[str, Path], ...],
+) -> Path:
+    """``model`` as llama.cpp's GGUF for the target whose GGUF ``verifier`` names (default: the embedded
+    target it was trained for), weights stored as ``dtype`` (default float32)."""
+    try:
+        path = target_gguf(verifier, trained_for)
+        return export_gguf(model, path, speculative_tokens, dtype or "float32", trained_for, out, overwrite, keep)
+    except EngineLayoutError as error:
+        raise CheckpointError(f"cannot export {keep[0][1]} as gguf: {error}") from None
+
+
+def target_gguf(verifier: str | None, trained_for: dict[str, str]) -> Path:
+    """The target's GGUF file, whose tokenizer a GGUF drafter carries: ``verifier`` (a .gguf file or a named
+    target), by default the named target the drafter was trained for."""
+    name = verifier or target_name(trained_for["name"])
+    path = target_gguf_file(name)
+    if path is None:
+        raise CheckpointError(
+            f"a gguf export copies the target's tokenizer from its GGUF, and {name!r} is no named target; pass "
+            "--verifier TARGET.gguf (the file llama.cpp serves the target from)"
+        )
+    return path
 
 
 def engine_verifier(name: str, trained_for: dict[str, str]) -> Verifier:

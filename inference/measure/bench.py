@@ -6,7 +6,8 @@ model the runtime decodes: see ``kernels/packed_gemm.py``); then each method run
 Multi-turn questions ask the second turn after the model's own first answer (the reference one, so
 every method sees the same prompt).
 Methods run interleaved prompt by prompt, so machine noise hits all of them alike; ``vllm`` and
-``vllm=DIR`` (vLLM in its own environment, see ``vllm_engine.py``) run afterwards on the same prompts.
+``vllm=DIR`` (vLLM in its own environment, see ``vllm_engine.py``) and ``llamacpp`` and ``llamacpp=DIR``
+(llama.cpp's tools, see ``llamacpp_engine.py``) run afterwards on the same prompts.
 Each finished question is appended to ``OUT/progress.jsonl`` (:mod:`bench_resume`), so a bench that
 stops continues with ``--resume`` where it stopped; :mod:`bench_report` writes the table and the chart.
 """
@@ -36,6 +37,16 @@ from draftsmith.inference.measure.bench_resume import BenchProgress
 from draftsmith.inference.measure.errors import BenchError
 from draftsmith.inference.measure.floor import ReadSpeed
 from draftsmith.inference.measure.hf_baselines import PLAIN_BASELINES, hf_greedy
+from draftsmith.inference.measure.llamacpp_engine import (
+    LLAMACPP,
+    LlamaCppError,
+    LlamaCppMethod,
+    find_llamacpp_tools,
+    is_llamacpp_method,
+    parse_llamacpp_method,
+    run_plain,
+    run_speculative,
+)
 from draftsmith.inference.measure.vllm_engine import VllmMethod, is_vllm_method, parse_vllm_method, run_vllm
 from draftsmith.inference.methods.table import build_drafter
 from draftsmith.inference.runtime import generate
@@ -308,13 +319,17 @@ def run_bench(
     vllm_python: str | None = None,
     target_dir: Path | None = None,
     progress: BenchProgress | None = None,
+    llamacpp_bin: str | None = None,
+    llamacpp_model: Path | None = None,
 ) -> dict[str, Any]:
     """Per method, overall and per category: tau, speedup, tokens_per_s, identical, total. Every runtime
     method verifies through ``backends`` (default: the default kernel options); its kernels are built
     before any timing, and compile and packing time are kept out of the timings (reported apart).
 
     ``vllm`` / ``vllm=DIR`` methods run after the others, in vLLM (``vllm_python``'s environment, the
-    target opened from ``target_dir``), on the same prompts, each prompt timed alone.
+    target opened from ``target_dir``), on the same prompts, each prompt timed alone; ``llamacpp`` /
+    ``llamacpp=DIR`` after them, in llama.cpp's tools (``llamacpp_bin``) on the target's GGUF
+    ``llamacpp_model``.
 
     ``progress``: each finished question is appended to it, and the questions it already holds (from a
     run that stopped) are taken from it instead of decoded again."""
@@ -328,10 +343,16 @@ def run_bench(
         vllm_python = find_vllm_python(vllm_python)  # before any decoding, so a missing vLLM costs nothing
         if target_dir is None:
             raise BenchError("vLLM opens the target as a safetensors model directory; give --target DIR")
-    methods = [RUNTIME_ALONE] + [m for m in methods if m != RUNTIME_ALONE and not is_vllm_method(m)]
+    llama_methods = [parse_llamacpp_method(m, target) for m in methods if is_llamacpp_method(m)]
+    if llama_methods:  # before any decoding, so missing tools cost nothing
+        llamacpp_bin = str(find_llamacpp_tools(llamacpp_bin))
+        if llamacpp_model is None:
+            raise BenchError("llama.cpp serves the target from its GGUF: give --llamacpp-model FILE.gguf")
+    engine_specs = [m.name for m in engine_methods] + [m.name for m in llama_methods]
+    methods = [RUNTIME_ALONE] + [m for m in methods if m != RUNTIME_ALONE and m not in engine_specs]
     plain = {name: PLAIN_BASELINES[name](target.model) for name in methods if name in PLAIN_BASELINES}
     drafters = {name: build_drafter(name, target) for name in methods if name not in plain}
-    names = [BASELINE, *methods, *(m.name for m in engine_methods)]
+    names = [BASELINE, *methods, *engine_specs]
     tallies: dict[str, dict[str, Tally]] = {name: defaultdict(Tally) for name in names}
     turns: list[Turn] = []
     backends.prepare(target.model)  # kernels built here, outside every timing
@@ -363,6 +384,8 @@ def run_bench(
     if read_speed is not None:
         read_speed.passes()
     engine_info = _run_engines(engine_methods, turns, tallies, vllm_python, target_dir, max_new_tokens, eos)
+    llama = LlamaCppBench(Path(llamacpp_bin or "."), llamacpp_model, target.tokenizer, max_new_tokens)
+    llamacpp_info = llama.run(llama_methods, turns, tallies) if llama_methods else {}
     return {
         "target": target.identity.to_dict(),
         "max_new_tokens": max_new_tokens,
@@ -377,6 +400,7 @@ def run_bench(
         "baseline": BASELINE,
         "methods": {name: {scope: t.summary() for scope, t in scopes.items()} for name, scopes in tallies.items()},
         **({"vllm": engine_info} if engine_info else {}),
+        **({"llamacpp": llamacpp_info} if llamacpp_info else {}),
     }
 
 
@@ -411,6 +435,114 @@ def _run_engines(
                 tally.add(result["tokens"], forwards, result["seconds"], turn.base_seconds, turn.reference, turn.where)
                 tally.add_engine_counters(result["drafts"], result["accepted"])
     return engine_info
+
+
+@dataclass
+class LlamaCppSums:
+    """One llama.cpp method's totals over the prompts: llama.cpp's own token counts and seconds, and how
+    its tokens compare with the runtime's."""
+
+    generated: int = 0  # tokens llama.cpp decoded (the plain tool's after the prompt's forward)
+    prompt_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    agreeing: int = 0  # positions where its tokens equal the runtime's reference
+    compared: int = 0
+    identical_to_runtime: int = 0
+
+    def add(self, run, tokens: list[int], runtime: list[int]) -> None:
+        self.generated += run.generated
+        self.prompt_seconds += run.prompt_seconds
+        self.decode_seconds += run.decode_seconds
+        self.agreeing += sum(a == b for a, b in zip(tokens, runtime))
+        self.compared += max(len(tokens), len(runtime))
+        self.identical_to_runtime += tokens == runtime
+
+    def summary(self, plain: LlamaCppSums | None) -> dict[str, Any]:
+        seconds = self.prompt_seconds + self.decode_seconds
+        after = self.generated / self.decode_seconds if self.decode_seconds else 0.0
+        summary = {
+            "tokens_per_s_after_prompt": round(after, 2),
+            "tokens_per_s": round(self.generated / seconds, 2) if seconds else 0.0,
+            "prompt_share": round(self.prompt_seconds / seconds, 3) if seconds else 0.0,
+            "agreement_with_runtime": round(self.agreeing / self.compared, 4) if self.compared else 0.0,
+            "identical_to_runtime": self.identical_to_runtime,
+        }
+        if plain is not None and plain is not self and plain.decode_seconds and plain.generated:
+            plain_after = plain.generated / plain.decode_seconds
+            plain_overall = plain.generated / (plain.prompt_seconds + plain.decode_seconds)
+            summary["speedup_after_prompt_vs_llamacpp"] = round(after / plain_after, 3)
+            summary["speedup_vs_llamacpp"] = round(summary["tokens_per_s"] / plain_overall, 3)
+        return summary
+
+
+@dataclass
+class LlamaCppBench:
+    """The ``llamacpp`` methods over every benchmarked turn: llama.cpp's plain decoding of each prompt first
+    (every llama.cpp row's reference: llama.cpp rounds activations to 8 bits, so the runtime's tokens are
+    compared apart), then each drafter method; a method that fails is reported and left out."""
+
+    tools: Path
+    model: Path | None
+    tokenizer: Any
+    max_new_tokens: int
+
+    def encoded(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"][: self.max_new_tokens]
+
+    def run(self, methods: list[LlamaCppMethod], turns: list[Turn], tallies: dict[str, dict[str, Tally]]) -> dict:
+        threads = torch.get_num_threads()
+        print(f"bench: {', '.join(m.name for m in methods)} in llama.cpp ({len(turns)} prompts)", flush=True)
+        prompts = [self.tokenizer.decode(t.prompt, skip_special_tokens=False) for t in turns]
+        context = max(len(t.prompt) for t in turns) + self.max_new_tokens + 64
+        try:
+            bar = tqdm(prompts, desc=LLAMACPP, unit="turn", dynamic_ncols=True)
+            plains = [run_plain(self.tools, self.model, p, self.max_new_tokens, threads, context) for p in bar]
+        except LlamaCppError as error:
+            print(f"bench: {error}", flush=True)
+            for method in methods:
+                del tallies[method.name]
+            return {"error": str(error)}
+        references = [self.encoded(run.text) for run in plains]
+        matching = sum(list(run.prompt_ids) == turn.prompt for run, turn in zip(plains, turns))
+        info: dict[str, Any] = {"model": str(self.model), "prompt_ids_match": f"{matching}/{len(turns)}"}
+        sums = {}
+        for method in methods:
+            try:
+                runs = plains if method.draft is None else self.drafted(method, prompts, threads, context)
+            except LlamaCppError as error:
+                print(f"bench: {error}", flush=True)
+                info[method.name] = {"error": str(error)}
+                del tallies[method.name]
+                continue
+            sums[method.name] = self.tally(runs, plains, references, turns, tallies[method.name])
+        plain_sums = sums.get(next((m.name for m in methods if m.draft is None), ""), None)
+        for method in methods:
+            if method.name in sums:
+                info[method.name] = {"depth": method.depth, **sums[method.name].summary(plain_sums)}
+        return info
+
+    def drafted(self, method: LlamaCppMethod, prompts: list[str], threads: int, context: int) -> list:
+        bar = tqdm(prompts, desc=method.name, unit="turn", dynamic_ncols=True)
+        return [run_speculative(self.tools, self.model, method, p, self.max_new_tokens, threads, context) for p in bar]
+
+    def tally(self, runs, plains, references, turns, tallies: dict[str, Tally]) -> LlamaCppSums:
+        sums = LlamaCppSums()
+        for run, plain, reference, turn in zip(runs, plains, references, turns):
+            # a drafted run commits up to its draft length past -n; where its text extends the plain run's, it
+            # committed the plain tokens (encoding the longer text could merge the last ones otherwise; the plain
+            # run's last token may end inside a character, printed as U+FFFD)
+            extends = run.text.startswith(plain.text.rstrip("\ufffd"))
+            tokens = reference if extends else self.encoded(run.text)
+            sums.add(run, tokens, turn.reference)
+            seconds = run.prompt_seconds + run.decode_seconds
+            for scope in scopes_of(turn.category):
+                tally = tallies[scope]
+                # as the runtime counts: the prompt's forward and, with a drafter, each verification forward
+                forwards = run.steps + 1 if run.steps else len(tokens)
+                tally.add(tokens, forwards, seconds, turn.base_seconds, reference, turn.where, run.prompt_seconds)
+                if run.steps:
+                    tally.add_engine_counters(run.steps, run.accepted)
+        return sums
 
 
 def _head_rows(kernels: KernelContext | None) -> tuple[int, int]:

@@ -42,7 +42,52 @@ def markdown_table(results: dict[str, Any]) -> str:
             for name, s in engines.items()
             if "engine_acceptance_length" in s
         ]
+    lines += _llamacpp_lines(results)
     return "\n".join(lines) + "\n"
+
+
+def _llamacpp_lines(results: dict[str, Any]) -> list[str]:
+    """The llama.cpp methods by llama.cpp's own timings and counters, against llama.cpp's plain decoding."""
+    info = results.get("llamacpp")
+    if not info:
+        return []
+    if "error" in info:
+        return ["", f"llama.cpp methods did not run: {info['error']}"]
+    lines = [
+        "",
+        f"llama.cpp methods on {info['model']} (its prompt token ids equal the runtime's on {info['prompt_ids_match']} "
+        "prompts), by its own timings; identical above = equal to llama.cpp's plain decoding (llamacpp), its "
+        "reference, as it rounds activations to 8 bits; tau above = tokens / (its verification forwards + the "
+        "prompt's), as the runtime counts; tau here = its own, tokens per verification forward:",
+        "",
+        "| method | depth | tau | tokens/s after the prompt | tokens/s | prompt share | vs llamacpp after the prompt "
+        "| vs llamacpp | agreement with the runtime |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for name, method in info.items():
+        if not isinstance(method, dict):
+            continue
+        if "error" in method:
+            lines.append(f"| {table_cell(name)} | did not run: {table_cell(method['error'])} |")
+            continue
+        overall = results["methods"][name]["overall"]
+        cells = [
+            name,
+            str(method["depth"] or "-"),
+            f"{overall.get('engine_acceptance_length', 1.0):.2f}",
+            f"{method['tokens_per_s_after_prompt']:.1f}",
+            f"{method['tokens_per_s']:.1f}",
+            f"{method['prompt_share']:.0%}",
+            _ratio(method.get("speedup_after_prompt_vs_llamacpp")),
+            _ratio(method.get("speedup_vs_llamacpp")),
+            f"{method['agreement_with_runtime']:.1%} ({method['identical_to_runtime']}/{overall['total']} identical)",
+        ]
+        lines.append("| " + " | ".join(map(table_cell, cells)) + " |")
+    return lines
+
+
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
 
 
 def after_the_prompt(alone: dict[str, Any] | None, method: dict[str, Any]) -> float | None:

@@ -16,7 +16,7 @@ from conftest import tiny_gemma3, tiny_llama
 from draftsmith.core.tree import DraftTree, best_first_tree, cartesian_tree, tree_attention_inputs
 from draftsmith.drafters.streaming import StreamingConfig, StreamingConfigError, StreamingModel
 from draftsmith.inference.runtime import generate
-from draftsmith.train.losses import streaming_loss
+from draftsmith.train.losses.streaming import streaming_loss
 from helpers import STREAMING_VOCAB as VOCAB
 from helpers import TINY_EOS as EOS
 from helpers import (
@@ -295,7 +295,7 @@ def test_stream_attention_in_row_chunks_gives_the_same_loss_and_gradients(rows):
 
 def test_chunked_ce_keeps_no_chunk_logits_for_the_backward():
     """Each chunk's logits are made again in the backward (checkpointed), not stored; rows are exact."""
-    from draftsmith.train.losses import _chunked_ce
+    from draftsmith.train.losses.chunked import chunked_ce
 
     torch.manual_seed(0)
     head, calls = torch.nn.Linear(8, 50), []
@@ -305,7 +305,7 @@ def test_chunked_ce_keeps_no_chunk_logits_for_the_backward():
         calls.append(x.shape[0])
         return head(x)
 
-    ce, hits = _chunked_ce(hidden, labels, project, chunk_rows=7)
+    ce, hits = chunked_ce(hidden, labels, project, chunk_rows=7)
     assert calls == [7, 7, 7, 2] and hits.shape == (23,)
     ce.backward()
     assert sorted(calls) == sorted([7, 7, 7, 2] * 2)  # the backward recomputed every chunk

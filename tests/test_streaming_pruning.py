@@ -15,7 +15,7 @@ from draftsmith.core.tree import DraftTree, tree_attention_inputs
 from draftsmith.drafters.streaming import StreamingConfigError, StreamingModel
 from draftsmith.drafters.tree_pruning import TreePruning, surviving_rows, transition_probabilities, tree_parents
 from draftsmith.inference.runtime import generate
-from draftsmith.train.losses import streaming_loss
+from draftsmith.train.losses.streaming import streaming_loss
 from helpers import STREAMING_VOCAB as VOCAB
 from helpers import TINY_EOS as EOS
 from helpers import (

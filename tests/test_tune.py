@@ -35,7 +35,9 @@ from draftsmith.inference.methods.tuned_trees import (
 )
 from draftsmith.inference.runtime import generate
 from draftsmith.train.cli import main
-from draftsmith.train.losses import family_loss, medusa2_loss, medusa_loss
+from draftsmith.train.losses import family_loss
+from draftsmith.train.losses.medusa import medusa_loss
+from draftsmith.train.losses.medusa2 import medusa2_loss
 from helpers import (
     fit,
     fused_batch,

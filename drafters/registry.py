@@ -1,8 +1,9 @@
 """The drafter families draftsmith can train and serve: the one place a family is registered.
 
 A family is one module in ``draftsmith.drafters`` (a :class:`~draftsmith.drafters.base.DrafterConfig`
-and a :class:`~draftsmith.drafters.base.DrafterModel`), one loss in ``draftsmith.train.losses`` (named
-here), one recipe, and one entry in :data:`FAMILIES`. The trainer, recipe checks, ``draftsmith
+and a :class:`~draftsmith.drafters.base.DrafterModel`), one loss module in ``draftsmith.train.losses``
+(its loss named here, held under that name in ``draftsmith.train.losses.LOSSES``: this folder never
+imports training code), one recipe, and one entry in :data:`FAMILIES`. The trainer, recipe checks, ``draftsmith
 export``, the runtime's ``--method`` table and its serve-time tree options all read this table; the
 key is written into every exported ``config.json`` (``drafter_family``), so loading never guesses.
 
@@ -65,7 +66,7 @@ class Family:
     name: str
     config_class: type[DrafterConfig]
     model_class: type[DrafterModel]
-    loss: str  # the name of its loss function in draftsmith.train.losses
+    loss: str  # its loss's name in draftsmith.train.losses.LOSSES
     defaults: dict[str, Any] = dataclasses.field(default_factory=dict)
     method: str = ""  # the runtime method that serves it (``--method medusa=DIR``); "" = its name
     # Families whose exports may start a run of this one (``train.init_from``), besides itself:

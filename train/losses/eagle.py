@@ -70,23 +70,26 @@ def feature_distillation_loss(
     steps = 1 if model.training else metric_steps
     if rows.any() and steps > 0:
         picked = rows.nonzero()[:metric_rows]
-        metrics.update(
-            _draft_step_accuracy(model, frozen, head, embeds, inputs, out, positions, mask, picked, targets, steps)
-        )
+
+        def redraft(features: torch.Tensor):  # the drafter over the same tokens, reading other features
+            return model(embeds, features, positions, attention_mask=mask)
+
+        metrics.update(_draft_step_accuracy(redraft, frozen, head, inputs, out, picked, targets, steps))
     return LossOutput(regression + ce_weight * ce, metrics)
 
 
 @torch.no_grad()
-def _draft_step_accuracy(model, frozen, head, embeds, inputs, first, positions, mask, picked, targets, steps):
+def _draft_step_accuracy(redraft, frozen, head, inputs, first, picked, targets, steps):
     """Top-1 agreement with the target's argmax when the drafter's inputs at earlier positions are its
-    own predictions, as at draft step k, and ``1 + sum_k prod_{j<=k} acc_j``."""
+    own predictions, as at draft step k, and ``1 + sum_k prod_{j<=k} acc_j``. ``redraft(features)`` runs
+    the drafter over the batch's tokens reading ``features``; ``first`` is its output on ``inputs``."""
     at = (picked[:, 0], picked[:, 1])
     truth = frozen.lm_head(targets[at]).argmax(-1)
     out, accuracies = first, []
     for step in range(1, steps + 1):
         if step > 1:
             shifted = torch.cat([inputs[:, :1], out.next_features[:, :-1]], dim=1)
-            out = model(embeds, shifted, positions, attention_mask=mask)
+            out = redraft(shifted)
         accuracies.append(float((head.top1(out.token_features[at]) == truth).float().mean()))
     metrics = {f"acc/step{k}": a for k, a in enumerate(accuracies, start=1)}
     if steps > 1:

@@ -14,7 +14,13 @@ from transformers import DynamicCache
 
 from conftest import tiny_gemma3, tiny_llama
 from draftsmith.core.tree import DraftTree, best_first_tree, cartesian_tree, tree_attention_inputs
-from draftsmith.drafters.streaming import StreamingConfig, StreamingConfigError, StreamingModel
+from draftsmith.drafters.streaming import (
+    MAIN_STREAM_ONLY,
+    StreamingConfig,
+    StreamingConfigError,
+    StreamingModel,
+    StreamingPass,
+)
 from draftsmith.inference.runtime import generate
 from draftsmith.train.losses.streaming import streaming_loss
 from helpers import STREAMING_VOCAB as VOCAB
@@ -47,7 +53,7 @@ def test_main_stream_is_exactly_the_adapted_model(pair):
         original = target(ids).logits
         with model.adapted() as adapted_target:
             adapted = adapted_target(ids).logits
-        on, off = model(ids), model(ids, streams=False)
+        on, off = model(ids), model(ids, mode=MAIN_STREAM_ONLY)
     assert not torch.allclose(adapted, original, atol=1e-3)  # the LoRA does change the model
     assert torch.equal(off.logits, adapted) and off.stream_hidden is None
     assert torch.equal(on.logits, adapted)  # the hooks only read: the main stream is untouched
@@ -110,7 +116,7 @@ def test_prompt_rows_select_streams(pair):
     ids = torch.randint(4, VOCAB, (1, 8))
     with torch.no_grad():
         full = model(ids).stream_hidden
-        last = model(ids, stream_rows=torch.tensor([7])).stream_hidden
+        last = model(ids, mode=StreamingPass(stream_rows=torch.tensor([7]))).stream_hidden
     torch.testing.assert_close(last[:, 0], full[:, 7], rtol=0, atol=1e-6)
 
 
@@ -235,7 +241,8 @@ def test_self_distillation_kl_is_against_the_target_with_the_adapters_off():
     # the teacher is the plain target: its logits, the KL over the supervised next-token positions
     rows = (batch.loss_mask * batch.attention_mask).bool()[:, 1:]
     with torch.no_grad():
-        adapted = model(batch.input_ids, attention_mask=batch.attention_mask, streams=False).logits[:, :-1][rows]
+        adapted = model(batch.input_ids, attention_mask=batch.attention_mask, mode=MAIN_STREAM_ONLY).logits
+        adapted = adapted[:, :-1][rows]
         original = model.target(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1][rows]
     expected = (original.softmax(-1) * (original.log_softmax(-1) - adapted.log_softmax(-1))).sum(-1).mean()
     assert out.metrics["loss/kl"] == pytest.approx(float(expected), rel=1e-4)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from draftsmith.drafters.base import FrozenTarget
+from draftsmith.drafters.streaming import StreamingPass
 from draftsmith.train.batch import LossOutput, TrainBatch
 from draftsmith.train.losses.chunked import chunked_ce, distillation_metrics, next_token_terms
 from draftsmith.train.losses.offsets import per_offset_ce
@@ -37,7 +38,8 @@ def streaming_loss(
     ``loss/kl`` and ``agree/original`` (with the KL), ``loss/pruning``, ``acc/pruning`` and
     ``sim/accept_length`` = 1 + the mean number of leading streams that are all right at a position."""
     core = getattr(model, "module", model)  # DDP / DeepSpeed wrap the model; compute still goes through model()
-    out = model(batch.input_ids, attention_mask=batch.attention_mask, original=kl_weight > 0, logits=False)
+    mode = StreamingPass(original=kl_weight > 0, logits=False)
+    out = model(batch.input_ids, attention_mask=batch.attention_mask, mode=mode)
     supervised = (batch.loss_mask * batch.attention_mask).bool()
     streams = out.stream_hidden.shape[2]
     main_rows = supervised[:, 1:]

@@ -188,25 +188,21 @@ def cmd_bench_tree(args: argparse.Namespace) -> None:
 
 
 def cmd_tune(args: argparse.Namespace) -> None:
-    from draftsmith.inference.measure.tune import parse_numbers, run_tune
+    from draftsmith.inference.measure.tune import TuneOptions, parse_numbers, run_tune
 
     backends = _backends(args)
-    top_ks, totals = parse_numbers(args.top_k, "--top-k"), parse_numbers(args.total_tokens, "--total-tokens")
-    lookups = parse_numbers(args.lookup, "--lookup", least=0)
-    target = _load_target(args)
-    run_tune(
-        Path(args.export),
-        target,
+    options = TuneOptions(
         Path(args.questions) if args.questions else None,
         args.limit,
         args.max_new_tokens,
         max_depth=args.max_depth,
-        top_ks=top_ks,
-        totals=totals,
+        top_ks=parse_numbers(args.top_k, "--top-k"),
+        totals=parse_numbers(args.total_tokens, "--total-tokens"),
         repeats=args.repeats,
-        backends=backends,
-        lookups=lookups,
+        lookups=parse_numbers(args.lookup, "--lookup", least=0),
     )
+    target = _load_target(args)
+    run_tune(Path(args.export), target, options, backends=backends)
 
 
 def cmd_spectra_index(args: argparse.Namespace) -> None:

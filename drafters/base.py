@@ -271,7 +271,7 @@ class DrafterConfig(PretrainedConfig):
 
     def parallel_depths(self) -> int:
         """The most depths one drafter forward drafts, for families that draft a round in one forward
-        (``TreeSearch.PARALLEL``: ``draftsmith tune`` tries no deeper tree); 0 for the others."""
+        (``tree_search.ParallelSearch``: ``draftsmith tune`` tries no deeper tree); 0 for the others."""
         return 0
 
     def tree_options(self) -> TreeOptions:

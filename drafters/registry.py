@@ -1,8 +1,9 @@
 """The drafter families draftsmith can train and serve: the one place a family is registered.
 
 A family is one module in ``draftsmith.drafters`` (a :class:`~draftsmith.drafters.base.DrafterConfig`
-and a :class:`~draftsmith.drafters.base.DrafterModel`), one loss in ``draftsmith.train.losses`` (named
-here), one recipe, and one entry in :data:`FAMILIES`. The trainer, recipe checks, ``draftsmith
+and a :class:`~draftsmith.drafters.base.DrafterModel`), one loss module in ``draftsmith.train.losses``
+(its loss named here, held under that name in ``draftsmith.train.losses.LOSSES``: this folder never
+imports training code), one recipe, and one entry in :data:`FAMILIES`. The trainer, recipe checks, ``draftsmith
 export``, the runtime's ``--method`` table and its serve-time tree options all read this table; the
 key is written into every exported ``config.json`` (``drafter_family``), so loading never guesses.
 
@@ -10,13 +11,13 @@ Names say which side a class is on: the ``nn.Module`` a family trains, saves and
 (``EagleModel``, ``Eagle3Model``, ``MedusaHeads``, ``Medusa2Model``, ``StreamingModel``); what its
 ``runtime_drafter()`` returns for decoding is a runtime drafter (``EagleTreeDrafter``,
 ``MedusaTreeDrafter``, ...: a :class:`~draftsmith.core.drafting.Drafter`). Tools that treat families
-differently (``draftsmith tune``, ``draftsmith medusa calibrate``) read the fields below, never the classes.
+differently (``draftsmith tune``, ``draftsmith medusa calibrate``, ``bench``'s vLLM engine) read the fields
+below, never the classes: ``tune`` asks :attr:`Family.tree_search` for its candidate trees.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import enum
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +33,7 @@ from draftsmith.drafters.medusa import MedusaConfig, MedusaHeads
 from draftsmith.drafters.medusa2 import Medusa2Config, Medusa2Model
 from draftsmith.drafters.peagle import PEagleConfig, PEagleModel
 from draftsmith.drafters.streaming import StreamingConfig, StreamingModel
+from draftsmith.drafters.tree_search import GrowthSearch, HeadsSearch, ParallelSearch, TreeSearch
 
 # A drafter of more weights than this many times its target's is refused (a recipe's drafter.* options):
 # a drafter is meant to cost a fraction of the target (Medusa's four full-vocabulary heads: 0.8x SmolLM2),
@@ -47,12 +49,8 @@ class UnknownFamilyError(DraftsmithError, ValueError):
     """A drafter family name this draftsmith does not know."""
 
 
-class TreeSearch(enum.Enum):
-    """How ``draftsmith tune`` searches a family's dynamic trees for the one that decodes fastest."""
-
-    GROWTH = "growth"  # EAGLE-2's best-first growth from the drafter's features: depth, top_k, total_tokens
-    HEADS = "heads"  # Medusa's dynamic tree over its heads' candidates: top_k per head, total_tokens
-    PARALLEL = "parallel"  # one forward drafts every depth: depth, top_k per depth, total_tokens (P-EAGLE, DFlash)
+# the tree searches ``draftsmith tune`` runs (drafters/tree_search.py), one per kind of tree
+GROWTH, HEADS, PARALLEL = GrowthSearch(), HeadsSearch(), ParallelSearch()
 
 
 @dataclass(frozen=True)
@@ -65,16 +63,20 @@ class Family:
     name: str
     config_class: type[DrafterConfig]
     model_class: type[DrafterModel]
-    loss: str  # the name of its loss function in draftsmith.train.losses
+    loss: str  # its loss's name in draftsmith.train.losses.LOSSES
     defaults: dict[str, Any] = dataclasses.field(default_factory=dict)
     method: str = ""  # the runtime method that serves it (``--method medusa=DIR``); "" = its name
     # Families whose exports may start a run of this one (``train.init_from``), besides itself:
     # Medusa-2's two-stage recipe starts from trained Medusa-1 heads; P-EAGLE from an EAGLE-3, whose
     # first step is its depth 0 (only the placeholders start fresh).
     starts_from: tuple[str, ...] = ()
-    # How ``draftsmith tune`` fits its tree to a device; None: its drafts come from elsewhere (inside
-    # the target's forward) and there is no tree to fit.
+    # How ``draftsmith tune`` fits its tree to a device: the candidate trees and how their acceptance is
+    # read (drafters/tree_search.py); None: its drafts come from elsewhere (inside the target's forward)
+    # and there is no tree to fit.
     tree_search: TreeSearch | None = None
+    # vLLM's speculative_config entries that serve its engine export (``draftsmith export --format vllm``;
+    # ``bench`` method ``vllm=DIR``) besides the drafter and its tokens; () = vLLM does not serve it.
+    vllm_method: tuple[tuple[str, Any], ...] = ()
     # Its static tree can be calibrated from the heads' measured accuracy (``draftsmith medusa calibrate``).
     calibrated_tree: bool = False
 
@@ -142,32 +144,57 @@ class Family:
 
 
 FAMILIES: dict[str, Family] = {
-    "eagle": Family("eagle", EagleConfig, EagleModel, "feature_distillation_loss", tree_search=TreeSearch.GROWTH),
+    "eagle": Family(
+        "eagle",
+        EagleConfig,
+        EagleModel,
+        "feature_distillation_loss",
+        tree_search=GROWTH,
+        vllm_method=(("method", "eagle"),),
+    ),
     "fspad": Family(
         "fspad",
         EagleConfig,
         EagleModel,
         "feature_distillation_loss",
         defaults={"feature_sampler": True, "partial_alignment": True},
-        tree_search=TreeSearch.GROWTH,
+        tree_search=GROWTH,
     ),
-    "eagle3": Family("eagle3", Eagle3Config, Eagle3Model, "eagle3_loss", tree_search=TreeSearch.GROWTH),
+    "eagle3": Family(
+        "eagle3", Eagle3Config, Eagle3Model, "eagle3_loss", tree_search=GROWTH, vllm_method=(("method", "eagle3"),)
+    ),
     "fspad3": Family(
         "fspad3",
         Eagle3Config,
         Eagle3Model,
         "eagle3_loss",
         defaults={"feature_sampler": True, "partial_alignment": True},
-        tree_search=TreeSearch.GROWTH,
+        tree_search=GROWTH,
     ),
-    # P-EAGLE drafts every depth from one forward: its tree is a Cartesian one over the depths' top-k.
+    # P-EAGLE drafts every depth from one forward: its tree is a Cartesian one over the depths' top-k;
+    # vLLM serves it as eagle3 drafting every token in one forward.
     "peagle": Family(
-        "peagle", PEagleConfig, PEagleModel, "peagle_loss", starts_from=("eagle3",), tree_search=TreeSearch.PARALLEL
+        "peagle",
+        PEagleConfig,
+        PEagleModel,
+        "peagle_loss",
+        starts_from=("eagle3",),
+        tree_search=PARALLEL,
+        vllm_method=(("method", "eagle3"), ("parallel_drafting", True)),
     ),
-    # DFlash denoises a block in one forward: a chain (or Cartesian tree) of its masked positions' top-k.
-    "dflash": Family("dflash", DFlashConfig, DFlashModel, "dflash_loss", tree_search=TreeSearch.PARALLEL),
+    # DFlash denoises a block in one forward: a chain (or Cartesian tree) of its masked positions' top-k
+    # (vLLM turns parallel drafting on for its dflash method by itself).
+    "dflash": Family(
+        "dflash", DFlashConfig, DFlashModel, "dflash_loss", tree_search=PARALLEL, vllm_method=(("method", "dflash"),)
+    ),
     "medusa": Family(
-        "medusa", MedusaConfig, MedusaHeads, "medusa_loss", tree_search=TreeSearch.HEADS, calibrated_tree=True
+        "medusa",
+        MedusaConfig,
+        MedusaHeads,
+        "medusa_loss",
+        tree_search=HEADS,
+        calibrated_tree=True,
+        vllm_method=(("method", "medusa"),),
     ),
     # Medusa-2 trains a LoRA on the target with the heads and computes its own (adapted) features; its
     # heads are Medusa-1's, so its trees are tuned and calibrated alike (over the adapted features).
@@ -178,7 +205,7 @@ FAMILIES: dict[str, Family] = {
         "medusa2_loss",
         method="medusa",
         starts_from=("medusa",),
-        tree_search=TreeSearch.HEADS,
+        tree_search=HEADS,
         calibrated_tree=True,
     ),
     # Speculative Streaming runs inside the target (attach_target): no features, the target's own tokens.

@@ -23,6 +23,8 @@ shared target object still behaves as the original model for every other user.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -152,6 +154,28 @@ class StreamingOutput:
     features: torch.Tensor | None = None  # (B, q, h): the main stream's last features (the input of lm_head)
 
 
+@dataclass(frozen=True)
+class StreamingPass:
+    """What one :meth:`StreamingModel.forward` computes besides the adapted target's main stream.
+
+    ``streams``: every stream too, at the query rows ``stream_rows`` (None = all). ``prune_threshold`` > 0
+    (a tree mask, batch 1) drops the tree's sub-trees whose estimated transition probability is under it
+    after layer L - Ns: the output then covers ``kept_rows`` only, and so does the KV cache of every
+    layer. ``original`` (training, no cache) adds the unadapted target's last features, the
+    self-distillation teacher; the streams are off in that forward (its hooks see no run). ``logits``
+    False (training) skips the main stream's (B, q, V) logits and returns its ``features``: the loss
+    projects the rows it needs in chunks."""
+
+    streams: bool = True
+    stream_rows: torch.Tensor | None = None
+    prune_threshold: float = 0.0
+    original: bool = False
+    logits: bool = True
+
+
+MAIN_STREAM_ONLY = StreamingPass(streams=False)
+
+
 @dataclass
 class _StreamRun:
     """State of the streams during one forward."""
@@ -217,63 +241,62 @@ class StreamingModel(AdaptsTargetMixin, DrafterModel):
         position_ids: torch.Tensor | None = None,
         cache: Any = None,
         use_cache: bool | None = None,
-        streams: bool = True,
-        stream_rows: torch.Tensor | None = None,
         output_hidden_states: bool = False,
-        prune_threshold: float = 0.0,
-        original: bool = False,
-        logits: bool = True,
+        mode: StreamingPass = StreamingPass(),
     ) -> StreamingOutput:
-        """The adapted target over ``input_ids`` (B, q); with ``streams`` also every stream at the
-        query rows ``stream_rows`` (None = all). ``attention_mask`` is a 2D padding mask (B, past + q),
-        a 4D additive mask (B or 1, 1, q, past + q) such as a tree mask, or None (causal).
-
-        ``prune_threshold`` > 0 (a tree mask, batch 1) drops the tree's sub-trees whose estimated
-        transition probability is under it after layer L - Ns: the output then covers ``kept_rows``
-        only, and so does the KV cache of every layer. ``original`` (training, no cache) adds the
-        unadapted target's last features, the self-distillation teacher; the streams are off in that
-        forward (its hooks see no run). ``logits`` False (training) skips the main stream's (B, q, V)
-        logits and returns its ``features``: the loss projects the rows it needs in chunks."""
-        target = self.target
-        original_features = self.original_features(input_ids, attention_mask) if original else None
-        if streams and cache is None:
+        """The adapted target over ``input_ids`` (B, q), and what ``mode`` adds (:class:`StreamingPass`:
+        the streams, tree pruning, the original target's features). ``attention_mask`` is a 2D padding
+        mask (B, past + q), a 4D additive mask (B or 1, 1, q, past + q) such as a tree mask, or None
+        (causal)."""
+        original_features = self.original_features(input_ids, attention_mask) if mode.original else None
+        if mode.streams and cache is None:
             # The hooks read main keys/values from it, every row of them: not ``DynamicCache(config=...)``,
             # whose sliding-window layers keep only the last window of rows.
             cache = DynamicCache()
         past = cache.get_seq_length() if cache is not None else 0
-        run = None
-        if streams:
-            allowed = _main_stream_allowed(target.config, attention_mask, input_ids.shape, past, input_ids.device)
-            if stream_rows is not None:
-                allowed = {kind: seen[:, stream_rows] for kind, seen in allowed.items()}
-            run = _StreamRun(stream_rows, allowed)
-            if prune_threshold > 0 and input_ids.shape[1] > 1:
-                run.pruning = self._tree_pruning(input_ids, attention_mask, run, past, prune_threshold)
-        self._run = run
-        try:
-            with self.adapted():
-                out = (target if logits else target.model)(
-                    input_ids=input_ids,
-                    attention_mask=attention_mask,
-                    position_ids=position_ids,
-                    **cache_kwargs(cache),
-                    use_cache=cache is not None if use_cache is None else use_cache,
-                    output_hidden_states=output_hidden_states,
-                )
-        finally:
-            self._run = None
-        main = {"original_features": original_features, "features": None if logits else out.last_hidden_state}
-        main_logits = out.logits if logits else None
+        run = self._stream_run(input_ids, attention_mask, past, mode) if mode.streams else None
+        with self._streaming(run), self.adapted():
+            out = (self.target if mode.logits else self.target.model)(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                **cache_kwargs(cache),
+                use_cache=cache is not None if use_cache is None else use_cache,
+                output_hidden_states=output_hidden_states,
+            )
+        main = {"original_features": original_features, "features": None if mode.logits else out.last_hidden_state}
+        main_logits = out.logits if mode.logits else None
         if run is None:
             return StreamingOutput(main_logits, None, cache_in(out), out.hidden_states, **main)
         if run.kept is not None:  # the pruned rows left keys/values in the layers below L - Ns
             layers = slice(0, self.config.first_stream_layer)
             keep_positions(cache_in(out), kept_columns(run.kept, past), layers)
-        stream_hidden = target.model.norm(run.states)
+        stream_hidden = self.target.model.norm(run.states)
         pruning_hidden = None if self.pruning is None else self.early_exit(run.fork.detach())  # trains o_θ alone
         return StreamingOutput(
             main_logits, stream_hidden, cache_in(out), out.hidden_states, pruning_hidden, run.kept, **main
         )
+
+    def _stream_run(self, input_ids: torch.Tensor, attention_mask: Any, past: int, mode: StreamingPass) -> _StreamRun:
+        """The streams' state for one forward: the main keys each stream row may see, and the tree's
+        pruning where ``mode`` asks for it."""
+        allowed = _main_stream_allowed(self.target.config, attention_mask, input_ids.shape, past, input_ids.device)
+        if mode.stream_rows is not None:
+            allowed = {kind: seen[:, mode.stream_rows] for kind, seen in allowed.items()}
+        run = _StreamRun(mode.stream_rows, allowed)
+        if mode.prune_threshold > 0 and input_ids.shape[1] > 1:
+            run.pruning = self._tree_pruning(input_ids, attention_mask, run, past, mode.prune_threshold)
+        return run
+
+    @contextmanager
+    def _streaming(self, run: _StreamRun | None) -> Iterator[None]:
+        """The layer hooks (registered once, in :meth:`attach_target`) advance ``run`` during this block
+        only; None: they do nothing (streams off, or the target used by someone else)."""
+        self._run = run
+        try:
+            yield
+        finally:
+            self._run = None
 
     def _tree_pruning(
         self, input_ids: torch.Tensor, attention_mask: Any, run: _StreamRun, past: int, threshold: float
@@ -570,9 +593,9 @@ class StreamingVerifier(nn.Module):
             position_ids=position_ids,
             cache=cache,
             use_cache=use_cache,
-            stream_rows=rows,
             output_hidden_states=output_hidden_states,
-            prune_threshold=self.prune if rows is None else 0.0,  # a tree (not the prompt): prune it
+            # a tree (not the prompt): prune it
+            mode=StreamingPass(stream_rows=rows, prune_threshold=self.prune if rows is None else 0.0),
         )
         self.stream_hidden = out.stream_hidden[0]
         self.calls += 1

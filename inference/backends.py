@@ -51,6 +51,25 @@ class GreedyForward:
     hidden_states: tuple[torch.Tensor, ...] | None
 
 
+@dataclass(frozen=True)
+class FastPaths:
+    """The optional fast paths of an eager verification forward (none: the model's own forward). With
+    ``gemm``, a multi-row forward is padded to its packed row bucket (rows past ``1 + len(tree)`` of the
+    output are padding); ``packs_checked``: its packs were made fresh earlier in this generation
+    (:meth:`PackedGemm.padded_rows`). With ``direct`` (built for the model), the forward skips
+    transformers' per-call machinery, bitwise the same (``direct_forward.py``). With ``greedy`` (the
+    model's screened head, computed through ``native``, the C++ extension where given), the forward
+    returns a :class:`GreedyForward`: the float32 head's argmax per row, without its logits, after the
+    direct forward or, without one, the model's own base model (the head's input is its last state:
+    :func:`screened_head_serves`)."""
+
+    gemm: PackedGemm | None = None
+    direct: DirectForward | None = None
+    greedy: GreedyHead | None = None
+    native: ModuleType | None = None
+    packs_checked: bool = False
+
+
 def verification_forward(
     model,
     cache,
@@ -59,22 +78,13 @@ def verification_forward(
     tree: DraftTree,
     past: int,
     hidden: bool,
-    gemm: PackedGemm | None = None,
-    direct: DirectForward | None = None,
-    greedy: GreedyHead | None = None,
-    native: ModuleType | None = None,
-    packs_checked: bool = False,
+    paths: FastPaths = FastPaths(),
 ):
-    """The verification forward over ``[root, tree]`` on top of ``past`` cached rows, uncompiled. With
-    ``gemm``, a multi-row forward is padded to its packed row bucket (rows past ``1 + len(tree)`` of
-    the output are padding); ``packs_checked``: its packs were made fresh earlier in this generation
-    (:meth:`PackedGemm.padded_rows`). With ``direct`` (built for ``model``), the forward skips transformers'
-    per-call machinery, bitwise the same (``direct_forward.py``). With ``greedy`` (the model's screened
-    head, computed through ``native``, the C++ extension where given), it returns a :class:`GreedyForward`:
-    the float32 head's argmax per row, without its logits, after the direct forward or, without one, the
-    model's own base model (the head's input is its last state: :func:`screened_head_serves`)."""
+    """The verification forward over ``[root, tree]`` on top of ``past`` cached rows, uncompiled, through
+    ``paths``' fast paths (:class:`FastPaths`)."""
+    gemm, direct, greedy = paths.gemm, paths.direct, paths.greedy
     device = tree_inputs.device
-    rows = gemm.padded_rows(1 + len(tree), packs_checked) if gemm is not None else 0  # (makes the packs it uses)
+    rows = gemm.padded_rows(1 + len(tree), paths.packs_checked) if gemm is not None else 0  # (makes the packs it uses)
     if len(tree):
         mask, positions = tree_inputs.build(tree, past, rows)
         if direct is None:  # the direct forward serves full-attention Llamas only
@@ -97,7 +107,7 @@ def verification_forward(
             )
         if greedy is None:
             return out
-        tokens = greedy(out.last_hidden_state[0, : 1 + len(tree)], native)
+        tokens = greedy(out.last_hidden_state[0, : 1 + len(tree)], paths.native)
         return GreedyForward(tokens, out.hidden_states)
 
 
@@ -186,11 +196,14 @@ class EagerBackend(_Backend):
     ) -> None:
         self.kernels = kernels
         super().__init__(model, last_logits_only=kernels is not None, drafter_gemm=drafter_gemm)
-        direct = kernels.direct() if kernels is not None else None
-        self._gemm = kernels.gemm if kernels is not None else None
-        self._direct = direct
-        self._greedy = kernels.greedy_head() if kernels is not None and greedy else None
-        self._native = kernels.extension() if self._greedy is not None else None
+        greedy_head = kernels.greedy_head() if kernels is not None and greedy else None
+        self._paths = FastPaths(
+            gemm=kernels.gemm if kernels is not None else None,
+            direct=kernels.direct() if kernels is not None else None,
+            greedy=greedy_head,
+            native=kernels.extension() if greedy_head is not None else None,
+            packs_checked=kernels is not None,  # by this generation's prefill (model_forwards)
+        )
 
     def new_cache(self, capacity: int) -> EagerCache:
         kv = preallocated_cache_for(self.model.config, capacity)
@@ -201,21 +214,8 @@ class EagerBackend(_Backend):
             return super().prefill(cache.kv, prompt_ids, hidden)
 
     def verify(self, cache: EagerCache, root: int, tree: DraftTree, past: int, hidden: bool):
-        with self.kernels.attention() if self.kernels is not None and self._direct is None else nullcontext():
-            return verification_forward(
-                self.model,
-                cache.kv,
-                cache.tree_inputs,
-                root,
-                tree,
-                past,
-                hidden,
-                self._gemm,
-                self._direct,
-                self._greedy,
-                self._native,
-                packs_checked=self.kernels is not None,  # by this generation's prefill (model_forwards)
-            )
+        with self.kernels.attention() if self.kernels is not None and self._paths.direct is None else nullcontext():
+            return verification_forward(self.model, cache.kv, cache.tree_inputs, root, tree, past, hidden, self._paths)
 
     def commit(self, cache: EagerCache, past: int, accepted_nodes: list[int]) -> None:
         commit_tree_path(cache.kv, past, accepted_nodes)

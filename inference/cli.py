@@ -212,31 +212,26 @@ def cmd_bench_tree(args: argparse.Namespace) -> None:
 def cmd_tune(args: argparse.Namespace) -> None:
     from draftsmith.core.io import check_creatable_directory
     from draftsmith.drafters.base import TREE_LIMITS
-    from draftsmith.inference.measure.tune import TuneError, parse_numbers, run_tune
+    from draftsmith.inference.measure.tune import TuneError, TuneOptions, parse_numbers, run_tune
 
     backends = _backends(args)
-    top_ks = parse_numbers(args.top_k, "--top-k", most=TREE_LIMITS["top_k"])
-    totals = parse_numbers(args.total_tokens, "--total-tokens", most=TREE_LIMITS["total_tokens"])
-    lookups = parse_numbers(args.lookup, "--lookup", least=0)
     if args.max_depth > TREE_LIMITS["depth"]:
         raise TuneError(f"--max-depth takes a whole number from 1 to {TREE_LIMITS['depth']}, got {args.max_depth}")
-    # the fitted tree is written into the export: a read-only one fails now, not after minutes of timing
-    fix = "copy the export somewhere writable and tune the copy"
-    check_creatable_directory(Path(args.export), inside=True, option="EXPORT", fix=fix)
-    target = _load_target(args)
-    run_tune(
-        Path(args.export),
-        target,
+    options = TuneOptions(
         Path(args.questions) if args.questions else None,
         args.limit,
         args.max_new_tokens,
         max_depth=args.max_depth,
-        top_ks=top_ks,
-        totals=totals,
+        top_ks=parse_numbers(args.top_k, "--top-k", most=TREE_LIMITS["top_k"]),
+        totals=parse_numbers(args.total_tokens, "--total-tokens", most=TREE_LIMITS["total_tokens"]),
         repeats=args.repeats,
-        backends=backends,
-        lookups=lookups,
+        lookups=parse_numbers(args.lookup, "--lookup", least=0),
     )
+    # the fitted tree is written into the export: a read-only one fails now, not after minutes of timing
+    fix = "copy the export somewhere writable and tune the copy"
+    check_creatable_directory(Path(args.export), inside=True, option="EXPORT", fix=fix)
+    target = _load_target(args)
+    run_tune(Path(args.export), target, options, backends=backends)
 
 
 def cmd_spectra_index(args: argparse.Namespace) -> None:

@@ -358,7 +358,7 @@ def batch_of(seqs: list[list[int]], prompt_lengths: list[int] | None = None) -> 
 
 def train_streams(target, model, prompts, seqs, steps, lr=1e-2):
     """Full-batch AdamW on the streaming loss over ``seqs`` (prompts unsupervised); every step's output."""
-    from draftsmith.train.losses import streaming_loss
+    from draftsmith.train.losses.streaming import streaming_loss
 
     model.train()
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)

@@ -12,7 +12,8 @@ from draftsmith.drafters.engine_layouts import EngineLayoutError
 from draftsmith.drafters.registry import get_family
 from draftsmith.inference.runtime import generate
 from draftsmith.train.batch import TrainBatch
-from draftsmith.train.losses import _dflash_block_forward, dflash_mask, family_loss, sample_anchors
+from draftsmith.train.losses import family_loss
+from draftsmith.train.losses.dflash import _dflash_block_forward, dflash_mask, sample_anchors
 from helpers import (
     assert_one_drafter_forward_per_round,
     fused_batch,

@@ -10,7 +10,7 @@ from conftest import tiny_llama
 from draftsmith.core.cache import preallocated_cache_for
 from draftsmith.core.cache_kwarg import cache_kwargs
 from draftsmith.core.tree import DraftTree, TreeInputBuffers
-from draftsmith.inference.backends import Backends, verification_forward
+from draftsmith.inference.backends import Backends, FastPaths, verification_forward
 from draftsmith.inference.kernels.attention import model_attention
 from draftsmith.inference.kernels.direct_forward import direct_forward_for
 from draftsmith.inference.kernels.options import KernelOptions
@@ -31,7 +31,9 @@ def verify_once(model, tree, gemm, direct, rows_attention=None):
     with torch.no_grad(), model_attention(model) if rows else nullcontext():
         model(torch.tensor([PROMPT[:-1]]), **cache_kwargs(cache), use_cache=True, output_hidden_states=True)
         inputs = TreeInputBuffers(8, 64, torch.float32)
-        out = verification_forward(model, cache, inputs, PROMPT[-1], tree, len(PROMPT) - 1, True, gemm, direct)
+        out = verification_forward(
+            model, cache, inputs, PROMPT[-1], tree, len(PROMPT) - 1, True, FastPaths(gemm, direct)
+        )
     return out, cache
 
 

@@ -15,17 +15,9 @@ from draftsmith.drafters.vocab import draft_vocab_maps
 from draftsmith.inference.runtime import generate
 from draftsmith.train.batch import TrainBatch
 from draftsmith.train.loader import online_features
-from draftsmith.train.losses import (
-    answer_starts,
-    check_loss_options,
-    eagle3_loss,
-    family_loss,
-    loss_option_names,
-    read_rows,
-    ttt_mask,
-    ttt_unroll,
-    walked_tau,
-)
+from draftsmith.train.losses import check_loss_options, family_loss, loss_option_names
+from draftsmith.train.losses.eagle3 import answer_starts, eagle3_loss, walked_tau
+from draftsmith.train.losses.ttt import read_rows, ttt_mask, ttt_unroll
 from draftsmith.train.recipe_loader import RecipeError
 from helpers import assert_same_drafter_state, catch_up_split_and_whole, hf_greedy, padded, serve, train_from_target
 from helpers import fused_batch as _fused_batch
@@ -442,7 +434,7 @@ def test_answer_start_weight_weighs_the_first_tokens_of_each_answer(target, monk
     """Weight 1 is the plain loss bit for bit; otherwise each step's loss is a weighted mean of the
     answer-start rows' and the later rows' CE, so it lies strictly between the two groups' means (weight
     0: the later rows alone; a huge weight: the first rows alone)."""
-    import draftsmith.train.losses as losses
+    import draftsmith.train.losses.eagle3 as losses
 
     model, batch, frozen = _eagle3_loss_case(target)
     plain = eagle3_loss(model, batch, frozen)

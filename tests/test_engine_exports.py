@@ -518,7 +518,7 @@ def test_speculators_loads_the_eagle3_export_and_drafts_what_the_drafter_drafts(
     training-time-test forward gives our drafter's draft-head logits at every step, with a reduced
     draft vocabulary (``d2t``/``t2d``) and over the whole one (no maps)."""
     from draftsmith.drafters.base import FrozenTarget
-    from draftsmith.train.losses import ttt_unroll
+    from draftsmith.train.losses.ttt import ttt_unroll
 
     target_dir = tmp_path / "target"
     target.save_pretrained(target_dir)  # the verifier speculators reads its layer count and embedding from

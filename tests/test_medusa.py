@@ -25,7 +25,8 @@ from draftsmith.drafters.medusa import (
 from draftsmith.drafters.registry import get_family
 from draftsmith.inference.runtime import generate
 from draftsmith.train.batch import TrainBatch
-from draftsmith.train.losses import check_loss_options, medusa_loss
+from draftsmith.train.losses import check_loss_options
+from draftsmith.train.losses.medusa import medusa_loss
 from draftsmith.train.recipe_loader import RecipeError
 from helpers import fit, hf_greedy, prepare_arithmetic_chats, self_distilled_batch, serve
 from helpers import random_prompts as _random_prompts

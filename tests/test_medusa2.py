@@ -20,7 +20,8 @@ from draftsmith.drafters.registry import get_family
 from draftsmith.inference.backends import Backends
 from draftsmith.inference.runtime import generate
 from draftsmith.train.batch import TrainBatch
-from draftsmith.train.losses import medusa2_loss, medusa_loss
+from draftsmith.train.losses.medusa import medusa_loss
+from draftsmith.train.losses.medusa2 import medusa2_loss
 from helpers import hf_greedy, padded, prepare_arithmetic_chats, serve
 from helpers import random_prompts as _random_prompts
 

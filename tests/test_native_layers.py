@@ -17,7 +17,7 @@ from conftest import tiny_llama
 from draftsmith.core.cache import preallocated_cache_for
 from draftsmith.core.cache_kwarg import cache_kwargs
 from draftsmith.core.tree import TreeInputBuffers
-from draftsmith.inference.backends import Backends, verification_forward
+from draftsmith.inference.backends import Backends, FastPaths, verification_forward
 from draftsmith.inference.kernels import native, native_layers
 from draftsmith.inference.kernels.attention import model_attention
 from draftsmith.inference.kernels.direct_forward import direct_forward_for
@@ -110,7 +110,9 @@ def test_tree_forwards_through_the_native_layers_are_bitwise_the_models(nodes, p
         with torch.no_grad(), model_attention(model):  # the runtime's attention for the model's own forwards
             model(torch.tensor([PROMPT[:-1]]), **cache_kwargs(cache), use_cache=True)
             inputs = TreeInputBuffers(8, 64, torch.float32)
-            out = verification_forward(model, cache, inputs, PROMPT[-1], tree, len(PROMPT) - 1, True, gemm, direct)
+            out = verification_forward(
+                model, cache, inputs, PROMPT[-1], tree, len(PROMPT) - 1, True, FastPaths(gemm, direct)
+            )
         results.append((out, cache))
     (theirs, their_cache), (ours, our_cache) = results
     assert calls and calls[0] >= 1 + nodes
@@ -141,7 +143,9 @@ def test_tree_forwards_read_the_packs_again_after_a_weight_changes(packed):
             model(torch.tensor([PROMPT[:-1]]), **cache_kwargs(cache), use_cache=True)
         with torch.no_grad(), model_attention(model):
             inputs = TreeInputBuffers(8, 64, torch.float32)
-            return verification_forward(model, cache, inputs, PROMPT[-1], tree, len(PROMPT) - 1, False, gemm, forward)
+            return verification_forward(
+                model, cache, inputs, PROMPT[-1], tree, len(PROMPT) - 1, False, FastPaths(gemm, forward)
+            )
 
     verify(direct)
     with torch.no_grad():

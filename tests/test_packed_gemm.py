@@ -16,7 +16,7 @@ from conftest import tiny_llama
 from draftsmith.core.cache import preallocated_cache_for
 from draftsmith.core.cache_kwarg import cache_kwargs
 from draftsmith.core.tree import TreeInputBuffers
-from draftsmith.inference.backends import Backends, verification_forward
+from draftsmith.inference.backends import Backends, FastPaths, verification_forward
 from draftsmith.inference.kernels import attention, context, packed_gemm
 from draftsmith.inference.kernels.context import KernelContext
 from draftsmith.inference.kernels.native import native_extension
@@ -53,7 +53,7 @@ def verify_once(model, prompt, tree, gemm):
     with torch.no_grad():
         model(torch.tensor([prompt[:-1]]), **cache_kwargs(cache), use_cache=True)
         inputs = TreeInputBuffers(8, 64, torch.float32)
-        out = verification_forward(model, cache, inputs, prompt[-1], tree, len(prompt) - 1, True, gemm)
+        out = verification_forward(model, cache, inputs, prompt[-1], tree, len(prompt) - 1, True, FastPaths(gemm))
     return out, cache
 
 

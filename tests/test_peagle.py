@@ -11,7 +11,8 @@ from draftsmith.drafters.eagle import EagleConfigError
 from draftsmith.drafters.engine_layouts import EngineLayoutError
 from draftsmith.drafters.registry import get_family
 from draftsmith.inference.runtime import generate
-from draftsmith.train.losses import family_loss, ttt_unroll
+from draftsmith.train.losses import family_loss
+from draftsmith.train.losses.ttt import ttt_unroll
 from helpers import (
     assert_one_drafter_forward_per_round,
     fused_batch,

@@ -14,9 +14,15 @@ from transformers import DynamicCache
 
 from conftest import tiny_gemma3, tiny_llama
 from draftsmith.core.tree import DraftTree, best_first_tree, cartesian_tree, tree_attention_inputs
-from draftsmith.drafters.streaming import StreamingConfig, StreamingConfigError, StreamingModel
+from draftsmith.drafters.streaming import (
+    MAIN_STREAM_ONLY,
+    StreamingConfig,
+    StreamingConfigError,
+    StreamingModel,
+    StreamingPass,
+)
 from draftsmith.inference.runtime import generate
-from draftsmith.train.losses import streaming_loss
+from draftsmith.train.losses.streaming import streaming_loss
 from helpers import STREAMING_VOCAB as VOCAB
 from helpers import TINY_EOS as EOS
 from helpers import (
@@ -47,7 +53,7 @@ def test_main_stream_is_exactly_the_adapted_model(pair):
         original = target(ids).logits
         with model.adapted() as adapted_target:
             adapted = adapted_target(ids).logits
-        on, off = model(ids), model(ids, streams=False)
+        on, off = model(ids), model(ids, mode=MAIN_STREAM_ONLY)
     assert not torch.allclose(adapted, original, atol=1e-3)  # the LoRA does change the model
     assert torch.equal(off.logits, adapted) and off.stream_hidden is None
     assert torch.equal(on.logits, adapted)  # the hooks only read: the main stream is untouched
@@ -110,7 +116,7 @@ def test_prompt_rows_select_streams(pair):
     ids = torch.randint(4, VOCAB, (1, 8))
     with torch.no_grad():
         full = model(ids).stream_hidden
-        last = model(ids, stream_rows=torch.tensor([7])).stream_hidden
+        last = model(ids, mode=StreamingPass(stream_rows=torch.tensor([7]))).stream_hidden
     torch.testing.assert_close(last[:, 0], full[:, 7], rtol=0, atol=1e-6)
 
 
@@ -235,7 +241,8 @@ def test_self_distillation_kl_is_against_the_target_with_the_adapters_off():
     # the teacher is the plain target: its logits, the KL over the supervised next-token positions
     rows = (batch.loss_mask * batch.attention_mask).bool()[:, 1:]
     with torch.no_grad():
-        adapted = model(batch.input_ids, attention_mask=batch.attention_mask, streams=False).logits[:, :-1][rows]
+        adapted = model(batch.input_ids, attention_mask=batch.attention_mask, mode=MAIN_STREAM_ONLY).logits
+        adapted = adapted[:, :-1][rows]
         original = model.target(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1][rows]
     expected = (original.softmax(-1) * (original.log_softmax(-1) - adapted.log_softmax(-1))).sum(-1).mean()
     assert out.metrics["loss/kl"] == pytest.approx(float(expected), rel=1e-4)
@@ -295,7 +302,7 @@ def test_stream_attention_in_row_chunks_gives_the_same_loss_and_gradients(rows):
 
 def test_chunked_ce_keeps_no_chunk_logits_for_the_backward():
     """Each chunk's logits are made again in the backward (checkpointed), not stored; rows are exact."""
-    from draftsmith.train.losses import _chunked_ce
+    from draftsmith.train.losses.chunked import chunked_ce
 
     torch.manual_seed(0)
     head, calls = torch.nn.Linear(8, 50), []
@@ -305,7 +312,7 @@ def test_chunked_ce_keeps_no_chunk_logits_for_the_backward():
         calls.append(x.shape[0])
         return head(x)
 
-    ce, hits = _chunked_ce(hidden, labels, project, chunk_rows=7)
+    ce, hits = chunked_ce(hidden, labels, project, chunk_rows=7)
     assert calls == [7, 7, 7, 2] and hits.shape == (23,)
     ce.backward()
     assert sorted(calls) == sorted([7, 7, 7, 2] * 2)  # the backward recomputed every chunk

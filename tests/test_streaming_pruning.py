@@ -12,10 +12,10 @@ from safetensors.torch import load_file
 from transformers import DynamicCache
 
 from draftsmith.core.tree import DraftTree, tree_attention_inputs
-from draftsmith.drafters.streaming import StreamingConfigError, StreamingModel
+from draftsmith.drafters.streaming import MAIN_STREAM_ONLY, StreamingConfigError, StreamingModel, StreamingPass
 from draftsmith.drafters.tree_pruning import TreePruning, surviving_rows, transition_probabilities, tree_parents
 from draftsmith.inference.runtime import generate
-from draftsmith.train.losses import streaming_loss
+from draftsmith.train.losses.streaming import streaming_loss
 from helpers import STREAMING_VOCAB as VOCAB
 from helpers import TINY_EOS as EOS
 from helpers import (
@@ -47,7 +47,8 @@ def test_adapter_is_a_rank_r_map_into_the_lm_head():
     ids = torch.randint(4, VOCAB, (2, 9))
     with torch.no_grad():
         out = model(ids)
-        main = model(ids, streams=False, output_hidden_states=True).hidden_states[model.config.first_stream_layer]
+        states = model(ids, output_hidden_states=True, mode=MAIN_STREAM_ONLY).hidden_states
+        main = states[model.config.first_stream_layer]
     assert out.pruning_hidden.shape == (2, 9, H)
     torch.testing.assert_close(out.pruning_hidden, model.early_exit(main), rtol=0, atol=1e-6)  # o_θ(M^{L-Ns})
     assert model.early_exit_logits(main).shape == (2, 9, VOCAB)
@@ -127,7 +128,7 @@ def test_pruned_forward_is_the_full_forward_restricted_to_the_kept_rows():
                 position_ids=positions,
                 cache=cache,
                 output_hidden_states=not threshold,
-                prune_threshold=threshold,
+                mode=StreamingPass(prune_threshold=threshold),
             )
         return out, cache
 

@@ -160,7 +160,7 @@ def test_nan_loss_stops_with_one_line_naming_the_step(tmp_path, recipe_path, mon
 
     from draftsmith.train import losses
 
-    original = losses.feature_distillation_loss
+    original = losses.LOSSES["feature_distillation_loss"]
     calls = {"n": 0}
 
     @functools.wraps(original)
@@ -171,7 +171,7 @@ def test_nan_loss_stops_with_one_line_naming_the_step(tmp_path, recipe_path, mon
             out.loss = out.loss * float("nan")
         return out
 
-    monkeypatch.setattr(losses, "feature_distillation_loss", poisoned)
+    monkeypatch.setitem(losses.LOSSES, "feature_distillation_loss", poisoned)
     with pytest.raises(SystemExit) as info:
         main(["train", str(recipe_path)])
     stderr = capsys.readouterr().err

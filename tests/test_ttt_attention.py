@@ -7,7 +7,7 @@ import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 import draftsmith.drafters.ttt_attention as ttt_attention
-import draftsmith.train.losses as losses
+import draftsmith.train.losses.ttt as losses
 from conftest import tiny_llama
 from draftsmith.drafters.base import FrozenTarget
 from draftsmith.drafters.registry import get_family

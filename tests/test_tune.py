@@ -13,6 +13,7 @@ from draftsmith.drafters.io import export_drafter
 from draftsmith.drafters.registry import get_family
 from draftsmith.inference.measure.tune import (
     Shape,
+    TuneOptions,
     record_counted_prompt,
     record_prompt,
     round_rows,
@@ -35,7 +36,9 @@ from draftsmith.inference.methods.tuned_trees import (
 )
 from draftsmith.inference.runtime import generate
 from draftsmith.train.cli import main
-from draftsmith.train.losses import family_loss, medusa2_loss, medusa_loss
+from draftsmith.train.losses import family_loss
+from draftsmith.train.losses.medusa import medusa_loss
+from draftsmith.train.losses.medusa2 import medusa2_loss
 from helpers import (
     fit,
     fused_batch,
@@ -407,10 +410,10 @@ def test_run_tune_says_when_plain_decoding_wins(tiny, tmp_path, monkeypatch):
     model = get_family("fspad").build(tiny.model.config, {})
     export = export_drafter(model, tiny.identity.to_dict(), tmp_path / "untrained")
     lines = []
-    options = {"max_depth": 2, "top_ks": (2,), "totals": (2, 4), "repeats": 5, "say": lines.append}
+    options = TuneOptions(None, 1, 6, max_depth=2, top_ks=(2,), totals=(2, 4), repeats=5, measure_choice=False)
     # the prediction alone: the tiny model's real decodes take fractions of a millisecond a round, which a
     # busy machine reorders (test_tune_keeps_the_finalist_that_decodes_fastest checks the decodes' verdict)
-    entry = run_tune(export, tiny, None, 1, 6, measure_choice=False, **options)
+    entry = run_tune(export, tiny, options, say=lines.append)
     assert entry["predicted"]["tokens_per_round"] < 1.5 and not entry["drafting_pays"]
     assert any("no tree beats plain decoding" in line for line in lines)
     assert file_problems(export) == {}
@@ -433,7 +436,8 @@ def test_tune_keeps_the_finalist_that_decodes_fastest(tiny, tmp_path, monkeypatc
     model = get_family("fspad").build(tiny.model.config, {})
     export = export_drafter(model, tiny.identity.to_dict(), tmp_path / "untrained")
     lines = []
-    entry = run_tune(export, tiny, None, 1, 6, max_depth=2, top_ks=(2,), totals=(1, 2, 4), say=lines.append)
+    options = TuneOptions(None, 1, 6, max_depth=2, top_ks=(2,), totals=(1, 2, 4))
+    entry = run_tune(export, tiny, options, say=lines.append)
     finalists = entry["finalists"]
     assert len(finalists) == tune.FINALISTS and entry["tree"] == finalists[chosen]["tree"]
     assert entry["measured"]["speedup_vs_plain"] == speedups[chosen] and entry["drafting_pays"] is pays

@@ -50,6 +50,10 @@ _NAME = re.compile(r"^step-(\d+)$")
 _DELETING = ".deleting-"  # a checkpoint being deleted: renamed first, so it is never a step-N half gone
 
 
+class TrainingError(DraftsmithError, RuntimeError):
+    """Training cannot start or go on (non-finite loss, a run directory that does not fit)."""
+
+
 class CheckpointError(DraftsmithError, RuntimeError):
     """A checkpoint that is missing, incomplete or does not fit the run."""
 

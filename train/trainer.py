@@ -16,13 +16,12 @@ import time
 from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-import yaml
 from tqdm.auto import tqdm
 
 from draftsmith.core.errors import DraftsmithError
@@ -38,47 +37,23 @@ from draftsmith.train.batch import TrainBatch
 from draftsmith.train.checkpoint import (
     RESOLVED_RECIPE,
     RUN_INFO,
-    CheckpointError,
+    TrainingError,
     checkpoints_dir,
     complete_checkpoints,
-    damaged_files,
-    incomplete_checkpoints,
-    is_rng_state,
-    latest_checkpoint,
     load_checkpoint,
     read_run_info,
     read_state,
-    rng_state_problem,
     save_checkpoint,
 )
 from draftsmith.train.data_identity import data_change, data_identity
 from draftsmith.train.loader import BatchPlan, TrainData, online_features, open_feature_cache, open_prepared
 from draftsmith.train.losses import family_loss
-from draftsmith.train.recipe import DataSection, TrainRecipe, TrainSection
+from draftsmith.train.recipe import TrainRecipe, TrainSection
 from draftsmith.train.recipe_loader import RecipeError, save_resolved, to_tree
+from draftsmith.train.resume import ResumeCandidates, next_intact_checkpoint, report_resume_point, starting_checkpoint
 from draftsmith.train.tracking import Tracker
 
 warn_about_untested_versions()
-
-# Recipe keys a resumed run may change: they do not alter what the finished steps computed. The run is
-# found at the current output_dir, so where it was written before (a moved or copied run, or the same
-# place spelt differently: a trailing slash, ./, a relative path) does not matter; its data is compared
-# by content (train/data_identity.py), so neither does where the data lies now.
-RESUMABLE_CHANGES = (
-    "output_dir",
-    "data.prepared",
-    "data.features",
-    "train.max_steps",
-    "train.max_minutes",
-    "train.resume",
-    "train.resume_inexact",
-    "train.resume_new_data",
-    "tracking.",
-)
-
-
-class TrainingError(DraftsmithError, RuntimeError):
-    """Training cannot start or go on (non-finite loss, a run directory that does not fit)."""
 
 
 @dataclass
@@ -207,114 +182,6 @@ def optimizer_groups(model: DrafterModel, train: TrainSection) -> list[dict[str,
     return groups
 
 
-def _check_resumable(recipe: TrainRecipe, output_dir: Path) -> None:
-    """A resumed run must be the same run: only RESUMABLE_CHANGES may differ from the saved recipe."""
-    saved_path = output_dir / RESOLVED_RECIPE
-    if not saved_path.is_file():
-        return
-    saved, current = _flatten(yaml.safe_load(saved_path.read_text())), _flatten(to_tree(recipe))
-    # a key newer than the saved run's draftsmith, at its default, keeps the behaviour that run had
-    defaults = _flatten(to_tree(TrainRecipe(output_dir="", data=DataSection(), drafter={})))
-    for key in sorted(set(saved) | set(current)):
-        if key.startswith(RESUMABLE_CHANGES) or saved.get(key) == current.get(key):
-            continue
-        if key not in saved and key in defaults and current.get(key) == defaults[key]:
-            continue
-        raise RecipeError(
-            f"cannot resume {output_dir}: {key} was {saved.get(key)!r}, now {current.get(key)!r}; "
-            f"only train.max_steps and tracking may change on resume (use another output_dir for a new run)"
-        )
-
-
-def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    flat = {}
-    for key, value in tree.items():
-        if isinstance(value, dict) and not (prefix == "" and key in {"drafter", "loss"}):
-            flat.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
-
-
-def _starting_checkpoint(recipe: TrainRecipe, output_dir: Path, resume: bool, is_main: bool) -> Path | None:
-    checkpoint = latest_checkpoint(output_dir)
-    if checkpoint is not None and not resume:
-        raise TrainingError(
-            f"{output_dir} already holds checkpoints (last: {checkpoint.name}); pass --resume "
-            "(or train.resume=true) to continue, or choose another output_dir"
-        )
-    if resume:
-        _check_resumable(recipe, output_dir)
-        if checkpoint is None and is_main:
-            tqdm.write(f"draftsmith: no complete checkpoint in {output_dir}; starting from step 0")
-    return checkpoint
-
-
-@dataclass
-class _Candidates:
-    """Complete checkpoints a resume may still start from, newest first, and what was wrong with
-    the ones passed over (reported in one line when an older one is used)."""
-
-    older: list[Path]
-    skipped: list[str] = field(default_factory=list)
-
-
-def _checkpoint_problem(checkpoint: Path, process_index: int, inexact: bool) -> tuple[str | None, bool]:
-    """Why ``checkpoint`` cannot be resumed from (None if it can), and whether that is only its random
-    states (which ``inexact`` accepts). Its files are verified against the sizes and sha256 recorded
-    at save, so a truncated optimizer state or a half-copied weights file is caught before loading."""
-    damaged = damaged_files(checkpoint)
-    other = [problem for name, problem in damaged.items() if not is_rng_state(name)]
-    if other:
-        return other[0], False
-    rng = next(iter(damaged.values()), None) or rng_state_problem(checkpoint, process_index)
-    return (None, False) if rng is None or inexact else (rng, True)
-
-
-def _next_checkpoint(candidates: _Candidates, output_dir: Path, process_index: int, inexact: bool) -> Path:
-    """The newest intact checkpoint among ``candidates`` (removed from it); a clear error when none is."""
-    refusals: list[tuple[str, bool]] = []
-    while candidates.older:
-        checkpoint = candidates.older.pop(0)
-        problem, rng_only = _checkpoint_problem(checkpoint, process_index, inexact)
-        if problem is None:
-            return checkpoint
-        refusals.append((problem, rng_only))
-        candidates.skipped.append(problem)
-    problem = refusals[0][0] if refusals else f"{output_dir} holds no complete checkpoint"
-    if refusals and all(rng_only for _, rng_only in refusals):  # only their random states: exact resume impossible
-        raise TrainingError(
-            f"cannot resume exactly: {problem}; resume from an intact copy of the run, or pass --resume-inexact "
-            "(train.resume_inexact=true) to continue with fresh random states"
-        )
-    raise CheckpointError(
-        f"no intact checkpoint to resume {output_dir} from ({problem}); restore the run from a copy, or start "
-        "again in another output_dir"
-    )
-
-
-def _report_resume_point(checkpoint: Path, candidates: _Candidates, output_dir: Path, inexact: bool) -> None:
-    """One line each: half-written checkpoints ignored, damaged ones passed over, an inexact resume."""
-    incomplete = incomplete_checkpoints(output_dir)
-    if incomplete:
-        tqdm.write(
-            f"draftsmith: ignoring {', '.join(incomplete)} in {checkpoints_dir(output_dir)} "
-            "(saves that did not finish)",
-            file=sys.stderr,
-        )
-    if candidates.skipped:
-        more = f" (and {len(candidates.skipped) - 1} newer damaged)" if len(candidates.skipped) > 1 else ""
-        tqdm.write(
-            f"draftsmith: warning: {candidates.skipped[-1]}{more}; resuming from the previous intact checkpoint "
-            f"{checkpoint.name}",
-            file=sys.stderr,
-        )
-        candidates.skipped.clear()
-    damaged_rng = [problem for name, problem in damaged_files(checkpoint).items() if is_rng_state(name)]
-    if inexact and (problem := next(iter(damaged_rng), None) or rng_state_problem(checkpoint, 0)):
-        tqdm.write(f"draftsmith: warning: {problem}; resuming inexactly with fresh random states", file=sys.stderr)
-
-
 @contextmanager
 def _preserved_rng() -> Iterator[None]:
     """Evaluation must not move the training RNG, or a resumed run would draw different noise."""
@@ -338,14 +205,14 @@ class Trainer:
         self.output_dir = Path(recipe.output_dir)
         self.accelerator = build_accelerator(recipe.train)
         self.is_main = self.accelerator.is_main_process
-        self.checkpoint = _starting_checkpoint(recipe, self.output_dir, resume or recipe.train.resume, self.is_main)
+        self.checkpoint = starting_checkpoint(recipe, self.output_dir, resume or recipe.train.resume, self.is_main)
         self.inexact = resume_inexact or recipe.train.resume_inexact
         # an output_dir that cannot take a checkpoint fails now, before the target loads, not at the first save
         check_creatable_directory(self.output_dir, inside=True, option="output_dir")
         self.data_identity = data_identity(recipe.data)
         self.data_changes = self._check_same_data() if self.checkpoint is not None else []
         if self.checkpoint is not None:  # before the target loads: a refused resume costs nothing
-            self.candidates = _Candidates(list(reversed(complete_checkpoints(self.output_dir))))
+            self.candidates = ResumeCandidates(list(reversed(complete_checkpoints(self.output_dir))))
             self.checkpoint = self._next_checkpoint()
         self._load_target_and_data()
         self._build_model()
@@ -473,9 +340,10 @@ class Trainer:
             tqdm.write(f"draftsmith: started from {directory}; {len(fresh)} tensors start fresh: {shown}")
 
     def _next_checkpoint(self) -> Path:
-        checkpoint = _next_checkpoint(self.candidates, self.output_dir, self.accelerator.process_index, self.inexact)
+        process = self.accelerator.process_index
+        checkpoint = next_intact_checkpoint(self.candidates, self.output_dir, process, self.inexact)
         if self.is_main:
-            _report_resume_point(checkpoint, self.candidates, self.output_dir, self.inexact)
+            report_resume_point(checkpoint, self.candidates, self.output_dir, self.inexact)
         return checkpoint
 
     def _restore(self) -> int:

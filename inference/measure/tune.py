@@ -37,11 +37,12 @@ at every position each candidate tree is drafted as the runtime would and its ac
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
-from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -51,21 +52,27 @@ import torch
 from draftsmith.core.drafting import DraftContext, Drafter
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.target import Target
-from draftsmith.core.tree import DraftTree, TreeGrowth, admission_order, candidate_depths
 from draftsmith.data.default_prompts import held_out_questions
 from draftsmith.drafters.base import TreeOptions, top_k_problem
-from draftsmith.drafters.eagle import EagleTreeDrafter
 from draftsmith.drafters.io import read_drafter_config
-from draftsmith.drafters.medusa import DYNAMIC, MedusaTreeDrafter
-from draftsmith.drafters.registry import TreeSearch, get_family
+from draftsmith.drafters.registry import get_family
+from draftsmith.drafters.tree_search import SearchGrid, Shape, TreeSearch
 from draftsmith.inference.backends import Backends
 from draftsmith.inference.context import check_fits_context
-from draftsmith.inference.kernels.packed_gemm import CODE_FORMS, PackedGemm
+from draftsmith.inference.kernels.packed_gemm import CODE_FORMS
 from draftsmith.inference.measure.bench import read_questions
 from draftsmith.inference.measure.bench_tree import run_tree_bench
+from draftsmith.inference.measure.tune_records import (
+    CountedRecord,
+    PromptRecord,
+    packed_drafter,
+    record_counted_prompt,
+    record_prompt,
+    round_rows,
+    simulate_rounds,
+)
 from draftsmith.inference.methods.learned import load_drafter
-from draftsmith.inference.methods.lookup import LOOKUP_MAX_NGRAM, WithPromptLookup
-from draftsmith.inference.methods.pld import PromptLookupDrafter
+from draftsmith.inference.methods.lookup import WithPromptLookup
 from draftsmith.inference.methods.tuned_trees import DeviceKey, weights_sha256, write_tuned_tree
 from draftsmith.inference.runtime import generate
 
@@ -82,214 +89,6 @@ class TuneError(DraftsmithError, ValueError):
     """A drafter or option ``draftsmith tune`` cannot work with."""
 
 
-@dataclass(frozen=True)
-class Shape:
-    depth: int
-    top_k: int
-    total_tokens: int
-    medusa: bool = False  # Medusa's dynamic tree: depth (heads that run) follows from the budget, not an option
-    lookup: int = 0  # a prompt-lookup chain of up to this many tokens grafted onto each tree (lookup=N)
-
-    def options(self) -> TreeOptions:
-        if self.medusa:
-            return TreeOptions(tree=DYNAMIC, top_k=self.top_k, total_tokens=self.total_tokens)
-        return TreeOptions(depth=self.depth, top_k=self.top_k, total_tokens=self.total_tokens)
-
-    def entry(self) -> dict[str, Any]:
-        """The tree options as ``tuned_trees.json`` and serve-time options name them."""
-        options = self.options()
-        names = sorted(TreeOptions.names(), key=lambda name: name != "tree")  # Medusa's mode reads first
-        entry = {name: getattr(options, name) for name in names if getattr(options, name) is not None}
-        return entry | ({"lookup": self.lookup} if self.lookup else {})
-
-    def text(self) -> str:
-        return " ".join(f"{name}={value}" for name, value in self.entry().items())
-
-
-def candidate_count(depth: int, top_k: int) -> int:
-    """Candidates an EAGLE-2 growth makes: the root's top_k children, then top_k children for each of
-    the top_k frontier nodes at every further level."""
-    return top_k + (depth - 1) * top_k * top_k
-
-
-@dataclass
-class PromptRecord:
-    """One calibration prompt: its greedy continuation and, per top_k, per round start ``t`` (new
-    tokens committed before the round) and per depth d, the admission ranks of the candidates that
-    spell ``continuation[t:]`` among the candidates of depth <= d."""
-
-    prompt: list[int]
-    continuation: list[int]
-    features: torch.Tensor  # the target's features at the prompt and the continuation (drafter input)
-    ranks: dict[int, list[list[tuple[int, ...]]]] = field(default_factory=dict)  # [top_k][t][depth - 1]
-    # prompt lookup's chain at every round start t (the longest tried), and the admission ranks of the
-    # candidates spelling it, as ``ranks`` holds them for the continuation
-    chains: list[list[int]] = field(default_factory=list)  # [t]
-    chain_ranks: dict[int, list[list[tuple[int, ...]]]] = field(default_factory=dict)  # [top_k][t][depth - 1]
-
-    def accepted(self, shape: Shape, t: int) -> int:
-        """Draft tokens a round starting at ``t`` accepts with ``shape`` (greedy): the tree's path along the
-        continuation, or the grafted chain's where that runs further (the grafted tree holds both paths)."""
-        tree = _admitted(self.ranks[shape.top_k][t][shape.depth - 1], shape)
-        if not shape.lookup:
-            return tree
-        chain = self.chains[t][: shape.lookup]
-        matched = next((i for i, (a, b) in enumerate(zip(chain, self.continuation[t:])) if a != b), len(chain))
-        return max(tree, min(matched, len(self.continuation) - t))
-
-    def grafted_rows(self, shape: Shape, t: int) -> int:
-        """The rows the chain adds to the tree of a round starting at ``t``: its tokens past those the
-        tree already holds (:func:`~draftsmith.inference.methods.lookup.graft_chain`)."""
-        if not shape.lookup:
-            return 0
-        chain = self.chains[t][: shape.lookup]
-        return len(chain) - min(len(chain), _admitted(self.chain_ranks[shape.top_k][t][shape.depth - 1], shape))
-
-
-def _admitted(ranks: tuple[int, ...], shape: Shape) -> int:
-    """How many of a path's candidates (ranked in admission order, parents first) ``shape``'s tree holds."""
-    return sum(1 for rank in ranks if rank < shape.total_tokens)
-
-
-@dataclass
-class CountedRecord:
-    """One calibration prompt for drafters whose every tree is drafted at every position (Medusa):
-    the accepted draft tokens per shape and round start ``t``."""
-
-    prompt: list[int]
-    continuation: list[int]
-    features: torch.Tensor
-    counts: dict[Shape, list[int]] = field(default_factory=dict)  # [shape][t]
-
-    def accepted(self, shape: Shape, t: int) -> int:
-        return self.counts[shape][t]
-
-    def grafted_rows(self, shape: Shape, t: int) -> int:
-        return 0  # no chain is grafted onto these trees
-
-
-def simulate_rounds(
-    record: PromptRecord | CountedRecord, shape: Shape | None, max_new_tokens: int, eos: set[int]
-) -> list[int]:
-    """Tokens committed per verification forward (the runtime's ``accept_lengths``) when decoding the
-    prompt with ``shape`` (None: no drafting), as the runtime's loop would."""
-    g = record.continuation
-    lengths: list[int] = []
-    t = 1  # the prefill commits the first token
-    done = g[0] in eos or max_new_tokens <= 1
-    while not done:
-        step = 1 + (record.accepted(shape, t) if shape is not None else 0)
-        lengths.append(step)
-        end = t + step
-        done = any(token in eos for token in g[t : min(end, max_new_tokens)]) or end >= max_new_tokens
-        t = end
-    return lengths
-
-
-def round_rows(record: PromptRecord | CountedRecord, shape: Shape | None, lengths: list[int]) -> list[int]:
-    """The rows of each round's verification forward (the root, the tree, any grafted chain), for the
-    rounds ``simulate_rounds`` gave."""
-    rows, t = [], 1
-    for length in lengths:
-        rows.append(1 + (shape.total_tokens + record.grafted_rows(shape, t) if shape is not None else 0))
-        t += length
-    return rows
-
-
-class _FeatureRecorder(Drafter):
-    """Drafts nothing; keeps the target's features the runtime hands over (plain decoding's)."""
-
-    wants_features = True
-
-    def __init__(self, feature_layers: tuple[int, ...]) -> None:
-        self.feature_layers = feature_layers
-        self.features: torch.Tensor | None = None
-
-    def propose(self, context: DraftContext) -> DraftTree:
-        self.features = context.features
-        return DraftTree.empty()
-
-
-def greedy_continuation(
-    target: Target, prompt: list[int], tokens: int, feature_layers: tuple[int, ...], backends: Backends | None = None
-) -> tuple[list[int], torch.Tensor]:
-    """Plain greedy decoding of ``tokens`` tokens past any EOS (a round can accept draft tokens past
-    it before the runtime cuts), and the target's features at the prompt and every new token but the
-    last two; through ``backends``' kernels (a caller decoding many prompts passes one, so its kernels
-    are built once)."""
-    recorder = _FeatureRecorder(feature_layers)
-    result = generate(target.model, prompt, recorder, max_new_tokens=tokens, eos_token_ids=(), backends=backends)
-    return result.tokens, recorder.features
-
-
-def chain_ranks(growth: TreeGrowth, spelled: Sequence[int], max_depth: int) -> list[tuple[int, ...]]:
-    """Per depth d = 1..max_depth: the admission ranks, among the candidates of depth <= d, of the
-    candidates spelling ``spelled`` from the root (shallowest first; it stops where none does)."""
-    chain = spelled_path(growth.parents, growth.tokens, spelled[:max_depth])
-    depths = candidate_depths(growth.parents)
-    per_depth = []
-    for depth in range(1, max_depth + 1):
-        shallow = sum(1 for d in depths if d <= depth)  # growth numbers candidates level by level
-        order = admission_order(growth.parents[:shallow], growth.scores[:shallow])
-        rank = {candidate: position for position, candidate in enumerate(order)}
-        ranks = []
-        for node in chain[:depth]:
-            if node not in rank:
-                break
-            ranks.append(rank[node])
-        per_depth.append(tuple(ranks))
-    return per_depth
-
-
-def record_prompt(
-    target: Target,
-    drafters: dict[int, EagleTreeDrafter],
-    prompt: list[int],
-    max_new_tokens: int,
-    max_depth: int,
-    backends: Backends | None = None,
-    lookup: int = 0,
-) -> PromptRecord:
-    """The greedy continuation and every top_k's candidate ranks at every round start; with ``lookup``,
-    prompt lookup's chain of up to that many tokens there and the ranks of the candidates spelling it."""
-    backends = backends or Backends()  # one for the continuation and every drafter: kernels and packs built once
-    any_drafter = next(iter(drafters.values()))
-    layers = any_drafter.feature_layers
-    g, features = greedy_continuation(target, prompt, max_new_tokens + max(max_depth, lookup), layers, backends)
-    record = PromptRecord(prompt, g, features)
-    looker = PromptLookupDrafter(max_ngram=LOOKUP_MAX_NGRAM, num_draft=lookup) if lookup else None
-    contexts = [
-        DraftContext(prompt + g[:t], len(prompt), features=features[: len(prompt) + t - 1])
-        for t in range(max_new_tokens)
-    ]
-    record.chains = [looker.propose(context).tokens.tolist() if looker else [] for context in contexts]
-    for top_k, drafter in drafters.items():
-        per_t: list[list[tuple[int, ...]]] = [[]]  # t = 0 never starts a round
-        chains_t: list[list[tuple[int, ...]]] = [[]]
-        with _drafting(backends, drafter):
-            for t in range(1, max_new_tokens):
-                _, growth = drafter.grow(contexts[t])
-                per_t.append(chain_ranks(growth, g[t:], max_depth))
-                chains_t.append(chain_ranks(growth, record.chains[t], max_depth))
-        record.ranks[top_k], record.chain_ranks[top_k] = per_t, chains_t
-    return record
-
-
-def _packed_drafter(backends: Backends, drafter: Drafter) -> PackedGemm | None:
-    """``drafter`` with the kernels it drafts with in decoding; its linears' packs, made now (before any
-    clock starts, as in decoding)."""
-    gemm = backends.drafting_kernels(drafter)
-    if gemm is not None:
-        gemm.padded_rows(1)
-    return gemm
-
-
-def _drafting(backends: Backends, drafter: Drafter) -> AbstractContextManager[None]:
-    """The context in which ``drafter`` proposes what it proposes in decoding through ``backends``."""
-    gemm = _packed_drafter(backends, drafter)
-    return gemm.rows() if gemm is not None else nullcontext()
-
-
 def drafting_ms(
     drafters: dict[tuple[int, int], Drafter], record: PromptRecord | CountedRecord, backends: Backends | None = None
 ) -> dict[tuple[int, int], float]:
@@ -302,7 +101,7 @@ def drafting_ms(
     eviction = torch.ones(CACHE_EVICTION_BYTES // 4)
     costs = {}
     for key, drafter in drafters.items():
-        gemm = _packed_drafter(backends, drafter)
+        gemm = packed_drafter(backends, drafter)
         times = []
         for t in range(1, min(TIMED_POSITIONS + 2, len(g))):
             tokens = prompt + g[:t]
@@ -318,48 +117,10 @@ def drafting_ms(
 
 
 def eagle_drafters_per_round_shape(
-    base: EagleTreeDrafter, target: Target, depths: Sequence[int], top_ks: Sequence[int]
+    base: Drafter, target: Target, depths: Sequence[int], top_ks: Sequence[int]
 ) -> dict[tuple[int, int], Drafter]:
     """One runtime drafter per (depth, top_k): what an EAGLE-2 round costs depends on both."""
     return {(depth, top_k): eagle_growth(base, target, depth, top_k) for top_k in top_ks for depth in depths}
-
-
-def spelled_path(parents: Sequence[int], tokens: Sequence[int], spelled: Sequence[int]) -> list[int]:
-    """The nodes (root's child first) of the tree path spelling a prefix of ``spelled``, as long as one
-    does: what greedy verification accepts when ``spelled`` is the target's own continuation."""
-    child = {(int(parent), int(token)): node for node, (parent, token) in enumerate(zip(parents, tokens))}
-    path, node = [], -1
-    for token in spelled:
-        node = child.get((node, int(token)), None)
-        if node is None:
-            break
-        path.append(node)
-    return path
-
-
-def record_counted_prompt(
-    target: Target,
-    base: Drafter,
-    prompt: list[int],
-    max_new_tokens: int,
-    shapes: Sequence[Shape],
-    backends: Backends | None = None,
-) -> CountedRecord:
-    """The greedy continuation, and every shape's accepted length at every round start."""
-    backends = backends or Backends()  # one for the continuation and every shape: kernels and packs built once
-    depth = max(shape.depth for shape in shapes)
-    g, features = greedy_continuation(target, prompt, max_new_tokens + depth, base.feature_layers, backends)
-    record = CountedRecord(prompt, g, features)
-    for shape in shapes:
-        drafter = base.model.runtime_drafter(target.model, shape.options())
-        counts = [0]  # t = 0 never starts a round
-        with _drafting(backends, drafter):
-            for t in range(1, max_new_tokens):
-                tokens = prompt + g[:t]
-                tree = drafter.propose(DraftContext(tokens, len(prompt), features=features[: len(tokens) - 1]))
-                counts.append(len(spelled_path(tree.parents.tolist(), tree.tokens.tolist(), g[t:])))
-        record.counts[shape] = counts
-    return record
 
 
 @dataclass
@@ -402,21 +163,6 @@ def verified_sizes(shapes: Sequence[Shape]) -> list[int]:
     return sorted({1} | {1 + shape.total_tokens + extra for shape in shapes for extra in range(shape.lookup + 1)})
 
 
-def search_space(
-    max_depth: int, top_ks: Sequence[int], totals: Sequence[int], lookups: Sequence[int] = (0,)
-) -> list[Shape]:
-    """Every (depth, top_k, total_tokens) whose budget the growth can fill (a larger budget would
-    verify the same tree), with each prompt-lookup chain length in ``lookups``."""
-    return [
-        Shape(depth, top_k, total, lookup=lookup)
-        for lookup in lookups
-        for top_k in top_ks
-        for depth in range(1, max_depth + 1)
-        for total in totals
-        if total <= candidate_count(depth, top_k)
-    ]
-
-
 def parse_numbers(text: str, option: str, least: int = 1, most: int | None = None) -> list[int]:
     """``1,2,4`` -> [1, 2, 4], each >= ``least`` (and <= ``most``: a tree number's limit, TREE_LIMITS)."""
     try:
@@ -439,10 +185,11 @@ def calibration_prompts(target: Target, questions: Path | None, limit: int) -> l
     return [target.encode_chat([{"role": "user", "content": turn}]) for turn in turns]
 
 
-def runtime_drafter_for_tune(directory: Path, target: Target, max_depth: int, top_k: int) -> EagleTreeDrafter:
+def runtime_drafter_for_tune(directory: Path, target: Target, max_depth: int, top_k: int) -> Drafter:
     """The export's EAGLE-2 drafter growing trees of ``max_depth`` levels with ``top_k``."""
     drafter = tune_base(directory, target)
-    if family_tree_search(directory) is not TreeSearch.GROWTH:
+    search = family_tree_search(directory)
+    if search is None or not search.reads_growth:
         raise TuneError(f"{directory} holds a {drafter.name!r} drafter, not an EAGLE-2 one")
     return eagle_growth(drafter, target, max_depth, top_k)
 
@@ -452,7 +199,7 @@ def family_tree_search(directory: Path) -> TreeSearch | None:
     return get_family(read_drafter_config(directory)["drafter_family"]).tree_search
 
 
-def eagle_growth(base: EagleTreeDrafter, target: Target, depth: int, top_k: int) -> EagleTreeDrafter:
+def eagle_growth(base: Drafter, target: Target, depth: int, top_k: int) -> Drafter:
     """``base``'s model drafting trees of ``depth`` levels with ``top_k`` (tune reads its candidates)."""
     return base.model.runtime_drafter(target.model, TreeOptions(depth=depth, top_k=top_k, total_tokens=1))
 
@@ -477,28 +224,6 @@ def serving_target(base: Drafter, target: Target) -> Target:
     return target.with_model(base.served_model() or target.model)
 
 
-def medusa_search_space(heads: int, top_ks: Sequence[int], totals: Sequence[int]) -> list[Shape]:
-    """Every dynamic Medusa tree (top_k per head, total_tokens) whose budget the heads can fill."""
-    return [
-        Shape(min(heads, total), top_k, total, medusa=True)  # a budget of N nodes reaches depth N at most
-        for top_k in top_ks
-        for total in totals
-        if total <= sum(top_k**depth for depth in range(1, heads + 1))
-    ]
-
-
-def parallel_search_space(max_depth: int, top_ks: Sequence[int], totals: Sequence[int]) -> list[Shape]:
-    """Every tree of one forward's depths (depth, top_k per depth, total_tokens) whose budget the
-    depths can fill and reach: a budget of N nodes never drafts deeper than N."""
-    return [
-        Shape(depth, top_k, total)
-        for top_k in top_ks
-        for depth in range(1, max_depth + 1)
-        for total in totals
-        if depth <= total <= sum(top_k**level for level in range(1, depth + 1))
-    ]
-
-
 @dataclass
 class TunePlan:
     """What a family's tune measures: the trees tried, each calibration prompt's record of what they
@@ -511,24 +236,40 @@ class TunePlan:
     search: dict[str, Any]
 
 
-def eagle_plan(
+def build_plan(
+    search: TreeSearch,
     target: Target,
-    base: EagleTreeDrafter,
+    base: Drafter,
+    prompts: list[list[int]],
+    options: TuneOptions,
+    backends: Backends,
+) -> TunePlan:
+    """What tune measures for ``base``'s family: the candidate trees its search gives and their records."""
+    grid, config = options.grid(), base.model.config
+    shapes, recorded = search.candidates(config, grid), search.recorded(config, grid)
+    if search.reads_growth:
+        return growth_plan(target, base, prompts, options.max_new_tokens, grid, shapes, recorded, backends)
+    return counted_plan(target, base, prompts, options.max_new_tokens, shapes, recorded, backends)
+
+
+def growth_plan(
+    target: Target,
+    base: Drafter,
     prompts: list[list[int]],
     max_new_tokens: int,
-    max_depth: int,
-    top_ks: Sequence[int],
-    totals: Sequence[int],
+    grid: SearchGrid,
+    shapes: list[Shape],
+    search: dict[str, Any],
     backends: Backends,
-    lookups: Sequence[int] = (0,),
 ) -> TunePlan:
-    drafters = {k: eagle_growth(base, target, max_depth, k) for k in top_ks}
-    longest = max(lookups)
+    """A plan whose trees' acceptance is read off one growth of the largest tree per top_k (EAGLE-2)."""
+    drafters = {k: eagle_growth(base, target, grid.max_depth, k) for k in grid.top_ks}
+    longest, depth = max(grid.lookups), grid.max_depth
     return TunePlan(
-        search_space(max_depth, top_ks, totals, lookups),
-        [record_prompt(target, drafters, prompt, max_new_tokens, max_depth, backends, longest) for prompt in prompts],
-        eagle_drafters_per_round_shape(base, target, range(1, max_depth + 1), top_ks),
-        {"max_depth": max_depth, "top_k": list(top_ks), "total_tokens": list(totals), "lookup": list(lookups)},
+        shapes,
+        [record_prompt(target, drafters, prompt, max_new_tokens, depth, backends, longest) for prompt in prompts],
+        eagle_drafters_per_round_shape(base, target, range(1, depth + 1), grid.top_ks),
+        search,
     )
 
 
@@ -550,67 +291,6 @@ def counted_plan(
         {key: base.model.runtime_drafter(target.model, shape.options()) for key, shape in costliest.items()},
         search,
     )
-
-
-def medusa_plan(
-    target: Target,
-    base: MedusaTreeDrafter,
-    prompts: list[list[int]],
-    max_new_tokens: int,
-    top_ks: Sequence[int],
-    totals: Sequence[int],
-    backends: Backends,
-) -> TunePlan:
-    heads = base.model.config.num_heads
-    search = {"heads": heads, "top_k": list(top_ks), "total_tokens": list(totals)}
-    return counted_plan(
-        target, base, prompts, max_new_tokens, medusa_search_space(heads, top_ks, totals), search, backends
-    )
-
-
-def parallel_plan(
-    target: Target,
-    base: Drafter,
-    prompts: list[list[int]],
-    max_new_tokens: int,
-    max_depth: int,
-    top_ks: Sequence[int],
-    totals: Sequence[int],
-    backends: Backends,
-) -> TunePlan:
-    """P-EAGLE, DFlash: one forward gives every depth, so a round costs one drafter forward of ``depth`` rows
-    whatever the tree, and each tree's acceptance is counted from its own drafts."""
-    depth = min(max_depth, base.model.config.parallel_depths())
-    search = {"max_depth": depth, "top_k": list(top_ks), "total_tokens": list(totals)}
-    return counted_plan(
-        target, base, prompts, max_new_tokens, parallel_search_space(depth, top_ks, totals), search, backends
-    )
-
-
-@dataclass(frozen=True)
-class Search:
-    """What tune does for one :class:`~draftsmith.drafters.registry.TreeSearch`: the deepest tree it
-    tries (given ``--max-depth``) and the plan it measures."""
-
-    deepest: Callable[[Drafter, int], int]
-    plan: Callable[..., TunePlan]  # (target, base, prompts, max_new_tokens, max_depth, top_ks, totals, backends)
-    grafts_lookup: bool = False  # whether its trees are tried with prompt lookup's chain grafted on (--lookup)
-
-
-SEARCHES = {
-    TreeSearch.GROWTH: Search(lambda base, max_depth: max_depth, eagle_plan, grafts_lookup=True),
-    # a Medusa tree is as deep as its heads: --max-depth does not apply
-    TreeSearch.HEADS: Search(
-        lambda base, max_depth: base.model.config.num_heads,
-        lambda target, base, prompts, tokens, max_depth, top_ks, totals, backends: medusa_plan(
-            target, base, prompts, tokens, top_ks, totals, backends
-        ),
-    ),
-    # the depths one forward was trained to draft bound the tree
-    TreeSearch.PARALLEL: Search(
-        lambda base, max_depth: min(max_depth, base.model.config.parallel_depths()), parallel_plan
-    ),
-}
 
 
 def rotated(items: list, turn: int) -> list:
@@ -660,71 +340,146 @@ def table(ranked: list[Prediction], plain: Prediction, top: int) -> str:
     return "\n".join(lines)
 
 
+@dataclass(frozen=True)
+class TuneOptions:
+    """What ``draftsmith tune`` calibrates on and searches: its command-line options."""
+
+    questions: Path | None = None  # a Spec-Bench-format file (None: the held-out default prompts)
+    limit: int = 4  # calibration prompts
+    max_new_tokens: int = 64  # tokens decoded per calibration prompt
+    max_depth: int = 6
+    top_ks: Sequence[int] = DEFAULT_TOP_K
+    totals: Sequence[int] = DEFAULT_TOTAL_TOKENS
+    repeats: int = 5  # timings per verification forward size (bench-tree)
+    measure_choice: bool = True  # decode the best predicted trees and keep the fastest (else the prediction's)
+    lookups: Sequence[int] = DEFAULT_LOOKUP
+
+    def checked(self) -> TuneOptions:
+        """These options with each list sorted and deduplicated; a :class:`TuneError` for those tune cannot use."""
+        top_ks, totals, lookups = sorted(set(self.top_ks)), sorted(set(self.totals)), sorted(set(self.lookups))
+        if self.max_depth < 1 or not top_ks or min(top_ks) < 1 or not totals or min(totals) < 1:
+            raise TuneError("--max-depth, --top-k and --total-tokens take whole numbers >= 1")
+        if not lookups or min(lookups) < 0:
+            raise TuneError("--lookup takes whole numbers >= 0 (0: no prompt-lookup chain)")
+        if self.max_new_tokens < 2:
+            raise TuneError(
+                f"--max-new-tokens must be at least 2 for a drafting round to happen; got {self.max_new_tokens}"
+            )
+        return dataclasses.replace(self, top_ks=top_ks, totals=totals, lookups=lookups)
+
+    def grid(self) -> SearchGrid:
+        return SearchGrid(self.max_depth, self.top_ks, self.totals, self.lookups)
+
+
 def run_tune(
-    directory: Path,
-    target: Target,
-    questions: Path | None,
-    limit: int,
-    max_new_tokens: int,
-    max_depth: int = 6,
-    top_ks: Sequence[int] = DEFAULT_TOP_K,
-    totals: Sequence[int] = DEFAULT_TOTAL_TOKENS,
-    repeats: int = 5,
-    measure_choice: bool = True,
-    say=print,
-    backends: Backends | None = None,
-    lookups: Sequence[int] = DEFAULT_LOOKUP,
+    directory: Path, target: Target, options: TuneOptions, say=print, backends: Backends | None = None
 ) -> dict[str, Any]:
     """Fit the tree, write it into the export's ``tuned_trees.json`` and return the entry written; the
     verification forwards are timed and measured through ``backends`` (default: the default kernels)."""
-    directory = Path(directory)
-    backends = backends or Backends()
-    top_ks, totals = sorted(set(top_ks)), sorted(set(totals))
-    if max_depth < 1 or not top_ks or min(top_ks) < 1 or not totals or min(totals) < 1:
-        raise TuneError("--max-depth, --top-k and --total-tokens take whole numbers >= 1")
-    lookups = sorted(set(lookups))
-    if not lookups or min(lookups) < 0:
-        raise TuneError("--lookup takes whole numbers >= 0 (0: no prompt-lookup chain)")
-    if max_new_tokens < 2:
-        raise TuneError(f"--max-new-tokens must be at least 2 for a drafting round to happen; got {max_new_tokens}")
+    directory, backends, options = Path(directory), backends or Backends(), options.checked()
     base = tune_base(directory, target)
     draft_vocab = base.model.config.draft_vocab_limit() or int(target.model.config.vocab_size)
-    if problem := top_k_problem(max(top_ks), draft_vocab):  # torch.topk would fail deep in the first recording
+    if problem := top_k_problem(max(options.top_ks), draft_vocab):  # torch.topk would fail deep in the first recording
         raise TuneError(f"--top-k: {problem}; try smaller values")
-    search = SEARCHES[family_tree_search(directory)]
+    search = family_tree_search(directory)
     target = serving_target(base, target)
-    depth = search.deepest(base, max_depth)
-    prompts = calibration_prompts(target, questions, limit)
-    for i, prompt in enumerate(prompts):
-        rows = max_new_tokens + depth + max(totals) + max(lookups)
-        check_fits_context(target.model, len(prompt), rows, f"calibration prompt {i}")
-    say(f"recording the drafter's candidates at every position of {len(prompts)} prompts ({max_new_tokens} tokens)")
-    plan = (
-        search.plan(target, base, prompts, max_new_tokens, max_depth, top_ks, totals, backends, lookups)
-        if search.grafts_lookup
-        else search.plan(target, base, prompts, max_new_tokens, max_depth, top_ks, totals, backends)
+    prompts = calibration_prompts(target, options.questions, options.limit)
+    check_prompts_fit(target, prompts, options, search.deepest(base.model.config, options.max_depth))
+    say(
+        f"recording the drafter's candidates at every position of {len(prompts)} prompts "
+        f"({options.max_new_tokens} tokens)"
     )
-    shapes, records = plan.shapes, plan.records
+    plan = build_plan(search, target, base, prompts, options, backends)
     say("timing drafting rounds, and verification forwards per tree size (bench-tree)")
-    draft_ms = drafting_ms(plan.round_drafters, records[0], backends)
-    sizes = verified_sizes(shapes)
-    prefix = int(statistics.fmean(len(p) for p in prompts)) + max_new_tokens // 2
-    bench = run_tree_bench(target, sizes, prefix, repeats, backends=backends)
-    verify_ms = {row["size"]: row["median_ms"] for row in bench["rows"]}
-    eos = set(target.eos_token_ids)
-    ranked = predictions(records, verify_ms, draft_ms, shapes, max_new_tokens, eos)
-    plain = ranked[0]
-    ranked.sort(key=lambda p: -p.tokens_per_s)
-    say(table(ranked, plain, 5))
-    finalists = [p for p in ranked if p.shape is not None][: FINALISTS if measure_choice else 1]
-    measured = {}
-    if measure_choice:
-        measured = measure_finalists(target, base, records, finalists, plain, max_new_tokens, say, backends)
-    best = max(finalists, key=lambda p: measured[p.shape]["tokens_per_s"]) if measured else finalists[0]
+    predicted = predict(target, plan, prompts, options, backends)
+    say(table(predicted.ranked, predicted.plain, 5))
+    best, finalists, measured = choose(target, base, plan, predicted, options, say, backends)
+    plain = predicted.plain
     pays = measured[best.shape]["speedup_vs_plain"] > 1 if measured else best.tokens_per_s > plain.tokens_per_s
     if not pays:
         say(f"no tree beats plain decoding on this device; the best, {best.shape.text()}, is recorded anyway")
-    entry: dict[str, Any] = {
+    entry = tuned_entry(directory, best, pays, predicted, backends)
+    entry["calibration"] = {
+        "prompts": len(prompts),
+        "questions": str(options.questions) if options.questions else "default held-out prompts",
+        "max_new_tokens": options.max_new_tokens,
+        "search": plan.search,
+        "verify_prefix": predicted.prefix,
+    }
+    entry["tuned_at"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    if measured:
+        say(f"chosen {best.shape.text()}, the fastest in decoding")
+        entry["measured"] = measured[best.shape]
+        entry["finalists"] = [
+            {"tree": p.shape.entry(), "predicted_speedup": p.tokens_per_s / plain.tokens_per_s, **measured[p.shape]}
+            for p in finalists
+        ]
+    key = DeviceKey.current(target.model)
+    path = write_tuned_tree(directory, key, entry)
+    say(f"wrote the tree for {key.text()} to {path}")
+    return entry
+
+
+def check_prompts_fit(target: Target, prompts: list[list[int]], options: TuneOptions, depth: int) -> None:
+    """Every calibration prompt leaves room in the target's context for its decode and the largest tree."""
+    for i, prompt in enumerate(prompts):
+        rows = options.max_new_tokens + depth + max(options.totals) + max(options.lookups)
+        check_fits_context(target.model, len(prompt), rows, f"calibration prompt {i}")
+
+
+@dataclass
+class Predicted:
+    """Every tree's predicted speed (``ranked``, fastest first), plain decoding's, and the verification
+    timings they were predicted from (bench-tree's result at a context of ``prefix`` tokens)."""
+
+    ranked: list[Prediction]
+    plain: Prediction
+    bench: dict[str, Any]
+    prefix: int
+
+
+def predict(
+    target: Target, plan: TunePlan, prompts: list[list[int]], options: TuneOptions, backends: Backends
+) -> Predicted:
+    """Time the plan's drafting rounds and the verification forwards of its tree sizes, and predict each
+    tree's speed from them and its records."""
+    draft_ms = drafting_ms(plan.round_drafters, plan.records[0], backends)
+    prefix = int(statistics.fmean(len(p) for p in prompts)) + options.max_new_tokens // 2
+    bench = run_tree_bench(target, verified_sizes(plan.shapes), prefix, options.repeats, backends=backends)
+    verify_ms = {row["size"]: row["median_ms"] for row in bench["rows"]}
+    eos = set(target.eos_token_ids)
+    ranked = predictions(plan.records, verify_ms, draft_ms, plan.shapes, options.max_new_tokens, eos)
+    plain = ranked[0]
+    ranked.sort(key=lambda p: -p.tokens_per_s)
+    return Predicted(ranked, plain, bench, prefix)
+
+
+def choose(
+    target: Target,
+    base: Drafter,
+    plan: TunePlan,
+    predicted: Predicted,
+    options: TuneOptions,
+    say,
+    backends: Backends,
+) -> tuple[Prediction, list[Prediction], dict[Shape, dict[str, Any]]]:
+    """The tree to record, the finalists decoded and what their decodes measured (empty without
+    ``measure_choice``: then the best prediction wins)."""
+    finalists = [p for p in predicted.ranked if p.shape is not None][: FINALISTS if options.measure_choice else 1]
+    if not options.measure_choice:
+        return finalists[0], finalists, {}
+    measured = measure_finalists(
+        target, base, plan.records, finalists, predicted.plain, options.max_new_tokens, say, backends
+    )
+    return max(finalists, key=lambda p: measured[p.shape]["tokens_per_s"]), finalists, measured
+
+
+def tuned_entry(
+    directory: Path, best: Prediction, pays: bool, predicted: Predicted, backends: Backends
+) -> dict[str, Any]:
+    """The ``tuned_trees.json`` entry of ``best``: its tree, its prediction and the kernels it was timed with."""
+    plain, bench = predicted.plain, predicted.bench
+    return {
         "tree": best.shape.entry(),
         "drafting_pays": pays,
         "predicted": {
@@ -741,26 +496,7 @@ def run_tune(
             "weight_codes": any(form in bench["linear"].get("pack_forms", {}) for form in CODE_FORMS),
             "drafter_codes": backends.options.drafter_codes and backends.options.weight_codes,
         },
-        "calibration": {
-            "prompts": len(prompts),
-            "questions": str(questions) if questions else "default held-out prompts",
-            "max_new_tokens": max_new_tokens,
-            "search": plan.search,
-            "verify_prefix": prefix,
-        },
-        "tuned_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
-    if measured:
-        say(f"chosen {best.shape.text()}, the fastest in decoding")
-        entry["measured"] = measured[best.shape]
-        entry["finalists"] = [
-            {"tree": p.shape.entry(), "predicted_speedup": p.tokens_per_s / plain.tokens_per_s, **measured[p.shape]}
-            for p in finalists
-        ]
-    key = DeviceKey.current(target.model)
-    path = write_tuned_tree(directory, key, entry)
-    say(f"wrote the tree for {key.text()} to {path}")
-    return entry
 
 
 # The best predicted trees tune decodes the calibration prompts with before it chooses: a prediction adds

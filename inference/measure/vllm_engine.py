@@ -19,18 +19,10 @@ from typing import Any
 from draftsmith.core.target import Target
 from draftsmith.core.vllm_env import WORKER, VllmError, last_error_line, vllm_environment
 from draftsmith.drafters.io import check_drafter_target, read_engine_export
+from draftsmith.drafters.registry import FAMILIES
 
 VLLM = "vllm"
-# vLLM's speculative_config for each exported family (``draftsmith export --format vllm``) besides
-# the drafter and its tokens: P-EAGLE is eagle3 drafting every token in one forward; DFlash drafts its
-# block in one forward by itself (vLLM turns parallel drafting on for the dflash method).
-VLLM_METHODS: dict[str, dict[str, Any]] = {
-    "eagle": {"method": "eagle"},
-    "eagle3": {"method": "eagle3"},
-    "medusa": {"method": "medusa"},
-    "peagle": {"method": "eagle3", "parallel_drafting": True},
-    "dflash": {"method": "dflash"},
-}
+VLLM_TIMEOUT_S = 3600.0  # a bench's vLLM run (start-up, compiling and every prompt) stopped after this long
 
 
 @dataclass(frozen=True)
@@ -63,7 +55,8 @@ def parse_vllm_method(spec: str, target: Target) -> VllmMethod:
         raise VllmError(
             f"{directory} is not a drafter exported for vLLM; make one with `draftsmith export RUN --format vllm`"
         )
-    if record.get("format") == "sglang" or record.get("family") not in VLLM_METHODS:
+    family = FAMILIES.get(record.get("family"))
+    if record.get("format") == "sglang" or family is None or not family.vllm_method:
         raise VllmError(
             f"{directory} holds a {record.get('family')!r} drafter in the {record.get('format')} layout, "
             "which vLLM does not serve; export it with --format vllm"
@@ -72,7 +65,7 @@ def parse_vllm_method(spec: str, target: Target) -> VllmMethod:
     tokens = option or str(record.get("speculative_tokens", 0))
     if not tokens.isdigit() or int(tokens) < 1:
         raise VllmError(f"{spec}: tokens= takes a whole number >= 1 (tokens vLLM drafts per step)")
-    return VllmMethod(spec, directory.resolve(), tuple(VLLM_METHODS[record["family"]].items()), int(tokens))
+    return VllmMethod(spec, directory.resolve(), family.vllm_method, int(tokens))
 
 
 def run_vllm(
@@ -84,13 +77,12 @@ def run_vllm(
     stop_token_ids: list[int],
     threads: int,
     eager: bool = False,
-    timeout: float = 3600.0,
 ) -> dict[str, Any]:
     """Greedy generations of ``prompts`` one at a time in a vLLM engine (float32) computing on
     ``threads`` cores, with per-prompt seconds and speculative-decoding counters; see
     ``vllm_worker.py``. The engine runs compiled, its fastest mode (its longer start-up is reported
     apart and never timed); ``eager`` skips the
-    compiling where start-up matters more than speed (tests)."""
+    compiling where start-up matters more than speed (tests). A run past :data:`VLLM_TIMEOUT_S` is stopped."""
     longest = max(len(p) for p in prompts) + max_new_tokens + method.speculative_tokens + 16
     request = {
         "model": str(model_dir),
@@ -110,10 +102,10 @@ def run_vllm(
                 env=vllm_environment(threads),
                 capture_output=True,
                 text=True,
-                timeout=timeout,
+                timeout=VLLM_TIMEOUT_S,
             )
         except subprocess.TimeoutExpired:
-            raise VllmError(f"vLLM ({method.name}) did not finish within {timeout:.0f} s") from None
+            raise VllmError(f"vLLM ({method.name}) did not finish within {VLLM_TIMEOUT_S:.0f} s") from None
         if done.returncode != 0 or not result_path.is_file():
             # vLLM's engine processes log the root cause on stdout, the generic "engine failed" on stderr
             raise VllmError(f"vLLM ({method.name}) failed: {last_error_line(done.stdout + done.stderr)}")

@@ -9,7 +9,7 @@ from conftest import tiny_llama
 from draftsmith.core.cache import preallocated_cache_for
 from draftsmith.core.cache_kwarg import cache_kwargs
 from draftsmith.core.tree import TreeInputBuffers
-from draftsmith.inference.backends import Backends, verification_forward
+from draftsmith.inference.backends import Backends, FastPaths, verification_forward
 from draftsmith.inference.kernels import linear_choice
 from draftsmith.inference.kernels.attention import model_attention
 from draftsmith.inference.kernels.direct_forward import direct_forward_for
@@ -91,7 +91,8 @@ def test_a_plain_step_is_bitwise_a_trees_root_row(isa, nodes):
             model(torch.tensor([PROMPT[:-1]]), **cache_kwargs(cache), use_cache=True)
             inputs = TreeInputBuffers(8, 64, torch.float32)
             past = len(PROMPT) - 1
-            out = verification_forward(model, cache, inputs, PROMPT[-1], forward_tree, past, False, gemm, direct)
+            paths = FastPaths(gemm=gemm, direct=direct)
+            out = verification_forward(model, cache, inputs, PROMPT[-1], forward_tree, past, False, paths)
         logits.append(out.logits.reshape(-1, VOCAB))
     assert "exact 4-bit codes" in gemm.pack_forms() and "exact 8-bit codes" in gemm.pack_forms()
     assert torch.equal(logits[0][0], logits[1][0])

@@ -147,6 +147,7 @@ def test_tune_writes_a_tree_the_export_still_verifies_and_generate_uses(
     assert chosen.get("lookup", 0) in (0, 3) and entry["calibration"]["search"]["lookup"] == [0, 3]
     assert entry["measured"]["prompts"] == 2 and entry["threads"] == torch.get_num_threads()
     kernels = {"native", "linear", "greedy_head", "weight_codes", "drafter_codes"}
+    kernels |= {"isa"} if entry["kernels"]["linear"] == "stream" else set()  # the stream kernel's path
     assert set(entry["kernels"]) == kernels  # what bench-tree timed with
 
     # generate and bench build drafters through build_drafter: the fitted tree and chain, said in one line

@@ -40,7 +40,7 @@ def test_tiny_pipeline_regenerates_trains_exports_and_benches(tmp_path, tiny_tar
     # a rerun finds every shard done and the training run finished: it resumes, it does not start over
     again = run_pipeline(out, tiny_target_dir, source, "--skip", "bench", "--scaling-samples", "4")
     assert all(", 0 written now" in log.read_text().split("$ draftsmith")[-1] for log in (out / "data").glob("*.log"))
-    assert again["stages"]["train"]["commands"][0]["command"].endswith("--resume")
+    assert again["stages"]["train"]["commands"][0]["command"].endswith("--resume --resume-new-data")
     # the scaling stage: the same steps on 4 of the training samples, plotted beside the full run
     assert [c["exit"] for c in again["stages"]["scaling"]["commands"]] == [0, 0]
     curves = json.loads((out / "scaling/curves.json").read_text())

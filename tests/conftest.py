@@ -173,7 +173,7 @@ def other_target_dir(tmp_path_factory, tokenizer) -> Path:
 @pytest.fixture(scope="module")
 def prepared_dir(tmp_path_factory, tiny_target_dir) -> Path:
     """Sixteen short conversations tokenised by the real `draftsmith data prepare` path."""
-    from draftsmith.train.cli import main
+    from draftsmith.cli import main
 
     root = tmp_path_factory.mktemp("trainer-data")
     records = [
@@ -297,7 +297,7 @@ def data_dir(tmp_path, chat_records) -> Path:
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory, tiny_target_dir, prepared_dir) -> Path:
     """A two-step training run beside a sibling folder, inside a parent the user owns; copied per test."""
-    from draftsmith.train.cli import main
+    from draftsmith.cli import main
     from helpers import write_recipe
 
     root = tmp_path_factory.mktemp("runs")

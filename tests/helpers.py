@@ -167,7 +167,7 @@ def sampled_twice(target, drafter, prompt: list[int], max_new_tokens: int = 24) 
 def prepare_arithmetic_chats(out, target_dir, n: int) -> None:
     """``draftsmith data prepare`` over ``n`` tiny arithmetic conversations for the tiny target."""
     from conftest import sharegpt, write_jsonl
-    from draftsmith.train.cli import main
+    from draftsmith.cli import main
 
     out.parent.mkdir(parents=True, exist_ok=True)
     records = [
@@ -378,7 +378,7 @@ def train_streams(target, model, prompts, seqs, steps, lr=1e-2):
 
 def refused(argv: list[str], capsys: pytest.CaptureFixture) -> str:
     """Run ``draftsmith argv``; assert it is refused as a user error; return its one error line."""
-    from draftsmith.train.cli import main
+    from draftsmith.cli import main
 
     with pytest.raises(SystemExit) as info:
         main([str(a) for a in argv])

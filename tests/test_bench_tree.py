@@ -10,7 +10,7 @@ from draftsmith.inference.measure.errors import BenchError
 
 
 def test_bench_tree_writes_json_and_markdown(tmp_path, tiny_target_dir, capsys):
-    from draftsmith.train.cli import main
+    from draftsmith.cli import main
 
     out = tmp_path / "tree"
     args = ["bench-tree", "--target", str(tiny_target_dir), "--sizes", "4", "--prefix", "20", "--repeats", "3"]
@@ -55,7 +55,7 @@ def test_the_component_profile_times_each_part_of_a_forward(tiny_target_dir):
 
 
 def test_profile_names_the_kernels_that_take_each_sizes_time(tmp_path, tiny_target_dir, capsys):
-    from draftsmith.train.cli import main
+    from draftsmith.cli import main
 
     out = tmp_path / "tree"
     args = ["bench-tree", "--target", str(tiny_target_dir), "--sizes", "4", "--prefix", "20", "--repeats", "1"]
@@ -121,7 +121,7 @@ def test_tree_shapes_and_sizes():
 
 
 def test_too_long_a_prefix_is_a_clear_error(tiny_target_dir, capsys):
-    from draftsmith.train.cli import main
+    from draftsmith.cli import main
 
     with pytest.raises(SystemExit) as exit_info:
         main(["bench-tree", "--target", str(tiny_target_dir), "--sizes", "64", "--prefix", "500", "--repeats", "1"])

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from draftsmith.cli import main
 from draftsmith.data.cli import default_dataset_path
 from draftsmith.data.formats import ReadStats, read_conversations
-from draftsmith.train.cli import main
 
 COMMANDS = [
     [],

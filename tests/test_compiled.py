@@ -119,7 +119,7 @@ def test_inductor_compiled_forward_is_lossless(model):
 def test_bench_compile_and_the_static_compiled_hf_baseline(tmp_path, tiny_target_dir):
     import json
 
-    from draftsmith.train.cli import main
+    from draftsmith.cli import main
 
     questions = tmp_path / "q.jsonl"
     questions.write_text(json.dumps({"question_id": 1, "category": "writing", "turns": ["Say a b a b a b."]}) + "\n")

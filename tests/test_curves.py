@@ -2,7 +2,7 @@
 
 import json
 
-from draftsmith.train.cli import main
+from draftsmith.cli import main
 from helpers import refused, write_recipe
 
 

@@ -240,12 +240,12 @@ def test_a_reduced_draft_vocabulary_decodes_losslessly(target):
 def test_tune_fits_a_dflash_tree_that_generate_uses(tiny_target_dir, tmp_path):
     """``draftsmith tune`` counts each tree's acceptance from its own one-forward drafts, as real decoding
     accepts them, and ``generate`` then drafts the tree it chose, losslessly."""
+    from draftsmith.cli import main
     from draftsmith.core.target import load_target
     from draftsmith.drafters.io import export_drafter
     from draftsmith.inference.measure.tune import Shape, record_counted_prompt, simulate_rounds, tune_base
     from draftsmith.inference.methods.table import build_drafter
     from draftsmith.inference.methods.tuned_trees import DeviceKey, read_tuned_trees
-    from draftsmith.train.cli import main
 
     tiny, layers = load_target(str(tiny_target_dir)), [0, 1]
     vocab = int(tiny.model.config.vocab_size)

@@ -179,7 +179,7 @@ def save_tiny(path: Path, tokenizer, seed: int) -> Path:
 
 
 def test_a_draft_with_another_tokenizer_is_refused_in_one_line(tmp_path, tiny_target_dir, llama3_tokenizer, capsys):
-    from draftsmith.train.cli import main
+    from draftsmith.cli import main
 
     draft_dir = save_tiny(tmp_path / "llama3-draft", llama3_tokenizer, seed=5)
     args = ["generate", "hi", "--target", str(tiny_target_dir), "--method", f"draft={draft_dir}"]
@@ -202,7 +202,7 @@ def test_tokenizer_mismatch_names_a_vocabulary_difference(tokenizer):
 
 
 def test_draft_method_from_a_directory_and_layers_in_the_cli(tiny_target_dir, other_target_dir, capsys):
-    from draftsmith.train.cli import main
+    from draftsmith.cli import main
 
     outputs = {}
     for method in ["none", f"draft={other_target_dir}", "draft=layers:1:k=3"]:

@@ -9,6 +9,7 @@ from safetensors.torch import load as safetensors_load
 from safetensors.torch import save as safetensors_save
 
 from conftest import sharegpt, write_jsonl
+from draftsmith.cli import main
 from draftsmith.core.target import load_target
 from draftsmith.data.features import (
     SCREEN_CANDIDATES,
@@ -19,7 +20,6 @@ from draftsmith.data.features import (
     build_feature_cache,
 )
 from draftsmith.data.prepared import PreparedDataError, PreparedDataset
-from draftsmith.train.cli import main
 
 
 @pytest.fixture()

@@ -178,7 +178,7 @@ def test_families_and_drafters_llamacpp_cannot_run_are_refused_in_one_line(
 
 
 def test_the_cli_exports_an_exported_drafter_and_refuses_another_targets_gguf(tmp_path, target, target_gguf, capsys):
-    from draftsmith.train.cli import main
+    from draftsmith.cli import main
 
     exported = export_drafter(eagle3(target), IDENTITY, tmp_path / "drafter")
     out = tmp_path / "gguf"
@@ -207,6 +207,7 @@ def llamacpp_bin() -> Path | None:
 @pytest.mark.skipif(llamacpp_bin() is None, reason="LLAMACPP_BIN is not set (a directory of llama.cpp's tools)")
 def test_llamacpp_serves_the_shipped_eagle3_exported_as_gguf_and_decodes_as_without_it(tmp_path):
     """The shipped EAGLE-3 in llama.cpp: its drafts are accepted, and the output is llama.cpp's plain one."""
+    from draftsmith.cli import main
     from draftsmith.core.target import load_tokenizer, target_gguf_file
     from draftsmith.inference.measure.llamacpp_engine import (
         LlamaCppMethod,
@@ -214,7 +215,6 @@ def test_llamacpp_serves_the_shipped_eagle3_exported_as_gguf_and_decodes_as_with
         run_plain,
         run_speculative,
     )
-    from draftsmith.train.cli import main
 
     main(["export", "eagle3-smollm2", "--format", "gguf", "--out", str(tmp_path / "e3")])
     tokenizer, _ = load_tokenizer("smollm2")

@@ -1,4 +1,4 @@
-"""recipes/gpu_pipeline.py in its tiny mode on a CPU: every stage runs, lands in --out and resumes."""
+"""cli/gpu_pipeline.py in its tiny mode on a CPU: every stage runs, lands in --out and resumes."""
 
 import json
 import subprocess
@@ -18,7 +18,7 @@ def run_pipeline(out, target, source, *extra):
     tiny += ["--max-new-tokens", "4", "--regen-batch-size", "2", "--train-steps", "3", "--train-batch-size", "2"]
     tiny += ["--bench-max-new-tokens", "4", "--extra-data", str(source)]
     tiny += ["--set", "drafter.draft_vocab_size=64", "--set", "data.eval_samples=2", "--set", "drafter.ttt_steps=2"]
-    command = [sys.executable, str(REPO / "recipes/gpu_pipeline.py"), "--out", str(out), *tiny, *extra]
+    command = [sys.executable, str(REPO / "cli/gpu_pipeline.py"), "--out", str(out), *tiny, *extra]
     subprocess.run(command, check=True, cwd=out.parent, timeout=600)
     return json.loads((out / "summary.json").read_text())
 
@@ -49,11 +49,8 @@ def test_tiny_pipeline_regenerates_trains_exports_and_benches(tmp_path, tiny_tar
 
 
 def test_scaling_samples_are_checked_when_the_command_is_parsed(capsys):
-    sys.path.insert(0, str(REPO / "recipes"))
-    try:
-        from gpu_pipeline import parse_args
-    finally:
-        sys.path.pop(0)
+    from draftsmith.cli.gpu_pipeline import parse_args
+
     assert parse_args(["--out", "o", "--scaling-samples", "1700,5000"]).scaling_samples == [1700, 5000]
     for bad in ("x", "0,5", ""):
         with pytest.raises(SystemExit):

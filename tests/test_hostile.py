@@ -16,9 +16,9 @@ import pytest
 import yaml
 
 from conftest import sharegpt, write_jsonl
+from draftsmith.cli import main
 from draftsmith.core.io import write_files_manifest
 from draftsmith.train.checkpoint import latest_checkpoint, rng_state_file
-from draftsmith.train.cli import main
 from helpers import generate_argv, losses, refused, snapshot, write_recipe
 
 # ---- data prepare --overwrite --------------------------------------------------------------------

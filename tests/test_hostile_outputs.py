@@ -19,9 +19,9 @@ import pytest
 import yaml
 from safetensors.torch import load_file, save_file
 
+from draftsmith.cli import main
 from draftsmith.core.io import write_files_manifest
 from draftsmith.core.lock import OutputInUseError, exclusive_output, lock_path
-from draftsmith.train.cli import main
 from helpers import generate_argv, refused, snapshot, write_recipe
 
 # ---- --overwrite replaces only what the command wrote ---------------------------------------------------
@@ -194,7 +194,7 @@ def test_two_trains_on_one_output_dir_the_second_refuses_the_first_completes(
     second = write_recipe(
         tmp_path / "b", tiny_target_dir, prepared_dir, output_dir=str(tmp_path / "run"), train={"seed": 7}
     )
-    command = [sys.executable, "-c", "from draftsmith.train.cli import main; main()", "train", str(first)]
+    command = [sys.executable, "-c", "from draftsmith.cli import main; main()", "train", str(first)]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     wait_for(lock_path(tmp_path / "run").exists, process)
     line = refused(["train", second], capsys)
@@ -210,7 +210,7 @@ def test_two_trains_on_one_output_dir_the_second_refuses_the_first_completes(
 def test_two_benches_on_one_out_the_second_refuses(tmp_path, questions, tiny_target_dir, capsys):
     out = tmp_path / "bench"
     argv = ["bench", "--questions", questions, "--out", out, "--target", tiny_target_dir, "--max-new-tokens", "4"]
-    command = [sys.executable, "-c", "from draftsmith.train.cli import main; main()", *map(str, argv)]
+    command = [sys.executable, "-c", "from draftsmith.cli import main; main()", *map(str, argv)]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     wait_for(lock_path(out).exists, process)
     assert f"pid {process.pid}" in refused(argv, capsys)

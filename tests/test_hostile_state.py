@@ -16,9 +16,9 @@ import pytest
 from test_hostile import read_only
 
 from conftest import sharegpt, write_jsonl
+from draftsmith.cli import main
 from draftsmith.core.io import write_files_manifest
 from draftsmith.train.checkpoint import read_run_info
-from draftsmith.train.cli import main
 from helpers import refused, snapshot, write_recipe
 
 # ---- resume checks the data by content, not by path ------------------------------------------------------

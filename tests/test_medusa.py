@@ -361,7 +361,7 @@ def test_recipe_parses_and_bad_options_are_recipe_errors(target):
 @pytest.fixture(scope="module")
 def medusa_export(tmp_path_factory, tiny_target_dir):
     """A Medusa drafter trained for two steps by the real trainer on a tiny prepared dataset, exported."""
-    from draftsmith.train.cli import main
+    from draftsmith.cli import main
 
     root = tmp_path_factory.mktemp("medusa-run")
     prepare_arithmetic_chats(root / "prepared", tiny_target_dir, 12)
@@ -381,9 +381,9 @@ def medusa_export(tmp_path_factory, tiny_target_dir):
 
 
 def test_trained_export_calibrates_and_decodes_losslessly(medusa_export, tiny_target_dir, capsys):
+    from draftsmith.cli import main
     from draftsmith.core.target import load_target
     from draftsmith.inference.methods.table import build_drafter
-    from draftsmith.train.cli import main
 
     root, export = medusa_export, medusa_export / "export"
 
@@ -436,7 +436,7 @@ def test_a_shipped_tree_can_replace_the_exported_one_at_serve_time(medusa_export
 
 
 def test_calibrate_refuses_other_families(medusa_export, tiny_target_dir, tmp_path, capsys):
-    from draftsmith.train.cli import main
+    from draftsmith.cli import main
 
     eagle = get_family("eagle").build(tiny_llama(VOCAB).config, {})
     export_drafter(eagle, {"name": "t", "revision": "r", "config_hash": "c", "tokenizer_hash": "k"}, tmp_path / "e")

@@ -233,7 +233,7 @@ def tiny_recipe(root: Path, target_dir: Path, prepared: Path) -> Path:
 @pytest.fixture(scope="module")
 def medusa2_run(tmp_path_factory, tiny_target_dir):
     """Three trainer steps, exported (exact resume is the conformance suite's, for every family)."""
-    from draftsmith.train.cli import main
+    from draftsmith.cli import main
 
     root = tmp_path_factory.mktemp("medusa2-run")
     prepare_arithmetic_chats(root / "prepared", tiny_target_dir, 10)
@@ -354,10 +354,10 @@ def test_the_served_model_is_peft_merge_and_unload_sharing_every_unadapted_weigh
 def test_calibrate_scores_the_heads_on_the_model_medusa2_serves(tiny_target_dir, tmp_path, capsys):
     """The heads read the merged model's features when serving, so calibrate measures them there (and
     against that model's greedy tokens), from a prepared dataset or a feature cache of the original."""
+    from draftsmith.cli import main
     from draftsmith.core.target import Target, load_target
     from draftsmith.drafters.base import TreeOptions
     from draftsmith.drafters.io import export_drafter
-    from draftsmith.train.cli import main
     from draftsmith.train.medusa_calibrate import calibrate, iter_samples, measure_head_accuracy
 
     prepared, cache = tmp_path / "prepared", tmp_path / "features"
@@ -459,7 +459,7 @@ def test_shipped_recipe_validates():
 
 def test_starts_from_a_medusa1_export_as_the_two_stage_recipe_does(medusa2_run, tiny_target_dir, tmp_path, capsys):
     """``train.init_from`` a Medusa-1 export: the heads are Medusa-1's, the LoRA starts at zero."""
-    from draftsmith.train.cli import main
+    from draftsmith.cli import main
 
     stage1 = {
         "target": {"name": str(tiny_target_dir)},

@@ -224,8 +224,8 @@ def test_a_changed_template_is_a_new_cache_not_a_stale_one(gemma_like, monkeypat
 
 
 def test_data_prepare_takes_a_named_target(gemma_like, tmp_path):
+    from draftsmith.cli import main
     from draftsmith.data.prepared import PreparedDataset
-    from draftsmith.train.cli import main
 
     data = write_jsonl(tmp_path / "chats.jsonl", [sharegpt(("human", "Hello!"), ("gpt", "Hello! How can I help?"))])
     main(["data", "prepare", str(data), "--out", str(tmp_path / "prepared"), "--target", "standin"])

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from draftsmith.cli import main
 from draftsmith.core.target import load_target
 from draftsmith.drafters.registry import FAMILIES
 from draftsmith.inference.methods.table import build_drafter
-from draftsmith.train.cli import main
 from helpers import (
     NO_SIDE_EFFECTS,
     TINY_DRAFTER,

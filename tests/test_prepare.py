@@ -7,14 +7,14 @@ import sys
 import pytest
 
 from conftest import sharegpt, write_jsonl
+from draftsmith.cli import main
 from draftsmith.core.target import load_tokenizer
 from draftsmith.data.prepared import PreparedDataError, PreparedDataset
-from draftsmith.train.cli import main
 
 
 def run_cli(*argv):
     return subprocess.run(
-        [sys.executable, "-m", "draftsmith.train.cli", *map(str, argv)], capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", "draftsmith.cli", *map(str, argv)], capture_output=True, text=True, timeout=300
     )
 
 
@@ -146,7 +146,7 @@ def test_hub_dataset_without_network_is_a_one_line_error(tmp_path, tiny_target_d
         [
             sys.executable,
             "-m",
-            "draftsmith.train.cli",
+            "draftsmith.cli",
             "data",
             "prepare",
             "someorg/somedata",

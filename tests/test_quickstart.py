@@ -2,8 +2,8 @@
 
 from pathlib import Path
 
+from draftsmith.cli.quickstart import held_out_questions
 from draftsmith.data.default_prompts import build_prompts
-from draftsmith.train.quickstart import held_out_questions
 
 
 def test_held_out_questions_are_new_prompts_in_spec_bench_format():
@@ -19,7 +19,7 @@ def test_held_out_questions_are_new_prompts_in_spec_bench_format():
 def test_quickstart_help_explains_itself(capsys):
     import pytest
 
-    from draftsmith.train.cli import main
+    from draftsmith.cli import main
 
     with pytest.raises(SystemExit):
         main(["quickstart", "--help"])
@@ -35,8 +35,8 @@ def test_tune_calibrates_on_other_prompts_than_the_bench():
 
 
 def test_the_quickstart_benches_the_drafter_shipped_for_smollm2():
+    from draftsmith.cli.quickstart import _shipped_methods
     from draftsmith.drafters.pretrained import bundled_families_for
-    from draftsmith.train.quickstart import _shipped_methods
 
     assert _shipped_methods() == ["eagle3"]  # drafters/pretrained/eagle3-smollm2
     assert _shipped_methods("gemma3") == []
@@ -48,8 +48,8 @@ def _quickstart_commands(monkeypatch, tmp_path, *options: str) -> list[list[str]
     what the bench reads back from the steps)."""
     import json
 
-    import draftsmith.train.quickstart as quickstart
-    from draftsmith.train.cli import main
+    import draftsmith.cli.quickstart as quickstart
+    from draftsmith.cli import main
 
     commands: list[list[str]] = []
 
@@ -103,7 +103,7 @@ def test_quickstart_on_the_default_target_runs_the_commands_a_user_of_the_defaul
 def test_quickstart_refuses_a_target_it_has_no_recipe_for_in_one_line(capsys):
     import pytest
 
-    from draftsmith.train.cli import main
+    from draftsmith.cli import main
 
     with pytest.raises(SystemExit) as exit:
         main(["quickstart", "--target", "some/hub-model"])

@@ -300,7 +300,7 @@ def test_a_turn_that_does_not_fit_the_context_ends_its_conversation(tmp_path, ti
 
 
 def test_bad_shard_is_one_clear_line(tmp_path, capsys):
-    from draftsmith.train.cli import main
+    from draftsmith.cli import main
 
     for bad in ("2/2", "x", "1/0"):
         with pytest.raises(SystemExit) as info:
@@ -312,7 +312,7 @@ def test_bad_shard_is_one_clear_line(tmp_path, capsys):
 def test_threads_option_sets_torch_threads(tmp_path, source, tiny_target_dir):
     import torch
 
-    from draftsmith.train.cli import main
+    from draftsmith.cli import main
 
     before = torch.get_num_threads()
     try:
@@ -365,10 +365,10 @@ def test_vllm_engine_plumbing_with_a_stand_in(tmp_path, source, tiny_target, tin
     """The vLLM path's protocol and bookkeeping, with a stand-in engine (not vLLM): prompts go out as the
     target's chat-template tokens, answers come back in order and are decoded here; a worker that dies
     is reported by its error line. vLLM computes on every core unless --threads says otherwise."""
+    from draftsmith.cli import main
     from draftsmith.core.arguments import usable_cpus
     from draftsmith.core.vllm_env import THREADS_BIND, VllmError, VllmServer, cpu_binding
     from draftsmith.data.regenerate import VllmEngine, encode_prompt, vllm_server_settings
-    from draftsmith.train.cli import main
 
     monkeypatch.delenv(THREADS_BIND, raising=False)
     out = tmp_path / "out.jsonl"
@@ -395,7 +395,7 @@ def test_vllm_engine_plumbing_with_a_stand_in(tmp_path, source, tiny_target, tin
 
 
 def test_vllm_engine_needs_a_vllm_and_a_safetensors_target(tmp_path, source, capsys):
-    from draftsmith.train.cli import main
+    from draftsmith.cli import main
 
     args = ["data", "regenerate", str(source), "--out", str(tmp_path / "o.jsonl"), "--engine", "vllm"]
     with pytest.raises(SystemExit) as info:

@@ -179,7 +179,7 @@ def test_prompt_lookup_proposes_the_continuation_of_the_latest_match():
 
 
 def test_generate_command_streams_the_same_text_with_and_without_a_drafter(tiny_target_dir, capsys):
-    from draftsmith.train.cli import main
+    from draftsmith.cli import main
 
     outputs = {}
     for method in ["none", "pld"]:
@@ -209,7 +209,7 @@ def test_unknown_method_is_a_clear_error(tiny_target_dir):
         [
             sys.executable,
             "-m",
-            "draftsmith.train.cli",
+            "draftsmith.cli",
             "generate",
             "hi",
             "--method",
@@ -256,7 +256,7 @@ def test_pld_takes_its_options_in_the_method_spec_and_drafts_short_chains_on_a_c
 def test_bench_writes_the_contract(tmp_path, tiny_target_dir):
     import json
 
-    from draftsmith.train.cli import main
+    from draftsmith.cli import main
 
     questions = tmp_path / "q.jsonl"
     questions.write_text(
@@ -342,9 +342,9 @@ def test_bench_hf_stock_decodes_with_transformers_own_kernels(tmp_path, tiny_tar
     attention is the model's own while it decodes, and it is tallied like every method."""
     import json
 
+    from draftsmith.cli import main
     from draftsmith.inference.kernels.attention import ATTENTION
     from draftsmith.inference.measure import hf_baselines
-    from draftsmith.train.cli import main
 
     seen = []
     stock_call = hf_baselines.StockGenerate.__call__

@@ -240,9 +240,9 @@ def corpus_records():
 
 
 def test_index_command_keeps_the_lowest_perplexity_and_decodes_losslessly(tmp_path, tiny_target_dir, capsys):
+    from draftsmith.cli import main
     from draftsmith.core.target import load_target
     from draftsmith.inference.methods.spectra_retrieval import read_documents
-    from draftsmith.train.cli import main
 
     corpus = write_jsonl(tmp_path / "chat.jsonl", corpus_records())
     out = tmp_path / "index.safetensors"
@@ -280,8 +280,8 @@ def test_index_command_keeps_the_lowest_perplexity_and_decodes_losslessly(tmp_pa
 
 
 def test_index_scoring_resumes_from_finished_scores(tmp_path, tiny_target_dir, capsys):
+    from draftsmith.cli import main
     from draftsmith.core.target import load_target
-    from draftsmith.train.cli import main
 
     corpus = tmp_path / "docs.txt"
     corpus.write_text("Paris is the capital of France.\n\nzq xv jj kk qq zz\nHello! How can I help you today?\n")
@@ -298,9 +298,9 @@ def test_index_scoring_resumes_from_finished_scores(tmp_path, tiny_target_dir, c
 
 
 def test_an_index_for_another_target_is_refused_in_one_line(tmp_path, tiny_target_dir, other_target_dir, capsys):
+    from draftsmith.cli import main
     from draftsmith.core.target import load_target
     from draftsmith.inference.methods.table import build_drafter
-    from draftsmith.train.cli import main
 
     corpus = tmp_path / "docs.txt"
     corpus.write_text("Paris is the capital of France.\nHello! How can I help you today?\n")

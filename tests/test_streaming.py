@@ -433,9 +433,9 @@ def test_shipped_recipe_validates():
 
 
 def test_train_export_and_decode_through_the_cli(tmp_path, tiny_target_dir):
+    from draftsmith.cli import main
     from draftsmith.core.target import load_target
     from draftsmith.inference.methods.table import build_drafter
-    from draftsmith.train.cli import main
 
     prepare_arithmetic_chats(tmp_path / "prep", tiny_target_dir, 10)
     recipe = {

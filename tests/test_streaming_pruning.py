@@ -231,9 +231,9 @@ def _recipe(tmp_path, tiny_target_dir, name: str, drafter: dict, train: dict | N
 
 
 def test_joint_then_afterwards_training_export_and_decode(tmp_path, tiny_target_dir, capsys):
+    from draftsmith.cli import main
     from draftsmith.core.target import load_target
     from draftsmith.inference.methods.table import build_drafter
-    from draftsmith.train.cli import main
     from helpers import prepare_arithmetic_chats
 
     prepare_arithmetic_chats(tmp_path / "prep", tiny_target_dir, 10)

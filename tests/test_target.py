@@ -56,7 +56,7 @@ def test_cache_root_follows_the_environment(monkeypatch, tmp_path):
 
 
 def test_a_device_torch_cannot_use_is_one_line_before_loading(tiny_target_dir, capsys):
-    from draftsmith.train.cli import main
+    from draftsmith.cli import main
 
     with pytest.raises(TargetError, match="unknown device 'gpu'; use cpu, cuda or cuda:N"):
         load_target(str(tiny_target_dir), device="gpu")

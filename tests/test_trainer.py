@@ -16,12 +16,12 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
+from draftsmith.cli import main
 from draftsmith.core.target import load_target
 from draftsmith.data.features import CacheSettings, FeatureCacheError, build_feature_cache
 from draftsmith.data.prepared import PreparedDataError, PreparedDataset
 from draftsmith.drafters.registry import get_family
 from draftsmith.train.checkpoint import MARKER, complete_checkpoints, latest_checkpoint
-from draftsmith.train.cli import main
 from draftsmith.train.recipe import load_train_recipe
 from draftsmith.train.recipe_loader import RecipeError
 from draftsmith.train.trainer import Trainer, train
@@ -541,7 +541,7 @@ def test_two_process_deepspeed_zero2_equals_one_process(tmp_path, tiny_target_di
     one = [
         sys.executable,
         "-m",
-        "draftsmith.train.cli",
+        "draftsmith.cli",
         "train",
         str(recipe),
         *common,
@@ -579,7 +579,7 @@ def test_eagle3_under_two_process_deepspeed_zero3_equals_one_process(tmp_path, t
     accelerate = shutil.which("accelerate", path=str(Path(sys.executable).parent)) or "accelerate"
     config = str(REPO / "recipes/accelerate/zero3.yaml")
     two = [accelerate, "launch", "--config_file", config, "--num_processes", "2", "-m", "draftsmith.train"]
-    one = [sys.executable, "-m", "draftsmith.train.cli", "train"]
+    one = [sys.executable, "-m", "draftsmith.cli", "train"]
     for command, extra in ((two, []), (one, ["train.grad_accum=2"])):
         name = "two" if command is two else "one"
         result = _launch([*command, str(recipe), *common, *extra, f"output_dir={tmp_path / name}"], env)

@@ -6,6 +6,7 @@ import json
 import pytest
 import torch
 
+from draftsmith.cli import main
 from draftsmith.core.io import FILES_MANIFEST, file_problems
 from draftsmith.core.target import load_target
 from draftsmith.drafters.base import FrozenTarget
@@ -35,7 +36,6 @@ from draftsmith.inference.methods.tuned_trees import (
     write_tuned_tree,
 )
 from draftsmith.inference.runtime import generate
-from draftsmith.train.cli import main
 from draftsmith.train.losses import family_loss
 from draftsmith.train.losses.medusa import medusa_loss
 from draftsmith.train.losses.medusa2 import medusa2_loss

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-from draftsmith.train.cli import OneLineErrorParser, interrupted, parse_command_line, run_command
+from draftsmith.core.command_line import OneLineErrorParser, interrupted, parse_command_line, run_command
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -1,6 +1,6 @@
 """The drafter pipeline at GPU scale, in one command that fits a time budget.
 
-    python recipes/gpu_pipeline.py --out gpu-results --regen-minutes 60 --train-minutes 120
+    python cli/gpu_pipeline.py --out gpu-results --regen-minutes 60 --train-minutes 120
 
 1. regenerate (``--shards``): ShareGPT shards answered by the target on the GPU (`draftsmith data
    regenerate`, vLLM when this python has it, else transformers), each shard resumable, stopped at
@@ -44,7 +44,7 @@ CALIBRATION_LOG_EVERY = 10
 DRAFTSMITH = [
     sys.executable,
     "-c",
-    "import sys; from draftsmith.train.cli import main; sys.argv[0] = 'draftsmith'; main()",
+    "import sys; from draftsmith.cli import main; sys.argv[0] = 'draftsmith'; main()",
 ]
 
 

@@ -1,4 +1,7 @@
-"""The ``draftsmith`` command: one entry point, one sub-command per job."""
+"""Running a parsed command as every draftsmith entry point does (``draftsmith``, ``accelerate launch -m
+draftsmith.train``): a user's mistake is one ``draftsmith: error:`` line and exit status 2, Ctrl-C one line
+and 130, and what a command writes is locked against a second writer. It imports nothing heavy, so the
+entry points can use it before torch loads."""
 
 from __future__ import annotations
 
@@ -6,7 +9,6 @@ import argparse
 import contextlib
 import json
 import os
-import shlex
 import sys
 import time
 from collections.abc import Sequence
@@ -17,9 +19,6 @@ from typing import NoReturn
 from draftsmith.core.errors import DraftsmithError
 from draftsmith.core.io import disk_failure, disk_fix
 from draftsmith.core.malloc import keep_freed_memory
-
-# This module imports nothing heavy: torch and transformers load while the parser is built, inside
-# main()'s handling of Ctrl-C, so an interrupt in a command's first seconds is one line too.
 
 # A user's mistake: printed as one line, never as a traceback. Every draftsmith error derives from
 # DraftsmithError, so a new family's errors need no entry here.
@@ -38,39 +37,6 @@ class OneLineErrorParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"draftsmith: error: {message} (see `{self.prog} --help`)\n")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    from draftsmith.data.cli import add_data_commands
-    from draftsmith.inference.cli import add_inference_commands
-    from draftsmith.train.commands import add_train_commands
-    from draftsmith.train.curves import add_curves_command
-    from draftsmith.train.medusa_cli import add_medusa_commands
-    from draftsmith.train.quickstart import add_quickstart_command
-    from draftsmith.train.recipe import recipe_cache_layers
-
-    parser = OneLineErrorParser(
-        prog="draftsmith",
-        description="Train speculative-decoding drafters for a target LLM and decode losslessly with them.",
-    )
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    add_data_commands(commands, recipe_layers=recipe_cache_layers)
-    add_quickstart_command(commands, build_parser)
-    add_train_commands(commands)
-    add_curves_command(commands)
-    add_medusa_commands(commands)
-    add_inference_commands(commands)
-    return parser
-
-
-def main(argv: Sequence[str] | None = None) -> None:
-    try:  # Ctrl-C while torch and transformers import (building the parser) or while parsing: one line
-        argv = list(sys.argv[1:] if argv is None else argv)
-        args = parse_command_line(build_parser(), argv)
-        args.command_line = "draftsmith " + shlex.join(argv)  # what a run's records say made them
-    except KeyboardInterrupt:
-        interrupted()
-    run_command(args)
 
 
 def parse_command_line(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.Namespace:
@@ -138,7 +104,3 @@ def _exclusive_output(args: argparse.Namespace) -> AbstractContextManager[None]:
         if value:
             return exclusive_output(Path(value), "--out" if name == "out" else name.upper())
     return nullcontext()
-
-
-if __name__ == "__main__":
-    main()

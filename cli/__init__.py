@@ -2,6 +2,6 @@
 the Medusa calibration command, and the GPU pipeline script. It sits on top of every other layer; each
 layer's own commands (``data``, ``train``, ``inference``) define their arguments beside their code."""
 
-from draftsmith.cli.main import build_parser, main
+from draftsmith.cli.commands import build_parser, main
 
 __all__ = ["build_parser", "main"]

@@ -1,5 +1,5 @@
 """``python -m draftsmith.cli ...``: the ``draftsmith`` command, where its script is not on PATH."""
 
-from draftsmith.cli.main import main
+from draftsmith.cli.commands import main
 
 main()

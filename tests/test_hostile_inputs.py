@@ -335,7 +335,7 @@ def test_a_category_with_a_pipe_or_a_line_break_keeps_the_results_table_one_row_
 
 def test_ctrl_c_while_the_parser_is_built_is_one_line(monkeypatch, capsys):
     """Building the parser imports torch and transformers (seconds): a Ctrl-C then is one line, status 130."""
-    import draftsmith.cli.main as cli
+    import draftsmith.cli.commands as cli
 
     def interrupt():
         raise KeyboardInterrupt
@@ -367,7 +367,7 @@ def test_the_draftsmith_command_imports_no_torch_before_main_runs():
     import subprocess
     import sys
 
-    imports = "import sys, draftsmith.cli.main, draftsmith.train.__main__"
+    imports = "import sys, draftsmith.cli.commands, draftsmith.train.__main__"
     code = f"{imports}; print(sorted({{'torch', 'transformers'}} & {{*sys.modules}}))"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert result.stdout.strip() == "[]"

@@ -28,6 +28,7 @@ from packaging.utils import canonicalize_name
 ROOT = Path(__file__).resolve().parent.parent
 HELD = ("torch",)
 UPPER_BOUNDS = ("<", "<=", "==", "~=")
+TIMED_OUT = "124"  # the exit status of `timeout`, which bounds the pass in .ci/run
 
 
 def declared_requirements(extras: tuple[str, ...] = ("test",)) -> list[Requirement]:
@@ -92,6 +93,8 @@ def report(passed: bool) -> None:
 def main(argv: list[str]) -> None:
     if argv[:1] == ["requirements"]:
         print("\n".join(uncapped_requirements()))
+    elif len(argv) == 2 and argv[0] == "report" and argv[1] == TIMED_OUT:
+        print("above the bounds: the newest tests ran past their time limit; nothing is concluded, the bounds stay")
     elif len(argv) == 2 and argv[0] == "report":
         report(passed=argv[1] == "0")
     else:

@@ -99,7 +99,9 @@ def test_one_token_steps_across_the_window_are_the_models():
             for position in range(4, 3 * WINDOW):
                 ids, positions = torch.tensor([[(position * 11) % VOCAB]]), torch.tensor([[position]])
                 if forward is None:
-                    out = model(ids, position_ids=positions, **cache_kwargs(cache), use_cache=True, output_hidden_states=True)
+                    out = model(
+                        ids, position_ids=positions, **cache_kwargs(cache), use_cache=True, output_hidden_states=True
+                    )
                 else:
                     out = forward(ids, positions, None, cache, output_hidden_states=True)
                 steps.append((out.logits, out.hidden_states))
@@ -166,3 +168,21 @@ def test_gemma_forward_is_used_only_where_it_is_the_same():
     handle.remove()
     model.train()
     assert direct_forward_for(model) is None
+
+
+def test_the_plan_follows_weights_changed_in_place_or_replaced():
+    model = gemma(7)
+    direct = direct_forward_for(model)
+    prompt = PROMPTS[WINDOW + 1]
+    verify_once(model, prompt, DraftTree.empty(), None, direct, True)
+    with torch.no_grad():
+        model.model.layers[1].self_attn.k_norm.weight.add_(0.25)  # in place: the plan's 1 + weight is stale
+        model.model.norm.weight.mul_(1.5)
+    reference, _ = verify_once(model, prompt, DraftTree.empty(), None, None, True)
+    out, _ = verify_once(model, prompt, DraftTree.empty(), None, direct, True)
+    assert torch.equal(out.logits, reference.logits)
+    layer = model.model.layers[0].mlp.up_proj
+    layer.weight = torch.nn.Parameter(torch.randn_like(layer.weight))
+    reference, _ = verify_once(model, prompt, DraftTree.empty(), None, None, True)
+    out, _ = verify_once(model, prompt, DraftTree.empty(), None, direct, True)
+    assert torch.equal(out.logits, reference.logits)

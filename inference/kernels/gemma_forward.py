@@ -38,6 +38,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 from draftsmith.core.cache import PreallocatedCache
 from draftsmith.core.cache_kwarg import cache_kwargs
 from draftsmith.core.tree import masks_per_layer_type
+from draftsmith.core.weight_copies import CopySource
 from draftsmith.inference.kernels.attention import (
     model_attention,
     rows_attention_available,
@@ -45,8 +46,12 @@ from draftsmith.inference.kernels.attention import (
 )
 from draftsmith.inference.kernels.direct_forward import _projectors, _rotary_factors, plan_sources
 from draftsmith.inference.kernels.native import native_extension
+from draftsmith.inference.kernels.native_layers import projections_of, stacked_pack
+from draftsmith.inference.kernels.packed_gemm import PackedLinear, active_pack, one_pack_product
 
 LayerMasks = dict[str, torch.Tensor | None]  # the attention mask of each layer type
+# the stacked packs' kernel and, per layer, its q|k|v and gate|up packs
+Stacks = tuple[str, list[tuple[torch.Tensor | None, torch.Tensor | None]]]
 
 
 class GemmaDirectForward:
@@ -70,6 +75,9 @@ class GemmaDirectForward:
         self._extension = native_extension() if native else None
         self._steps: list[_GemmaLayer] | None = None
         self._steps_from: list[tuple[dict, str, object]] = []
+        self._factors_from: list[CopySource] = []  # the norms' weights the plan's (1 + weight) were made from
+        self._final_factor: torch.Tensor | None = None
+        self._stacks: tuple[tuple, list] | None = None  # the stacked packs, by the state of the packs
 
     @staticmethod
     def serves(model: nn.Module) -> bool:
@@ -80,7 +88,11 @@ class GemmaDirectForward:
             return False
         if getattr(config, "final_logit_softcapping", None) is not None:
             return False
-        return not any(getattr(linear, "bias", None) is not None for layer in model.model.layers for linear in _linears(layer))
+        return not any(
+            getattr(linear, "bias", None) is not None
+            for layer in model.model.layers
+            for linear in projections_of(layer.self_attn, layer.mlp)
+        )
 
     @property
     def native(self) -> bool:
@@ -110,8 +122,9 @@ class GemmaDirectForward:
         masks = self._masks(attention_mask, position_ids, cache.layers[0].get_seq_length() + x.shape[1])
         factors = {kind: _rotary_factors(base.rotary_emb(x, position_ids, kind)) for kind in set(self.layer_types)}
         hidden: list[torch.Tensor] = [x]
-        x = _gemma_layers(self._steps, x, factors, masks, cache, hidden, self._attention_function)
-        x = _rms_norm(base.norm, x)
+        stacks = self._stacked_packs(x.shape[1])
+        x = _gemma_layers(self._steps, stacks, x, factors, masks, cache, hidden, self._attention_function)
+        x = _rms_norm(x, base.norm.eps, self._final_factor)
         hidden[-1] = x  # transformers reports the normed last state as the last hidden state
         states = tuple(hidden) if output_hidden_states else None
         if not head:
@@ -127,9 +140,30 @@ class GemmaDirectForward:
             return False
         if not isinstance(cache, PreallocatedCache) or not cache.layers[0].is_initialized:
             return False
-        if self._steps is None or any(slot.get(name) is not held for slot, name, held in self._steps_from):
+        stale = self._steps is None or any(slot.get(name) is not held for slot, name, held in self._steps_from)
+        if stale or not all(source.still(source.weight) for source in self._factors_from):
             self._steps, self._steps_from = _gemma_plan(self.layers, self.layer_types), plan_sources(self.layers)
+            final = self.model.model.norm
+            self._final_factor = _factor(final)
+            norms = [norm for step in self._steps for norm in step.norms] + [final]
+            self._factors_from = [CopySource(norm.weight) for norm in norms]
+            self._stacks = None
         return True
+
+    def _stacked_packs(self, rows: int) -> Stacks | None:
+        """Each layer's stacked q|k|v and gate|up packs where the projections' one-pack kernel has them
+        active (:meth:`~draftsmith.inference.kernels.packed_gemm.PackedGemm.fused_pack`: their columns
+        bitwise the separate products'), read again only when the packs may have changed."""
+        first = self._steps[0].projections[0]
+        if not isinstance(first, PackedLinear) or active_pack(first, rows) is None:
+            return None
+        owner = first._owner
+        state = (id(owner), owner.generation, owner.active, torch.is_grad_enabled())
+        if self._stacks is None or self._stacks[0] != state:
+            stacks = [(_stacked(step.projections[:3]), _stacked(step.projections[4:6])) for step in self._steps]
+            # keyed by the state after any stacked pack made now
+            self._stacks = ((id(owner), owner.generation, owner.active, torch.is_grad_enabled()), stacks)
+        return owner.kernel, self._stacks[1]
 
     def _masks(self, attention_mask, position_ids: torch.Tensor, length: int) -> LayerMasks:
         """Each layer type's mask over the ``length`` keys a forward's rows attend to."""
@@ -159,18 +193,22 @@ class GemmaDirectForward:
             )
 
 
-def _linears(layer: nn.Module) -> tuple[nn.Module, ...]:
-    """q, k, v, o, gate, up, down."""
-    attention, mlp = layer.self_attn, layer.mlp
-    return (attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+def _stacked(group: tuple[nn.Module, ...]) -> torch.Tensor | None:
+    pack = stacked_pack(group)
+    return pack if pack.numel() else None
 
 
-def _rms_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """``Gemma3RMSNorm.forward``, the same operations in the same order."""
-    h = x.float()
-    out = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + norm.eps)
-    out = out * (1.0 + norm.weight.float())
-    return out.type_as(x)
+def _factor(norm: nn.Module) -> torch.Tensor:
+    """A Gemma RMSNorm's ``1 + weight`` as its forward computes it (made once per plan: the same floats)."""
+    return 1.0 + norm.weight.detach().float()
+
+
+def _rms_norm(x: torch.Tensor, eps: float, factor: torch.Tensor) -> torch.Tensor:
+    """``Gemma3RMSNorm.forward``, the same operations in the same order (the float32 casts are no-ops
+    on float32 rows), its ``1 + weight`` given as ``factor``."""
+    h = x if x.dtype == torch.float32 else x.float()
+    out = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * factor
+    return out if out.dtype == x.dtype else out.type_as(x)
 
 
 @dataclass(frozen=True)
@@ -178,7 +216,8 @@ class _GemmaLayer:
     """One decoder layer as the lean loop reads it (the projections as
     :class:`~draftsmith.inference.kernels.direct_forward._LeanLayer` holds them)."""
 
-    norms: tuple[nn.Module, ...]  # input, post-attention, pre-feedforward, post-feedforward
+    norms: tuple[nn.Module, ...]  # input, post-attention, pre-feedforward, post-feedforward, q, k
+    factors: tuple[torch.Tensor, ...]  # their 1 + weight
     projections: tuple[nn.Module, ...]  # q, k, v, o, gate, up, down
     one_row: tuple[Callable[[torch.Tensor], torch.Tensor], ...]  # their one-row products, in the same order
     act: Callable[[torch.Tensor], torch.Tensor]
@@ -186,22 +225,27 @@ class _GemmaLayer:
     kind: str  # the layer type: its rotary embedding and mask
     heads: int
     kv_heads: int
+    widths: tuple[int, ...]  # q, k, v, gate and up's outputs: the stacked products' columns
 
 
 def _gemma_plan(layers: list[nn.Module], kinds: tuple[str, ...]) -> list[_GemmaLayer]:
     plan = []
     for layer, kind in zip(layers, kinds, strict=True):
-        projections = _linears(layer)
+        projections = projections_of(layer.self_attn, layer.mlp)
         transposed = [linear.weight.t() for linear in projections]
         attention = layer.self_attn
+        norms = (
+            layer.input_layernorm,
+            layer.post_attention_layernorm,
+            layer.pre_feedforward_layernorm,
+            layer.post_feedforward_layernorm,
+            attention.q_norm,
+            attention.k_norm,
+        )
         plan.append(
             _GemmaLayer(
-                (
-                    layer.input_layernorm,
-                    layer.post_attention_layernorm,
-                    layer.pre_feedforward_layernorm,
-                    layer.post_feedforward_layernorm,
-                ),
+                norms,
+                tuple(_factor(norm) for norm in norms),
                 projections,
                 tuple(partial(torch.mm, mat2=weight) for weight in transposed),
                 layer.mlp.act_fn.forward,
@@ -209,6 +253,7 @@ def _gemma_plan(layers: list[nn.Module], kinds: tuple[str, ...]) -> list[_GemmaL
                 kind,
                 transposed[0].shape[1] // attention.head_dim,
                 transposed[1].shape[1] // attention.head_dim,
+                tuple(transposed[j].shape[1] for j in (0, 1, 2, 4, 5)),
             )
         )
     return plan
@@ -216,6 +261,7 @@ def _gemma_plan(layers: list[nn.Module], kinds: tuple[str, ...]) -> list[_GemmaL
 
 def _gemma_layers(
     steps: list[_GemmaLayer],
+    stacks: Stacks | None,
     x: torch.Tensor,
     factors: dict[str, tuple[torch.Tensor, torch.Tensor]],
     masks: LayerMasks,
@@ -223,21 +269,30 @@ def _gemma_layers(
     hidden: list[torch.Tensor],
     attention_function: Callable[..., tuple[torch.Tensor, None]],
 ) -> torch.Tensor:
-    """Every decoder layer (see the module docstring); ``hidden`` gets each layer's output."""
+    """Every decoder layer (see the module docstring); ``hidden`` gets each layer's output. ``stacks``:
+    each layer's stacked q|k|v and gate|up packs, whose one product gives the separate ones' columns."""
     rows, width = x.shape[1], x.shape[2]
-    for step in steps:
-        attention = step.attention
+    kernel, stacked = stacks if stacks is not None else (None, None)
+    for i, step in enumerate(steps):
+        attention, eps = step.attention, step.norms[0].eps
         head_dim = attention.head_dim
         cos, signed_sin = factors[step.kind]
         half = head_dim // 2
         q, k, v, o, gate, up, down = _projectors(step, rows)
-        input_norm, post_attention_norm, pre_feedforward_norm, post_feedforward_norm = step.norms
-        row = _rms_norm(input_norm, x).view(rows, width)
-        query = q(row).view(1, rows, step.heads, head_dim).transpose(1, 2)
-        key = k(row).view(1, rows, step.kv_heads, head_dim).transpose(1, 2)
-        value = v(row).view(1, rows, step.kv_heads, head_dim).transpose(1, 2)
-        query = _rms_norm(attention.q_norm, query)
-        key = _rms_norm(attention.k_norm, key)
+        qkv, gate_up = stacked[i] if stacked is not None else (None, None)
+        input_factor, post_attention_factor, pre_feedforward_factor, post_feedforward_factor, q_factor, k_factor = (
+            step.factors
+        )
+        row = _rms_norm(x, eps, input_factor).view(rows, width)
+        if qkv is not None:
+            query, key, value = one_pack_product(kernel, row, qkv).split(step.widths[:3], dim=1)
+        else:
+            query, key, value = q(row), k(row), v(row)
+        query = query.view(1, rows, step.heads, head_dim).transpose(1, 2)
+        key = key.view(1, rows, step.kv_heads, head_dim).transpose(1, 2)
+        value = value.view(1, rows, step.kv_heads, head_dim).transpose(1, 2)
+        query = _rms_norm(query, attention.q_norm.eps, q_factor)
+        key = _rms_norm(key, attention.k_norm.eps, k_factor)
         query = (query * cos) + (torch.roll(query, half, -1) * signed_sin)
         key = (key * cos) + (torch.roll(key, half, -1) * signed_sin)
         keys, values = cache.layers[attention.layer_idx].update(key, value)
@@ -251,8 +306,12 @@ def _gemma_layers(
             scaling=attention.scaling,
             sliding_window=attention.sliding_window,
         )[0]
-        x = x + _rms_norm(post_attention_norm, o(out.view(rows, -1)))
-        row = _rms_norm(pre_feedforward_norm, x).view(rows, width)
-        x = x + _rms_norm(post_feedforward_norm, down(step.act(gate(row)) * up(row)))
+        x = x + _rms_norm(o(out.view(rows, -1)), step.norms[1].eps, post_attention_factor)
+        row = _rms_norm(x, step.norms[2].eps, pre_feedforward_factor).view(rows, width)
+        if gate_up is not None:
+            gated, upped = one_pack_product(kernel, row, gate_up).split(step.widths[3:], dim=1)
+        else:
+            gated, upped = gate(row), up(row)
+        x = x + _rms_norm(down(step.act(gated) * upped), step.norms[3].eps, post_feedforward_factor)
         hidden.append(x)
     return x

@@ -32,7 +32,7 @@ from draftsmith.inference.kernels.compiled import (
     tree_bucket,
 )
 from draftsmith.inference.kernels.context import KernelContext
-from draftsmith.inference.kernels.direct_forward import DirectForward
+from draftsmith.inference.kernels.direct import AnyDirectForward
 from draftsmith.inference.kernels.greedy_head import GreedyHead
 from draftsmith.inference.kernels.native import native_extension
 from draftsmith.inference.kernels.native_drafter import NativeDrafterLayer
@@ -64,7 +64,7 @@ class FastPaths:
     :func:`screened_head_serves`)."""
 
     gemm: PackedGemm | None = None
-    direct: DirectForward | None = None
+    direct: AnyDirectForward | None = None
     greedy: GreedyHead | None = None
     native: ModuleType | None = None
     packs_checked: bool = False
@@ -87,8 +87,7 @@ def verification_forward(
     rows = gemm.padded_rows(1 + len(tree), paths.packs_checked) if gemm is not None else 0  # (makes the packs it uses)
     if len(tree):
         mask, positions = tree_inputs.build(tree, past, rows)
-        if direct is None:  # the direct forward serves full-attention Llamas only
-            mask = masks_per_layer_type(model.config, mask, positions)
+        mask = masks_per_layer_type(model.config, mask, positions)  # one per layer type where they differ
     else:  # the root alone sees every cached key: no mask, as in plain decoding
         mask, positions = None, torch.tensor([[past]], device=device)
     input_ids = torch.full((1, positions.shape[1]), root, dtype=torch.long)

@@ -60,20 +60,20 @@ def test_generation_stops_at_the_end_of_turn(gemma3):
     assert gemma3.model.generation_config.eos_token_id == gemma3.eos_token_ids  # what HF generate stops at
 
 
-def test_runtime_is_lossless_on_gemma3_and_says_once_that_it_takes_the_models_forward(gemma3, capsys):
-    from draftsmith.inference.kernels import context
+def test_runtime_is_lossless_on_gemma3_through_its_direct_forward(gemma3, capsys):
+    from draftsmith.inference.backends import Backends
+    from draftsmith.inference.kernels.gemma_forward import GemmaDirectForward
     from draftsmith.inference.measure.bench import hf_greedy
     from draftsmith.inference.methods.pld import PromptLookupDrafter
     from draftsmith.inference.runtime import generate
 
-    context._say_once.cache_clear()  # said once per process: another test may have said it already
-    eos = gemma3.eos_token_ids
+    eos, backends = gemma3.eos_token_ids, Backends()
+    assert isinstance(backends.kernels(gemma3.model).direct(), GemmaDirectForward)
     for text in PROMPTS:
         prompt = gemma3.encode_chat([{"role": "user", "content": text}])
-        reference, _ = hf_greedy(gemma3.model, prompt, 16, eos)
+        with backends.reference_forwards(gemma3.model):
+            reference, _ = hf_greedy(gemma3.model, prompt, 16, eos)
         for drafter in (None, PromptLookupDrafter()):
-            assert generate(gemma3.model, prompt, drafter, max_new_tokens=16, eos_token_ids=eos).tokens == reference
-    # the linear kernel's one-time timing on a machine that has not timed Gemma's shapes yet is not the runtime's
-    said = [line for line in capsys.readouterr().err.strip().splitlines() if not line.startswith("[kernels] linears:")]
-    assert said == [line for line in said if "Gemma3ForCausalLM decodes through its own forward" in line]
-    assert len(said) == 1
+            result = generate(gemma3.model, prompt, drafter, max_new_tokens=16, eos_token_ids=eos, backends=backends)
+            assert result.tokens == reference
+    assert "decodes through its own forward" not in capsys.readouterr().err

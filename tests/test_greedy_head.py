@@ -341,3 +341,25 @@ def test_the_screened_head_stands_in_for_an_own_forward_only_where_the_logits_ar
     hooked = tiny_gemma3(97)
     hooked.register_forward_hook(lambda module, args, output: None)
     assert Backends().kernels(hooked).greedy_head() is None
+
+
+@pytest.mark.parametrize("isa", ["avx2", "avx512"])
+def test_a_flat_rows_proof_split_between_threads_settles_as_the_python_proof(isa):
+    """A row whose contenders are thousands (flat logits: random tokens on a large vocabulary) has them
+    summed by several threads: every contender's sums are its own, so the proof settles (or not) exactly
+    as the Python proof does, on near ties too."""
+    native = extension(isa)
+    layer = head(12, vocab=40000)
+    with torch.no_grad():
+        layer.weight[7] = layer.weight[5]  # an exact tie: no proof, either way
+        layer.weight[9] = layer.weight[11] * (1 + 1e-7)  # a near one
+    greedy = GreedyHead(layer)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for x in (rows(1, 13)[0] * 0.01, rows(1, 14)[0], layer.weight[5] * 3.0, layer.weight[11] * 3.0):
+            candidates = torch.arange(0, 40000, 3)
+            candidates = torch.cat([candidates, torch.tensor([5, 7, 9, 11])]).unique()
+            assert greedy._proven_argmax(x, candidates, native) == greedy._proven_argmax(x, candidates, None)
+    finally:
+        torch.set_num_threads(threads)

@@ -12,7 +12,7 @@ from draftsmith.core.tree import TreeInputBuffers
 from draftsmith.inference.backends import Backends, FastPaths, verification_forward
 from draftsmith.inference.kernels import linear_choice
 from draftsmith.inference.kernels.attention import model_attention
-from draftsmith.inference.kernels.direct_forward import direct_forward_for
+from draftsmith.inference.kernels.direct import direct_forward_for
 from draftsmith.inference.kernels.native import native_extension
 from draftsmith.inference.kernels.options import KernelOptions
 from draftsmith.inference.kernels.packed_gemm import PackedGemm, linear_kernel_available

@@ -20,7 +20,7 @@ from draftsmith.core.tree import TreeInputBuffers
 from draftsmith.inference.backends import Backends, FastPaths, verification_forward
 from draftsmith.inference.kernels import native, native_layers
 from draftsmith.inference.kernels.attention import model_attention
-from draftsmith.inference.kernels.direct_forward import direct_forward_for
+from draftsmith.inference.kernels.direct import direct_forward_for
 from draftsmith.inference.kernels.options import KernelOptions
 from draftsmith.inference.kernels.packed_gemm import PackedGemm, linear_kernel_available
 from draftsmith.inference.methods.pld import PromptLookupDrafter
@@ -202,7 +202,7 @@ def test_a_failed_build_says_so_once_and_decodes_the_same(tmp_path):
 import torch
 from conftest import tiny_llama
 from helpers import hf_greedy
-from draftsmith.inference.kernels.direct_forward import direct_forward_for
+from draftsmith.inference.kernels.direct import direct_forward_for
 from draftsmith.inference.methods.pld import PromptLookupDrafter
 from draftsmith.inference.runtime import generate
 model = tiny_llama(97, seed=2)

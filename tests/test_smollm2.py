@@ -111,7 +111,7 @@ def test_lean_direct_forwards_are_bitwise_the_models_on_smollm2(cached):
     from draftsmith.core.cache import preallocated_cache_for
     from draftsmith.core.tree import DraftTree, TreeInputBuffers
     from draftsmith.inference.kernels.attention import model_attention
-    from draftsmith.inference.kernels.direct_forward import direct_forward_for
+    from draftsmith.inference.kernels.direct import direct_forward_for
 
     model = cached.model
     direct = direct_forward_for(model)

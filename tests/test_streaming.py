@@ -401,7 +401,7 @@ def test_the_shared_target_keeps_its_direct_forward_for_other_methods():
     """Serving a streaming drafter hooks the target's top layers; the hooks act only in the drafter's own
     forward, so plain decoding of that same target still takes the runtime's direct forward (a user's
     hook would turn it off) and still decodes the original model, while the drafter serves the adapted one."""
-    from draftsmith.inference.kernels.direct_forward import direct_forward_for
+    from draftsmith.inference.kernels.direct import direct_forward_for
 
     target = make_target(seed=6)
     model = make_streaming(target, pruning_rank=4)

@@ -18,9 +18,11 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from draftsmith.inference.kernels.attention import model_attention, rows_attention_available, sdpa_from_rows
-from draftsmith.inference.kernels.direct_forward import (
-    DirectForward,
+from draftsmith.inference.kernels.direct import (
+    DIRECT_FORWARDS,
+    AnyDirectForward,
     direct_forward_architecture,
+    direct_forward_for,
     direct_forward_supported,
     has_foreign_hooks,
 )
@@ -48,7 +50,7 @@ class KernelContext:
         self.linear = linear_kernel_for(model, options.linear, options.native, options.weight_codes)
         self.gemm = PackedGemm(model, self.linear, options.weight_codes) if self.linear != "default" else None
         self.rows_attention = rows_attention_available(model, options.native)  # attention.py
-        self._direct: DirectForward | None = None
+        self._direct: AnyDirectForward | None = None
         self._head: GreedyHead | None = None
         self._built_seconds = 0.0
 
@@ -79,9 +81,9 @@ class KernelContext:
         """The context in which the model's own forwards attend as the runtime's do (:mod:`attention`)."""
         return model_attention(self.model) if self.rows_attention else nullcontext()
 
-    def direct(self) -> DirectForward | None:
-        """The direct forward, or None where the model's own forward must run (not a supported Llama, in
-        training mode, or carrying hooks: checked on every call, since a user may change that)."""
+    def direct(self) -> AnyDirectForward | None:
+        """The direct forward, or None where the model's own forward must run (not a supported Llama or
+        Gemma-3, in training mode, or carrying hooks: checked on every call, since a user may change that)."""
         if not self.options.direct_forward:
             return None
         if not direct_forward_architecture(self.model):
@@ -90,7 +92,7 @@ class KernelContext:
         if not direct_forward_supported(self.model):
             return None
         if self._direct is None:  # its first build loads (or compiles) the C++ extension
-            self._direct = self._timed(lambda: DirectForward(self.model, self.options.native))
+            self._direct = self._timed(lambda: direct_forward_for(self.model, self.options.native))
         return self._direct
 
     def greedy_head(self) -> GreedyHead | None:
@@ -220,17 +222,20 @@ def screened_head_serves(model: nn.Module) -> bool:
 
 def say_own_forward(model: nn.Module) -> None:
     """One line per process and architecture where the fast paths cannot serve a target, so a slower
-    decode of a new architecture is explained rather than silent. A wrapper around a Llama (a PEFT
-    model) is not another architecture and says nothing."""
+    decode of a new architecture is explained rather than silent. A wrapper around a served architecture
+    (a PEFT model around a Llama) is not another architecture and says nothing."""
     config = getattr(model, "config", None)
-    if getattr(config, "model_type", None) != "llama":
+    if getattr(config, "model_type", None) not in _SERVED_MODEL_TYPES:
         _say_once(type(model).__name__)
+
+
+_SERVED_MODEL_TYPES = {architecture.config_class.model_type for architecture in DIRECT_FORWARDS}
 
 
 @functools.cache
 def _say_once(architecture: str) -> None:
     print(
-        f"[runtime] the direct forward and its C++ layers serve Llama only: {architecture} decodes through its "
-        "own forward (the same tokens, a slower step)",
+        "[runtime] the direct forward serves Llama and Gemma-3 only (the C++ decoder layers Llama only): "
+        f"{architecture} decodes through its own forward (the same tokens, a slower step)",
         file=sys.stderr,
     )

@@ -19,10 +19,9 @@ from ``q`` onto ``sin``, exact; SDPA called as the wrapper calls it; the layer's
 directly). ``tests/test_smollm2.py`` checks it bitwise on SmolLM2. Where :mod:`native_layers` can be
 built and serves the model, those same operations run as one C++ call (float32 on the CPU).
 
-The runtime uses it for every verification forward of a model it supports (``direct_forward_for``);
-prefill keeps the model's own forward, where the arithmetic dwarfs the overhead. Other architectures,
-attention implementations, training mode or modules with hooks (accelerate's offloading, a user's
-forward hooks) take the model's forward.
+The runtime uses it for every verification forward of a Llama it supports (:func:`direct.direct_forward_for`,
+which gives a Gemma-3 its own, :mod:`gemma_forward`); prefill keeps the model's own forward, where the
+arithmetic dwarfs the overhead.
 """
 
 from __future__ import annotations
@@ -45,8 +44,7 @@ from transformers.models.llama.modeling_llama import (
 
 from draftsmith.core.cache import PreallocatedCache
 from draftsmith.core.cache_kwarg import cache_kwargs
-from draftsmith.core.drafting import INERT_OUTSIDE_OWNER
-from draftsmith.inference.kernels.attention import ATTENTION, rows_attention_available, rows_attention_forward
+from draftsmith.inference.kernels.attention import rows_attention_available, rows_attention_forward
 from draftsmith.inference.kernels.native import native_extension
 from draftsmith.inference.kernels.native_layers import (
     NativePlan,
@@ -115,6 +113,11 @@ class DirectForward:
             return BaseModelOutputWithPast(last_hidden_state=x, **cache_kwargs(cache), hidden_states=states)
         return CausalLMOutputWithPast(logits=self.model.lm_head(x), **cache_kwargs(cache), hidden_states=states)
 
+    @staticmethod
+    def serves(model: nn.Module) -> bool:
+        """Every Llama: the general loop computes what the lean one does not (biases, other caches)."""
+        return True
+
     @property
     def native(self) -> bool:
         """Whether lean forwards run the C++ layers (:mod:`native_layers`)."""
@@ -135,7 +138,7 @@ class DirectForward:
         if not isinstance(cache, PreallocatedCache):
             return None
         if self._steps is None or any(slot.get(name) is not held for slot, name, held in self._steps_from):
-            self._steps, self._steps_from = _lean_plan(self.layers), _plan_sources(self.layers)
+            self._steps, self._steps_from = _lean_plan(self.layers), plan_sources(self.layers)
             self._native_plan = native_plan(self.layers) if self._native is not None and self._steps else None
         return self._steps or None
 
@@ -294,7 +297,7 @@ def _lean_layers(
     return x
 
 
-def _plan_sources(layers: list[LlamaDecoderLayer]) -> list[tuple[dict, str, object]]:
+def plan_sources(layers: list[LlamaDecoderLayer]) -> list[tuple[dict, str, object]]:
     """Every submodule and parameter slot of the layers with what it holds now: a plan made from them is
     current while each slot still holds the same object (far cheaper per forward than walking
     ``model.parameters()``)."""
@@ -340,41 +343,3 @@ def _sdpa(
         query, keys, values, attn_mask=attention_mask, scale=attention.scaling, is_causal=False, **grouped
     )
     return out.transpose(1, 2).contiguous()
-
-
-def direct_forward_architecture(model: nn.Module) -> bool:
-    """Whether the direct forward can serve this model's architecture at all: it reimplements Llama's
-    decoder (other architectures differ in norms, masks and scaling it would not compute)."""
-    return type(model) is LlamaForCausalLM
-
-
-def direct_forward_supported(model: nn.Module) -> bool:
-    """A plain Llama with SDPA attention in inference mode, whose modules carry no hooks."""
-    if not direct_forward_architecture(model) or model.training:
-        return False
-    if getattr(model.config, "_attn_implementation", None) not in ("sdpa", ATTENTION):
-        return False
-    return not any(has_foreign_hooks(module) for module in model.modules())
-
-
-def has_foreign_hooks(module: nn.Module) -> bool:
-    """Hooks the direct forward would skip: accelerate's, or anyone's but transformers' own output
-    capturing (installed on the decoder layers by the first ``output_hidden_states`` call, and only
-    active inside the model's forward) and hooks marked :data:`INERT_OUTSIDE_OWNER` (Speculative
-    Streaming's stream layers: they act only inside that drafter's own forward, which runs the model's
-    forward, so every other user of a shared target keeps the direct forward)."""
-    hooks = [*module._forward_hooks.values(), *module._forward_pre_hooks.values()]
-    foreign = [hook for hook in hooks if not _inert(hook)]
-    return hasattr(module, "_hf_hook") or bool(foreign)
-
-
-def _inert(hook: Callable) -> bool:
-    return getattr(hook, "__name__", "") == "output_capturing_hook" or getattr(hook, INERT_OUTSIDE_OWNER, False)
-
-
-def direct_forward_for(
-    model: nn.Module, native: bool = True, rows_attention: bool | None = None
-) -> DirectForward | None:
-    """The model's :class:`DirectForward` (``native``, ``rows_attention``: see its constructor), or None
-    where the model's own forward must run."""
-    return DirectForward(model, native, rows_attention) if direct_forward_supported(model) else None

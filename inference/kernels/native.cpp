@@ -11,7 +11,8 @@
 //   AVX2 and FMA or, where the CPU has it, AVX-512 (the same floats).
 // - screen_contenders: the screened head's bound and contender search (greedy_head.py) in two passes
 //   over the vocabulary instead of ten tensor-wide operations.
-// - proven_argmax: the screened head's proof for one row, reading the contenders' weight rows in place.
+// - proven_argmax: the screened head's proof for one row, reading the contenders' weight rows in place
+//   (a flat row's many contenders split between threads, each one's sums the same).
 // - int8_screen: the screened head's int8 product (greedy_head.py) reading each weight row from memory
 //   once for all rows of a tree (torch's int8 product reads the weights once per row), with AVX2 and FMA
 //   or, where the CPU has it, AVX-512 (as the stream kernel).
@@ -53,6 +54,7 @@ namespace {
 enum Weight { kInputNorm, kQuery, kKey, kValue, kOutput, kGate, kUp, kDown, kPostNorm, kWeightsPerLayer };
 constexpr int64_t kProjections = 7;  // kQuery .. kDown
 constexpr int64_t kContenderSpan = 8192;  // tokens per task of screen_contenders
+constexpr int64_t kProofGrain = 2048;  // contenders per task of proven_argmax (fewer: one thread)
 constexpr int64_t kStreamBlock = 16;  // outputs per block of a stream pack (stream_pack): two vectors
 constexpr int64_t kCodeGroup = 32;  // inputs sharing a step (and a 4-bit pack's offset) in a code pack (group_pack)
 constexpr int64_t kCodeGroupBytes = 2 * kStreamBlock * sizeof(float) + kCodeGroup * kStreamBlock / 2;
@@ -2245,21 +2247,27 @@ int64_t proven_argmax(const at::Tensor& x, const at::Tensor& weight, const at::T
   const float* xp = x.data_ptr<float>();
   const float* wp = weight.data_ptr<float>();
   const bool wide = wide_vectors(isa, "proven_argmax");
+  for (int64_t c = 0; c < count; ++c)
+    TORCH_CHECK(ids[c] >= 0 && ids[c] < V, "proven_argmax: a contender outside the vocabulary");
   std::vector<double> logits(count), errors(count);
+  // each contender's sums alone, whichever thread computes them (a flat row has tens of thousands)
+  at::parallel_for(0, count, kProofGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t c = begin; c < end; ++c) {
+      double logit = 0.0, magnitude = 0.0;
+#ifdef DRAFTSMITH_X86
+      if (wide)
+        wide_contender_sums(wp + ids[c] * K, xp, K, &logit, &magnitude);
+      else
+#endif
+        contender_sums(wp + ids[c] * K, xp, K, &logit, &magnitude);
+      logits[c] = logit;
+      errors[c] = (gamma32 + 2.0 * gamma64) * magnitude * safety + 1e-30;
+    }
+  });
   int64_t best = -1;
   for (int64_t c = 0; c < count; ++c) {
-    TORCH_CHECK(ids[c] >= 0 && ids[c] < V, "proven_argmax: a contender outside the vocabulary");
-    double logit = 0.0, magnitude = 0.0;
-#ifdef DRAFTSMITH_X86
-    if (wide)
-      wide_contender_sums(wp + ids[c] * K, xp, K, &logit, &magnitude);
-    else
-#endif
-      contender_sums(wp + ids[c] * K, xp, K, &logit, &magnitude);
-    logits[c] = logit;
-    errors[c] = (gamma32 + 2.0 * gamma64) * magnitude * safety + 1e-30;
-    if (!std::isfinite(logit) || !std::isfinite(errors[c])) return -1;
-    if (best < 0 || logit > logits[best]) best = c;  // the first of equal maxima, as torch's argmax
+    if (!std::isfinite(logits[c]) || !std::isfinite(errors[c])) return -1;
+    if (best < 0 || logits[c] > logits[best]) best = c;  // the first of equal maxima, as torch's argmax
   }
   if (best < 0) return -1;
   double rivals = -std::numeric_limits<double>::infinity();

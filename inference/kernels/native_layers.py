@@ -148,7 +148,7 @@ def _pack_inputs(plan: NativePlan, rows: int) -> tuple[list[torch.Tensor], list[
     if made is None:
         packs = [_active_pack(linear, rows) for linear in plan.linears]
         kinds = [pack_kind(linear) for linear in plan.linears]
-        fused = [_fused_pack(group) for group in plan.siblings]
+        fused = [stacked_pack(group) for group in plan.siblings]
         made = (packs, kinds, fused)
         if state is not None:
             if len(plan.pack_inputs) >= _KEPT_PACK_STATES:
@@ -175,8 +175,9 @@ def _active_pack(linear: nn.Module, rows: int) -> torch.Tensor:
     return _NO_PACK if pack is None else pack
 
 
-def _fused_pack(group: tuple[nn.Module, ...]) -> torch.Tensor:
-    """The stacked pack of ``group`` (one product for the layer's q, k, v or gate, up), if any."""
+def stacked_pack(group: tuple[nn.Module, ...]) -> torch.Tensor:
+    """The stacked pack of ``group`` (one product for the layer's q, k, v or gate, up), if any (else an
+    empty tensor)."""
     first = group[0]
     pack = first._owner.fused_pack(group) if isinstance(first, PackedLinear) else None
     return _NO_PACK if pack is None else pack

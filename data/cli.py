@@ -426,6 +426,16 @@ def _add_regenerate_command(commands: Any) -> None:
     )
     p.add_argument("--out", required=True, help="output .jsonl (appended to and resumed if it exists)")
     add_target_argument(p)
+    _add_regenerate_engine_arguments(p)
+    _add_regenerate_batching_arguments(p)
+    add_sampling_arguments(p)
+    _add_regenerate_selection_arguments(p)
+    _add_regenerate_resource_arguments(p)
+    p.set_defaults(func=cmd_regenerate, output_args=("out",))
+
+
+def _add_regenerate_engine_arguments(p: argparse.ArgumentParser) -> None:
+    """What generates the answers: transformers here or vLLM in its own environment."""
     p.add_argument(
         "--engine",
         choices=["transformers", "vllm"],
@@ -440,13 +450,16 @@ def _add_regenerate_command(commands: Any) -> None:
         help="python of the venv where vLLM is installed (default: $DRAFTSMITH_VLLM_PYTHON, or this one if it "
         "has vLLM); used with --engine vllm",
     )
+
+
+def _add_regenerate_batching_arguments(p: argparse.ArgumentParser) -> None:
+    """How long the answers are and how conversations are batched into windows."""
     p.add_argument("--max-new-tokens", type=positive_int, default=512, help="tokens per answer (>= 1)")
     p.add_argument(
         "--batch-size",
         type=positive_int,
         default=8,
-        help="conversations per transformers batch (>= 1); vLLM gets a window's worth per call and batches them "
-        "itself",
+        help="conversations per transformers batch (>= 1); vLLM gets a window's worth per call and batches them itself",
     )
     p.add_argument(
         "--window-batches",
@@ -464,7 +477,10 @@ def _add_regenerate_command(commands: Any) -> None:
         help="regenerate only the first N user turns of each conversation (default: all); 1 spends the time "
         "on more conversations",
     )
-    add_sampling_arguments(p)
+
+
+def _add_regenerate_selection_arguments(p: argparse.ArgumentParser) -> None:
+    """Which records of the input are regenerated."""
     p.add_argument(
         "--limit",
         type=positive_int,
@@ -480,6 +496,10 @@ def _add_regenerate_command(commands: Any) -> None:
         help="regenerate only shard I of N (0-based, by a hash of each record's id), e.g. 0/4 to 3/4 on four "
         "machines, each with its own --out; with --limit, N records of that shard",
     )
+
+
+def _add_regenerate_resource_arguments(p: argparse.ArgumentParser) -> None:
+    """The threads, memory, time and device the run may use."""
     p.add_argument(
         "--threads",
         type=thread_count,
@@ -513,7 +533,6 @@ def _add_regenerate_command(commands: Any) -> None:
     )
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", help="model dtype (float32, bfloat16, float16)")
-    p.set_defaults(func=cmd_regenerate, output_args=("out",))
 
 
 def _add_cache_features_command(commands: Any, recipe_layers: Callable[[str, Any], tuple[int, ...]] | None) -> None:

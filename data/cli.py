@@ -73,7 +73,7 @@ def cmd_prepare(args: argparse.Namespace) -> None:
 
     from draftsmith.core.io import check_creatable_directory, check_output_directory
     from draftsmith.data.formats import ReadStats, RecordError, check_source_available, read_conversations
-    from draftsmith.data.prepared import prepared_output_rules, write_prepared
+    from draftsmith.data.prepared import PreparedOrigin, prepared_output_rules, write_prepared
     from draftsmith.data.templates import tokenize_conversation
 
     source = _source(args.input)
@@ -104,17 +104,8 @@ def cmd_prepare(args: argparse.Namespace) -> None:
             dropped_turns += sample.dropped_turns
             yield sample
 
-    manifest = write_prepared(
-        Path(args.out),
-        samples(),
-        stats,
-        identity=identity,
-        chat_template=tokenizer.chat_template,
-        max_length=args.max_length,
-        source=source,
-        overwrite=args.overwrite,
-        vocab_size=len(tokenizer),
-    )
+    origin = PreparedOrigin(source, identity, tokenizer.chat_template, args.max_length, vocab_size=len(tokenizer))
+    manifest = write_prepared(Path(args.out), samples(), stats, origin, overwrite=args.overwrite)
     print(stats.summary())
     print(
         f"{manifest['n_samples']} samples, {manifest['n_tokens']} tokens, {manifest['n_supervised']} supervised "

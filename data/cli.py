@@ -191,7 +191,7 @@ def cmd_regenerate(args: argparse.Namespace) -> None:
     from draftsmith.core.io import check_apart_from_inputs
     from draftsmith.core.target import load_target
     from draftsmith.data.formats import check_source_available
-    from draftsmith.data.regenerate import RegenerateSettings, TransformersEngine, regenerate
+    from draftsmith.data.regenerate import RegenerateRun, RegenerateSettings, TransformersEngine, regenerate
 
     check_source_available(_source(args.input))
     if Path(_source(args.input)).exists():  # answers written over their own questions would lose both
@@ -214,19 +214,17 @@ def cmd_regenerate(args: argparse.Namespace) -> None:
     with ExitStack() as stack:
         cores = args.threads or len(usable_cpus())
         engine = _start_vllm(stack, vllm, target, settings, args.dtype, cores, args.window_batches) if vllm else None
-        report = regenerate(
-            _source(args.input),
-            Path(args.out),
-            target,
-            settings,
+        run = RegenerateRun(
             limit=args.limit,
             shard=args.shard,
-            engine=engine
-            or TransformersEngine(target, settings, batch_tokens=args.batch_tokens, static_cache=args.static_cache),
-            command=getattr(args, "command_line", None),
-            time_limit_s=args.time_limit * 60 if args.time_limit is not None else None,
             window_batches=args.window_batches,
+            time_limit_s=args.time_limit * 60 if args.time_limit is not None else None,
+            command=getattr(args, "command_line", None),
         )
+        engine = engine or TransformersEngine(
+            target, settings, batch_tokens=args.batch_tokens, static_cache=args.static_cache
+        )
+        report = regenerate(_source(args.input), Path(args.out), target, settings, run, engine)
     print(report.stats.summary())
     print(
         f"{report.already_done} already done, {report.written} written now; {report.new_tokens} new tokens in "

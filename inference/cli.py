@@ -39,7 +39,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
     from draftsmith.core.verify import SamplingConfig
     from draftsmith.inference.context import check_fits_context
     from draftsmith.inference.methods.table import build_drafter
-    from draftsmith.inference.runtime import generate
+    from draftsmith.inference.runtime import Sampling, generate
 
     backends = _backends(args)
     prompt = _prompt_text(args)
@@ -52,7 +52,10 @@ def cmd_generate(args: argparse.Namespace) -> None:
     else:
         ids = target.encode_chat([{"role": "user", "content": prompt}])
     check_fits_context(target.model, len(ids), args.max_new_tokens)
-    sampling = None if args.temperature <= 0 else SamplingConfig(args.temperature, args.top_k, args.top_p)
+    sampling = None
+    if args.temperature > 0:
+        config = SamplingConfig(args.temperature, args.top_k, args.top_p)
+        sampling = Sampling(config, torch.Generator().manual_seed(args.seed))
     result = generate(
         target.model,
         ids,
@@ -60,7 +63,6 @@ def cmd_generate(args: argparse.Namespace) -> None:
         max_new_tokens=args.max_new_tokens,
         eos_token_ids=target.eos_token_ids,
         sampling=sampling,
-        generator=torch.Generator().manual_seed(args.seed),
         on_tokens=_stream_printer(target.tokenizer),
         backends=backends,
     )

@@ -482,7 +482,7 @@ def test_bench_accounts_for_vllm_runs_and_keeps_results_when_one_fails(tmp_path,
     import sys
 
     from draftsmith.core.target import load_target
-    from draftsmith.inference.measure.bench import Question, run_bench
+    from draftsmith.inference.measure.bench import ExternalEngines, Question, run_bench
     from draftsmith.inference.measure.bench_report import markdown_table
 
     stub = tmp_path / "python"
@@ -494,7 +494,7 @@ def test_bench_accounts_for_vllm_runs_and_keeps_results_when_one_fails(tmp_path,
     export_for_engine(model, "vllm", verifier, 2, tiny.identity.to_dict(), tmp_path / "eagle")
     questions = [Question("q1", "writing", ["Hello there", "And again?"])]
     methods = ["vllm", f"vllm={tmp_path / 'eagle'}"]
-    results = run_bench(tiny, questions, methods, 4, vllm_python=str(stub), target_dir=Path(tiny_target_dir))
+    results = run_bench(tiny, questions, methods, 4, engines=ExternalEngines(str(stub), Path(tiny_target_dir)))
     plain = results["methods"]["vllm"]["overall"]
     assert plain["total"] == 2 and plain["tokens"] == 6 and plain["target_forwards"] == 4  # (1 step + prefill) x 2
     assert plain["tau"] == 1.5 and plain["engine_acceptance_length"] == 2.0 and plain["identical"] == 0

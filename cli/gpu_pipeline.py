@@ -55,6 +55,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", required=True, type=Path, help="results folder (resumed when it exists)")
     p.add_argument("--target", default="smollm2", help="the target (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--device", default="cuda", help="cuda (default), cuda:N, or cpu for a dry run")
+    _add_regeneration_arguments(p)
+    _add_training_arguments(p)
+    _add_bench_arguments(p)
+    p.add_argument(
+        "--scaling-samples",
+        type=sample_counts,
+        default=[],
+        help="e.g. 1700,5000: after the main run, train as many steps on nested subsets of that many samples "
+        "(each costs about --train-minutes) and plot them beside it into OUT/scaling (needs --set "
+        "data.eval_samples=N)",
+    )
+    p.add_argument("--skip", default="", help="stages not to run, e.g. regenerate,bench")
+    return p.parse_args(argv)
+
+
+def _add_regeneration_arguments(p: argparse.ArgumentParser) -> None:
+    """Stage 1: which shards the target answers, how many at once, and for how long."""
     p.add_argument("--source", default="sharegpt", help="the prompts regenerated (default: the ShareGPT V3 file)")
     p.add_argument(
         "--shards",
@@ -97,6 +114,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=256, help="tokens per regenerated answer")
     p.add_argument("--max-turns", type=int, default=2, help="user turns answered per conversation")
     p.add_argument("--regen-dtype", default="float32", help="dtype the target regenerates in (default float32)")
+
+
+def _add_training_arguments(p: argparse.ArgumentParser) -> None:
+    """Stages 2 and 3: the data trained on beside the shards, the recipe, and the training budget."""
     p.add_argument(
         "--extra-data",
         nargs="*",
@@ -116,19 +137,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="KEY=VALUE",
         help="a recipe override, e.g. --set train.lr=3e-4 (repeatable)",
     )
+
+
+def _add_bench_arguments(p: argparse.ArgumentParser) -> None:
+    """Stage 4: the prompts and dtypes the export is benched on."""
     p.add_argument("--bench-questions", default=None, help="Spec-Bench JSONL (default: held-out default prompts)")
     p.add_argument("--bench-max-new-tokens", type=int, default=64)
     p.add_argument("--bench-dtypes", default="float32,bfloat16", help="dtypes the export is benched in")
-    p.add_argument(
-        "--scaling-samples",
-        type=sample_counts,
-        default=[],
-        help="e.g. 1700,5000: after the main run, train as many steps on nested subsets of that many samples "
-        "(each costs about --train-minutes) and plot them beside it into OUT/scaling (needs --set "
-        "data.eval_samples=N)",
-    )
-    p.add_argument("--skip", default="", help="stages not to run, e.g. regenerate,bench")
-    return p.parse_args(argv)
 
 
 def sample_counts(text: str) -> list[int]:

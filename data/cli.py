@@ -73,7 +73,7 @@ def cmd_prepare(args: argparse.Namespace) -> None:
 
     from draftsmith.core.io import check_creatable_directory, check_output_directory
     from draftsmith.data.formats import ReadStats, RecordError, check_source_available, read_conversations
-    from draftsmith.data.prepared import prepared_output_rules, write_prepared
+    from draftsmith.data.prepared import PreparedOrigin, prepared_output_rules, write_prepared
     from draftsmith.data.templates import tokenize_conversation
 
     source = _source(args.input)
@@ -104,17 +104,8 @@ def cmd_prepare(args: argparse.Namespace) -> None:
             dropped_turns += sample.dropped_turns
             yield sample
 
-    manifest = write_prepared(
-        Path(args.out),
-        samples(),
-        stats,
-        identity=identity,
-        chat_template=tokenizer.chat_template,
-        max_length=args.max_length,
-        source=source,
-        overwrite=args.overwrite,
-        vocab_size=len(tokenizer),
-    )
+    origin = PreparedOrigin(source, identity, tokenizer.chat_template, args.max_length, vocab_size=len(tokenizer))
+    manifest = write_prepared(Path(args.out), samples(), stats, origin, overwrite=args.overwrite)
     print(stats.summary())
     print(
         f"{manifest['n_samples']} samples, {manifest['n_tokens']} tokens, {manifest['n_supervised']} supervised "
@@ -200,7 +191,7 @@ def cmd_regenerate(args: argparse.Namespace) -> None:
     from draftsmith.core.io import check_apart_from_inputs
     from draftsmith.core.target import load_target
     from draftsmith.data.formats import check_source_available
-    from draftsmith.data.regenerate import RegenerateSettings, TransformersEngine, regenerate
+    from draftsmith.data.regenerate import RegenerateRun, RegenerateSettings, TransformersEngine, regenerate
 
     check_source_available(_source(args.input))
     if Path(_source(args.input)).exists():  # answers written over their own questions would lose both
@@ -223,19 +214,17 @@ def cmd_regenerate(args: argparse.Namespace) -> None:
     with ExitStack() as stack:
         cores = args.threads or len(usable_cpus())
         engine = _start_vllm(stack, vllm, target, settings, args.dtype, cores, args.window_batches) if vllm else None
-        report = regenerate(
-            _source(args.input),
-            Path(args.out),
-            target,
-            settings,
+        run = RegenerateRun(
             limit=args.limit,
             shard=args.shard,
-            engine=engine
-            or TransformersEngine(target, settings, batch_tokens=args.batch_tokens, static_cache=args.static_cache),
-            command=getattr(args, "command_line", None),
-            time_limit_s=args.time_limit * 60 if args.time_limit is not None else None,
             window_batches=args.window_batches,
+            time_limit_s=args.time_limit * 60 if args.time_limit is not None else None,
+            command=getattr(args, "command_line", None),
         )
+        engine = engine or TransformersEngine(
+            target, settings, batch_tokens=args.batch_tokens, static_cache=args.static_cache
+        )
+        report = regenerate(_source(args.input), Path(args.out), target, settings, run, engine)
     print(report.stats.summary())
     print(
         f"{report.already_done} already done, {report.written} written now; {report.new_tokens} new tokens in "
@@ -426,6 +415,16 @@ def _add_regenerate_command(commands: Any) -> None:
     )
     p.add_argument("--out", required=True, help="output .jsonl (appended to and resumed if it exists)")
     add_target_argument(p)
+    _add_regenerate_engine_arguments(p)
+    _add_regenerate_batching_arguments(p)
+    add_sampling_arguments(p)
+    _add_regenerate_selection_arguments(p)
+    _add_regenerate_resource_arguments(p)
+    p.set_defaults(func=cmd_regenerate, output_args=("out",))
+
+
+def _add_regenerate_engine_arguments(p: argparse.ArgumentParser) -> None:
+    """What generates the answers: transformers here or vLLM in its own environment."""
     p.add_argument(
         "--engine",
         choices=["transformers", "vllm"],
@@ -440,13 +439,16 @@ def _add_regenerate_command(commands: Any) -> None:
         help="python of the venv where vLLM is installed (default: $DRAFTSMITH_VLLM_PYTHON, or this one if it "
         "has vLLM); used with --engine vllm",
     )
+
+
+def _add_regenerate_batching_arguments(p: argparse.ArgumentParser) -> None:
+    """How long the answers are and how conversations are batched into windows."""
     p.add_argument("--max-new-tokens", type=positive_int, default=512, help="tokens per answer (>= 1)")
     p.add_argument(
         "--batch-size",
         type=positive_int,
         default=8,
-        help="conversations per transformers batch (>= 1); vLLM gets a window's worth per call and batches them "
-        "itself",
+        help="conversations per transformers batch (>= 1); vLLM gets a window's worth per call and batches them itself",
     )
     p.add_argument(
         "--window-batches",
@@ -464,7 +466,10 @@ def _add_regenerate_command(commands: Any) -> None:
         help="regenerate only the first N user turns of each conversation (default: all); 1 spends the time "
         "on more conversations",
     )
-    add_sampling_arguments(p)
+
+
+def _add_regenerate_selection_arguments(p: argparse.ArgumentParser) -> None:
+    """Which records of the input are regenerated."""
     p.add_argument(
         "--limit",
         type=positive_int,
@@ -480,6 +485,10 @@ def _add_regenerate_command(commands: Any) -> None:
         help="regenerate only shard I of N (0-based, by a hash of each record's id), e.g. 0/4 to 3/4 on four "
         "machines, each with its own --out; with --limit, N records of that shard",
     )
+
+
+def _add_regenerate_resource_arguments(p: argparse.ArgumentParser) -> None:
+    """The threads, memory, time and device the run may use."""
     p.add_argument(
         "--threads",
         type=thread_count,
@@ -513,7 +522,6 @@ def _add_regenerate_command(commands: Any) -> None:
     )
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", help="model dtype (float32, bfloat16, float16)")
-    p.set_defaults(func=cmd_regenerate, output_args=("out",))
 
 
 def _add_cache_features_command(commands: Any, recipe_layers: Callable[[str, Any], tuple[int, ...]] | None) -> None:

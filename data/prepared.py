@@ -78,20 +78,27 @@ def training_order(n_samples: int, eval_samples: int) -> tuple[list[int], list[i
     return held_out, [training[int(i)] for i in np.random.default_rng(SUBSET_SEED).permutation(len(training))]
 
 
+@dataclass(frozen=True)
+class PreparedOrigin:
+    """Where samples come from and what tokenised them, recorded in the manifest: a reader checks its
+    target against ``identity`` and, with ``vocab_size`` (the tokenizer's), range-checks every token id."""
+
+    source: str
+    identity: TargetIdentity
+    chat_template: str
+    max_length: int | None
+    vocab_size: int | None = None
+
+
 def write_prepared(
     out: Path,
     samples: Iterable[TokenizedConversation],
     stats: ReadStats,
+    origin: PreparedOrigin,
     *,
-    identity: TargetIdentity,
-    chat_template: str,
-    max_length: int | None,
-    source: str,
     overwrite: bool = False,
-    vocab_size: int | None = None,
 ) -> dict[str, Any]:
-    """Write samples and a manifest into ``out`` atomically; returns the manifest. ``vocab_size`` (the
-    tokenizer's) is recorded so a reader can range-check every token id."""
+    """Write samples and a manifest into ``out`` atomically; returns the manifest."""
     ids, masks, offsets, sample_ids = [], [], [0], []
     for sample in samples:
         ids.append(torch.tensor(sample.input_ids, dtype=torch.int32))
@@ -100,7 +107,7 @@ def write_prepared(
         sample_ids.append(sample.id)
     stats.check()
     if not sample_ids:
-        raise PreparedDataError(f"no usable conversation in {source}:\n{stats.summary()}")
+        raise PreparedDataError(f"no usable conversation in {origin.source}:\n{stats.summary()}")
     tensors = {
         "input_ids": torch.cat(ids),
         "loss_mask": torch.cat(masks),
@@ -108,18 +115,18 @@ def write_prepared(
     }
     manifest = {
         "format": PREPARED_FORMAT,
-        "source": source,
-        "target": identity.to_dict(),
-        "chat_template_sha256": template_hash(chat_template),
-        "max_length": max_length,
-        "vocab_size": vocab_size,
+        "source": origin.source,
+        "target": origin.identity.to_dict(),
+        "chat_template_sha256": template_hash(origin.chat_template),
+        "max_length": origin.max_length,
+        "vocab_size": origin.vocab_size,
         "counts": stats.to_dict(),
         "n_samples": len(sample_ids),
         "n_tokens": int(tensors["input_ids"].numel()),
         "n_supervised": int(tensors["loss_mask"].sum()),
         "sample_ids": sample_ids,
     }
-    rules = prepared_output_rules(source)
+    rules = prepared_output_rules(origin.source)
     with atomic_directory(Path(out), overwrite=overwrite, rules=rules, record_files=True) as tmp:
         save_file(tensors, str(tmp / TOKENS))
         atomic_write_json(tmp / MANIFEST, manifest)

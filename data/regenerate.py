@@ -353,10 +353,26 @@ def _generate_next_turns(engine: TurnEngine, target: Target, batch: list[_InFlig
         report.truncated_turns += int(answer.hit_limit)
 
 
-def _sample(limit: int | None, shard: tuple[int, int]) -> RecordSample | None:
-    if limit is None and shard == (0, 1):
-        return None
-    return RecordSample(limit=limit, shard=shard[0], n_shards=shard[1])
+@dataclass(frozen=True)
+class RegenerateRun:
+    """How one run of :func:`regenerate` goes, beside the settings that decide the answers. ``limit`` and
+    ``shard`` (index, count) pick a deterministic subset spread over the whole source (RecordSample).
+    ``window_batches``: batches of conversations per window (a window's conversations are written once all
+    their turns are done); like the batch size, it does not change greedy answers. With ``time_limit_s``
+    no new window is started once that many seconds have passed (``report.stopped_early``); a rerun goes
+    on from there. ``command`` (the command line, when there is one) is recorded in the ``.meta.json``."""
+
+    limit: int | None = None
+    shard: tuple[int, int] = (0, 1)
+    window_batches: int = WINDOW_BATCHES
+    time_limit_s: float | None = None
+    command: str | None = None
+
+    def record_sample(self) -> RecordSample | None:
+        """The subset ``limit`` and ``shard`` pick; None for the whole source."""
+        if self.limit is None and self.shard == (0, 1):
+            return None
+        return RecordSample(limit=self.limit, shard=self.shard[0], n_shards=self.shard[1])
 
 
 def regenerate(
@@ -364,33 +380,24 @@ def regenerate(
     out: Path,
     target: Target,
     settings: RegenerateSettings,
-    limit: int | None = None,
-    shard: tuple[int, int] = (0, 1),
+    run: RegenerateRun = RegenerateRun(),
     engine: TurnEngine | None = None,
-    command: str | None = None,
-    time_limit_s: float | None = None,
-    window_batches: int = WINDOW_BATCHES,
 ) -> RegenerateReport:
-    """Regenerate ``source`` into ``out`` (ShareGPT JSONL), resuming if ``out`` exists. ``limit`` and
-    ``shard`` (index, count) pick a deterministic subset spread over the whole source (RecordSample).
-    ``engine`` generates the turns (default: transformers on ``target``); ``command`` (the command
-    line, when there is one) is recorded in the ``.meta.json``. With ``time_limit_s`` no new window is
-    started once that many seconds have passed (``report.stopped_early``); a rerun goes on from there.
-    ``window_batches``: batches of conversations per window (a window's conversations are written once all
-    their turns are done); like the batch size, it does not change greedy answers."""
+    """Regenerate ``source`` into ``out`` (ShareGPT JSONL), resuming if ``out`` exists, as ``run`` says.
+    ``engine`` generates the turns (default: transformers on ``target``)."""
     out = Path(out)
     engine = engine or TransformersEngine(target, settings)
     done = _read_done_ids(out)
-    sample = _sample(limit, shard)
+    sample = run.record_sample()
     if not settings.greedy:
         torch.manual_seed(settings.seed)
     stats = ReadStats()
     report = RegenerateReport(stats=stats, previously_written=len(done))
     pending = _pending(source, stats, done, report, sample)
     start = time.perf_counter()
-    deadline = _Deadline(start + time_limit_s if time_limit_s is not None else None)
+    deadline = _Deadline(start + run.time_limit_s if run.time_limit_s is not None else None)
     room = context_length(target) - settings.max_new_tokens
-    windows = _windows(pending, settings.batch_size * window_batches, settings.max_turns, deadline)
+    windows = _windows(pending, settings.batch_size * run.window_batches, settings.max_turns, deadline)
     # The first window reads the whole source: a file that cannot be read is refused before `out` and its
     # .meta.json exist (they would tie a rerun to the broken file).
     first = next(windows, None)
@@ -406,7 +413,7 @@ def regenerate(
             "engine": engine.name,
             # Not checked on resume: a larger limit on the same output only adds records.
             "sample": asdict(sample) if sample else None,
-            **({"command": command} if command else {}),
+            **({"command": run.command} if run.command else {}),
         },
         resuming=out.is_file(),
     )

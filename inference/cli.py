@@ -39,7 +39,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
     from draftsmith.core.verify import SamplingConfig
     from draftsmith.inference.context import check_fits_context
     from draftsmith.inference.methods.table import build_drafter
-    from draftsmith.inference.runtime import generate
+    from draftsmith.inference.runtime import Sampling, generate
 
     backends = _backends(args)
     prompt = _prompt_text(args)
@@ -52,7 +52,10 @@ def cmd_generate(args: argparse.Namespace) -> None:
     else:
         ids = target.encode_chat([{"role": "user", "content": prompt}])
     check_fits_context(target.model, len(ids), args.max_new_tokens)
-    sampling = None if args.temperature <= 0 else SamplingConfig(args.temperature, args.top_k, args.top_p)
+    sampling = None
+    if args.temperature > 0:
+        config = SamplingConfig(args.temperature, args.top_k, args.top_p)
+        sampling = Sampling(config, torch.Generator().manual_seed(args.seed))
     result = generate(
         target.model,
         ids,
@@ -60,7 +63,6 @@ def cmd_generate(args: argparse.Namespace) -> None:
         max_new_tokens=args.max_new_tokens,
         eos_token_ids=target.eos_token_ids,
         sampling=sampling,
-        generator=torch.Generator().manual_seed(args.seed),
         on_tokens=_stream_printer(target.tokenizer),
         backends=backends,
     )
@@ -136,7 +138,7 @@ def _llamacpp_model(args: argparse.Namespace, methods: list[str]) -> Path | None
 def cmd_bench(args: argparse.Namespace) -> None:
     from draftsmith.core.io import check_creatable_directory, check_output_directory
     from draftsmith.core.target import safetensors_directory
-    from draftsmith.inference.measure.bench import bench_settings, read_questions, run_bench
+    from draftsmith.inference.measure.bench import ExternalEngines, bench_settings, read_questions, run_bench
     from draftsmith.inference.measure.bench_report import bench_output_rules, markdown_table, write_results
     from draftsmith.inference.measure.bench_resume import PROGRESS, BenchProgress, read_progress
     from draftsmith.inference.measure.errors import BenchError
@@ -167,18 +169,8 @@ def cmd_bench(args: argparse.Namespace) -> None:
     progress = BenchProgress.resume(out, settings) if args.resume else BenchProgress.start(out, settings)
     if progress.records:
         print(f"bench: resuming after {len(progress.records)} finished questions of {len(questions)}", flush=True)
-    results = run_bench(
-        target,
-        questions,
-        methods,
-        args.max_new_tokens,
-        backends,
-        vllm_python=args.vllm_python,
-        target_dir=target_dir,
-        progress=progress,
-        llamacpp_bin=args.llamacpp_bin,
-        llamacpp_model=llamacpp_model,
-    )
+    engines = ExternalEngines(args.vllm_python, target_dir, args.llamacpp_bin, llamacpp_model)
+    results = run_bench(target, questions, methods, args.max_new_tokens, backends, engines=engines, progress=progress)
     print(markdown_table(results))  # shown before writing, so a failed write loses no figures
     write_results(results, out, True, rules)  # --out holds this run's own progress file by now
     print(f"results in {args.out}/results.json, results.md, chart.png")

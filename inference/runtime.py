@@ -111,6 +111,16 @@ def _judge(drafter: Drafter, tree: DraftTree, out, sampling: SamplingConfig | No
     return tree, logits, verify_sampling(tree, logits, sampling, generator)
 
 
+@dataclass(frozen=True)
+class Sampling:
+    """Sampled decoding: how the target's logits become the distribution a token is drawn from, and the
+    generator every draw takes (seed it for the same tokens each run; drafters that sample their drafts
+    draw from it too)."""
+
+    config: SamplingConfig
+    generator: torch.Generator | None = None
+
+
 @torch.no_grad()
 def generate(
     model,
@@ -119,8 +129,7 @@ def generate(
     *,
     max_new_tokens: int = 128,
     eos_token_ids: list[int] | tuple[int, ...] = (),
-    sampling: SamplingConfig | None = None,
-    generator: torch.Generator | None = None,
+    sampling: Sampling | None = None,
     on_tokens: Callable[[list[int]], None] | None = None,
     backends: Backends | None = None,
 ) -> GenerationResult:
@@ -129,6 +138,7 @@ def generate(
     ``backends`` runs the verification forwards as its :class:`KernelOptions` say (keep one across calls
     so kernels and compiled graphs are built once); by default, one with the default options."""
     start = time.perf_counter()
+    sampling, generator = (sampling.config, sampling.generator) if sampling is not None else (None, None)
     drafter = drafter if drafter is not None else PlainDecoding()
     reads_logits = sampling is not None or drafter.reads_logits
     backend = (backends or Backends()).for_generation(model, drafter, reads_logits)

@@ -149,7 +149,7 @@ def train_from_target(family_name: str, target, batch: TrainBatch, steps: int, *
 
 def sampled_twice(target, drafter, prompt: list[int], max_new_tokens: int = 24) -> list[list[int]]:
     """Two sampled generations with the same seed: a drafter must not add randomness of its own."""
-    from draftsmith.inference.runtime import generate
+    from draftsmith.inference.runtime import Sampling, generate
 
     return [
         generate(
@@ -157,8 +157,7 @@ def sampled_twice(target, drafter, prompt: list[int], max_new_tokens: int = 24) 
             prompt,
             drafter,
             max_new_tokens=max_new_tokens,
-            sampling=SamplingConfig(0.8, 20, 0.95),
-            generator=torch.Generator().manual_seed(1),
+            sampling=Sampling(SamplingConfig(0.8, 20, 0.95), torch.Generator().manual_seed(1)),
         ).tokens
         for _ in range(2)
     ]
@@ -224,14 +223,12 @@ def sample_counts(
     model, drafter, config, seed, backends=None, prompt=SAMPLING_PROMPT, n: int = N_SAMPLES, steps: int = 3
 ) -> Counter:
     """How often each sequence of the first ``steps`` tokens comes out of ``n`` sampled generations."""
-    from draftsmith.inference.runtime import generate
+    from draftsmith.inference.runtime import Sampling, generate
 
-    generator = torch.Generator().manual_seed(seed)
+    sampling = Sampling(config, torch.Generator().manual_seed(seed))  # one generator: n different draws
     counts = Counter()
     for _ in range(n):
-        result = generate(
-            model, list(prompt), drafter, max_new_tokens=steps, sampling=config, generator=generator, backends=backends
-        )
+        result = generate(model, list(prompt), drafter, max_new_tokens=steps, sampling=sampling, backends=backends)
         counts[tuple(result.tokens)] += 1
     return counts
 

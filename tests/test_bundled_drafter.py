@@ -79,9 +79,9 @@ def test_the_shipped_drafter_exports_by_name_to_the_layout_vllm_loads(tmp_path):
     from safetensors.torch import load_file
 
     from draftsmith.drafters.io import read_engine_export
-    from draftsmith.train.export import export_run
+    from draftsmith.train.export import ExportLayout, export_run
 
-    out = export_run(Path("eagle3-smollm2"), tmp_path / "vllm", fmt="vllm")
+    out = export_run(Path("eagle3-smollm2"), tmp_path / "vllm", ExportLayout("vllm"))
     record = read_engine_export(out)
     assert record["family"] == "eagle3" and record["format"] == "vllm"
     assert "SmolLM2-135M-Instruct" in record["target_identity"]["name"]

@@ -288,14 +288,14 @@ def test_an_exported_drafter_converts_to_an_engine_layout_as_its_run_would(tmp_p
 
     from draftsmith.core.target import load_tokenizer
     from draftsmith.train.checkpoint import CheckpointError
-    from draftsmith.train.export import engine_verifier, export_run
+    from draftsmith.train.export import ExportLayout, engine_verifier, export_run
 
     _, identity = load_tokenizer(str(tiny_target_dir))
     torch.manual_seed(0)
     options = {"draft_vocab_size": 40, "aux_layer_ids": [0, 1]}
     model = get_family("eagle3").build(AutoConfig.from_pretrained(tiny_target_dir), options)
     exported = export_drafter(model, identity.to_dict(), tmp_path / "export")
-    converted = export_run(exported, tmp_path / "vllm", fmt="vllm")  # no --verifier: the export's target
+    converted = export_run(exported, tmp_path / "vllm", ExportLayout("vllm"))  # no --verifier: the export's target
     direct = export_for_engine(
         model, "vllm", engine_verifier(str(tiny_target_dir), identity.to_dict()), None, identity.to_dict(),
         tmp_path / "direct",
@@ -306,9 +306,9 @@ def test_an_exported_drafter_converts_to_an_engine_layout_as_its_run_would(tmp_p
     with pytest.raises(CheckpointError, match="already in draftsmith's layout"):
         export_run(exported, tmp_path / "again")
     with pytest.raises(CheckpointError, match="no checkpoints to choose from"):
-        export_run(exported, tmp_path / "again", fmt="vllm", checkpoint="step-1")
+        export_run(exported, tmp_path / "again", ExportLayout("vllm"), checkpoint="step-1")
     with pytest.raises(CheckpointError, match="nor an exported drafter"):
-        export_run(tmp_path / "nothing-here", tmp_path / "again", fmt="vllm")
+        export_run(tmp_path / "nothing-here", tmp_path / "again", ExportLayout("vllm"))
 
 
 # ---- vLLM as a bench method ----------------------------------------------------------------------
@@ -482,7 +482,7 @@ def test_bench_accounts_for_vllm_runs_and_keeps_results_when_one_fails(tmp_path,
     import sys
 
     from draftsmith.core.target import load_target
-    from draftsmith.inference.measure.bench import Question, run_bench
+    from draftsmith.inference.measure.bench import ExternalEngines, Question, run_bench
     from draftsmith.inference.measure.bench_report import markdown_table
 
     stub = tmp_path / "python"
@@ -494,7 +494,7 @@ def test_bench_accounts_for_vllm_runs_and_keeps_results_when_one_fails(tmp_path,
     export_for_engine(model, "vllm", verifier, 2, tiny.identity.to_dict(), tmp_path / "eagle")
     questions = [Question("q1", "writing", ["Hello there", "And again?"])]
     methods = ["vllm", f"vllm={tmp_path / 'eagle'}"]
-    results = run_bench(tiny, questions, methods, 4, vllm_python=str(stub), target_dir=Path(tiny_target_dir))
+    results = run_bench(tiny, questions, methods, 4, engines=ExternalEngines(str(stub), Path(tiny_target_dir)))
     plain = results["methods"]["vllm"]["overall"]
     assert plain["total"] == 2 and plain["tokens"] == 6 and plain["target_forwards"] == 4  # (1 step + prefill) x 2
     assert plain["tau"] == 1.5 and plain["engine_acceptance_length"] == 2.0 and plain["identical"] == 0

@@ -117,7 +117,7 @@ def test_bench_accounts_for_llamacpp_runs_and_keeps_results_when_one_fails(tmp_p
     the echoed prompt, tau = tokens / (verification forwards + the prompt's), its own tau from its counters,
     identical against llama.cpp's plain decoding, the prompt ids compared with the runtime's, rates from its
     own timings; a method whose run fails is reported by its error line and the others are kept."""
-    from draftsmith.inference.measure.bench import Question, run_bench
+    from draftsmith.inference.measure.bench import ExternalEngines, Question, run_bench
     from draftsmith.inference.measure.bench_report import markdown_table
     from draftsmith.inference.measure.llamacpp_engine import COMPLETION, SPECULATIVE
 
@@ -128,9 +128,8 @@ def test_bench_accounts_for_llamacpp_runs_and_keeps_results_when_one_fails(tmp_p
         (tools / name).chmod(0o755)
     drafted, broken = f"llamacpp={gguf_export}:depth=3", f"llamacpp={gguf_export}:depth=1"
     questions = [Question("q1", "qa", ["Hello there"]), Question("q2", "qa", ["And again?"])]
-    results = run_bench(
-        tiny, questions, ["llamacpp", drafted, broken], 4, llamacpp_bin=str(tools), llamacpp_model=tmp_path / "t.gguf"
-    )
+    engines = ExternalEngines(llamacpp_bin=str(tools), llamacpp_model=tmp_path / "t.gguf")
+    results = run_bench(tiny, questions, ["llamacpp", drafted, broken], 4, engines=engines)
     answer = tiny.tokenizer("Paris is the capital.", add_special_tokens=False)["input_ids"][:4]
     plain, spec = results["methods"]["llamacpp"]["overall"], results["methods"][drafted]["overall"]
     assert plain["tokens"] == spec["tokens"] == 2 * len(answer) and plain["identical"] == spec["identical"] == 2

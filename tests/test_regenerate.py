@@ -9,6 +9,7 @@ from conftest import sharegpt, vllm_python, vllm_sized_llama, write_jsonl
 from draftsmith.core.target import load_target
 from draftsmith.data.regenerate import (
     RegenerateError,
+    RegenerateRun,
     RegenerateSettings,
     TransformersEngine,
     generate_answers,
@@ -73,7 +74,7 @@ def test_interrupted_run_resumes_and_matches_an_uninterrupted_one(tmp_path, sour
     whole = tmp_path / "whole.jsonl"
     regenerate(str(source), whole, tiny_target, SETTINGS)
     part = tmp_path / "part.jsonl"
-    first = regenerate(str(source), part, tiny_target, SETTINGS, limit=2)
+    first = regenerate(str(source), part, tiny_target, SETTINGS, RegenerateRun(limit=2))
     assert first.written == 2
     with open(part, "a") as handle:  # the process died while writing the next record
         handle.write('{"id": "with-system", "conversa')
@@ -97,7 +98,7 @@ def test_time_limit_stops_between_windows_and_a_rerun_goes_on(tmp_path, source, 
     out = tmp_path / "timed.jsonl"
     clock = iter(range(0, 10_000, 10))  # every reading of the clock is 10 s later
     monkeypatch.setattr(module.time, "perf_counter", lambda: next(clock))
-    first = regenerate(str(source), out, tiny_target, SETTINGS, time_limit_s=25, window_batches=1)
+    first = regenerate(str(source), out, tiny_target, SETTINGS, RegenerateRun(time_limit_s=25, window_batches=1))
     assert first.stopped_early and 1 <= first.written < 4
     assert first.stats.used + first.stats.n_skipped == first.stats.read  # nothing read was left unwritten
     rest = regenerate(str(source), out, tiny_target, SETTINGS)
@@ -140,7 +141,7 @@ def test_sampled_regeneration_is_reproducible_with_a_seed(tmp_path, source, tiny
 
 def test_resume_with_other_settings_or_target_is_refused(tmp_path, source, tiny_target, other_target_dir):
     out = tmp_path / "out.jsonl"
-    regenerate(str(source), out, tiny_target, SETTINGS, limit=1)
+    regenerate(str(source), out, tiny_target, SETTINGS, RegenerateRun(limit=1))
     with pytest.raises(RegenerateError, match="another settings"):
         regenerate(str(source), out, tiny_target, RegenerateSettings(max_new_tokens=9, batch_size=1))
     with pytest.raises(RegenerateError, match="another target"):
@@ -151,14 +152,14 @@ def test_resume_in_another_dtype_is_refused_and_the_meta_keeps_its_note(tmp_path
     """Answers of two numerical models never mix in one output; a resume keeps what only the old
     .meta.json said (a maintainer's note, the earlier command) and records the new command."""
     out = tmp_path / "out.jsonl"
-    regenerate(str(source), out, load_target(str(tiny_target_dir)), SETTINGS, limit=1, command="first")
+    regenerate(str(source), out, load_target(str(tiny_target_dir)), SETTINGS, RegenerateRun(limit=1, command="first"))
     meta = json.loads(meta_path(out).read_text())
     assert meta["dtype"] == "float32"
     meta_path(out).write_text(json.dumps({**meta, "note": "made on a GPU"}))
     bf16 = load_target(str(tiny_target_dir), dtype="bfloat16")
     with pytest.raises(RegenerateError, match="regenerated in float32, not bfloat16.*--dtype float32"):
-        regenerate(str(source), out, bf16, SETTINGS, command="second")
-    regenerate(str(source), out, load_target(str(tiny_target_dir)), SETTINGS, limit=2, command="third")
+        regenerate(str(source), out, bf16, SETTINGS, RegenerateRun(command="second"))
+    regenerate(str(source), out, load_target(str(tiny_target_dir)), SETTINGS, RegenerateRun(limit=2, command="third"))
     meta = json.loads(meta_path(out).read_text())
     assert meta["note"] == "made on a GPU" and meta["command"] == "third" and meta["earlier_commands"] == ["first"]
     assert len(read_out(out)) == 2
@@ -166,11 +167,11 @@ def test_resume_in_another_dtype_is_refused_and_the_meta_keeps_its_note(tmp_path
 
 def test_greedy_resume_takes_another_batch_size_and_sampled_resume_does_not(tmp_path, source, tiny_target):
     greedy = tmp_path / "greedy.jsonl"
-    regenerate(str(source), greedy, tiny_target, SETTINGS, limit=1)
+    regenerate(str(source), greedy, tiny_target, SETTINGS, RegenerateRun(limit=1))
     regenerate(str(source), greedy, tiny_target, replace(SETTINGS, batch_size=4))
     assert read_out(greedy) == read_out(regenerate_whole(tmp_path, source, tiny_target))
     sampled = RegenerateSettings(max_new_tokens=6, batch_size=1, temperature=1.0, seed=3)
-    regenerate(str(source), tmp_path / "sampled.jsonl", tiny_target, sampled, limit=1)
+    regenerate(str(source), tmp_path / "sampled.jsonl", tiny_target, sampled, RegenerateRun(limit=1))
     with pytest.raises(RegenerateError, match="another settings"):
         regenerate(str(source), tmp_path / "sampled.jsonl", tiny_target, replace(sampled, batch_size=4))
 
@@ -205,15 +206,15 @@ def test_limit_and_shards_pick_a_spread_subset_and_resume(tmp_path, tiny_target)
     records = [sharegpt(("human", f"Question {i}?"), id=f"q{i}") for i in range(12)]
     source = write_jsonl(tmp_path / "many.jsonl", records)
     out = tmp_path / "sample.jsonl"
-    first = regenerate(str(source), out, tiny_target, SETTINGS, limit=3)
+    first = regenerate(str(source), out, tiny_target, SETTINGS, RegenerateRun(limit=3))
     assert first.written == 3 and first.stats.sampled_from == 12
     picked = set(read_out(out))
     assert picked != {"q0", "q1", "q2"}
-    grown = regenerate(str(source), out, tiny_target, SETTINGS, limit=5)  # resumes: the 3 are kept
+    grown = regenerate(str(source), out, tiny_target, SETTINGS, RegenerateRun(limit=5))  # resumes: the 3 are kept
     assert grown.already_done == 3 and grown.written == 2 and picked < set(read_out(out))
     halves = [tmp_path / "s0.jsonl", tmp_path / "s1.jsonl"]
     for i, half in enumerate(halves):
-        regenerate(str(source), half, tiny_target, SETTINGS, shard=(i, 2))
+        regenerate(str(source), half, tiny_target, SETTINGS, RegenerateRun(shard=(i, 2)))
     assert set(read_out(halves[0])) | set(read_out(halves[1])) == {f"q{i}" for i in range(12)}
     assert not set(read_out(halves[0])) & set(read_out(halves[1]))
     assert json.loads(meta_path(halves[1]).read_text())["sample"] == {"limit": None, "shard": 1, "n_shards": 2}
@@ -263,7 +264,7 @@ def test_a_window_is_written_before_the_next_one_starts(tmp_path, tiny_target):
     settings = RegenerateSettings(max_new_tokens=2, batch_size=2)
     with pytest.raises(KeyboardInterrupt):
         engine = DiesInTheThirdWindow(tiny_target, settings)
-        regenerate(str(source), out, tiny_target, settings, engine=engine, window_batches=1)
+        regenerate(str(source), out, tiny_target, settings, RegenerateRun(window_batches=1), engine=engine)
     assert calls == [2, 2, 2, 2, 2] and len(read_out(out)) == 4
     rest = regenerate(str(source), out, tiny_target, settings)  # the default window: all 6 at once
     assert rest.already_done == 4 and rest.written == 2

@@ -21,7 +21,7 @@ from draftsmith.inference.methods.spectra_retrieval import (
     build_suffix_array,
     write_index,
 )
-from draftsmith.inference.runtime import generate
+from draftsmith.inference.runtime import Sampling, generate
 from helpers import hf_greedy
 
 VOCAB = 97
@@ -184,14 +184,14 @@ def test_retrieval_guesses_are_used_and_stay_lossless(model):
 
 
 def test_sampling_runs_and_is_reproducible_with_a_seed(model):
-    sampling = SamplingConfig(temperature=0.8, top_k=20)
+    config = SamplingConfig(temperature=0.8, top_k=20)
     runs = []
     for _ in range(2):
         drafter = SpectraDrafter()
         runs.append(
             [
                 generate(
-                    model, p, drafter, max_new_tokens=32, sampling=sampling, generator=torch.Generator().manual_seed(7)
+                    model, p, drafter, max_new_tokens=32, sampling=Sampling(config, torch.Generator().manual_seed(7))
                 ).tokens
                 for p in prompts(3, seed=4)
             ]

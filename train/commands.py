@@ -52,18 +52,11 @@ def cmd_train(args: argparse.Namespace) -> None:
 def cmd_export(args: argparse.Namespace) -> None:
     import json
 
-    from draftsmith.train.export import drafter_parameter_counts, export_run
+    from draftsmith.train.export import ExportLayout, drafter_parameter_counts, export_run
 
+    layout = ExportLayout(args.format, args.verifier, args.speculative_tokens, args.dtype)
     out = export_run(
-        Path(args.run_dir),
-        Path(args.out),
-        checkpoint=args.checkpoint,
-        overwrite=args.overwrite,
-        fmt=args.format,
-        verifier=args.verifier,
-        best=args.best,
-        speculative_tokens=args.speculative_tokens,
-        dtype=args.dtype,
+        Path(args.run_dir), Path(args.out), layout, checkpoint=args.checkpoint, best=args.best, overwrite=args.overwrite
     )
     if args.format == "gguf":
         gguf = out / "model.gguf"

@@ -9,6 +9,7 @@ writes a serving engine's layout instead, ``--format gguf`` llama.cpp's (``model
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -67,38 +68,48 @@ def trained_precision(run_dir: Path) -> str:
     return "bfloat16" if isinstance(info, dict) and info.get("mixed_precision") == "bf16" else "float32"
 
 
+@dataclass(frozen=True)
+class ExportLayout:
+    """What an export is written as (``draftsmith export``'s ``--format``, ``--verifier``,
+    ``--speculative-tokens`` and ``--dtype``). ``format`` other than ``draftsmith`` writes a serving
+    engine's layout (``vllm``, ``speculators``, ``sglang``; see :mod:`draftsmith.drafters.engine_layouts`,
+    or ``gguf``, llama.cpp's) for ``verifier`` (default: the target the drafter was trained for), which
+    must be that target when it is a local model. ``dtype``: the precision the floating-point weights are
+    stored in (:data:`DTYPES_BY_FORMAT`; None: the layout's default)."""
+
+    format: str = "draftsmith"
+    verifier: str | None = None
+    speculative_tokens: int | None = None
+    dtype: str | None = None
+
+
 def export_run(
     run_dir: Path,
     out: Path,
+    layout: ExportLayout = ExportLayout(),
+    *,
     checkpoint: str | None = None,
-    overwrite: bool = False,
-    fmt: str = "draftsmith",
-    verifier: str | None = None,
     best: bool = False,
-    speculative_tokens: int | None = None,
-    dtype: str | None = None,
+    overwrite: bool = False,
 ) -> Path:
     """Write the drafter of ``run_dir``'s last complete checkpoint (or ``checkpoint``, or with ``best``
-    the one with the highest ``eval/sim/accept_length``) to ``out``, its floating-point weights stored as
-    ``dtype`` (:data:`STORAGE_DTYPES`; None: :func:`trained_precision`). A drafter's precision never
-    touches losslessness (the target verifies every token); bfloat16 halves the bytes each draft reads.
-
-    ``fmt`` other than ``draftsmith`` writes a serving engine's layout (``vllm``, ``speculators``,
-    ``sglang``; see :mod:`draftsmith.drafters.engine_layouts`) for ``verifier`` (default: the recipe's
-    target), which must be the target the drafter was trained for when it is a local model."""
+    the one with the highest ``eval/sim/accept_length``) to ``out`` in ``layout``; draftsmith's own
+    layout stores its weights as ``layout.dtype`` (:data:`STORAGE_DTYPES`; None: :func:`trained_precision`).
+    A drafter's precision never touches losslessness (the target verifies every token); bfloat16 halves
+    the bytes each draft reads. An engine layout's verifier defaults to the recipe's target."""
     run_dir = Path(run_dir)
-    if fmt not in FORMATS:
-        raise CheckpointError(f"unknown export format {fmt!r}; use one of {', '.join(FORMATS)}")
-    check_storage_dtype(fmt, dtype)
+    if layout.format not in FORMATS:
+        raise CheckpointError(f"unknown export format {layout.format!r}; use one of {', '.join(FORMATS)}")
+    check_storage_dtype(layout.format, layout.dtype)
     recipe_path = run_dir / RESOLVED_RECIPE
     exported = exported_drafter_source(run_dir) if not recipe_path.is_file() else None
     if exported is not None:
-        if fmt == "draftsmith" or checkpoint is not None or best:
+        if layout.format == "draftsmith" or checkpoint is not None or best:
             raise CheckpointError(
                 f"{run_dir} is an exported drafter, not a training run: it has no checkpoints to choose from, and "
                 "it is already in draftsmith's layout; give --format vllm, speculators, sglang or gguf to convert it"
             )
-        return export_exported_drafter(exported, out, overwrite, fmt, verifier, speculative_tokens, dtype)
+        return export_exported_drafter(exported, out, overwrite, layout)
     if not recipe_path.is_file():
         raise CheckpointError(
             f"{run_dir} is not a training run (no {RESOLVED_RECIPE}) nor an exported drafter; give the run's "
@@ -119,14 +130,11 @@ def export_run(
     model = family.model_class.from_pretrained(str(source / DRAFTER_DIR))
     model.config.drafter_family = family.name
     check_finite_weights(model.state_dict(), f"{source.name} of {run_dir}", rebuild, CheckpointError)
-    if fmt == "draftsmith":
-        model = model.to(STORAGE_DTYPES[dtype or trained_precision(run_dir)])
+    if layout.format == "draftsmith":
+        model = model.to(STORAGE_DTYPES[layout.dtype or trained_precision(run_dir)])
         return export_drafter(model, state["target_identity"], out, overwrite=overwrite, keep=keep)
     trained_for = state["target_identity"]
-    if fmt == "gguf":
-        return write_gguf_layout(model, verifier, trained_for, speculative_tokens, dtype, out, overwrite, keep)
-    verifier = verifier or recipe.target.name
-    return write_engine_layout(model, fmt, verifier, trained_for, speculative_tokens, out, overwrite, keep)
+    return write_serving_layout(model, layout, trained_for, recipe.target.name, out, overwrite, keep)
 
 
 def check_storage_dtype(fmt: str, dtype: str | None) -> None:
@@ -151,16 +159,8 @@ def exported_drafter_source(path: Path) -> Path | None:
     return None
 
 
-def export_exported_drafter(
-    directory: Path,
-    out: Path,
-    overwrite: bool,
-    fmt: str,
-    verifier: str | None,
-    speculative_tokens: int | None,
-    dtype: str | None = None,
-) -> Path:
-    """An exported drafter (its files checked first) in a serving engine's layout, for ``verifier``
+def export_exported_drafter(directory: Path, out: Path, overwrite: bool, layout: ExportLayout) -> Path:
+    """An exported drafter (its files checked first) in a serving engine's layout, for ``layout.verifier``
     (default: the target it was exported for, by its embedded name where it has one)."""
     config = read_drafter_config(directory)
     family = get_family(config["drafter_family"])
@@ -169,10 +169,28 @@ def export_exported_drafter(
     check_creatable_directory(Path(out))
     model = family.model_class.from_pretrained(str(directory)).float()
     identity = config["target_identity"]
-    if fmt == "gguf":
-        return write_gguf_layout(model, verifier, identity, speculative_tokens, dtype, out, overwrite, keep)
-    verifier = verifier or target_name(identity["name"])
-    return write_engine_layout(model, fmt, verifier, identity, speculative_tokens, out, overwrite, keep)
+    return write_serving_layout(model, layout, identity, target_name(identity["name"]), out, overwrite, keep)
+
+
+def write_serving_layout(
+    model: torch.nn.Module,
+    layout: ExportLayout,
+    trained_for: dict[str, str],
+    default_verifier: str,
+    out: Path,
+    overwrite: bool,
+    keep: tuple[tuple[str, Path], ...],
+) -> Path:
+    """``model`` in the engine layout ``layout.format`` (llama.cpp's GGUF or a serving engine's), for
+    ``layout.verifier`` or else ``default_verifier`` (GGUF: the target's own file, found from ``trained_for``)."""
+    if layout.format == "gguf":
+        return write_gguf_layout(
+            model, layout.verifier, trained_for, layout.speculative_tokens, layout.dtype, out, overwrite, keep
+        )
+    verifier = layout.verifier or default_verifier
+    return write_engine_layout(
+        model, layout.format, verifier, trained_for, layout.speculative_tokens, out, overwrite, keep
+    )
 
 
 def write_engine_layout(

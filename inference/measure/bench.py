@@ -17,8 +17,9 @@ from __future__ import annotations
 import hashlib
 import json
 from collections import defaultdict
+from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -309,6 +310,18 @@ def _tally_question(tallies: dict[str, dict[str, Tally]], record: dict[str, Any]
     return turns
 
 
+@dataclass(frozen=True)
+class ExternalEngines:
+    """Where the ``vllm`` and ``llamacpp`` methods find what they run: vLLM in ``vllm_python``'s environment
+    (None: :func:`find_vllm_python`'s choice) opening the target from ``target_dir`` (a safetensors
+    directory), and llama.cpp's tools in ``llamacpp_bin`` serving the target's GGUF ``llamacpp_model``."""
+
+    vllm_python: str | None = None
+    target_dir: Path | None = None
+    llamacpp_bin: str | None = None
+    llamacpp_model: Path | None = None
+
+
 def run_bench(
     target: Target,
     questions: list[Question],
@@ -316,20 +329,15 @@ def run_bench(
     max_new_tokens: int,
     backends: Backends | None = None,
     *,
-    vllm_python: str | None = None,
-    target_dir: Path | None = None,
+    engines: ExternalEngines = ExternalEngines(),
     progress: BenchProgress | None = None,
-    llamacpp_bin: str | None = None,
-    llamacpp_model: Path | None = None,
 ) -> dict[str, Any]:
     """Per method, overall and per category: tau, speedup, tokens_per_s, identical, total. Every runtime
     method verifies through ``backends`` (default: the default kernel options); its kernels are built
     before any timing, and compile and packing time are kept out of the timings (reported apart).
 
-    ``vllm`` / ``vllm=DIR`` methods run after the others, in vLLM (``vllm_python``'s environment, the
-    target opened from ``target_dir``), on the same prompts, each prompt timed alone; ``llamacpp`` /
-    ``llamacpp=DIR`` after them, in llama.cpp's tools (``llamacpp_bin``) on the target's GGUF
-    ``llamacpp_model``.
+    ``vllm`` / ``vllm=DIR`` methods run after the others, in vLLM, on the same prompts, each prompt timed
+    alone; ``llamacpp`` / ``llamacpp=DIR`` after them, in llama.cpp's tools: as ``engines`` says.
 
     ``progress``: each finished question is appended to it, and the questions it already holds (from a
     run that stopped) are taken from it instead of decoded again."""
@@ -338,23 +346,13 @@ def run_bench(
     for question in questions:  # later turns depend on earlier answers: they are checked when they are asked
         prompt = target.encode_chat([{"role": "user", "content": question.turns[0]}])
         check_fits_context(target.model, len(prompt), max_new_tokens, f"question {question.id} turn 1")
-    engine_methods = [parse_vllm_method(m, target) for m in methods if is_vllm_method(m)]
-    if engine_methods:
-        vllm_python = find_vllm_python(vllm_python)  # before any decoding, so a missing vLLM costs nothing
-        if target_dir is None:
-            raise BenchError("vLLM opens the target as a safetensors model directory; give --target DIR")
-    llama_methods = [parse_llamacpp_method(m, target) for m in methods if is_llamacpp_method(m)]
-    if llama_methods:  # before any decoding, so missing tools cost nothing
-        llamacpp_bin = str(find_llamacpp_tools(llamacpp_bin))
-        if llamacpp_model is None:
-            raise BenchError("llama.cpp serves the target from its GGUF: give --llamacpp-model FILE.gguf")
+    engine_methods, llama_methods, engines = _external_methods(methods, target, engines)
     engine_specs = [m.name for m in engine_methods] + [m.name for m in llama_methods]
     methods = [RUNTIME_ALONE] + [m for m in methods if m != RUNTIME_ALONE and m not in engine_specs]
     plain = {name: PLAIN_BASELINES[name](target.model) for name in methods if name in PLAIN_BASELINES}
     drafters = {name: build_drafter(name, target) for name in methods if name not in plain}
     names = [BASELINE, *methods, *engine_specs]
     tallies: dict[str, dict[str, Tally]] = {name: defaultdict(Tally) for name in names}
-    turns: list[Turn] = []
     backends.prepare(target.model)  # kernels built here, outside every timing
     kernels = None if backends.options.compiled else backends.kernels(target.model)
     head_before = _head_rows(kernels)
@@ -365,26 +363,16 @@ def run_bench(
         read_speed.passes()
     with backends.reference_forwards(target.model):
         hf_greedy(target.model, target.encode_chat([{"role": "user", "content": "Hi"}]), 4, eos)  # warm-up
-    finished = list(progress.records) if progress is not None else []  # from the run this one resumes
-    for record, question in zip(finished, questions):
-        if record.get("question") != question.id:
-            raise BenchError(f"{progress.path} does not follow these questions (at {question.id}); use --overwrite")
-    resumed_turns = sum(len(q.turns) for q in questions[: len(finished)])  # counted, but not in the rate
-    total_turns = sum(len(q.turns) for q in questions)
-    bar = tqdm(total=total_turns, initial=resumed_turns, desc="bench", unit="turn", dynamic_ncols=True)
-    for index, question in enumerate(questions):
-        if index < len(finished):
-            record = finished[index]
-        else:
-            record = _run_question(target, question, plain, drafters, max_new_tokens, backends, bar)
-            if progress is not None:
-                progress.append(record)
-        turns += _tally_question(tallies, record, question.category)
-    bar.close()
+    finished = _resumed_records(progress, questions)
+
+    def decode(question: Question, bar: tqdm) -> dict[str, Any]:
+        return _run_question(target, question, plain, drafters, max_new_tokens, backends, bar)
+
+    turns = _bench_questions(questions, finished, decode, progress, tallies)
     if read_speed is not None:
         read_speed.passes()
-    engine_info = _run_engines(engine_methods, turns, tallies, vllm_python, target_dir, max_new_tokens, eos)
-    llama = LlamaCppBench(Path(llamacpp_bin or "."), llamacpp_model, target.tokenizer, max_new_tokens)
+    engine_info = _run_engines(engine_methods, turns, tallies, engines, max_new_tokens, eos)
+    llama = LlamaCppBench(Path(engines.llamacpp_bin or "."), engines.llamacpp_model, target.tokenizer, max_new_tokens)
     llamacpp_info = llama.run(llama_methods, turns, tallies) if llama_methods else {}
     return {
         "target": target.identity.to_dict(),
@@ -404,12 +392,63 @@ def run_bench(
     }
 
 
+def _external_methods(
+    methods: list[str], target: Target, engines: ExternalEngines
+) -> tuple[list[VllmMethod], list[LlamaCppMethod], ExternalEngines]:
+    """The vLLM and the llama.cpp methods among ``methods``, and ``engines`` with the interpreter and the tools
+    they run in found: all checked before any decoding, so a missing engine costs nothing."""
+    vllm_methods = [parse_vllm_method(m, target) for m in methods if is_vllm_method(m)]
+    if vllm_methods:
+        engines = replace(engines, vllm_python=find_vllm_python(engines.vllm_python))
+        if engines.target_dir is None:
+            raise BenchError("vLLM opens the target as a safetensors model directory; give --target DIR")
+    llama_methods = [parse_llamacpp_method(m, target) for m in methods if is_llamacpp_method(m)]
+    if llama_methods:
+        engines = replace(engines, llamacpp_bin=str(find_llamacpp_tools(engines.llamacpp_bin)))
+        if engines.llamacpp_model is None:
+            raise BenchError("llama.cpp serves the target from its GGUF: give --llamacpp-model FILE.gguf")
+    return vllm_methods, llama_methods, engines
+
+
+def _resumed_records(progress: BenchProgress | None, questions: list[Question]) -> list[dict[str, Any]]:
+    """The records of the questions the run this one resumes finished, checked to be these questions'."""
+    finished = list(progress.records) if progress is not None else []
+    for record, question in zip(finished, questions):
+        if record.get("question") != question.id:
+            raise BenchError(f"{progress.path} does not follow these questions (at {question.id}); use --overwrite")
+    return finished
+
+
+def _bench_questions(
+    questions: list[Question],
+    finished: list[dict[str, Any]],
+    decode: Callable[[Question, tqdm], dict[str, Any]],
+    progress: BenchProgress | None,
+    tallies: dict[str, dict[str, Tally]],
+) -> list[Turn]:
+    """Every question's record, ``finished`` for those a stopped run decoded, else decoded now and appended
+    to ``progress``, tallied in order; the turns asked, for the engines that run after."""
+    resumed_turns = sum(len(q.turns) for q in questions[: len(finished)])  # counted, but not in the rate
+    total_turns = sum(len(q.turns) for q in questions)
+    bar = tqdm(total=total_turns, initial=resumed_turns, desc="bench", unit="turn", dynamic_ncols=True)
+    turns: list[Turn] = []
+    for index, question in enumerate(questions):
+        if index < len(finished):
+            record = finished[index]
+        else:
+            record = decode(question, bar)
+            if progress is not None:
+                progress.append(record)
+        turns += _tally_question(tallies, record, question.category)
+    bar.close()
+    return turns
+
+
 def _run_engines(
     engine_methods: list[VllmMethod],
     turns: list[Turn],
     tallies: dict[str, dict[str, Tally]],
-    vllm_python: str | None,
-    target_dir: Path | None,
+    engines: ExternalEngines,
     max_new_tokens: int,
     eos: list[int],
 ) -> dict[str, Any]:
@@ -419,8 +458,9 @@ def _run_engines(
     for method in engine_methods:
         print(f"bench: {method.name} in vLLM ({len(turns)} prompts; it compiles for a minute or two first)", flush=True)
         try:
+            prompts = [t.prompt for t in turns]
             run = run_vllm(
-                vllm_python, method, target_dir, [t.prompt for t in turns], max_new_tokens, eos, torch.get_num_threads()
+                engines.vllm_python, method, engines.target_dir, prompts, max_new_tokens, eos, torch.get_num_threads()
             )
         except VllmError as error:
             print(f"bench: {error}", flush=True)

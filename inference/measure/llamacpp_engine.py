@@ -18,6 +18,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+from draftsmith.inference.measure.engine_specs import EngineMethodSpelling
 from draftsmith.inference.measure.errors import BenchError
 
 LLAMACPP = "llamacpp"
@@ -53,8 +54,11 @@ class LlamaCppRun:
     accepted: int = 0
 
 
+SPELLING = EngineMethodSpelling(LLAMACPP, "depth", "llama.cpp", LlamaCppError)
+
+
 def is_llamacpp_method(spec: str) -> bool:
-    return spec == LLAMACPP or spec.startswith(LLAMACPP + "=")
+    return SPELLING.matches(spec)
 
 
 def parse_llamacpp_method(spec: str, target) -> LlamaCppMethod:
@@ -65,8 +69,7 @@ def parse_llamacpp_method(spec: str, target) -> LlamaCppMethod:
 
     if spec == LLAMACPP:
         return LlamaCppMethod(spec)
-    location, _, option = spec[len(LLAMACPP) + 1 :].partition(":depth=")
-    directory = Path(location)
+    directory, depth = SPELLING.split(spec)
     record = read_gguf_record(directory / GGUF_FILE) if (directory / GGUF_FILE).is_file() else None
     if record is None:
         raise LlamaCppError(
@@ -74,10 +77,7 @@ def parse_llamacpp_method(spec: str, target) -> LlamaCppMethod:
             "`draftsmith export RUN --format gguf --out DIR`"
         )
     check_drafter_target(record, target, directory)
-    depth = option or str(record.get("speculative_tokens", 0))
-    if not depth.isdigit() or int(depth) < 1:
-        raise LlamaCppError(f"{spec}: depth= takes a whole number >= 1 (tokens llama.cpp drafts per step)")
-    return LlamaCppMethod(spec, (directory / GGUF_FILE).resolve(), int(depth))
+    return LlamaCppMethod(spec, (directory / GGUF_FILE).resolve(), SPELLING.draft_length(spec, depth, record))
 
 
 def find_llamacpp_tools(directory: str | None) -> Path:

@@ -20,6 +20,7 @@ from draftsmith.core.target import Target
 from draftsmith.core.vllm_env import WORKER, VllmError, last_error_line, vllm_environment
 from draftsmith.drafters.io import check_drafter_target, read_engine_export
 from draftsmith.drafters.registry import FAMILIES
+from draftsmith.inference.measure.engine_specs import EngineMethodSpelling
 
 VLLM = "vllm"
 VLLM_TIMEOUT_S = 3600.0  # a bench's vLLM run (start-up, compiling and every prompt) stopped after this long
@@ -40,16 +41,18 @@ class VllmMethod:
         return {**dict(self.engine_method), "model": str(self.draft), "num_speculative_tokens": self.speculative_tokens}
 
 
+SPELLING = EngineMethodSpelling(VLLM, "tokens", "vLLM", VllmError)
+
+
 def is_vllm_method(spec: str) -> bool:
-    return spec == VLLM or spec.startswith(VLLM + "=")
+    return SPELLING.matches(spec)
 
 
 def parse_vllm_method(spec: str, target: Target) -> VllmMethod:
     """``vllm`` or ``vllm=DIR[:tokens=N]``; DIR must be an engine export for vLLM made for ``target``."""
     if spec == VLLM:
         return VllmMethod(spec)
-    location, _, option = spec[len(VLLM) + 1 :].partition(":tokens=")
-    directory = Path(location)
+    directory, tokens = SPELLING.split(spec)
     record = read_engine_export(directory)
     if record is None:
         raise VllmError(
@@ -62,10 +65,7 @@ def parse_vllm_method(spec: str, target: Target) -> VllmMethod:
             "which vLLM does not serve; export it with --format vllm"
         )
     check_drafter_target(record, target, directory)
-    tokens = option or str(record.get("speculative_tokens", 0))
-    if not tokens.isdigit() or int(tokens) < 1:
-        raise VllmError(f"{spec}: tokens= takes a whole number >= 1 (tokens vLLM drafts per step)")
-    return VllmMethod(spec, directory.resolve(), family.vllm_method, int(tokens))
+    return VllmMethod(spec, directory.resolve(), family.vllm_method, SPELLING.draft_length(spec, tokens, record))
 
 
 def run_vllm(

@@ -1,6 +1,7 @@
 """``draftsmith bench-tree``: the output contract (not the timings) and the trees it times."""
 
 import json
+import time
 
 import pytest
 import torch
@@ -148,3 +149,21 @@ def test_a_step_reads_the_stream_packs_as_they_hold_the_weights():
     saved = sum(linear.weight.numel() * 4 - linear.weight.numel() * 3 // 4 for linear in linears)
     assert step_weight_bytes(model, None) == unpacked - saved
     assert step_weight_bytes(model, None, as_packed=False) == unpacked
+
+
+def test_each_timed_forward_follows_untimed_ones_of_its_own_size(monkeypatch):
+    """A forward right after one of another size runs slower for a while: the timed one comes after
+    untimed forwards of the same tree for SETTLE_SECONDS (at least one), and only it is returned."""
+    from draftsmith.inference.measure import bench_tree
+
+    calls = []
+
+    class Forward:
+        def seconds(self, tree):
+            calls.append(tree)
+            time.sleep(0.004)
+            return 0.5 if len(calls) > 1 else 9.0
+
+    monkeypatch.setattr(bench_tree, "SETTLE_SECONDS", 0.02)
+    assert bench_tree.settled_seconds(Forward(), "tree") == 0.5
+    assert len(calls) >= 6 and set(calls) == {"tree"}

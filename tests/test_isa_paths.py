@@ -107,3 +107,12 @@ def test_greedy_decoding_through_each_path_is_plain_decoding(isa):
         result = generate(model, PROMPT, drafter, max_new_tokens=24, eos_token_ids=[2], backends=backends)
         assert result.tokens == reference
     assert native_extension().isa_in_use() == isa
+
+
+def test_the_widest_path_is_kept_unless_a_narrower_one_is_clearly_faster():
+    """The choice is process-wide (the head's VNNI screen, the attention and the proof follow it), so a
+    tie of the stream kernel's timings keeps the widest path; a narrower one needs a clear margin."""
+    assert linear_choice.isa_from_timings({"avx2": 4.0, "avx512": 4.1}) == "avx512"
+    assert linear_choice.isa_from_timings({"avx2": 3.0, "avx512": 4.1}) == "avx2"
+    assert linear_choice.isa_from_timings({"avx2": 4.0, "avx512": 3.0}) == "avx512"
+    assert linear_choice.isa_from_timings({"avx2": 4.0}) == "avx2"

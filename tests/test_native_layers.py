@@ -87,6 +87,24 @@ def test_the_native_layers_are_bitwise_the_python_loop_and_the_model(config):
         assert_same_steps(ours, decode_steps(model, None, rows_attention))
 
 
+def test_the_native_layers_run_with_gradients_enabled():
+    """A caller outside ``torch.no_grad`` (a user's script) gets the same steps: the layers record no
+    gradient (their loops never did), so no ATen call inside refuses the weights that require one."""
+    model = tiny_llama(VOCAB)
+    native = direct_forward_for(model)
+    assert native.native
+    reference = decode_steps(model, native)
+    cache = preallocated_cache_for(model.config, 32)
+    with model_attention(model):
+        with torch.no_grad():
+            model(torch.tensor([PROMPT]), **cache_kwargs(cache), use_cache=True)
+        steps = []
+        for offset, token in enumerate(STEPS):
+            ids, positions = torch.tensor([[token]]), torch.tensor([[len(PROMPT) + offset]])
+            steps.append(native(ids, positions, None, cache, True))
+    assert_same_steps((steps, cache), reference)
+
+
 @pytest.mark.parametrize("packed", [None, "mkl", "onednn", "stream"])
 @pytest.mark.parametrize("nodes", [0, 1, 3, 6])
 def test_tree_forwards_through_the_native_layers_are_bitwise_the_models(nodes, packed, monkeypatch):

@@ -1948,6 +1948,9 @@ std::vector<at::Tensor> decoder_layers(
     int64_t head_dim, double scaling, bool grouped, const std::vector<int64_t>& kinds,
     const std::vector<at::Tensor>& fused, bool rows_attention) {
   RECORD_FUNCTION("draftsmith::decoder_layers", std::vector<c10::IValue>());  // named in bench-tree --profile
+  // the layers' plain loops record no gradient, so none of their ATen calls does either (an out= call
+  // would refuse weights that require one)
+  const at::NoGradGuard no_gradient;
   const int64_t layers = static_cast<int64_t>(key_buffers.size());
   TORCH_CHECK(layers > 0, "decoder_layers: no layers");
   TORCH_CHECK(weights.size() == static_cast<size_t>(layers * kWeightsPerLayer), "decoder_layers: weights");
@@ -1996,6 +1999,7 @@ std::vector<at::Tensor> drafter_layer(
     const at::Tensor& key_buffer, const at::Tensor& value_buffer, int64_t start, int64_t heads, int64_t kv_heads,
     int64_t head_dim, double scaling) {
   RECORD_FUNCTION("draftsmith::drafter_layer", std::vector<c10::IValue>());
+  const at::NoGradGuard no_gradient;  // as decoder_layers
   TORCH_CHECK(weights.size() == static_cast<size_t>(kWeightsPerLayer), "drafter_layer: weights");
   TORCH_CHECK(packs.size() == static_cast<size_t>(kProjections) && kinds.size() == packs.size(),
               "drafter_layer: packs");

@@ -100,6 +100,22 @@ class _VerificationForward:
         return elapsed
 
 
+# A forward right after forwards of a very different size runs slower for a while (the core's clock and
+# caches carry the last forward's load over; after tune's 60-row forwards a one-row forward was measured
+# far slower than in a run of one-row forwards), while decoding repeats forwards of one size. So each
+# timed forward follows untimed ones of its own size for at least this long.
+SETTLE_SECONDS = 0.05
+
+
+def settled_seconds(forward: _VerificationForward, tree: DraftTree) -> float:
+    """One timed forward of ``tree`` after untimed ones of its size for :data:`SETTLE_SECONDS` (at least one)."""
+    start = time.perf_counter()
+    forward.seconds(tree)
+    while time.perf_counter() - start < SETTLE_SECONDS:
+        forward.seconds(tree)
+    return forward.seconds(tree)
+
+
 def run_tree_bench(
     target: Target,
     sizes: list[int],
@@ -131,7 +147,7 @@ def run_tree_bench(
             forward.seconds(trees[size])
     for _ in tqdm(range(repeats), desc="bench-tree", unit="repeat", dynamic_ncols=True):
         for size in sizes:  # every size once per round: a drifting machine shifts them alike
-            timings[size].append(forward.seconds(trees[size]))
+            timings[size].append(settled_seconds(forward, trees[size]))
     speed.passes()
     base = statistics.median(timings[1])
     spent = profile_forwards(forward, trees) if profile else None

@@ -167,3 +167,20 @@ def test_each_timed_forward_follows_untimed_ones_of_its_own_size(monkeypatch):
     monkeypatch.setattr(bench_tree, "SETTLE_SECONDS", 0.02)
     assert bench_tree.settled_seconds(Forward(), "tree") == 0.5
     assert len(calls) >= 6 and set(calls) == {"tree"}
+
+
+def test_the_forwards_verify_natural_text():
+    """bench-tree's prefix and tree tokens come from the bundled conversations (random ids make rows with
+    flat logits, whose proof no decode pays for), the same for a seed, another text for another seed."""
+    from draftsmith.data.cli import default_dataset_path
+    from draftsmith.inference.measure.bench_tree import text_ids
+
+    class WordLengths:  # a stand-in tokenizer: one id per word, its length
+        def __call__(self, text, add_special_tokens=False):
+            return {"input_ids": [len(word) for word in text.split()]}
+
+    ids = text_ids(WordLengths(), 500)
+    assert len(ids) == 500 and ids == text_ids(WordLengths(), 500)
+    assert ids != text_ids(WordLengths(), 500, seed=1)
+    first = json.loads(default_dataset_path().read_text(encoding="utf-8").splitlines()[0])
+    assert ids[:8] == [len(word) for word in first["conversations"][0]["value"].split()][:8]

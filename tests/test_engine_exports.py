@@ -297,7 +297,11 @@ def test_an_exported_drafter_converts_to_an_engine_layout_as_its_run_would(tmp_p
     exported = export_drafter(model, identity.to_dict(), tmp_path / "export")
     converted = export_run(exported, tmp_path / "vllm", ExportLayout("vllm"))  # no --verifier: the export's target
     direct = export_for_engine(
-        model, "vllm", engine_verifier(str(tiny_target_dir), identity.to_dict()), None, identity.to_dict(),
+        model,
+        "vllm",
+        engine_verifier(str(tiny_target_dir), identity.to_dict()),
+        None,
+        identity.to_dict(),
         tmp_path / "direct",
     )
     a, b = load_file(str(converted / "model.safetensors")), load_file(str(direct / "model.safetensors"))

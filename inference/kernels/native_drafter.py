@@ -204,4 +204,3 @@ def _layer_plan(attention: nn.Module, post_norm: nn.Module, mlp: nn.Module) -> _
         head_dim=head_dim,
         scaling=attention.scaling,
     )
-

@@ -88,8 +88,8 @@ def test_the_native_layers_are_bitwise_the_python_loop_and_the_model(config):
 
 
 def test_the_native_layers_run_with_gradients_enabled():
-    """A caller outside ``torch.no_grad`` (a user's script) gets the same steps: the layers record no
-    gradient (their loops never did), so no ATen call inside refuses the weights that require one."""
+    """A caller outside ``torch.no_grad`` (a user's script) gets the same steps, and no ATen call inside
+    the layers refuses the weights that require a gradient (an out= call would)."""
     model = tiny_llama(VOCAB)
     native = direct_forward_for(model)
     assert native.native

@@ -65,43 +65,30 @@ constexpr int64_t kByteGroupBytes = kStreamBlock * sizeof(float) + kCodeGroup * 
 // the loop's vector width (native.py builds with -ffp-contract=off, so a * b + c * d stays three roundings
 // as ATen's mul, mul and add are), so the results are bitwise the same without ~50 small calls per layer.
 
-// LlamaRMSNorm.forward of `rows` rows of `width` contiguous float32 values at x, written to out:
-// weight * (x * rsqrt(mean(x * x) + eps)). The mean's sum stays ATen's (its summation order is the
-// reference's), run by sum_out on the squares written to `squares` (rows, width) into `sums` (rows, 1);
-// its division by width (what ATen's mean does after that sum: a float32 true division), squaring, the
-// reciprocal square root (1 / sqrt, each correctly rounded, as ATen's rsqrt) and the two products are
-// exact replicas.
-void rms_norm_into(const float* x, int64_t rows, int64_t width, const at::Tensor& weight, double eps,
-                   const at::Tensor& squares, at::Tensor& sums, float* out) {
-  TORCH_CHECK(weight.is_contiguous() && weight.numel() == width && squares.is_contiguous() &&
-                  squares.numel() == rows * width && sums.numel() == rows,
-              "rms_norm: weight, squares or sums");
-  float* sq = squares.data_ptr<float>();
-  for (int64_t i = 0; i < rows * width; ++i) sq[i] = x[i] * x[i];
-  at::sum_out(sums, squares, {-1}, /*keepdim=*/true);
-  const float* var = sums.data_ptr<float>();
-  const float count = static_cast<float>(width);
-  const float* w = weight.data_ptr<float>();
-  const float epsilon = static_cast<float>(eps);
-  for (int64_t r = 0; r < rows; ++r) {
-    const float inverse = 1.0f / std::sqrt(var[r] / count + epsilon);
-    for (int64_t j = 0; j < width; ++j) out[r * width + j] = w[j] * (x[r * width + j] * inverse);
-  }
-}
-
-// rms_norm_into of x (1, rows, width) as a new (rows, width) tensor.
+// LlamaRMSNorm.forward of float32 x (1, rows, width): weight * (x * rsqrt(mean(x * x) + eps)). The mean's
+// sum stays ATen's (its summation order is the reference's); its division by width (what ATen's mean
+// does after that sum: a float32 true division), squaring, the reciprocal square root (1 / sqrt, each
+// correctly rounded, as ATen's rsqrt) and the two products are exact replicas. Returns (rows, width).
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   const int64_t rows = x.size(1), width = x.size(2);
   const at::Tensor in = x.contiguous();
-  at::Tensor squares = at::empty({rows, width}, in.options()), sums = at::empty({rows, 1}, in.options());
+  at::Tensor squares = at::empty_like(in);
+  const float* xp = in.data_ptr<float>();
+  float* sq = squares.data_ptr<float>();
+  for (int64_t i = 0; i < rows * width; ++i) sq[i] = xp[i] * xp[i];
+  const at::Tensor sums = at::sum(squares, {-1}, /*keepdim=*/true).contiguous();
+  const float* var = sums.data_ptr<float>();
+  const float count = static_cast<float>(width);
+  const at::Tensor scale = weight.contiguous();
+  const float* w = scale.data_ptr<float>();
+  const float epsilon = static_cast<float>(eps);
   at::Tensor out = at::empty({rows, width}, in.options());
-  rms_norm_into(in.data_ptr<float>(), rows, width, weight.contiguous(), eps, squares, sums, out.data_ptr<float>());
+  float* o = out.data_ptr<float>();
+  for (int64_t r = 0; r < rows; ++r) {
+    const float inverse = 1.0f / std::sqrt(var[r] / count + epsilon);
+    for (int64_t j = 0; j < width; ++j) o[r * width + j] = w[j] * (xp[r * width + j] * inverse);
+  }
   return out;
-}
-
-// a + b for n contiguous values, into out (the residual connection).
-void add_into(const float* a, const float* b, int64_t n, float* out) {
-  for (int64_t i = 0; i < n; ++i) out[i] = a[i] + b[i];
 }
 
 // a + b, both (rows, width) float32 (b contiguous, a any dense layout the caller made contiguous):
@@ -109,7 +96,10 @@ void add_into(const float* a, const float* b, int64_t n, float* out) {
 at::Tensor add_rows(const at::Tensor& a, const at::Tensor& b) {
   const at::Tensor left = a.contiguous(), right = b.contiguous();
   at::Tensor out = at::empty_like(left);
-  add_into(left.data_ptr<float>(), right.data_ptr<float>(), left.numel(), out.data_ptr<float>());
+  const float* l = left.data_ptr<float>();
+  const float* r = right.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  for (int64_t i = 0; i < left.numel(); ++i) o[i] = l[i] + r[i];
   return out;
 }
 
@@ -147,6 +137,22 @@ void copy_into(const Columns& from, int64_t rows, int64_t heads, int64_t head_di
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t h = 0; h < heads; ++h)
       std::copy_n(from.first + r * from.stride + h * head_dim, head_dim, to + h * head_stride + r * row_stride);
+}
+
+// silu(gate) * up, both (rows, inner) with unit column stride: the activation stays ATen's (its exp is
+// the reference's), the product an exact replica.
+at::Tensor gated_product(const at::Tensor& gate, const at::Tensor& up) {
+  const at::Tensor activated = at::silu(gate).contiguous();
+  const int64_t rows = activated.size(0), inner = activated.size(1);
+  at::Tensor out = at::empty({rows, inner}, activated.options());
+  const float* a = activated.data_ptr<float>();
+  const float* u = up.data_ptr<float>();
+  const int64_t stride = up.stride(0);
+  TORCH_CHECK(up.stride(1) == 1, "gated_product: up");
+  float* o = out.data_ptr<float>();
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t j = 0; j < inner; ++j) o[r * inner + j] = a[r * inner + j] * u[r * stride + j];
+  return out;
 }
 
 // PackedLinear.forward while its MKL pack for these rows is active: MKL's packed GEMM.
@@ -1467,14 +1473,11 @@ std::string isa_in_use() {
   return wide_vectors("auto", "isa_in_use") ? "avx512" : "avx2";
 }
 
-// A stream pack's product shape: O outputs of I inputs (stream_pack's float32, bfloat16, 4-bit or 8-bit
-// code layouts).
-struct PackShape {
-  int64_t O, I;
-  bool nibbles, bytes;
-};
-
-PackShape stream_pack_shape(const at::Tensor& pack) {
+// rows (..., I) float32 times the weight packed in `pack` (O, I), bias-free: (..., O). Only where
+// simd_supported().
+at::Tensor stream_linear(const at::Tensor& rows, const at::Tensor& pack, const std::string& isa) {
+  RECORD_FUNCTION("draftsmith::stream_linear", std::vector<c10::IValue>());  // named in bench-tree --profile
+  TORCH_CHECK(simd_supported(), "stream_linear: needs an x86-64 CPU with AVX2 and FMA");
   const bool nibbles = pack.scalar_type() == at::kByte, bytes = pack.scalar_type() == at::kChar;
   const int64_t group_bytes = nibbles ? kCodeGroupBytes : kByteGroupBytes;
   TORCH_CHECK(pack.dim() == 2 && (pack.scalar_type() == at::kFloat || pack.scalar_type() == at::kBFloat16 || nibbles || bytes) &&
@@ -1482,16 +1485,15 @@ PackShape stream_pack_shape(const at::Tensor& pack) {
               "stream_linear: pack");
   const int64_t O = nibbles || bytes ? pack.size(0) * kStreamBlock : pack.size(0);
   const int64_t I = nibbles || bytes ? pack.size(1) / group_bytes * kCodeGroup : pack.size(1);
-  return {O, I, nibbles, bytes};
-}
-
-// The stream kernel's product of `count` contiguous float32 rows at x with `pack`, written to y (count, O):
-// stream_linear's work, for callers that hold their rows and output (decoder_layers' buffers).
-void stream_product(const float* xp, int64_t count, const at::Tensor& pack, const PackShape& shape, float* yp,
-                    const std::string& isa) {
-  RECORD_FUNCTION("draftsmith::stream_linear", std::vector<c10::IValue>());  // named in bench-tree --profile
+  TORCH_CHECK(rows.scalar_type() == at::kFloat && rows.size(-1) == I, "stream_linear: rows");
+  const int64_t count = rows.numel() / I;
+  const at::Tensor x = rows.reshape({count, I}).contiguous();
+  std::vector<int64_t> shape(rows.sizes().begin(), rows.sizes().end());
+  shape.back() = O;
+  at::Tensor y = at::empty({count, O}, x.options());
 #ifdef DRAFTSMITH_X86
-  const int64_t O = shape.O, I = shape.I;
+  const float* xp = x.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
   const bool wide = wide_vectors(isa, "stream_linear");
   auto product = [&](auto* pp) {
     at::parallel_for(0, O / kStreamBlock, 4, [&](int64_t begin, int64_t end) {
@@ -1502,10 +1504,10 @@ void stream_product(const float* xp, int64_t count, const at::Tensor& pack, cons
     });
     stream_tail(xp, count, pp, I, O, yp);
   };
-  if (shape.nibbles || shape.bytes)
+  if (nibbles || bytes)
     at::parallel_for(0, O / kStreamBlock, 4, [&](int64_t begin, int64_t end) {
       const uint8_t* pp = static_cast<const uint8_t*>(pack.data_ptr());
-      if (shape.nibbles)
+      if (nibbles)
         code_blocks<FourBitCodes>(wide, xp, count, pp, I, O, begin, end, yp);
       else
         code_blocks<ByteCodes>(wide, xp, count, pp, I, O, begin, end, yp);
@@ -1515,21 +1517,7 @@ void stream_product(const float* xp, int64_t count, const at::Tensor& pack, cons
   else
     product(pack.data_ptr<float>());
 #endif
-}
-
-// rows (..., I) float32 times the weight packed in `pack` (O, I), bias-free: (..., O). Only where
-// simd_supported().
-at::Tensor stream_linear(const at::Tensor& rows, const at::Tensor& pack, const std::string& isa) {
-  TORCH_CHECK(simd_supported(), "stream_linear: needs an x86-64 CPU with AVX2 and FMA");
-  const PackShape shape = stream_pack_shape(pack);
-  TORCH_CHECK(rows.scalar_type() == at::kFloat && rows.size(-1) == shape.I, "stream_linear: rows");
-  const int64_t count = rows.numel() / shape.I;
-  const at::Tensor x = rows.reshape({count, shape.I}).contiguous();
-  std::vector<int64_t> out_shape(rows.sizes().begin(), rows.sizes().end());
-  out_shape.back() = shape.O;
-  at::Tensor y = at::empty({count, shape.O}, x.options());
-  stream_product(x.data_ptr<float>(), count, pack, shape, y.data_ptr<float>(), isa);
-  return y.view(out_shape);
+  return y.view(shape);
 }
 
 // What torch._weight_int8pack_mm(input, quantized, scales) computes, as greedy_head.py's bound assumes
@@ -1709,13 +1697,12 @@ struct AttendProblem {
 // softmax(q k^T * scaling + mask) v for query (batch, heads, rows, head_dim), keys and values (batch,
 // kv_heads, length, head_dim) (heads a multiple of kv_heads: query head h reads K/V head h / (heads /
 // kv_heads)), mask as seen_keys reads it (broadcast over batch and heads where its size there is 1).
-// Writes `out` (batch, rows, heads, head_dim), contiguous: the layout transformers' attention functions
-// return (attend allocates it). Each row and head is computed from its query and the keys it sees alone (attend_group_simd),
+// Returns (batch, rows, heads, head_dim), contiguous: the layout transformers' attention functions
+// return. Each row and head is computed from its query and the keys it sees alone (attend_group_simd),
 // so a row's result is bitwise the same alone, among other rows, and under any mask that lets it see
 // the same keys: what makes a tree's rows compute exactly what plain steps compute.
-void attend_into(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values,
-                 const std::optional<at::Tensor>& mask, double scaling, bool causal, const std::string& isa,
-                 const at::Tensor& out) {
+at::Tensor attend(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values,
+                  const std::optional<at::Tensor>& mask, double scaling, bool causal, const std::string& isa) {
   RECORD_FUNCTION("draftsmith::attend", std::vector<c10::IValue>());  // named in bench-tree --profile
   TORCH_CHECK(query.dim() == 4 && keys.dim() == 4 && values.dim() == 4, "attend: 4-d query, keys and values");
   TORCH_CHECK(query.scalar_type() == at::kFloat && keys.scalar_type() == at::kFloat && values.scalar_type() == at::kFloat,
@@ -1740,8 +1727,7 @@ void attend_into(const at::Tensor& query, const at::Tensor& keys, const at::Tens
   AttendProblem problem{q, k, v, mask.has_value() ? &m : nullptr, {mask_strides[0], mask_strides[1], mask_strides[2], mask_strides[3]},
                         causal, static_cast<float>(scaling), simd_supported()};
   problem.wide = problem.simd && wide_vectors(isa, "attend");
-  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.numel() == batch * rows * heads * head_dim,
-              "attend: out (batch, rows, heads, head_dim) float32, contiguous");
+  at::Tensor out = at::empty({batch, rows, heads, head_dim}, q.options());
   problem.out = out.data_ptr<float>();
   // a K/V head's query heads share an item and read each key once, unless the mask differs between
   // heads; where that leaves too few items to keep every thread busy (one row), they share it in chunks
@@ -1762,12 +1748,6 @@ void attend_into(const at::Tensor& query, const at::Tensor& keys, const at::Tens
       problem.finish(item, sums.data(), accs.data());
     }
   });
-}
-
-at::Tensor attend(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values,
-                  const std::optional<at::Tensor>& mask, double scaling, bool causal, const std::string& isa) {
-  at::Tensor out = at::empty({query.size(0), query.size(2), query.size(1), query.size(3)}, query.options());
-  attend_into(query, keys, values, mask, scaling, causal, isa, out);
   return out;
 }
 
@@ -1793,72 +1773,17 @@ struct AttentionShape {
   bool grouped, rows_attention;
 };
 
-// One forward's intermediate rows, allocated once and written again by every layer: a layer's many small
-// tensors would otherwise cost an allocation and an ATen call each, a visible share of a one-row forward.
-// Sizes come from the first layer's weights (every layer has the same shapes).
-struct LayerBuffers {
-  at::Tensor normed;      // (rows, width) a norm's output, the projections' input
-  at::Tensor squares;     // (rows, width) the norm's squares, summed by ATen
-  at::Tensor sums;        // (rows, 1) their sums
-  at::Tensor qkv;         // (rows, q + k + v outputs) the stacked q, k, v product
-  at::Tensor rotated;     // (1, rows, heads, head_dim) the rotated queries
-  at::Tensor attended;    // (1, rows, heads, head_dim) attention's output
-  at::Tensor projected;   // (rows, o outputs) the output projection's product
-  at::Tensor mlp_out;     // (rows, down outputs) the MLP's product
-  at::Tensor gate_up;     // (rows, 2 inner) the stacked gate and up product
-  at::Tensor activated;   // (rows, inner) silu(gate)
-  at::Tensor gated;       // (rows, inner) silu(gate) * up
-
-  LayerBuffers(int64_t rows, const at::Tensor* w, const AttentionShape& shape, const at::TensorOptions& options) {
-    const int64_t in = w[kQuery].size(0), width = w[kOutput].size(1), inner = w[kGate].size(1);
-    const int64_t qkv_width = w[kQuery].size(1) + w[kKey].size(1) + w[kValue].size(1);
-    normed = at::empty({rows, std::max(in, width)}, options);
-    squares = at::empty({rows, std::max(in, width)}, options);
-    sums = at::empty({rows, 1}, options);
-    qkv = at::empty({rows, qkv_width}, options);
-    rotated = at::empty({1, rows, shape.heads, shape.head_dim}, options);
-    attended = at::empty({1, rows, shape.heads, shape.head_dim}, options);
-    projected = at::empty({rows, width}, options);
-    mlp_out = at::empty({rows, w[kDown].size(1)}, options);
-    gate_up = at::empty({rows, 2 * inner}, options);
-    activated = at::empty({rows, inner}, options);
-    gated = at::empty({rows, inner}, options);
-  }
-};
-
-// rms_norm_into with the forward's buffers, for `width`-wide rows.
-void rms_norm_rows(const float* x, int64_t rows, int64_t width, const at::Tensor& weight, double eps,
-                   LayerBuffers& buffers, float* out) {
-  const at::Tensor squares =
-      buffers.squares.size(1) == width ? buffers.squares : at::empty({rows, width}, buffers.squares.options());
-  rms_norm_into(x, rows, width, weight, eps, squares, buffers.sums, out);
-}
-
-// A projection of `rows` (rows, in) into `out` (rows, outputs) where its pack is the stream kernel's (no
-// allocation); through project() otherwise. Returns the product (`out` or the library's new tensor).
-at::Tensor product_into(const at::Tensor& rows, const at::Tensor& transposed, const at::Tensor& pack, int64_t kind,
-                        const at::Tensor& out) {
-  if (pack.numel() == 0 || kind != kStreamPack) return project(rows, transposed, pack, kind);
-  const PackShape shape = stream_pack_shape(pack);
-  TORCH_CHECK(rows.is_contiguous() && rows.size(1) == shape.I && out.size(0) == rows.size(0) && out.size(1) == shape.O &&
-                  out.is_contiguous(),
-              "decoder layers: a stream product's rows or output");
-  stream_product(rows.data_ptr<float>(), rows.size(0), pack, shape, out.data_ptr<float>(), "auto");
-  return out;
-}
-
 // A layer's attention block on its normed input (rows, in): the q, k and v products, the rotary
 // embedding, this forward's key and value rows written into the layer's buffers at [start, start + rows),
-// attention over rows [0, start + rows) under `mask`, and the output projection: (rows, width), in
-// buffers.projected where the stream kernel makes it.
+// attention over rows [0, start + rows) under `mask`, and the output projection: (rows, width).
 at::Tensor attention_block(const at::Tensor& normed, const at::Tensor* w, const LayerPacks& packs,
                            const AttentionShape& shape, const at::Tensor& cosines, const at::Tensor& sines,
                            const std::optional<at::Tensor>& mask, const at::Tensor& keys_buffer,
-                           const at::Tensor& values_buffer, int64_t start, LayerBuffers& buffers) {
+                           const at::Tensor& values_buffer, int64_t start) {
   const int64_t rows = normed.size(0), heads = shape.heads, kv_heads = shape.kv_heads, head_dim = shape.head_dim;
   Columns query, key, value;
   if (packs.fused[0].numel() > 0) {
-    const at::Tensor all = product_into(normed, w[kQuery], packs.fused[0], packs.kind(kQuery), buffers.qkv).contiguous();
+    const at::Tensor all = packed_product(normed, packs.fused[0], packs.kind(kQuery), w[kQuery]).contiguous();
     query = Columns(all, 0);
     key = Columns(all, heads * head_dim);
     value = Columns(all, (heads + kv_heads) * head_dim);
@@ -1868,7 +1793,7 @@ at::Tensor attention_block(const at::Tensor& normed, const at::Tensor* w, const 
     value = Columns(packs.product(normed, w, kValue).contiguous(), 0);
   }
   // the query as ATen's q * cos + roll(q) * sin lays it out: (1, rows, heads, head_dim) in memory
-  const at::Tensor& rotated = buffers.rotated;
+  at::Tensor rotated = at::empty({1, rows, heads, head_dim}, normed.options());
   rotate_into(query, rows, heads, head_dim, cosines.data_ptr<float>(), sines.data_ptr<float>(),
               rotated.data_ptr<float>(), head_dim, heads * head_dim);
   TORCH_CHECK(keys_buffer.stride(3) == 1 && values_buffer.stride(3) == 1, "decoder layers: cache buffers");
@@ -1879,53 +1804,27 @@ at::Tensor attention_block(const at::Tensor& normed, const at::Tensor* w, const 
             values_buffer.stride(1), values_buffer.stride(2));
   at::Tensor keys = keys_buffer.narrow(2, 0, start + rows);
   at::Tensor values = values_buffer.narrow(2, 0, start + rows);
-  at::Tensor attended;
-  if (shape.rows_attention) {
-    attend_into(rotated.transpose(1, 2), keys, values, mask, shape.scaling, /*causal=*/false, "auto", buffers.attended);
-    attended = buffers.attended;
-  } else {
-    attended = at::scaled_dot_product_attention(rotated.transpose(1, 2), keys, values, mask, /*dropout_p=*/0.0,
-                                                /*is_causal=*/false, shape.scaling, shape.grouped)
-                   .transpose(1, 2)
-                   .contiguous();
-  }
-  return product_into(attended.view({rows, -1}), w[kOutput], packs.pack(kOutput), packs.kind(kOutput),
-                      buffers.projected);
+  at::Tensor attended =
+      shape.rows_attention
+          ? attend(rotated.transpose(1, 2), keys, values, mask, shape.scaling, /*causal=*/false, "auto")
+          : at::scaled_dot_product_attention(rotated.transpose(1, 2), keys, values, mask, /*dropout_p=*/0.0,
+                                             /*is_causal=*/false, shape.scaling, shape.grouped)
+                .transpose(1, 2)
+                .contiguous();
+  return packs.product(attended.view({rows, -1}), w, kOutput);
 }
 
-// silu(gate) * up into buffers.gated, gate and up (rows, inner) with unit column stride: the activation
-// stays ATen's (its exp is the reference's; silu_out runs at::silu's kernel into the buffer), the product an
-// exact replica.
-const at::Tensor& gated_into(const at::Tensor& gate, const at::Tensor& up, LayerBuffers& buffers) {
-  const int64_t rows = gate.size(0), inner = gate.size(1);
-  at::silu_out(buffers.activated, gate);
-  TORCH_CHECK(up.stride(1) == 1 && buffers.activated.is_contiguous(), "gated_product: up");
-  const float* a = buffers.activated.data_ptr<float>();
-  const float* u = up.data_ptr<float>();
-  const int64_t stride = up.stride(0);
-  float* o = buffers.gated.data_ptr<float>();
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t j = 0; j < inner; ++j) o[r * inner + j] = a[r * inner + j] * u[r * stride + j];
-  return buffers.gated;
-}
-
-// A layer's gated MLP on its normed input (rows, width): down(silu(gate(x)) * up(x)), in
-// buffers.mlp_out where the stream kernel makes it.
-at::Tensor mlp_block(const at::Tensor& normed, const at::Tensor* w, const LayerPacks& packs, LayerBuffers& buffers) {
-  const int64_t inner = w[kGate].size(1);
-  const at::Tensor* gated;
+// A layer's gated MLP on its normed input (rows, width): down(silu(gate(x)) * up(x)).
+at::Tensor mlp_block(const at::Tensor& normed, const at::Tensor* w, const LayerPacks& packs) {
+  at::Tensor gated;
   if (packs.fused[1].numel() > 0) {
-    const at::Tensor all = product_into(normed, w[kGate], packs.fused[1], packs.kind(kGate), buffers.gate_up);
-    gated = &gated_into(columns(all, 0, inner), columns(all, inner, inner), buffers);
+    at::Tensor all = packed_product(normed, packs.fused[1], packs.kind(kGate), w[kGate]);
+    const int64_t inner = all.size(1) / 2;
+    gated = gated_product(columns(all, 0, inner), columns(all, inner, inner));
   } else {
-    gated = &gated_into(packs.product(normed, w, kGate), packs.product(normed, w, kUp), buffers);
+    gated = gated_product(packs.product(normed, w, kGate), packs.product(normed, w, kUp));
   }
-  return product_into(*gated, w[kDown], packs.pack(kDown), packs.kind(kDown), buffers.mlp_out);
-}
-
-// normed's rows (rows, width) as a tensor over the buffer's first `width` columns: the projections' input.
-at::Tensor normed_rows(LayerBuffers& buffers, int64_t width) {
-  return buffers.normed.size(1) == width ? buffers.normed : buffers.normed.narrow(1, 0, width).contiguous();
+  return packs.product(gated, w, kDown);
 }
 
 }  // namespace
@@ -1938,8 +1837,7 @@ at::Tensor normed_rows(LayerBuffers& buffers, int64_t width) {
 // (empty: separate products) of the kind of q's and gate's packs: oneDNN and the stream kernel compute
 // each output column alone, so a stacked product's columns are bitwise the separate products' (checked
 // when the pack is made, packed_gemm.PackedGemm.fused_pack). Attention is `attend`'s where
-// `rows_attention`, else SDPA's as transformers' wrapper calls it. Returns each layer's output (views of
-// one tensor holding them all).
+// `rows_attention`, else SDPA's as transformers' wrapper calls it. Returns each layer's output.
 std::vector<at::Tensor> decoder_layers(
     at::Tensor x, const std::vector<at::Tensor>& weights, const std::vector<at::Tensor>& packs,
     const std::vector<double>& norm_eps, const at::Tensor& cos, const at::Tensor& signed_sin,
@@ -1948,42 +1846,31 @@ std::vector<at::Tensor> decoder_layers(
     int64_t head_dim, double scaling, bool grouped, const std::vector<int64_t>& kinds,
     const std::vector<at::Tensor>& fused, bool rows_attention) {
   RECORD_FUNCTION("draftsmith::decoder_layers", std::vector<c10::IValue>());  // named in bench-tree --profile
-  // the layers' plain loops record no gradient, so none of their ATen calls does either (an out= call
-  // would refuse weights that require one)
+  // the layers' plain loops record no gradient, so their ATen calls need not build a graph either
   const at::NoGradGuard no_gradient;
   const int64_t layers = static_cast<int64_t>(key_buffers.size());
-  TORCH_CHECK(layers > 0, "decoder_layers: no layers");
   TORCH_CHECK(weights.size() == static_cast<size_t>(layers * kWeightsPerLayer), "decoder_layers: weights");
   TORCH_CHECK(packs.size() == static_cast<size_t>(layers * kProjections), "decoder_layers: packs");
   TORCH_CHECK(kinds.size() == packs.size(), "decoder_layers: kinds");
   TORCH_CHECK(norm_eps.size() == static_cast<size_t>(layers * 2), "decoder_layers: norm_eps");
   TORCH_CHECK(fused.size() == static_cast<size_t>(layers * 2), "decoder_layers: fused");
-  TORCH_CHECK(x.dim() == 3 && x.size(0) == 1 && x.scalar_type() == at::kFloat, "decoder_layers: x (1, rows, width) float32");
-  const int64_t rows = x.size(1), width = x.size(2);
+  const int64_t rows = x.size(1);
   const at::Tensor cosines = cos.contiguous(), sines = signed_sin.contiguous();  // (1, 1, rows, head_dim)
   TORCH_CHECK(cosines.numel() == rows * head_dim && sines.numel() == rows * head_dim, "decoder_layers: cos, sin");
   const AttentionShape shape{heads, kv_heads, head_dim, scaling, grouped, rows_attention};
-  LayerBuffers buffers(rows, weights.data(), shape, x.options());
-  const at::Tensor normed = normed_rows(buffers, width);
-  at::Tensor middle = at::empty({rows, width}, x.options());
-  const at::Tensor outputs = at::empty({layers, 1, rows, width}, x.options());
-  const at::Tensor input = x.contiguous();
-  const float* residual = input.data_ptr<float>();
-  float* out = outputs.data_ptr<float>();
-  for (int64_t i = 0; i < layers; ++i, residual = out, out += rows * width) {
+  std::vector<at::Tensor> outputs;
+  outputs.reserve(layers);
+  for (int64_t i = 0; i < layers; ++i) {
     const at::Tensor* w = &weights[i * kWeightsPerLayer];
     const LayerPacks layer_packs{&packs[i * kProjections], &kinds[i * kProjections], &fused[2 * i]};
-    rms_norm_rows(residual, rows, width, w[kInputNorm], norm_eps[2 * i], buffers, normed.data_ptr<float>());
-    const at::Tensor attended = attention_block(normed, w, layer_packs, shape, cosines, sines, mask, key_buffers[i],
-                                                value_buffers[i], start, buffers)
-                                    .contiguous();
-    add_into(residual, attended.data_ptr<float>(), rows * width, middle.data_ptr<float>());
-    rms_norm_rows(middle.data_ptr<float>(), rows, width, w[kPostNorm], norm_eps[2 * i + 1], buffers,
-                  normed.data_ptr<float>());
-    const at::Tensor mlp = mlp_block(normed, w, layer_packs, buffers).contiguous();
-    add_into(middle.data_ptr<float>(), mlp.data_ptr<float>(), rows * width, out);
+    at::Tensor normed = rms_norm(x, w[kInputNorm], norm_eps[2 * i]);
+    x = add_rows(x, attention_block(normed, w, layer_packs, shape, cosines, sines, mask, key_buffers[i],
+                                    value_buffers[i], start));
+    normed = rms_norm(x, w[kPostNorm], norm_eps[2 * i + 1]);
+    x = add_rows(x, mlp_block(normed, w, layer_packs));
+    outputs.push_back(x);
   }
-  return outputs.unbind(0);
+  return outputs;
 }
 
 // A feature drafter's decoder layer (EAGLE's, EAGLE-3's) given its attention input (1, rows, in), already
@@ -2015,11 +1902,10 @@ std::vector<at::Tensor> drafter_layer(
                              /*rows_attention=*/true};
   const LayerPacks layer_packs{packs.data(), kinds.data(), fused.data()};
   const at::Tensor input = attention_input.reshape({rows, attention_input.size(2)}).contiguous();
-  LayerBuffers buffers(rows, weights.data(), shape, input.options());
   at::Tensor after = add_rows(residual, attention_block(input, weights.data(), layer_packs, shape, cosines, sines, mask,
-                                                        key_buffer, value_buffer, start, buffers));
+                                                        key_buffer, value_buffer, start));
   const at::Tensor normed = rms_norm(after, weights[kPostNorm], post_norm_eps);
-  return {after, mlp_block(normed, weights.data(), layer_packs, buffers)};
+  return {after, mlp_block(normed, weights.data(), layer_packs)};
 }
 
 // One drafting forward of an EAGLE-3 drafter (no feature sampler, no partial alignment) and its head, as

@@ -455,10 +455,10 @@ def _run_engines(
     """Each vLLM method over every benchmarked turn, tallied; per method its version and startup time,
     or the error that stopped it (the other methods' measurements are kept)."""
     engine_info = {}
+    prompts = [t.prompt for t in turns]
     for method in engine_methods:
         print(f"bench: {method.name} in vLLM ({len(turns)} prompts; it compiles for a minute or two first)", flush=True)
         try:
-            prompts = [t.prompt for t in turns]
             run = run_vllm(
                 engines.vllm_python, method, engines.target_dir, prompts, max_new_tokens, eos, torch.get_num_threads()
             )

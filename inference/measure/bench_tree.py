@@ -22,7 +22,6 @@ a row on Gemma-3's 262,144-token vocabulary, which no decode does.
 
 from __future__ import annotations
 
-import json
 import random
 import statistics
 import time
@@ -38,6 +37,7 @@ from draftsmith.core.io import OutputRules, atomic_directory, atomic_write_bytes
 from draftsmith.core.target import Target
 from draftsmith.core.tree import DraftTree
 from draftsmith.data.cli import default_dataset_path
+from draftsmith.data.formats import read_records
 from draftsmith.inference.backends import DEFAULT_TREE_ROOM, Backends
 from draftsmith.inference.kernels.options import KernelOptions
 from draftsmith.inference.measure.bench_report import linear_note
@@ -77,8 +77,7 @@ def parse_sizes(text: str) -> list[int]:
 def text_ids(tokenizer, count: int, seed: int = 0) -> list[int]:
     """``count`` token ids of natural text: the turns of the bundled conversations in order, from the one
     ``seed`` picks, around again where they run out."""
-    lines = default_dataset_path().read_text(encoding="utf-8").splitlines()
-    records = [json.loads(line) for line in lines if line.strip()]
+    records = list(read_records(str(default_dataset_path())))
     ids: list[int] = []
     for i in range(seed, seed + len(records)):
         for turn in records[i % len(records)]["conversations"]:

@@ -11,7 +11,7 @@ from conftest import TINY_TARGETS, tiny_gemma3, tiny_llama
 from draftsmith.core.drafting import DraftContext, Drafter
 from draftsmith.core.tree import DraftTree
 from draftsmith.inference.backends import Backends
-from draftsmith.inference.kernels.greedy_head import GreedyHead, greedy_head_supported
+from draftsmith.inference.kernels.greedy_head import _FP32_UNIT, _SAFETY, GreedyHead, _int16_rows, greedy_head_supported
 from draftsmith.inference.kernels.native import native_extension
 from draftsmith.inference.kernels.options import KernelOptions
 from draftsmith.inference.methods.pld import PromptLookupDrafter
@@ -50,6 +50,9 @@ class FixedInstructions:
 
     def proven_argmax(self, *args):
         return self.built.proven_argmax(*args, isa=self.isa)
+
+    def greedy_tokens(self, *args):
+        return self.built.greedy_tokens(*args, isa=self.isa)
 
 
 def extension(native: bool | str):
@@ -242,6 +245,35 @@ def test_the_wide_contender_search_computes_the_narrow_ones_floats():
     assert torch.equal(wide[0].nan_to_num(), narrow[0].nan_to_num())
     for ours, theirs in zip(wide[1], narrow[1], strict=True):
         assert torch.equal(ours, theirs)
+
+
+def test_the_extensions_screen_inputs_are_the_pythons():
+    """Integer rows and scales bitwise GreedyHead's, the bounds' coefficients to float32 rounding and never
+    below them (another summation order of the same float64 norms), over rows of very different ranges."""
+    native = extension("vnni")
+    greedy = GreedyHead(head(3))
+    x = rows(16, 23) * torch.logspace(-6, 6, 16)[:, None]
+    x[3, :5] = 0.0
+    x[5, 7] = 1e4  # one large value: the int16 rounding of the others is coarse
+    integers, scales, coefficients = native.screen_inputs(x, greedy._gamma32, _FP32_UNIT, _SAFETY)
+    python_integers, python_scales = _int16_rows(x)
+    assert torch.equal(integers, python_integers) and torch.equal(scales, python_scales)
+    python = greedy._coefficients(x, python_integers.double() * python_scales.double()[:, None])
+    assert torch.allclose(coefficients, python, rtol=1e-6, atol=0)
+    assert bool((coefficients >= python * (1 - 2**-23)).all())
+
+
+@pytest.mark.parametrize("margin", [1e-2, 1e-4, 1e-6, 1e-7, 1e-9])
+def test_the_one_call_head_settles_every_row_as_the_step_by_step_one(margin):
+    """The extension's greedy_tokens (rounding, screen, bounds, contenders and proofs in one call) against
+    the same steps through GreedyHead's Python: the same token for every row and the same rows left to the
+    float32 head, on random rows, near ties down to below float32's rounding and a non-finite row."""
+    native = extension("vnni")
+    layer, tie, _, _ = near_tie(margin)
+    x = torch.cat([rows(40, 21), tie, tie * 3.0, rows(1, 22).fill_(float("nan"))])
+    one_call, step_by_step = GreedyHead(layer), GreedyHead(layer)
+    assert torch.equal(one_call(x, native), torch.tensor(step_by_step._tokens(x, native)))
+    assert one_call.fallback_rows == step_by_step.fallback_rows >= 1
 
 
 @SEARCHES

@@ -126,14 +126,35 @@ class GreedyHead:
         if self.full_head_from is not None and rows.shape[0] >= self.full_head_from:
             self.rows += rows.shape[0]
             return self.head(rows).argmax(dim=-1).reshape(x.shape[:-1])
+        if _vnni_screen(native):
+            proven = native.greedy_tokens(
+                rows,
+                self.quantized,
+                self.scales,
+                self._row_bounds,
+                self.weight,
+                self._gamma32,
+                self._gamma64,
+                _FP32_UNIT,
+                _OUTPUT_ROUNDING,
+                _SAFETY,
+            ).tolist()
+            tokens = [token if token >= 0 else self._fallback(rows[r]) for r, token in enumerate(proven)]
+        else:
+            tokens = self._tokens(rows, native)
+        self.rows += len(tokens)
+        return torch.tensor(tokens, dtype=torch.long).reshape(x.shape[:-1])
+
+    def _tokens(self, rows: torch.Tensor, native: ModuleType | None) -> list[int]:
+        """Each row's token, step by step (the extension's ``greedy_tokens`` makes the same steps in one
+        call where the VNNI screen runs)."""
         floors, contenders = self.contenders(rows, native)
         finite = torch.isfinite(floors) & torch.isfinite(rows).all(dim=1)
         tokens = []
         for r, ok in enumerate(finite.tolist()):
             proven = self._proven_argmax(rows[r], contenders[r], native) if ok else None
             tokens.append(proven if proven is not None else self._fallback(rows[r]))
-        self.rows += len(tokens)
-        return torch.tensor(tokens, dtype=torch.long).reshape(x.shape[:-1])
+        return tokens
 
     def contenders(
         self, rows: torch.Tensor, native: ModuleType | None = None
@@ -148,7 +169,7 @@ class GreedyHead:
         their screen ``a`` (``(R, V)``, bfloat16): 16-bit integer rows through the extension's VNNI
         product where it runs on this CPU (exact sums, twice the products an instruction), else
         :meth:`screen` of the bfloat16 rows."""
-        if native is not None and native.simd_supported() and native.int16_screen_available():
+        if _vnni_screen(native):
             integers, row_scales = _int16_rows(rows)
             screen = native.int16_screen(integers, row_scales, self.quantized, self.scales)
             return integers.double() * row_scales.double()[:, None], screen
@@ -200,6 +221,11 @@ class GreedyHead:
     def _fallback(self, x: torch.Tensor) -> int:
         self.fallback_rows += 1
         return int(self.head(x[None]).argmax())
+
+
+def _vnni_screen(native: ModuleType | None) -> bool:
+    """Whether the extension's 16-bit integer screen (AVX-512 VNNI) runs here."""
+    return native is not None and native.simd_supported() and native.int16_screen_available()
 
 
 def _int8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -2168,6 +2168,84 @@ int64_t proven_argmax(const at::Tensor& x, const at::Tensor& weight, const at::T
   return logits[best] - errors[best] > rivals ? ids[best] : -1;
 }
 
+namespace {
+
+// GreedyHead._int16_rows for a finite row x (K): the largest integer magnitude `top`, the row's scale
+// max |x_k| / top (float32, at least the smallest normal float) and x_k / scale rounded half to even and
+// clamped to [-top, top], as torch.round and clamp_ compute them.
+float int16_row(const float* x, int64_t K, float top, int16_t* out) {
+  float largest = 0.0f;
+  for (int64_t k = 0; k < K; ++k) largest = std::max(largest, std::fabs(x[k]));
+  const float scale = std::max(largest / top, std::numeric_limits<float>::min());
+  for (int64_t k = 0; k < K; ++k) out[k] = static_cast<int16_t>(std::clamp(std::nearbyint(x[k] / scale), -top, top));
+  return scale;
+}
+
+// GreedyHead._coefficients for one row: its norm and the norm of its rounding to the screen's integers
+// (times scale), in float64 as there (another summation order than torch's norm moves them by a few
+// float64 roundings, which the safety factor covers), scaled by `safety` and rounded to float32.
+void row_coefficients(const float* x, const int16_t* integers, float scale, int64_t K, double gamma32,
+                      double fp32_unit, double safety, float* out) {
+  double squares = 0.0, rounded_squares = 0.0, error_squares = 0.0;
+  for (int64_t k = 0; k < K; ++k) {
+    const double exact = x[k], rounded = static_cast<double>(integers[k]) * static_cast<double>(scale);
+    squares += exact * exact;
+    rounded_squares += rounded * rounded;
+    error_squares += (exact - rounded) * (exact - rounded);
+  }
+  const double norm = std::sqrt(squares), rounded_norm = std::sqrt(rounded_squares);
+  const double accumulation = (gamma32 + fp32_unit) * rounded_norm + gamma32 * norm;
+  out[0] = static_cast<float>(norm * safety);
+  out[1] = static_cast<float>((std::sqrt(error_squares) + accumulation) * safety);
+}
+
+}  // namespace
+
+// GreedyHead._int16_rows and _coefficients for float32 rows (R, K): the 16-bit integer rows (R, K), their
+// scales (R) and the bounds' coefficients (R, 2); a row with a value that is not finite gets zeros and the
+// smallest scale (its screen is of zeros; the float32 head decides it).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> screen_inputs(const at::Tensor& rows, double gamma32, double fp32_unit,
+                                                             double safety) {
+  TORCH_CHECK(rows.dim() == 2 && rows.scalar_type() == at::kFloat, "screen_inputs: rows (R, K) float32");
+  const at::Tensor x = rows.contiguous();
+  const int64_t R = x.size(0), K = x.size(1);
+  const float top = static_cast<float>(std::min<int64_t>(32767, 2147483647 / (127 * K)));
+  at::Tensor integers = at::zeros({R, K}, x.options().dtype(at::kShort));
+  at::Tensor scales = at::full({R}, std::numeric_limits<float>::min(), x.options());
+  at::Tensor coefficients = at::zeros({R, 2}, x.options());
+  for (int64_t r = 0; r < R; ++r) {
+    const float* row = x.data_ptr<float>() + r * K;
+    if (!std::all_of(row, row + K, [](float v) { return std::isfinite(v); })) continue;
+    int16_t* ints = integers.data_ptr<int16_t>() + r * K;
+    const float scale = int16_row(row, K, top, ints);
+    scales.data_ptr<float>()[r] = scale;
+    row_coefficients(row, ints, scale, K, gamma32, fp32_unit, safety, coefficients.data_ptr<float>() + 2 * r);
+  }
+  return {integers, scales, coefficients};
+}
+
+// GreedyHead.__call__ for float32 rows (R, K) where int16_screen runs for `isa`, in one call: the screen's
+// inputs, the VNNI screen, the contenders and each row's proof. Returns each row's proven token, -1 where
+// the float32 head must decide (a value that is not finite, or a proof that does not settle). The Python
+// calls it replaces cost more than the screen's arithmetic on a small model, on one thread while the
+// other waited.
+at::Tensor greedy_tokens(const at::Tensor& rows, const at::Tensor& quantized, const at::Tensor& scales,
+                         const at::Tensor& row_bounds, const at::Tensor& weight, double gamma32, double gamma64,
+                         double fp32_unit, double output, double safety, const std::string& isa) {
+  RECORD_FUNCTION("draftsmith::greedy_tokens", std::vector<c10::IValue>());  // named in bench-tree --profile
+  const at::Tensor x = rows.contiguous();
+  const auto [integers, row_scales, coefficients] = screen_inputs(x, gamma32, fp32_unit, safety);
+  const at::Tensor screen = int16_screen(integers, row_scales, quantized, scales, isa);
+  const auto [floors, contenders] = screen_contenders(screen, row_bounds, coefficients, output, safety, isa);
+  const at::Tensor finite = at::isfinite(x).all(1).logical_and(at::isfinite(floors)).contiguous();
+  at::Tensor tokens = at::empty({x.size(0)}, x.options().dtype(at::kLong));
+  for (int64_t r = 0; r < x.size(0); ++r)
+    tokens.data_ptr<int64_t>()[r] = finite.data_ptr<bool>()[r]
+                                        ? proven_argmax(x[r], weight, contenders[r], gamma32, gamma64, safety, isa)
+                                        : -1;
+  return tokens;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decoder_layers", &decoder_layers, "The lean path's decoder layers (bitwise the same)");
   m.def("drafter_layer", &drafter_layer, "A feature drafter's decoder layer from its attention input and residual");
@@ -2195,6 +2273,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("input"), py::arg("quantized"), py::arg("scales"), py::arg("isa") = "auto");
   m.def("int16_screen_available", &int16_screen_available, "Whether int16_screen runs on this CPU",
         py::arg("isa") = "auto");
+  m.def("greedy_tokens", &greedy_tokens, "The screened head's proven tokens for float32 rows (-1: the float32 head decides)",
+        py::arg("rows"), py::arg("quantized"), py::arg("scales"), py::arg("row_bounds"), py::arg("weight"),
+        py::arg("gamma32"), py::arg("gamma64"), py::arg("fp32_unit"), py::arg("output"), py::arg("safety"),
+        py::arg("isa") = "auto");
+  m.def("screen_inputs", &screen_inputs, "The screened head's 16-bit integer rows, their scales and the bounds' coefficients",
+        py::arg("rows"), py::arg("gamma32"), py::arg("fp32_unit"), py::arg("safety"));
   m.def("int16_screen", &int16_screen, "The screened head's product for 16-bit integer rows (VNNI, exact sums)",
         py::arg("input"), py::arg("x_scales"), py::arg("quantized"), py::arg("scales"), py::arg("isa") = "auto");
 }

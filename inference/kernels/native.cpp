@@ -54,6 +54,7 @@ namespace {
 enum Weight { kInputNorm, kQuery, kKey, kValue, kOutput, kGate, kUp, kDown, kPostNorm, kWeightsPerLayer };
 constexpr int64_t kProjections = 7;  // kQuery .. kDown
 constexpr int64_t kContenderSpan = 8192;  // tokens per task of screen_contenders
+constexpr int64_t kSeenKeysGrain = 32768;  // mask entries per task of attend's seen-key lists
 constexpr int64_t kProofGrain = 2048;  // contenders per task of proven_argmax (fewer: one thread)
 constexpr int64_t kStreamBlock = 16;  // outputs per block of a stream pack (stream_pack): two vectors
 constexpr int64_t kCodeGroup = 32;  // inputs sharing a step (and a 4-bit pack's offset) in a code pack (group_pack)
@@ -1653,7 +1654,9 @@ struct AttendProblem {
   void list_seen_rows(std::vector<int32_t>& seen, std::vector<int64_t>& counts) const {
     seen.resize(batch * rows * length);
     counts.resize(batch * rows);
-    at::parallel_for(0, batch * rows, 1, [&](int64_t begin, int64_t end) {
+    // a tree's few rows scan a few thousand mask entries, less than a parallel region's start and end cost
+    const int64_t rows_per_task = std::max<int64_t>(1, kSeenKeysGrain / std::max<int64_t>(length, 1));
+    at::parallel_for(0, batch * rows, rows_per_task, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i)
         counts[i] =
             seen_keys(mask, mask_strides, causal, i / rows, 0, i % rows, rows, length, seen.data() + i * length);

@@ -46,7 +46,7 @@ from draftsmith.inference.kernels.attention import (
 )
 from draftsmith.inference.kernels.direct_forward import _projectors, _rotary_factors, plan_sources
 from draftsmith.inference.kernels.native import native_extension
-from draftsmith.inference.kernels.native_layers import projections_of, stacked_pack
+from draftsmith.inference.kernels.native_layers import NativePlan, pack_inputs, projections_of, stacked_pack
 from draftsmith.inference.kernels.packed_gemm import PackedLinear, active_pack, one_pack_product
 
 LayerMasks = dict[str, torch.Tensor | None]  # the attention mask of each layer type
@@ -64,7 +64,7 @@ class GemmaDirectForward:
     def __init__(self, model: nn.Module, native: bool = True, rows_attention: bool | None = None) -> None:
         """``native``: the runtime's C++ extension serves the attention (``rows_attention``, by default
         ``native``: the row-invariant attention of :mod:`attention`, which the model's own forwards then
-        use too) and the screened head; the decoder layers run in Python."""
+        use too), the screened head and, with that attention, the decoder layers (``gemma_layers``)."""
         self.model = model
         self.rows_attention = rows_attention_available(model, native if rows_attention is None else rows_attention)
         self._attention_function = rows_attention_forward if self.rows_attention else sdpa_attention_forward
@@ -78,6 +78,7 @@ class GemmaDirectForward:
         self._factors_from: list[CopySource] = []  # the norms' weights the plan's (1 + weight) were made from
         self._final_factor: torch.Tensor | None = None
         self._stacks: tuple[tuple, list] | None = None  # the stacked packs, by the state of the packs
+        self._native_plan: NativePlan | None = None  # what the C++ layers read, made with the lean plan
 
     @staticmethod
     def serves(model: nn.Module) -> bool:
@@ -96,8 +97,9 @@ class GemmaDirectForward:
 
     @property
     def native(self) -> bool:
-        """Whether the decoder layers run in C++ (not yet for Gemma-3: its lean loop is Python)."""
-        return False
+        """Whether lean forwards run the decoder layers in C++ (``gemma_layers``): with the extension's
+        row-invariant attention, the one they call."""
+        return self._extension is not None and self.rows_attention
 
     @property
     def extension(self) -> ModuleType | None:
@@ -122,8 +124,13 @@ class GemmaDirectForward:
         masks = self._masks(attention_mask, position_ids, cache.layers[0].get_seq_length() + x.shape[1])
         factors = {kind: _rotary_factors(base.rotary_emb(x, position_ids, kind)) for kind in set(self.layer_types)}
         hidden: list[torch.Tensor] = [x]
-        stacks = self._stacked_packs(x.shape[1])
-        x = _gemma_layers(self._steps, stacks, x, factors, masks, cache, hidden, self._attention_function)
+        layers = self._native_layers(x, factors, masks, cache)
+        if layers is not None:
+            hidden.extend(layers)
+            x = layers[-1]
+        else:
+            stacks = self._stacked_packs(x.shape[1])
+            x = _gemma_layers(self._steps, stacks, x, factors, masks, cache, hidden, self._attention_function)
         x = _rms_norm(x, base.norm.eps, self._final_factor)
         hidden[-1] = x  # transformers reports the normed last state as the last hidden state
         states = tuple(hidden) if output_hidden_states else None
@@ -148,7 +155,35 @@ class GemmaDirectForward:
             norms = [norm for step in self._steps for norm in step.norms] + [final]
             self._factors_from = [CopySource(norm.weight) for norm in norms]
             self._stacks = None
+            self._native_plan = _gemma_native_plan(self._steps) if self.native else None
         return True
+
+    def _native_layers(
+        self, x: torch.Tensor, factors: dict[str, tuple[torch.Tensor, torch.Tensor]], masks: LayerMasks, cache
+    ) -> list[torch.Tensor] | None:
+        """Each layer's output from the C++ layers (float32 on the CPU), else None with nothing done."""
+        plan = self._native_plan
+        if plan is None or x.dtype != torch.float32 or x.device.type != "cpu":
+            return None
+        rows = x.shape[1]
+        packs, kinds, fused = pack_inputs(plan, rows)
+        rooms = [layer.append_rows(rows) for layer in cache.layers[: len(self._steps)]]
+        return self._extension.gemma_layers(
+            x,
+            plan.weights,
+            plan.eps,
+            packs,
+            kinds,
+            fused,
+            [factors[kind][0] for kind in self.layer_types],
+            [factors[kind][1] for kind in self.layer_types],
+            [masks[kind] for kind in self.layer_types],
+            [room[0] for room in rooms],
+            [room[1] for room in rooms],
+            rooms[0][2],
+            [plan.heads, plan.kv_heads, plan.head_dim],
+            plan.scaling,
+        )
 
     def _stacked_packs(self, rows: int) -> Stacks | None:
         """Each layer's stacked q|k|v and gate|up packs where the projections' one-pack kernel has them
@@ -257,6 +292,27 @@ def _gemma_plan(layers: list[nn.Module], kinds: tuple[str, ...]) -> list[_GemmaL
             )
         )
     return plan
+
+
+def _gemma_native_plan(steps: list[_GemmaLayer]) -> NativePlan | None:
+    """What ``gemma_layers`` reads per layer: the input norm's factor, the seven projections' transposed
+    weights, the other five norms' factors (``native.cpp``'s GemmaWeight order), the six epsilons; None
+    where the layers' attention shapes differ (the extension takes one)."""
+    first = steps[0].attention
+    if any(
+        (s.heads, s.kv_heads, s.attention.head_dim, s.attention.scaling)
+        != (steps[0].heads, steps[0].kv_heads, first.head_dim, first.scaling)
+        for s in steps
+    ):
+        return None
+    weights: list[torch.Tensor] = []
+    eps: list[float] = []
+    for step in steps:
+        weights += [step.factors[0], *(linear.weight.t() for linear in step.projections), *step.factors[1:]]
+        eps += [norm.eps for norm in step.norms]
+    linears = [linear for step in steps for linear in step.projections]
+    siblings = [group for step in steps for group in (step.projections[:3], step.projections[4:6])]
+    return NativePlan(weights, eps, linears, siblings, steps[0].heads, steps[0].kv_heads, first.head_dim, first.scaling)
 
 
 def _gemma_layers(

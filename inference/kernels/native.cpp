@@ -1878,6 +1878,178 @@ std::vector<at::Tensor> decoder_layers(
   return outputs;
 }
 
+namespace {
+
+// Gemma-3's per-layer weights as gemma_layers receives them: the Llama layer's slots for the seven
+// projections (kQuery .. kDown, transposed views), then each RMSNorm's 1 + weight (GemmaDirectForward's
+// factors: the same floats its forward computes).
+enum GemmaWeight {
+  kGemmaInputNorm = kInputNorm,
+  kGemmaPostAttentionNorm = kPostNorm,
+  kGemmaPreFeedforwardNorm,
+  kGemmaPostFeedforwardNorm,
+  kGemmaQueryNorm,
+  kGemmaKeyNorm,
+  kGemmaWeightsPerLayer
+};
+enum GemmaEps { kEpsInput, kEpsPostAttention, kEpsPreFeedforward, kEpsPostFeedforward, kEpsQuery, kEpsKey, kGemmaEps };
+
+// Gemma3RMSNorm.forward of float32 rows (n, width), contiguous: (x * rsqrt(mean(x * x) + eps)) * factor,
+// in that order; the mean's sum stays ATen's (its order is the reference's), the rest are exact replicas
+// (as rms_norm). Returns (n, width).
+at::Tensor gemma_norm(const at::Tensor& rows, const at::Tensor& factor, double eps) {
+  const at::Tensor in = rows.contiguous();
+  const int64_t n = in.size(0), width = in.size(1);
+  at::Tensor squares = at::empty_like(in);
+  const float* xp = in.data_ptr<float>();
+  float* sq = squares.data_ptr<float>();
+  for (int64_t i = 0; i < n * width; ++i) sq[i] = xp[i] * xp[i];
+  const at::Tensor sums = at::sum(squares, {-1}, /*keepdim=*/true).contiguous();
+  const float* var = sums.data_ptr<float>();
+  const float count = static_cast<float>(width), epsilon = static_cast<float>(eps);
+  const at::Tensor scale = factor.contiguous();
+  const float* f = scale.data_ptr<float>();
+  at::Tensor out = at::empty({n, width}, in.options());
+  float* o = out.data_ptr<float>();
+  for (int64_t r = 0; r < n; ++r) {
+    const float inverse = 1.0f / std::sqrt(var[r] / count + epsilon);
+    for (int64_t j = 0; j < width; ++j) o[r * width + j] = (xp[r * width + j] * inverse) * f[j];
+  }
+  return out;
+}
+
+// What one Gemma-3 layer's attention reads besides its weights: its rotary factors and mask (by the
+// layer's type), its cache buffers and where this forward's rows go.
+struct GemmaAttentionInputs {
+  const at::Tensor& cosines;
+  const at::Tensor& sines;
+  const std::optional<at::Tensor>& mask;
+  const at::Tensor& keys_buffer;
+  const at::Tensor& values_buffer;
+  int64_t start;
+};
+
+// A layer's attention block on its normed input (rows, width): q, k, v, the QK-norms per head, the rotary
+// embedding, the key and value rows written into the cache, the row-invariant attention and the output
+// projection: (rows, width), before the post-attention norm.
+at::Tensor gemma_attention(const at::Tensor& normed, const at::Tensor* w, const double* eps, const LayerPacks& packs,
+                           const AttentionShape& shape, const GemmaAttentionInputs& in) {
+  const int64_t rows = normed.size(0), heads = shape.heads, kv_heads = shape.kv_heads, head_dim = shape.head_dim;
+  at::Tensor query, key, value;
+  if (packs.fused[0].numel() > 0) {
+    const at::Tensor all = packed_product(normed, packs.fused[0], packs.kind(kQuery), w[kQuery]);
+    query = columns(all, 0, heads * head_dim);
+    key = columns(all, heads * head_dim, kv_heads * head_dim);
+    value = columns(all, (heads + kv_heads) * head_dim, kv_heads * head_dim).contiguous();
+  } else {
+    query = packs.product(normed, w, kQuery);
+    key = packs.product(normed, w, kKey);
+    value = packs.product(normed, w, kValue).contiguous();
+  }
+  // each head's norm over its head_dim values: rows x heads rows of head_dim, in the products' order
+  const Columns normed_query(gemma_norm(query.reshape({rows * heads, head_dim}), w[kGemmaQueryNorm], eps[kEpsQuery])
+                                 .view({rows, heads * head_dim}),
+                             0);
+  const Columns normed_key(gemma_norm(key.reshape({rows * kv_heads, head_dim}), w[kGemmaKeyNorm], eps[kEpsKey])
+                               .view({rows, kv_heads * head_dim}),
+                           0);
+  const float* cos = in.cosines.data_ptr<float>();
+  const float* sin = in.sines.data_ptr<float>();
+  at::Tensor rotated = at::empty({1, rows, heads, head_dim}, normed.options());
+  rotate_into(normed_query, rows, heads, head_dim, cos, sin, rotated.data_ptr<float>(), head_dim, heads * head_dim);
+  TORCH_CHECK(in.keys_buffer.stride(3) == 1 && in.values_buffer.stride(3) == 1, "gemma_layers: cache buffers");
+  rotate_into(normed_key, rows, kv_heads, head_dim, cos, sin,
+              in.keys_buffer.data_ptr<float>() + in.start * in.keys_buffer.stride(2), in.keys_buffer.stride(1),
+              in.keys_buffer.stride(2));
+  copy_into(Columns(value, 0), rows, kv_heads, head_dim,
+            in.values_buffer.data_ptr<float>() + in.start * in.values_buffer.stride(2), in.values_buffer.stride(1),
+            in.values_buffer.stride(2));
+  const int64_t length = in.start + rows;
+  std::optional<at::Tensor> mask = in.mask;
+  if (mask.has_value()) mask = mask->narrow(3, 0, length);  // rows_attention_forward's mask[..., :length]
+  at::Tensor attended = attend(rotated.transpose(1, 2), in.keys_buffer.narrow(2, 0, length),
+                               in.values_buffer.narrow(2, 0, length), mask, shape.scaling, /*causal=*/false, "auto");
+  return packs.product(attended.view({rows, -1}), w, kOutput);
+}
+
+// A layer's GELU-tanh gated MLP on its normed input (rows, width): down(gelu_tanh(gate(x)) * up(x)), before
+// the post-feedforward norm. The activation stays ATen's (its tanh is the reference's), the product an
+// exact replica.
+at::Tensor gemma_mlp(const at::Tensor& normed, const at::Tensor* w, const LayerPacks& packs) {
+  at::Tensor gate, up;
+  if (packs.fused[1].numel() > 0) {
+    const at::Tensor all = packed_product(normed, packs.fused[1], packs.kind(kGate), w[kGate]);
+    const int64_t inner = all.size(1) / 2;
+    gate = columns(all, 0, inner);
+    up = columns(all, inner, inner);
+  } else {
+    gate = packs.product(normed, w, kGate);
+    up = packs.product(normed, w, kUp);
+  }
+  const at::Tensor activated = at::gelu(gate, "tanh").contiguous();
+  const int64_t rows = activated.size(0), inner = activated.size(1);
+  TORCH_CHECK(up.stride(1) == 1, "gemma_layers: up");
+  at::Tensor gated = at::empty({rows, inner}, activated.options());
+  const float* a = activated.data_ptr<float>();
+  const float* u = up.data_ptr<float>();
+  float* g = gated.data_ptr<float>();
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t j = 0; j < inner; ++j) g[r * inner + j] = a[r * inner + j] * u[r * up.stride(0) + j];
+  return packs.product(gated, w, kDown);
+}
+
+}  // namespace
+
+// gemma_forward.py's _gemma_layers in one call (the rows-invariant attention's forwards), bitwise the same:
+// every layer on x (1, rows, width) whose rows sit at cache rows [start, start + rows). `weights` holds
+// kGemmaWeightsPerLayer tensors per layer (GemmaWeight), `eps` kGemmaEps per layer (GemmaEps); `packs`,
+// `kinds` and `fused` as decoder_layers takes them; per layer its rotary factors (`cosines`, `sines`:
+// (1, 1, rows, head_dim), the sign of rotate_half on the sines) and its mask (none: every cached key).
+// Returns each layer's output.
+std::vector<at::Tensor> gemma_layers(at::Tensor x, const std::vector<at::Tensor>& weights,
+                                     const std::vector<double>& eps, const std::vector<at::Tensor>& packs,
+                                     const std::vector<int64_t>& kinds, const std::vector<at::Tensor>& fused,
+                                     const std::vector<at::Tensor>& cosines, const std::vector<at::Tensor>& sines,
+                                     const std::vector<std::optional<at::Tensor>>& masks,
+                                     const std::vector<at::Tensor>& key_buffers,
+                                     const std::vector<at::Tensor>& value_buffers, int64_t start,
+                                     const std::vector<int64_t>& shape, double scaling) {
+  RECORD_FUNCTION("draftsmith::gemma_layers", std::vector<c10::IValue>());  // named in bench-tree --profile
+  const at::NoGradGuard no_gradient;  // as decoder_layers
+  const int64_t layers = static_cast<int64_t>(key_buffers.size());
+  TORCH_CHECK(weights.size() == static_cast<size_t>(layers * kGemmaWeightsPerLayer), "gemma_layers: weights");
+  TORCH_CHECK(eps.size() == static_cast<size_t>(layers * kGemmaEps), "gemma_layers: eps");
+  TORCH_CHECK(packs.size() == static_cast<size_t>(layers * kProjections) && kinds.size() == packs.size(),
+              "gemma_layers: packs");
+  TORCH_CHECK(fused.size() == static_cast<size_t>(layers * 2), "gemma_layers: fused");
+  TORCH_CHECK(cosines.size() == static_cast<size_t>(layers) && sines.size() == cosines.size() &&
+                  masks.size() == cosines.size() && value_buffers.size() == key_buffers.size(),
+              "gemma_layers: per-layer inputs");
+  TORCH_CHECK(shape.size() == 3, "gemma_layers: shape (heads, kv_heads, head_dim)");
+  const int64_t rows = x.size(1), width = x.size(2), head_dim = shape[2];
+  TORCH_CHECK(rows == 1 || std::all_of(masks.begin(), masks.end(), [](const auto& m) { return m.has_value(); }),
+              "gemma_layers: several rows need a mask in every layer");
+  const AttentionShape attention_shape{shape[0], shape[1], head_dim, scaling, true, true};
+  std::vector<at::Tensor> outputs;
+  outputs.reserve(layers);
+  for (int64_t i = 0; i < layers; ++i) {
+    const at::Tensor* w = &weights[i * kGemmaWeightsPerLayer];
+    const double* e = &eps[i * kGemmaEps];
+    const LayerPacks layer_packs{&packs[i * kProjections], &kinds[i * kProjections], &fused[2 * i]};
+    const at::Tensor cos = cosines[i].contiguous(), sin = sines[i].contiguous();
+    TORCH_CHECK(cos.numel() == rows * head_dim && sin.numel() == rows * head_dim, "gemma_layers: cos, sin");
+    const GemmaAttentionInputs inputs{cos, sin, masks[i], key_buffers[i], value_buffers[i], start};
+    at::Tensor normed = gemma_norm(x.view({rows, width}), w[kGemmaInputNorm], e[kEpsInput]);
+    const at::Tensor attended = gemma_attention(normed, w, e, layer_packs, attention_shape, inputs);
+    x = add_rows(x, gemma_norm(attended, w[kGemmaPostAttentionNorm], e[kEpsPostAttention]).view({1, rows, width}));
+    normed = gemma_norm(x.view({rows, width}), w[kGemmaPreFeedforwardNorm], e[kEpsPreFeedforward]);
+    const at::Tensor mlp = gemma_mlp(normed, w, layer_packs);
+    x = add_rows(x, gemma_norm(mlp, w[kGemmaPostFeedforwardNorm], e[kEpsPostFeedforward]).view({1, rows, width}));
+    outputs.push_back(x);
+  }
+  return outputs;
+}
+
 // A feature drafter's decoder layer (EAGLE's, EAGLE-3's) given its attention input (1, rows, in), already
 // normed or fused as the drafter makes it, and the residual (1, rows, width) that input's attention adds
 // to: returns (residual + attention, the MLP's output on the post-attention norm of that), which the
@@ -2251,6 +2423,7 @@ at::Tensor greedy_tokens(const at::Tensor& rows, const at::Tensor& quantized, co
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decoder_layers", &decoder_layers, "The lean path's decoder layers (bitwise the same)");
+  m.def("gemma_layers", &gemma_layers, "Gemma-3's lean decoder layers (bitwise the same)");
   m.def("drafter_layer", &drafter_layer, "A feature drafter's decoder layer from its attention input and residual");
   m.def("eagle3_step", &eagle3_step, "An EAGLE-3 drafter's forward and its head's top_k log-probabilities");
   m.def("screen_contenders", &screen_contenders, "The screened head's floors and contenders per row",

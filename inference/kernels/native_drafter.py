@@ -30,7 +30,7 @@ from torch import nn
 from draftsmith.core.cache import PreallocatedCache
 from draftsmith.core.drafting import DraftingStep
 from draftsmith.inference.kernels.direct_forward import _rotary_factors
-from draftsmith.inference.kernels.native_layers import _NO_PACK, _pack_inputs, projections_of, silu_gated
+from draftsmith.inference.kernels.native_layers import _NO_PACK, pack_inputs, projections_of, silu_gated
 from draftsmith.inference.kernels.packed_gemm import PackedLinear, active_pack, pack_kind
 
 _UNREAD = torch.empty(0)  # the input norm's slot in the extension's nine weights: the drafter norms itself
@@ -144,7 +144,7 @@ class NativeDrafterLayer:
             layer.lazy_initialization(empty, empty)
         key_buffer, value_buffer, start = layer.append_rows(rows)
         cos, signed_sin = _rotary_factors(position_embeddings)
-        packs, kinds, fused = _pack_inputs(plan, rows)
+        packs, kinds, fused = pack_inputs(plan, rows)
         return (
             plan.weights,
             packs,

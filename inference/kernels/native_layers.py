@@ -112,7 +112,7 @@ def native_decoder_layers(
     ):
         return None
     rows = x.shape[1]
-    packs, kinds, fused = _pack_inputs(plan, rows)
+    packs, kinds, fused = pack_inputs(plan, rows)
     rooms = [layer.append_rows(rows) for layer in cache_layers]
     return extension.decoder_layers(
         x,
@@ -140,7 +140,7 @@ _NO_PACK = torch.empty(0)  # the extension's "not packed"
 _KEPT_PACK_STATES = 8  # pack states whose inputs a plan keeps (MKL: one per row bucket)
 
 
-def _pack_inputs(plan: NativePlan, rows: int) -> tuple[list[torch.Tensor], list[int], list[torch.Tensor]]:
+def pack_inputs(plan: NativePlan, rows: int) -> tuple[list[torch.Tensor], list[int], list[torch.Tensor]]:
     """Each projection's active pack for ``rows`` rows and its kind, and each sibling group's stacked
     pack: read again only when the packs may have changed."""
     state = _pack_state(plan, rows)

@@ -12,6 +12,9 @@ attention (the row-invariant one of :mod:`attention`, or SDPA's wrapper, called 
 them) under the layer type's mask, the output projection, the post-attention norm and the residual,
 then the pre-feedforward norm, the GELU-tanh gated MLP, the post-feedforward norm and the residual; the
 final norm and the head. Every Gemma RMSNorm is ``x * rsqrt(mean(x^2) + eps) * (1 + weight)``.
+Where the extension's row-invariant attention serves the forward, the layers are one call of its
+``gemma_layers`` (``native.cpp``: the same operations in C++, the norms' sums and GELU-tanh through ATen);
+otherwise the Python loop :func:`_gemma_layers` runs them.
 
 Masks are the model's: a tree forward gets one mask per layer type (``core.tree.masks_per_layer_type``:
 the sliding one hides keys ``sliding_window`` or more positions behind their query), and a one-row step

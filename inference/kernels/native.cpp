@@ -66,30 +66,44 @@ constexpr int64_t kByteGroupBytes = kStreamBlock * sizeof(float) + kCodeGroup * 
 // the loop's vector width (native.py builds with -ffp-contract=off, so a * b + c * d stays three roundings
 // as ATen's mul, mul and add are), so the results are bitwise the same without ~50 small calls per layer.
 
-// LlamaRMSNorm.forward of float32 x (1, rows, width): weight * (x * rsqrt(mean(x * x) + eps)). The mean's
-// sum stays ATen's (its summation order is the reference's); its division by width (what ATen's mean
-// does after that sum: a float32 true division), squaring, the reciprocal square root (1 / sqrt, each
-// correctly rounded, as ATen's rsqrt) and the two products are exact replicas. Returns (rows, width).
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  const int64_t rows = x.size(1), width = x.size(2);
-  const at::Tensor in = x.contiguous();
+// Each row's rsqrt(mean(x * x) + eps) of contiguous float32 rows (..., width), as an RMSNorm computes it: the
+// mean's sum stays ATen's (its summation order is the reference's); the squares, the division by width
+// (what ATen's mean does after that sum: a float32 true division), the epsilon's addition and the
+// reciprocal square root (1 / sqrt, each correctly rounded, as ATen's rsqrt) are exact replicas.
+std::vector<float> inverse_rms(const at::Tensor& in, double eps) {
+  const int64_t width = in.size(-1), rows = in.numel() / width;
   at::Tensor squares = at::empty_like(in);
   const float* xp = in.data_ptr<float>();
   float* sq = squares.data_ptr<float>();
   for (int64_t i = 0; i < rows * width; ++i) sq[i] = xp[i] * xp[i];
   const at::Tensor sums = at::sum(squares, {-1}, /*keepdim=*/true).contiguous();
   const float* var = sums.data_ptr<float>();
-  const float count = static_cast<float>(width);
-  const at::Tensor scale = weight.contiguous();
-  const float* w = scale.data_ptr<float>();
-  const float epsilon = static_cast<float>(eps);
-  at::Tensor out = at::empty({rows, width}, in.options());
+  const float count = static_cast<float>(width), epsilon = static_cast<float>(eps);
+  std::vector<float> inverse(rows);
+  for (int64_t r = 0; r < rows; ++r) inverse[r] = 1.0f / std::sqrt(var[r] / count + epsilon);
+  return inverse;
+}
+
+// An RMSNorm of float32 rows (..., width) by a per-column `scale`, its two products exact replicas in the
+// model's order: Llama's scale * (x * inverse), Gemma's (x * inverse) * scale (`scale_last`, the scale its
+// 1 + weight). Returns (rows, width).
+at::Tensor scaled_norm(const at::Tensor& rows, const at::Tensor& scale, double eps, bool scale_last) {
+  const at::Tensor in = rows.contiguous(), factor = scale.contiguous();
+  const int64_t width = in.size(-1), n = in.numel() / width;
+  const std::vector<float> inverse = inverse_rms(in, eps);
+  const float* xp = in.data_ptr<float>();
+  const float* f = factor.data_ptr<float>();
+  at::Tensor out = at::empty({n, width}, in.options());
   float* o = out.data_ptr<float>();
-  for (int64_t r = 0; r < rows; ++r) {
-    const float inverse = 1.0f / std::sqrt(var[r] / count + epsilon);
-    for (int64_t j = 0; j < width; ++j) o[r * width + j] = w[j] * (xp[r * width + j] * inverse);
-  }
+  for (int64_t r = 0; r < n; ++r)
+    for (int64_t j = 0; j < width; ++j)
+      o[r * width + j] = scale_last ? (xp[r * width + j] * inverse[r]) * f[j] : f[j] * (xp[r * width + j] * inverse[r]);
   return out;
+}
+
+// LlamaRMSNorm.forward of float32 x (1, rows, width): weight * (x * rsqrt(mean(x * x) + eps)).
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  return scaled_norm(x, weight, eps, /*scale_last=*/false);
 }
 
 // a + b, both (rows, width) float32 (b contiguous, a any dense layout the caller made contiguous):
@@ -1894,28 +1908,9 @@ enum GemmaWeight {
 };
 enum GemmaEps { kEpsInput, kEpsPostAttention, kEpsPreFeedforward, kEpsPostFeedforward, kEpsQuery, kEpsKey, kGemmaEps };
 
-// Gemma3RMSNorm.forward of float32 rows (n, width), contiguous: (x * rsqrt(mean(x * x) + eps)) * factor,
-// in that order; the mean's sum stays ATen's (its order is the reference's), the rest are exact replicas
-// (as rms_norm). Returns (n, width).
+// Gemma3RMSNorm.forward of float32 rows (n, width): (x * rsqrt(mean(x * x) + eps)) * factor, in that order.
 at::Tensor gemma_norm(const at::Tensor& rows, const at::Tensor& factor, double eps) {
-  const at::Tensor in = rows.contiguous();
-  const int64_t n = in.size(0), width = in.size(1);
-  at::Tensor squares = at::empty_like(in);
-  const float* xp = in.data_ptr<float>();
-  float* sq = squares.data_ptr<float>();
-  for (int64_t i = 0; i < n * width; ++i) sq[i] = xp[i] * xp[i];
-  const at::Tensor sums = at::sum(squares, {-1}, /*keepdim=*/true).contiguous();
-  const float* var = sums.data_ptr<float>();
-  const float count = static_cast<float>(width), epsilon = static_cast<float>(eps);
-  const at::Tensor scale = factor.contiguous();
-  const float* f = scale.data_ptr<float>();
-  at::Tensor out = at::empty({n, width}, in.options());
-  float* o = out.data_ptr<float>();
-  for (int64_t r = 0; r < n; ++r) {
-    const float inverse = 1.0f / std::sqrt(var[r] / count + epsilon);
-    for (int64_t j = 0; j < width; ++j) o[r * width + j] = (xp[r * width + j] * inverse) * f[j];
-  }
-  return out;
+  return scaled_norm(rows, factor, eps, /*scale_last=*/true);
 }
 
 // What one Gemma-3 layer's attention reads besides its weights: its rotary factors and mask (by the

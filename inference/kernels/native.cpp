@@ -154,10 +154,13 @@ void copy_into(const Columns& from, int64_t rows, int64_t heads, int64_t head_di
       std::copy_n(from.first + r * from.stride + h * head_dim, head_dim, to + h * head_stride + r * row_stride);
 }
 
-// silu(gate) * up, both (rows, inner) with unit column stride: the activation stays ATen's (its exp is
-// the reference's), the product an exact replica.
-at::Tensor gated_product(const at::Tensor& gate, const at::Tensor& up) {
-  const at::Tensor activated = at::silu(gate).contiguous();
+// The gated MLPs' activations: Llama's SiLU, Gemma-3's GELU with the tanh approximation.
+enum class Activation { kSilu, kGeluTanh };
+
+// act(gate) * up, both (rows, inner) with unit column stride: the activation stays ATen's (its exp or tanh
+// is the reference's), the product an exact replica.
+at::Tensor gated_product(const at::Tensor& gate, const at::Tensor& up, Activation act) {
+  const at::Tensor activated = (act == Activation::kSilu ? at::silu(gate) : at::gelu(gate, "tanh")).contiguous();
   const int64_t rows = activated.size(0), inner = activated.size(1);
   at::Tensor out = at::empty({rows, inner}, activated.options());
   const float* a = activated.data_ptr<float>();
@@ -1792,56 +1795,84 @@ struct AttentionShape {
   bool grouped, rows_attention;
 };
 
-// A layer's attention block on its normed input (rows, in): the q, k and v products, the rotary
-// embedding, this forward's key and value rows written into the layer's buffers at [start, start + rows),
-// attention over rows [0, start + rows) under `mask`, and the output projection: (rows, width).
-at::Tensor attention_block(const at::Tensor& normed, const at::Tensor* w, const LayerPacks& packs,
-                           const AttentionShape& shape, const at::Tensor& cosines, const at::Tensor& sines,
-                           const std::optional<at::Tensor>& mask, const at::Tensor& keys_buffer,
-                           const at::Tensor& values_buffer, int64_t start) {
-  const int64_t rows = normed.size(0), heads = shape.heads, kv_heads = shape.kv_heads, head_dim = shape.head_dim;
-  Columns query, key, value;
-  if (packs.fused[0].numel() > 0) {
-    const at::Tensor all = packed_product(normed, packs.fused[0], packs.kind(kQuery), w[kQuery]).contiguous();
-    query = Columns(all, 0);
-    key = Columns(all, heads * head_dim);
-    value = Columns(all, (heads + kv_heads) * head_dim);
-  } else {
-    query = Columns(packs.product(normed, w, kQuery).contiguous(), 0);
-    key = Columns(packs.product(normed, w, kKey).contiguous(), 0);
-    value = Columns(packs.product(normed, w, kValue).contiguous(), 0);
-  }
+// What a layer's attention reads besides its weights: its rotary factors (rows, head_dim), its mask (none:
+// every cached key), its cache buffers (1, kv_heads, capacity, head_dim) and the first row this forward
+// writes there.
+struct AttentionInputs {
+  const at::Tensor& cosines;
+  const at::Tensor& sines;
+  const std::optional<at::Tensor>& mask;
+  const at::Tensor& keys_buffer;
+  const at::Tensor& values_buffer;
+  int64_t start;
+};
+
+// A layer's q, k and v products of its normed input (rows, in), each contiguous in its columns: the
+// stacked pack's output split where there is one, else three products.
+struct QueryKeyValue {
+  at::Tensor query, key, value;
+};
+
+QueryKeyValue qkv_products(const at::Tensor& normed, const at::Tensor* w, const LayerPacks& packs,
+                           const AttentionShape& shape) {
+  const int64_t q_width = shape.heads * shape.head_dim, kv_width = shape.kv_heads * shape.head_dim;
+  if (packs.fused[0].numel() == 0)
+    return {packs.product(normed, w, kQuery).contiguous(), packs.product(normed, w, kKey).contiguous(),
+            packs.product(normed, w, kValue).contiguous()};
+  const at::Tensor all = packed_product(normed, packs.fused[0], packs.kind(kQuery), w[kQuery]).contiguous();
+  return {columns(all, 0, q_width), columns(all, q_width, kv_width), columns(all, q_width + kv_width, kv_width)};
+}
+
+// The rotary embedding of a forward's query and key rows, its key and value rows written into the cache
+// buffers at [start, start + rows), and attention over rows [0, start + rows) under the mask (cut to those
+// keys, as rows_attention_forward cuts it): (1, rows, heads, head_dim), contiguous.
+at::Tensor attend_new_rows(const Columns& query, const Columns& key, const Columns& value, int64_t rows,
+                           const AttentionShape& shape, const AttentionInputs& in) {
+  const int64_t heads = shape.heads, kv_heads = shape.kv_heads, head_dim = shape.head_dim;
+  const float* cos = in.cosines.data_ptr<float>();
+  const float* sin = in.sines.data_ptr<float>();
   // the query as ATen's q * cos + roll(q) * sin lays it out: (1, rows, heads, head_dim) in memory
-  at::Tensor rotated = at::empty({1, rows, heads, head_dim}, normed.options());
-  rotate_into(query, rows, heads, head_dim, cosines.data_ptr<float>(), sines.data_ptr<float>(),
-              rotated.data_ptr<float>(), head_dim, heads * head_dim);
-  TORCH_CHECK(keys_buffer.stride(3) == 1 && values_buffer.stride(3) == 1, "decoder layers: cache buffers");
-  rotate_into(key, rows, kv_heads, head_dim, cosines.data_ptr<float>(), sines.data_ptr<float>(),
-              keys_buffer.data_ptr<float>() + start * keys_buffer.stride(2), keys_buffer.stride(1),
-              keys_buffer.stride(2));
-  copy_into(value, rows, kv_heads, head_dim, values_buffer.data_ptr<float>() + start * values_buffer.stride(2),
-            values_buffer.stride(1), values_buffer.stride(2));
-  at::Tensor keys = keys_buffer.narrow(2, 0, start + rows);
-  at::Tensor values = values_buffer.narrow(2, 0, start + rows);
-  at::Tensor attended =
-      shape.rows_attention
-          ? attend(rotated.transpose(1, 2), keys, values, mask, shape.scaling, /*causal=*/false, "auto")
-          : at::scaled_dot_product_attention(rotated.transpose(1, 2), keys, values, mask, /*dropout_p=*/0.0,
-                                             /*is_causal=*/false, shape.scaling, shape.grouped)
-                .transpose(1, 2)
-                .contiguous();
+  at::Tensor rotated = at::empty({1, rows, heads, head_dim}, query.rows.options());
+  rotate_into(query, rows, heads, head_dim, cos, sin, rotated.data_ptr<float>(), head_dim, heads * head_dim);
+  TORCH_CHECK(in.keys_buffer.stride(3) == 1 && in.values_buffer.stride(3) == 1, "decoder layers: cache buffers");
+  rotate_into(key, rows, kv_heads, head_dim, cos, sin,
+              in.keys_buffer.data_ptr<float>() + in.start * in.keys_buffer.stride(2), in.keys_buffer.stride(1),
+              in.keys_buffer.stride(2));
+  copy_into(value, rows, kv_heads, head_dim, in.values_buffer.data_ptr<float>() + in.start * in.values_buffer.stride(2),
+            in.values_buffer.stride(1), in.values_buffer.stride(2));
+  const int64_t length = in.start + rows;
+  const at::Tensor keys = in.keys_buffer.narrow(2, 0, length), values = in.values_buffer.narrow(2, 0, length);
+  std::optional<at::Tensor> mask = in.mask;
+  if (mask.has_value()) mask = mask->narrow(3, 0, length);
+  return shape.rows_attention
+             ? attend(rotated.transpose(1, 2), keys, values, mask, shape.scaling, /*causal=*/false, "auto")
+             : at::scaled_dot_product_attention(rotated.transpose(1, 2), keys, values, mask, /*dropout_p=*/0.0,
+                                                /*is_causal=*/false, shape.scaling, shape.grouped)
+                   .transpose(1, 2)
+                   .contiguous();
+}
+
+// A layer's attention block on its normed input (rows, in): the q, k and v products, then attend_new_rows
+// and the output projection: (rows, width).
+at::Tensor attention_block(const at::Tensor& normed, const at::Tensor* w, const LayerPacks& packs,
+                           const AttentionShape& shape, const AttentionInputs& in) {
+  const int64_t rows = normed.size(0);
+  const QueryKeyValue qkv = qkv_products(normed, w, packs, shape);
+  const at::Tensor attended = attend_new_rows(Columns(qkv.query, 0), Columns(qkv.key, 0), Columns(qkv.value, 0),
+                                              rows, shape, in);
   return packs.product(attended.view({rows, -1}), w, kOutput);
 }
 
-// A layer's gated MLP on its normed input (rows, width): down(silu(gate(x)) * up(x)).
-at::Tensor mlp_block(const at::Tensor& normed, const at::Tensor* w, const LayerPacks& packs) {
+// A layer's gated MLP on its normed input (rows, width): down(act(gate(x)) * up(x)).
+at::Tensor mlp_block(const at::Tensor& normed, const at::Tensor* w, const LayerPacks& packs,
+                     Activation act = Activation::kSilu) {
   at::Tensor gated;
   if (packs.fused[1].numel() > 0) {
     at::Tensor all = packed_product(normed, packs.fused[1], packs.kind(kGate), w[kGate]);
     const int64_t inner = all.size(1) / 2;
-    gated = gated_product(columns(all, 0, inner), columns(all, inner, inner));
+    gated = gated_product(columns(all, 0, inner), columns(all, inner, inner), act);
   } else {
-    gated = gated_product(packs.product(normed, w, kGate), packs.product(normed, w, kUp));
+    gated = gated_product(packs.product(normed, w, kGate), packs.product(normed, w, kUp), act);
   }
   return packs.product(gated, w, kDown);
 }
@@ -1883,8 +1914,8 @@ std::vector<at::Tensor> decoder_layers(
     const at::Tensor* w = &weights[i * kWeightsPerLayer];
     const LayerPacks layer_packs{&packs[i * kProjections], &kinds[i * kProjections], &fused[2 * i]};
     at::Tensor normed = rms_norm(x, w[kInputNorm], norm_eps[2 * i]);
-    x = add_rows(x, attention_block(normed, w, layer_packs, shape, cosines, sines, mask, key_buffers[i],
-                                    value_buffers[i], start));
+    const AttentionInputs inputs{cosines, sines, mask, key_buffers[i], value_buffers[i], start};
+    x = add_rows(x, attention_block(normed, w, layer_packs, shape, inputs));
     normed = rms_norm(x, w[kPostNorm], norm_eps[2 * i + 1]);
     x = add_rows(x, mlp_block(normed, w, layer_packs));
     outputs.push_back(x);
@@ -1913,84 +1944,19 @@ at::Tensor gemma_norm(const at::Tensor& rows, const at::Tensor& factor, double e
   return scaled_norm(rows, factor, eps, /*scale_last=*/true);
 }
 
-// What one Gemma-3 layer's attention reads besides its weights: its rotary factors and mask (by the
-// layer's type), its cache buffers and where this forward's rows go.
-struct GemmaAttentionInputs {
-  const at::Tensor& cosines;
-  const at::Tensor& sines;
-  const std::optional<at::Tensor>& mask;
-  const at::Tensor& keys_buffer;
-  const at::Tensor& values_buffer;
-  int64_t start;
-};
-
-// A layer's attention block on its normed input (rows, width): q, k, v, the QK-norms per head, the rotary
-// embedding, the key and value rows written into the cache, the row-invariant attention and the output
-// projection: (rows, width), before the post-attention norm.
+// A Gemma-3 layer's attention block on its normed input (rows, width): q, k and v, the QK-norms per head,
+// then attend_new_rows and the output projection: (rows, width), before the post-attention norm.
 at::Tensor gemma_attention(const at::Tensor& normed, const at::Tensor* w, const double* eps, const LayerPacks& packs,
-                           const AttentionShape& shape, const GemmaAttentionInputs& in) {
+                           const AttentionShape& shape, const AttentionInputs& in) {
   const int64_t rows = normed.size(0), heads = shape.heads, kv_heads = shape.kv_heads, head_dim = shape.head_dim;
-  at::Tensor query, key, value;
-  if (packs.fused[0].numel() > 0) {
-    const at::Tensor all = packed_product(normed, packs.fused[0], packs.kind(kQuery), w[kQuery]);
-    query = columns(all, 0, heads * head_dim);
-    key = columns(all, heads * head_dim, kv_heads * head_dim);
-    value = columns(all, (heads + kv_heads) * head_dim, kv_heads * head_dim).contiguous();
-  } else {
-    query = packs.product(normed, w, kQuery);
-    key = packs.product(normed, w, kKey);
-    value = packs.product(normed, w, kValue).contiguous();
-  }
+  const QueryKeyValue qkv = qkv_products(normed, w, packs, shape);
   // each head's norm over its head_dim values: rows x heads rows of head_dim, in the products' order
-  const Columns normed_query(gemma_norm(query.reshape({rows * heads, head_dim}), w[kGemmaQueryNorm], eps[kEpsQuery])
-                                 .view({rows, heads * head_dim}),
-                             0);
-  const Columns normed_key(gemma_norm(key.reshape({rows * kv_heads, head_dim}), w[kGemmaKeyNorm], eps[kEpsKey])
-                               .view({rows, kv_heads * head_dim}),
-                           0);
-  const float* cos = in.cosines.data_ptr<float>();
-  const float* sin = in.sines.data_ptr<float>();
-  at::Tensor rotated = at::empty({1, rows, heads, head_dim}, normed.options());
-  rotate_into(normed_query, rows, heads, head_dim, cos, sin, rotated.data_ptr<float>(), head_dim, heads * head_dim);
-  TORCH_CHECK(in.keys_buffer.stride(3) == 1 && in.values_buffer.stride(3) == 1, "gemma_layers: cache buffers");
-  rotate_into(normed_key, rows, kv_heads, head_dim, cos, sin,
-              in.keys_buffer.data_ptr<float>() + in.start * in.keys_buffer.stride(2), in.keys_buffer.stride(1),
-              in.keys_buffer.stride(2));
-  copy_into(Columns(value, 0), rows, kv_heads, head_dim,
-            in.values_buffer.data_ptr<float>() + in.start * in.values_buffer.stride(2), in.values_buffer.stride(1),
-            in.values_buffer.stride(2));
-  const int64_t length = in.start + rows;
-  std::optional<at::Tensor> mask = in.mask;
-  if (mask.has_value()) mask = mask->narrow(3, 0, length);  // rows_attention_forward's mask[..., :length]
-  at::Tensor attended = attend(rotated.transpose(1, 2), in.keys_buffer.narrow(2, 0, length),
-                               in.values_buffer.narrow(2, 0, length), mask, shape.scaling, /*causal=*/false, "auto");
+  const at::Tensor query = gemma_norm(qkv.query.reshape({rows * heads, head_dim}), w[kGemmaQueryNorm], eps[kEpsQuery]);
+  const at::Tensor key = gemma_norm(qkv.key.reshape({rows * kv_heads, head_dim}), w[kGemmaKeyNorm], eps[kEpsKey]);
+  const at::Tensor attended =
+      attend_new_rows(Columns(query.view({rows, heads * head_dim}), 0), Columns(key.view({rows, kv_heads * head_dim}), 0),
+                      Columns(qkv.value, 0), rows, shape, in);
   return packs.product(attended.view({rows, -1}), w, kOutput);
-}
-
-// A layer's GELU-tanh gated MLP on its normed input (rows, width): down(gelu_tanh(gate(x)) * up(x)), before
-// the post-feedforward norm. The activation stays ATen's (its tanh is the reference's), the product an
-// exact replica.
-at::Tensor gemma_mlp(const at::Tensor& normed, const at::Tensor* w, const LayerPacks& packs) {
-  at::Tensor gate, up;
-  if (packs.fused[1].numel() > 0) {
-    const at::Tensor all = packed_product(normed, packs.fused[1], packs.kind(kGate), w[kGate]);
-    const int64_t inner = all.size(1) / 2;
-    gate = columns(all, 0, inner);
-    up = columns(all, inner, inner);
-  } else {
-    gate = packs.product(normed, w, kGate);
-    up = packs.product(normed, w, kUp);
-  }
-  const at::Tensor activated = at::gelu(gate, "tanh").contiguous();
-  const int64_t rows = activated.size(0), inner = activated.size(1);
-  TORCH_CHECK(up.stride(1) == 1, "gemma_layers: up");
-  at::Tensor gated = at::empty({rows, inner}, activated.options());
-  const float* a = activated.data_ptr<float>();
-  const float* u = up.data_ptr<float>();
-  float* g = gated.data_ptr<float>();
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t j = 0; j < inner; ++j) g[r * inner + j] = a[r * inner + j] * u[r * up.stride(0) + j];
-  return packs.product(gated, w, kDown);
 }
 
 }  // namespace
@@ -2033,12 +1999,12 @@ std::vector<at::Tensor> gemma_layers(at::Tensor x, const std::vector<at::Tensor>
     const LayerPacks layer_packs{&packs[i * kProjections], &kinds[i * kProjections], &fused[2 * i]};
     const at::Tensor cos = cosines[i].contiguous(), sin = sines[i].contiguous();
     TORCH_CHECK(cos.numel() == rows * head_dim && sin.numel() == rows * head_dim, "gemma_layers: cos, sin");
-    const GemmaAttentionInputs inputs{cos, sin, masks[i], key_buffers[i], value_buffers[i], start};
+    const AttentionInputs inputs{cos, sin, masks[i], key_buffers[i], value_buffers[i], start};
     at::Tensor normed = gemma_norm(x.view({rows, width}), w[kGemmaInputNorm], e[kEpsInput]);
     const at::Tensor attended = gemma_attention(normed, w, e, layer_packs, attention_shape, inputs);
     x = add_rows(x, gemma_norm(attended, w[kGemmaPostAttentionNorm], e[kEpsPostAttention]).view({1, rows, width}));
     normed = gemma_norm(x.view({rows, width}), w[kGemmaPreFeedforwardNorm], e[kEpsPreFeedforward]);
-    const at::Tensor mlp = gemma_mlp(normed, w, layer_packs);
+    const at::Tensor mlp = mlp_block(normed, w, layer_packs, Activation::kGeluTanh);
     x = add_rows(x, gemma_norm(mlp, w[kGemmaPostFeedforwardNorm], e[kEpsPostFeedforward]).view({1, rows, width}));
     outputs.push_back(x);
   }
@@ -2074,8 +2040,8 @@ std::vector<at::Tensor> drafter_layer(
                              /*rows_attention=*/true};
   const LayerPacks layer_packs{packs.data(), kinds.data(), fused.data()};
   const at::Tensor input = attention_input.reshape({rows, attention_input.size(2)}).contiguous();
-  at::Tensor after = add_rows(residual, attention_block(input, weights.data(), layer_packs, shape, cosines, sines, mask,
-                                                        key_buffer, value_buffer, start));
+  const AttentionInputs inputs{cosines, sines, mask, key_buffer, value_buffer, start};
+  at::Tensor after = add_rows(residual, attention_block(input, weights.data(), layer_packs, shape, inputs));
   const at::Tensor normed = rms_norm(after, weights[kPostNorm], post_norm_eps);
   return {after, mlp_block(normed, weights.data(), layer_packs)};
 }

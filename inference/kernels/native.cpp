@@ -18,7 +18,11 @@
 //   or, where the CPU has it, AVX-512 (as the stream kernel).
 // - int16_screen: the same product for rows rounded to 16-bit integers, summed exactly with AVX-512 VNNI
 //   (greedy_head.py takes it where the CPU has it).
+#include <ATen/EmptyTensor.h>
 #include <ATen/Parallel.h>
+#include <ATen/ops/gelu_cpu_dispatch.h>
+#include <ATen/ops/silu_cpu_dispatch.h>
+#include <ATen/ops/sum_cpu_dispatch.h>
 #include <ATen/record_function.h>
 #include <torch/extension.h>
 
@@ -66,17 +70,22 @@ constexpr int64_t kByteGroupBytes = kStreamBlock * sizeof(float) + kCodeGroup * 
 // the loop's vector width (native.py builds with -ffp-contract=off, so a * b + c * d stays three roundings
 // as ATen's mul, mul and add are), so the results are bitwise the same without ~50 small calls per layer.
 
+// The glue's tensors are float32 on the CPU, its ATen calls CPU kernels: called directly (at::cpu::, and
+// this allocation), the same kernels without the dispatcher's and autograd's layers, which a forward would
+// otherwise cross a few hundred times.
+at::Tensor float_empty(at::IntArrayRef sizes) { return at::detail::empty_cpu(sizes, at::kFloat); }
+
 // Each row's rsqrt(mean(x * x) + eps) of contiguous float32 rows (..., width), as an RMSNorm computes it: the
 // mean's sum stays ATen's (its summation order is the reference's); the squares, the division by width
 // (what ATen's mean does after that sum: a float32 true division), the epsilon's addition and the
 // reciprocal square root (1 / sqrt, each correctly rounded, as ATen's rsqrt) are exact replicas.
 std::vector<float> inverse_rms(const at::Tensor& in, double eps) {
   const int64_t width = in.size(-1), rows = in.numel() / width;
-  at::Tensor squares = at::empty_like(in);
+  at::Tensor squares = float_empty(in.sizes());
   const float* xp = in.data_ptr<float>();
   float* sq = squares.data_ptr<float>();
   for (int64_t i = 0; i < rows * width; ++i) sq[i] = xp[i] * xp[i];
-  const at::Tensor sums = at::sum(squares, {-1}, /*keepdim=*/true).contiguous();
+  const at::Tensor sums = at::cpu::sum(squares, {-1}, /*keepdim=*/true).contiguous();
   const float* var = sums.data_ptr<float>();
   const float count = static_cast<float>(width), epsilon = static_cast<float>(eps);
   std::vector<float> inverse(rows);
@@ -93,7 +102,7 @@ at::Tensor scaled_norm(const at::Tensor& rows, const at::Tensor& scale, double e
   const std::vector<float> inverse = inverse_rms(in, eps);
   const float* xp = in.data_ptr<float>();
   const float* f = factor.data_ptr<float>();
-  at::Tensor out = at::empty({n, width}, in.options());
+  at::Tensor out = float_empty({n, width});
   float* o = out.data_ptr<float>();
   for (int64_t r = 0; r < n; ++r)
     for (int64_t j = 0; j < width; ++j)
@@ -110,7 +119,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 // the residual connection, as a new tensor (the caller keeps every layer's output).
 at::Tensor add_rows(const at::Tensor& a, const at::Tensor& b) {
   const at::Tensor left = a.contiguous(), right = b.contiguous();
-  at::Tensor out = at::empty_like(left);
+  at::Tensor out = float_empty(left.sizes());
   const float* l = left.data_ptr<float>();
   const float* r = right.data_ptr<float>();
   float* o = out.data_ptr<float>();
@@ -126,6 +135,8 @@ struct Columns {
   Columns() = default;
   Columns(const at::Tensor& all, int64_t start)
       : rows(all), first(all.data_ptr<float>() + start), stride(all.stride(0)) {}
+  // these columns (`width` of them) as a contiguous (rows, width) tensor: a copy where they are not
+  at::Tensor dense(int64_t width) const { return rows.narrow(1, first - rows.data_ptr<float>(), width).contiguous(); }
 };
 
 // Each row's heads rotated by that row's rotary embedding: q * cos + rotate_half(q) * sin, with
@@ -157,19 +168,17 @@ void copy_into(const Columns& from, int64_t rows, int64_t heads, int64_t head_di
 // The gated MLPs' activations: Llama's SiLU, Gemma-3's GELU with the tanh approximation.
 enum class Activation { kSilu, kGeluTanh };
 
-// act(gate) * up, both (rows, inner) with unit column stride: the activation stays ATen's (its exp or tanh
-// is the reference's), the product an exact replica.
-at::Tensor gated_product(const at::Tensor& gate, const at::Tensor& up, Activation act) {
-  const at::Tensor activated = (act == Activation::kSilu ? at::silu(gate) : at::gelu(gate, "tanh")).contiguous();
+// act(gate) * up, gate (rows, inner) with unit column stride, up that many columns: the activation stays
+// ATen's (its exp or tanh is the reference's), the product an exact replica.
+at::Tensor gated_product(const at::Tensor& gate, const Columns& up, Activation act) {
+  const at::Tensor activated =
+      (act == Activation::kSilu ? at::cpu::silu(gate) : at::cpu::gelu(gate, "tanh")).contiguous();
   const int64_t rows = activated.size(0), inner = activated.size(1);
-  at::Tensor out = at::empty({rows, inner}, activated.options());
+  at::Tensor out = float_empty({rows, inner});
   const float* a = activated.data_ptr<float>();
-  const float* u = up.data_ptr<float>();
-  const int64_t stride = up.stride(0);
-  TORCH_CHECK(up.stride(1) == 1, "gated_product: up");
   float* o = out.data_ptr<float>();
   for (int64_t r = 0; r < rows; ++r)
-    for (int64_t j = 0; j < inner; ++j) o[r * inner + j] = a[r * inner + j] * u[r * stride + j];
+    for (int64_t j = 0; j < inner; ++j) o[r * inner + j] = a[r * inner + j] * up.first[r * up.stride + j];
   return out;
 }
 
@@ -190,9 +199,6 @@ at::Tensor onednn_packed_linear(const at::Tensor& rows, const at::Tensor& pack) 
   op.callBoxed(&stack);
   return stack[0].toTensor();
 }
-
-// Columns [start, start + width) of a projection's output (rows, all): a view, no copy.
-at::Tensor columns(const at::Tensor& all, int64_t start, int64_t width) { return all.narrow(1, start, width); }
 
 // Whose pack a projection multiplies through (packed_gemm.PackedGemm.kernel; the codes native_layers.py
 // passes).
@@ -1507,10 +1513,10 @@ at::Tensor stream_linear(const at::Tensor& rows, const at::Tensor& pack, const s
   const int64_t I = nibbles || bytes ? pack.size(1) / group_bytes * kCodeGroup : pack.size(1);
   TORCH_CHECK(rows.scalar_type() == at::kFloat && rows.size(-1) == I, "stream_linear: rows");
   const int64_t count = rows.numel() / I;
-  const at::Tensor x = rows.reshape({count, I}).contiguous();
-  std::vector<int64_t> shape(rows.sizes().begin(), rows.sizes().end());
-  shape.back() = O;
-  at::Tensor y = at::empty({count, O}, x.options());
+  // the layers' products pass contiguous (rows, I) matrices: no reshape and no view back, two calls less
+  const bool flat = rows.dim() == 2 && rows.is_contiguous();
+  const at::Tensor x = flat ? rows : rows.reshape({count, I}).contiguous();
+  at::Tensor y = float_empty({count, O});
 #ifdef DRAFTSMITH_X86
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
@@ -1537,6 +1543,9 @@ at::Tensor stream_linear(const at::Tensor& rows, const at::Tensor& pack, const s
   else
     product(pack.data_ptr<float>());
 #endif
+  if (flat) return y;
+  std::vector<int64_t> shape(rows.sizes().begin(), rows.sizes().end());
+  shape.back() = O;
   return y.view(shape);
 }
 
@@ -1627,20 +1636,29 @@ at::Tensor int16_screen(const at::Tensor& input, const at::Tensor& x_scales, con
   return screen;
 }
 
+// A float32 4-d tensor's data as attend reads it: its first three strides (the last is 1).
+struct Strided {
+  const float* data;
+  int64_t stride[3];
+  const float* at(int64_t i, int64_t j, int64_t l) const { return data + i * stride[0] + j * stride[1] + l * stride[2]; }
+};
+
+Strided strided(const at::Tensor& t) { return {t.data_ptr<float>(), {t.stride(0), t.stride(1), t.stride(2)}}; }
+
 // One attend call's inputs and output, and its work split into items: one per row and K/V head (the
 // query heads reading it share the keys they see), or per row and head where the mask differs between
 // heads.
 struct AttendProblem {
-  at::Tensor q, k, v;
-  const at::Tensor* mask;  // expanded to (batch, heads, rows, length), or null
+  Strided q, k, v;  // (batch, heads, rows, head_dim), (batch, kv_heads, length or more, head_dim) twice
+  const at::Tensor* mask;  // read as mask_strides say (0 where broadcast), its first `length` keys; or null
   int64_t mask_strides[4];
   bool causal;
   float scaling;
   bool simd;
+  int64_t batch, heads, rows, head_dim, kv_heads, length;
   bool wide = false;  // the scores and weighted values with AVX-512 (the same floats)
   float* out = nullptr;  // (batch, rows, heads, head_dim)
-  int64_t batch = q.size(0), heads = q.size(1), rows = q.size(2), head_dim = q.size(3);
-  int64_t kv_heads = k.size(1), length = k.size(2), groups = heads / kv_heads;
+  int64_t groups = heads / kv_heads;
   int64_t together = groups;  // set_together
   int64_t chunks = 1;  // items per K/V head and row: its query heads `together` at a time
 
@@ -1684,9 +1702,7 @@ struct AttendProblem {
   int64_t seen(int64_t item, int32_t* seen) const {
     return seen_keys(mask, mask_strides, causal, b(item), first(item), r(item), rows, length, seen);
   }
-  const float* query(int64_t item, int64_t i) const {
-    return q.data_ptr<float>() + b(item) * q.stride(0) + (first(item) + i) * q.stride(1) + r(item) * q.stride(2);
-  }
+  const float* query(int64_t item, int64_t i) const { return q.at(b(item), first(item) + i, r(item)); }
   // the item's attention over the keys seen[0, count): each query's sum of weights and weighted sum of
   // the values
   void weigh(int64_t item, const int32_t* seen, int64_t count, float* scores, int64_t room, float* sum,
@@ -1695,16 +1711,16 @@ struct AttendProblem {
     std::vector<const float*> queries(together);
     for (int64_t i = 0; i < together; ++i) queries[i] = query(item, i);
     const int64_t kv = first(item) / groups;
-    const float* key = k.data_ptr<float>() + b(item) * k.stride(0) + kv * k.stride(1);
-    const float* value = v.data_ptr<float>() + b(item) * v.stride(0) + kv * v.stride(1);
+    const float* key = k.at(b(item), kv, 0);
+    const float* value = v.at(b(item), kv, 0);
 #ifdef DRAFTSMITH_X86
     if (simd) {
-      attend_queries_simd(queries.data(), together, key, k.stride(2), value, v.stride(2), seen, count, head_dim,
+      attend_queries_simd(queries.data(), together, key, k.stride[2], value, v.stride[2], seen, count, head_dim,
                           scaling, scores, room, sum, acc, wide);
       return;
     }
 #endif
-    attend_queries_scalar(queries.data(), together, key, k.stride(2), value, v.stride(2), seen, count, head_dim,
+    attend_queries_scalar(queries.data(), together, key, k.stride[2], value, v.stride[2], seen, count, head_dim,
                           scaling, scores, sum, acc);
   }
   // the item's outputs from what weigh() computed
@@ -1715,6 +1731,32 @@ struct AttendProblem {
     divide_rows(together, head_dim, sums, accs, outs.data());
   }
 };
+
+// attend's work on its problem, problem.out written.
+static void solve(AttendProblem& problem, const std::string& isa) {
+  problem.wide = problem.simd && wide_vectors(isa, "attend");
+  const int64_t batch = problem.batch, rows = problem.rows, kv_heads = problem.kv_heads, length = problem.length;
+  const int64_t head_dim = problem.head_dim;
+  // a K/V head's query heads share an item and read each key once, unless the mask differs between
+  // heads; where that leaves too few items to keep every thread busy (one row), they share it in chunks
+  const int64_t per_kv_head = (2 * at::get_num_threads() + batch * rows * kv_heads - 1) / (batch * rows * kv_heads);
+  problem.set_together(problem.mask_heads_differ() ? 1 : (problem.groups + per_kv_head - 1) / per_kv_head);
+  const int64_t together = problem.together, room = (length + 7) / 8 * 8 + 8;
+  std::vector<int32_t> row_seen;
+  std::vector<int64_t> row_counts;
+  if (problem.seen_per_row()) problem.list_seen_rows(row_seen, row_counts);
+  at::parallel_for(0, problem.items(), 1, [&](int64_t begin, int64_t end) {
+    std::vector<int32_t> own(row_seen.empty() ? length : 0);
+    std::vector<float> scores(together * room), sums(together), accs(together * head_dim);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t row = problem.b(item) * rows + problem.r(item);
+      const int32_t* seen = row_seen.empty() ? own.data() : row_seen.data() + row * length;
+      const int64_t count = row_seen.empty() ? problem.seen(item, own.data()) : row_counts[row];
+      problem.weigh(item, seen, count, scores.data(), room, sums.data(), accs.data());
+      problem.finish(item, sums.data(), accs.data());
+    }
+  });
+}
 
 // softmax(q k^T * scaling + mask) v for query (batch, heads, rows, head_dim), keys and values (batch,
 // kv_heads, length, head_dim) (heads a multiple of kv_heads: query head h reads K/V head h / (heads /
@@ -1746,30 +1788,13 @@ at::Tensor attend(const at::Tensor& query, const at::Tensor& keys, const at::Ten
     m = m.expand({batch, heads, rows, length});
     for (int i = 0; i < 4; ++i) mask_strides[i] = m.stride(i);
   }
-  AttendProblem problem{q, k, v, mask.has_value() ? &m : nullptr, {mask_strides[0], mask_strides[1], mask_strides[2], mask_strides[3]},
-                        causal, static_cast<float>(scaling), simd_supported()};
-  problem.wide = problem.simd && wide_vectors(isa, "attend");
+  AttendProblem problem{strided(q), strided(k), strided(v), mask.has_value() ? &m : nullptr,
+                        {mask_strides[0], mask_strides[1], mask_strides[2], mask_strides[3]},
+                        causal, static_cast<float>(scaling), simd_supported(), batch, heads, rows, head_dim,
+                        kv_heads, length};
   at::Tensor out = at::empty({batch, rows, heads, head_dim}, q.options());
   problem.out = out.data_ptr<float>();
-  // a K/V head's query heads share an item and read each key once, unless the mask differs between
-  // heads; where that leaves too few items to keep every thread busy (one row), they share it in chunks
-  const int64_t per_kv_head = (2 * at::get_num_threads() + batch * rows * kv_heads - 1) / (batch * rows * kv_heads);
-  problem.set_together(problem.mask_heads_differ() ? 1 : (problem.groups + per_kv_head - 1) / per_kv_head);
-  const int64_t together = problem.together, room = (length + 7) / 8 * 8 + 8;
-  std::vector<int32_t> row_seen;
-  std::vector<int64_t> row_counts;
-  if (problem.seen_per_row()) problem.list_seen_rows(row_seen, row_counts);
-  at::parallel_for(0, problem.items(), 1, [&](int64_t begin, int64_t end) {
-    std::vector<int32_t> own(row_seen.empty() ? length : 0);
-    std::vector<float> scores(together * room), sums(together), accs(together * head_dim);
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t row = problem.b(item) * rows + problem.r(item);
-      const int32_t* seen = row_seen.empty() ? own.data() : row_seen.data() + row * length;
-      const int64_t count = row_seen.empty() ? problem.seen(item, own.data()) : row_counts[row];
-      problem.weigh(item, seen, count, scores.data(), room, sums.data(), accs.data());
-      problem.finish(item, sums.data(), accs.data());
-    }
-  });
+  solve(problem, isa);
   return out;
 }
 
@@ -1807,32 +1832,63 @@ struct AttentionInputs {
   int64_t start;
 };
 
-// A layer's q, k and v products of its normed input (rows, in), each contiguous in its columns: the
-// stacked pack's output split where there is one, else three products.
+// attend on the rotated query rows (1, rows, heads, head_dim) over the cache buffers' first `length` rows
+// under the input's mask (its first `length` keys; broadcast where its size is 1): (rows, heads * head_dim).
+at::Tensor attend_cached(const at::Tensor& rotated, int64_t rows, int64_t length, const AttentionShape& shape,
+                         const AttentionInputs& in) {
+  const int64_t heads = shape.heads, head_dim = shape.head_dim;
+  const at::Tensor& keys = in.keys_buffer;
+  const at::Tensor& values = in.values_buffer;
+  int64_t mask_strides[4] = {0, 0, 0, 0};
+  const at::Tensor* mask = in.mask.has_value() ? &*in.mask : nullptr;
+  if (mask != nullptr) {
+    TORCH_CHECK(mask->dim() == 4 && mask->size(0) == 1 && (mask->size(1) == 1 || mask->size(1) == heads) &&
+                    mask->size(2) == rows && mask->size(3) >= length &&
+                    (mask->scalar_type() == at::kBool || mask->scalar_type() == at::kFloat),
+                "decoder layers: a bool or float32 mask (1, heads or 1, rows, keys)");
+    for (int i = 0; i < 4; ++i) mask_strides[i] = mask->size(i) == 1 ? 0 : mask->stride(i);
+  }
+  // the query as (batch, heads, rows, head_dim) reads the rotated rows' memory
+  const Strided query{rotated.data_ptr<float>(), {rows * heads * head_dim, head_dim, heads * head_dim}};
+  AttendProblem problem{query, strided(keys), strided(values), mask,
+                        {mask_strides[0], mask_strides[1], mask_strides[2], mask_strides[3]},
+                        /*causal=*/false, static_cast<float>(shape.scaling), simd_supported(), 1, heads, rows,
+                        head_dim, shape.kv_heads, length};
+  at::Tensor out = float_empty({rows, heads * head_dim});
+  problem.out = out.data_ptr<float>();
+  solve(problem, "auto");
+  return out;
+}
+
+// A layer's q, k and v products of its normed input (rows, in), each with unit column stride: the stacked
+// pack's output read in place where there is one (no views cut from it: a forward makes hundreds of these
+// products), else three products.
 struct QueryKeyValue {
-  at::Tensor query, key, value;
+  Columns query, key, value;
 };
 
 QueryKeyValue qkv_products(const at::Tensor& normed, const at::Tensor* w, const LayerPacks& packs,
                            const AttentionShape& shape) {
   const int64_t q_width = shape.heads * shape.head_dim, kv_width = shape.kv_heads * shape.head_dim;
   if (packs.fused[0].numel() == 0)
-    return {packs.product(normed, w, kQuery).contiguous(), packs.product(normed, w, kKey).contiguous(),
-            packs.product(normed, w, kValue).contiguous()};
+    return {Columns(packs.product(normed, w, kQuery).contiguous(), 0),
+            Columns(packs.product(normed, w, kKey).contiguous(), 0),
+            Columns(packs.product(normed, w, kValue).contiguous(), 0)};
   const at::Tensor all = packed_product(normed, packs.fused[0], packs.kind(kQuery), w[kQuery]).contiguous();
-  return {columns(all, 0, q_width), columns(all, q_width, kv_width), columns(all, q_width + kv_width, kv_width)};
+  return {Columns(all, 0), Columns(all, q_width), Columns(all, q_width + kv_width)};
 }
 
 // The rotary embedding of a forward's query and key rows, its key and value rows written into the cache
 // buffers at [start, start + rows), and attention over rows [0, start + rows) under the mask (cut to those
-// keys, as rows_attention_forward cuts it): (1, rows, heads, head_dim), contiguous.
+// keys, as rows_attention_forward cuts it): (rows, heads * head_dim), contiguous. The row-invariant
+// attention reads the buffers and the mask in place (attend's work without the views it would take).
 at::Tensor attend_new_rows(const Columns& query, const Columns& key, const Columns& value, int64_t rows,
                            const AttentionShape& shape, const AttentionInputs& in) {
   const int64_t heads = shape.heads, kv_heads = shape.kv_heads, head_dim = shape.head_dim;
   const float* cos = in.cosines.data_ptr<float>();
   const float* sin = in.sines.data_ptr<float>();
   // the query as ATen's q * cos + roll(q) * sin lays it out: (1, rows, heads, head_dim) in memory
-  at::Tensor rotated = at::empty({1, rows, heads, head_dim}, query.rows.options());
+  at::Tensor rotated = float_empty({1, rows, heads, head_dim});
   rotate_into(query, rows, heads, head_dim, cos, sin, rotated.data_ptr<float>(), head_dim, heads * head_dim);
   TORCH_CHECK(in.keys_buffer.stride(3) == 1 && in.values_buffer.stride(3) == 1, "decoder layers: cache buffers");
   rotate_into(key, rows, kv_heads, head_dim, cos, sin,
@@ -1841,15 +1897,14 @@ at::Tensor attend_new_rows(const Columns& query, const Columns& key, const Colum
   copy_into(value, rows, kv_heads, head_dim, in.values_buffer.data_ptr<float>() + in.start * in.values_buffer.stride(2),
             in.values_buffer.stride(1), in.values_buffer.stride(2));
   const int64_t length = in.start + rows;
+  if (shape.rows_attention) return attend_cached(rotated, rows, length, shape, in);
   const at::Tensor keys = in.keys_buffer.narrow(2, 0, length), values = in.values_buffer.narrow(2, 0, length);
   std::optional<at::Tensor> mask = in.mask;
   if (mask.has_value()) mask = mask->narrow(3, 0, length);
-  return shape.rows_attention
-             ? attend(rotated.transpose(1, 2), keys, values, mask, shape.scaling, /*causal=*/false, "auto")
-             : at::scaled_dot_product_attention(rotated.transpose(1, 2), keys, values, mask, /*dropout_p=*/0.0,
-                                                /*is_causal=*/false, shape.scaling, shape.grouped)
-                   .transpose(1, 2)
-                   .contiguous();
+  return at::scaled_dot_product_attention(rotated.transpose(1, 2), keys, values, mask, /*dropout_p=*/0.0,
+                                          /*is_causal=*/false, shape.scaling, shape.grouped)
+      .transpose(1, 2)
+      .reshape({rows, heads * head_dim});
 }
 
 // A layer's attention block on its normed input (rows, in): the q, k and v products, then attend_new_rows
@@ -1858,9 +1913,7 @@ at::Tensor attention_block(const at::Tensor& normed, const at::Tensor* w, const 
                            const AttentionShape& shape, const AttentionInputs& in) {
   const int64_t rows = normed.size(0);
   const QueryKeyValue qkv = qkv_products(normed, w, packs, shape);
-  const at::Tensor attended = attend_new_rows(Columns(qkv.query, 0), Columns(qkv.key, 0), Columns(qkv.value, 0),
-                                              rows, shape, in);
-  return packs.product(attended.view({rows, -1}), w, kOutput);
+  return packs.product(attend_new_rows(qkv.query, qkv.key, qkv.value, rows, shape, in), w, kOutput);
 }
 
 // A layer's gated MLP on its normed input (rows, width): down(act(gate(x)) * up(x)).
@@ -1868,11 +1921,13 @@ at::Tensor mlp_block(const at::Tensor& normed, const at::Tensor* w, const LayerP
                      Activation act = Activation::kSilu) {
   at::Tensor gated;
   if (packs.fused[1].numel() > 0) {
-    at::Tensor all = packed_product(normed, packs.fused[1], packs.kind(kGate), w[kGate]);
+    const at::Tensor all = packed_product(normed, packs.fused[1], packs.kind(kGate), w[kGate]).contiguous();
     const int64_t inner = all.size(1) / 2;
-    gated = gated_product(columns(all, 0, inner), columns(all, inner, inner), act);
+    // the gate columns as narrow would cut them, without its view bookkeeping
+    const at::Tensor gate = at::from_blob(all.data_ptr<float>(), {all.size(0), inner}, {all.stride(0), 1}, all.options());
+    gated = gated_product(gate, Columns(all, inner), act);
   } else {
-    gated = gated_product(packs.product(normed, w, kGate), packs.product(normed, w, kUp), act);
+    gated = gated_product(packs.product(normed, w, kGate), Columns(packs.product(normed, w, kUp), 0), act);
   }
   return packs.product(gated, w, kDown);
 }
@@ -1951,12 +2006,14 @@ at::Tensor gemma_attention(const at::Tensor& normed, const at::Tensor* w, const 
   const int64_t rows = normed.size(0), heads = shape.heads, kv_heads = shape.kv_heads, head_dim = shape.head_dim;
   const QueryKeyValue qkv = qkv_products(normed, w, packs, shape);
   // each head's norm over its head_dim values: rows x heads rows of head_dim, in the products' order
-  const at::Tensor query = gemma_norm(qkv.query.reshape({rows * heads, head_dim}), w[kGemmaQueryNorm], eps[kEpsQuery]);
-  const at::Tensor key = gemma_norm(qkv.key.reshape({rows * kv_heads, head_dim}), w[kGemmaKeyNorm], eps[kEpsKey]);
+  const at::Tensor query =
+      gemma_norm(qkv.query.dense(heads * head_dim).view({rows * heads, head_dim}), w[kGemmaQueryNorm], eps[kEpsQuery]);
+  const at::Tensor key =
+      gemma_norm(qkv.key.dense(kv_heads * head_dim).view({rows * kv_heads, head_dim}), w[kGemmaKeyNorm], eps[kEpsKey]);
   const at::Tensor attended =
       attend_new_rows(Columns(query.view({rows, heads * head_dim}), 0), Columns(key.view({rows, kv_heads * head_dim}), 0),
-                      Columns(qkv.value, 0), rows, shape, in);
-  return packs.product(attended.view({rows, -1}), w, kOutput);
+                      qkv.value, rows, shape, in);
+  return packs.product(attended, w, kOutput);
 }
 
 }  // namespace

@@ -26,6 +26,7 @@ arithmetic dwarfs the overhead.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -74,7 +75,7 @@ class DirectForward:
         self._attention_function = rows_attention_forward if self.rows_attention else sdpa_attention_forward
         self.layers: list[LlamaDecoderLayer] = list(model.model.layers[: model.config.num_hidden_layers])
         self._steps: list[_LeanLayer] | None = None
-        self._steps_from: list[tuple[dict, str, object]] = []
+        self._steps_from = PlanSources()
         weight = model.lm_head.weight
         served = native and native_layers_supported(self.layers, weight.dtype, weight.device)
         self._native = native_extension() if served else None
@@ -137,8 +138,8 @@ class DirectForward:
             return None
         if not isinstance(cache, PreallocatedCache):
             return None
-        if self._steps is None or any(slot.get(name) is not held for slot, name, held in self._steps_from):
-            self._steps, self._steps_from = _lean_plan(self.layers), plan_sources(self.layers)
+        if self._steps is None or not self._steps_from.current():
+            self._steps, self._steps_from = _lean_plan(self.layers), PlanSources(self.layers)
             self._native_plan = native_plan(self.layers) if self._native is not None and self._steps else None
         return self._steps or None
 
@@ -297,16 +298,25 @@ def _lean_layers(
     return x
 
 
-def plan_sources(layers: list[LlamaDecoderLayer]) -> list[tuple[dict, str, object]]:
-    """Every submodule and parameter slot of the layers with what it holds now: a plan made from them is
+class PlanSources:
+    """Every submodule and parameter slot of some layers with what it holds now: a plan made from them is
     current while each slot still holds the same object (far cheaper per forward than walking
-    ``model.parameters()``)."""
-    sources = []
-    for layer in layers:
-        for module in layer.modules():
-            sources += [(module._modules, name, held) for name, held in module._modules.items()]
-            sources += [(module._parameters, name, held) for name, held in module._parameters.items()]
-    return sources
+    ``model.parameters()``; SmolLM2's 30 layers hold 840 slots). One class for every direct forward."""
+
+    def __init__(self, layers: list[nn.Module] = ()) -> None:
+        self._tables: list[dict] = []
+        self._names: list[str] = []
+        self._held: list[object] = []
+        for layer in layers:
+            for module in layer.modules():
+                for table in (module._modules, module._parameters):
+                    self._tables += [table] * len(table)
+                    self._names += list(table)
+                    self._held += list(table.values())
+
+    def current(self) -> bool:
+        """Whether every slot still holds what it held when these sources were read."""
+        return all(map(operator.is_, map(dict.get, self._tables, self._names), self._held))
 
 
 def _rotary_factors(position_embeddings: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -47,7 +47,7 @@ from draftsmith.inference.kernels.attention import (
     rows_attention_available,
     rows_attention_forward,
 )
-from draftsmith.inference.kernels.direct_forward import _projectors, _rotary_factors, plan_sources
+from draftsmith.inference.kernels.direct_forward import PlanSources, _projectors, _rotary_factors
 from draftsmith.inference.kernels.native import native_extension
 from draftsmith.inference.kernels.native_layers import NativePlan, pack_inputs, projections_of, stacked_pack
 from draftsmith.inference.kernels.packed_gemm import PackedLinear, active_pack, one_pack_product
@@ -77,7 +77,7 @@ class GemmaDirectForward:
         self.window: int | None = config.sliding_window if "sliding_attention" in self.layer_types else None
         self._extension = native_extension() if native else None
         self._steps: list[_GemmaLayer] | None = None
-        self._steps_from: list[tuple[dict, str, object]] = []
+        self._steps_from = PlanSources()
         self._factors_from: list[CopySource] = []  # the norms' weights the plan's (1 + weight) were made from
         self._final_factor: torch.Tensor | None = None
         self._stacks: tuple[tuple, list] | None = None  # the stacked packs, by the state of the packs
@@ -150,9 +150,9 @@ class GemmaDirectForward:
             return False
         if not isinstance(cache, PreallocatedCache) or not cache.layers[0].is_initialized:
             return False
-        stale = self._steps is None or any(slot.get(name) is not held for slot, name, held in self._steps_from)
+        stale = self._steps is None or not self._steps_from.current()
         if stale or not all(source.still(source.weight) for source in self._factors_from):
-            self._steps, self._steps_from = _gemma_plan(self.layers, self.layer_types), plan_sources(self.layers)
+            self._steps, self._steps_from = _gemma_plan(self.layers, self.layer_types), PlanSources(self.layers)
             final = self.model.model.norm
             self._final_factor = _factor(final)
             norms = [norm for step in self._steps for norm in step.norms] + [final]

@@ -1836,6 +1836,7 @@ struct AttentionInputs {
 // under the input's mask (its first `length` keys; broadcast where its size is 1): (rows, heads * head_dim).
 at::Tensor attend_cached(const at::Tensor& rotated, int64_t rows, int64_t length, const AttentionShape& shape,
                          const AttentionInputs& in) {
+  RECORD_FUNCTION("draftsmith::attend", std::vector<c10::IValue>());  // named in bench-tree --profile, as attend
   const int64_t heads = shape.heads, head_dim = shape.head_dim;
   const at::Tensor& keys = in.keys_buffer;
   const at::Tensor& values = in.values_buffer;

@@ -27,7 +27,7 @@ arithmetic dwarfs the overhead.
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import partial
 from types import ModuleType
@@ -303,7 +303,7 @@ class PlanSources:
     current while each slot still holds the same object (far cheaper per forward than walking
     ``model.parameters()``; SmolLM2's 30 layers hold 840 slots). One class for every direct forward."""
 
-    def __init__(self, layers: list[nn.Module] = ()) -> None:
+    def __init__(self, layers: Iterable[nn.Module] = ()) -> None:
         self._tables: list[dict] = []
         self._names: list[str] = []
         self._held: list[object] = []

@@ -27,6 +27,7 @@
 #include <torch/extension.h>
 
 #ifdef __linux__
+#include <dlfcn.h>
 #include <sys/mman.h>
 #endif
 
@@ -36,6 +37,7 @@
 #include <cstdlib>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <memory>
 #include <mutex>
@@ -75,18 +77,90 @@ constexpr int64_t kByteGroupBytes = kStreamBlock * sizeof(float) + kCodeGroup * 
 // otherwise cross a few hundred times.
 at::Tensor float_empty(at::IntArrayRef sizes) { return at::detail::empty_cpu(sizes, at::kFloat); }
 
+// ATen's float32 sum over the last dimension of a contiguous row of n values (cascade_sum in ATen's
+// SumKernel.cpp, its vectorized_inner_sum), replicated for `lanes`, its Vectorized<float>::size() (16 where
+// ATen runs its AVX-512 kernels, 8 for AVX2; 1: its scalar path, for rows shorter than a vector): four
+// interleaved vectors of partial sums, folded every 16 of them into three more levels, the levels folded into
+// the first vector and the other three into it, then the values past the last whole vector and the lanes in
+// order, added to the zeroed output. Each addition is one IEEE float32 addition in ATen's order, so the sum
+// is bitwise ATen's; which lane count ATen uses is checked against at::cpu::sum (aten_sum_lanes).
+float aten_row_sum(const float* x, int64_t n, int lanes) {
+  constexpr int kMaxLanes = 16, kInterleaved = 4, kLevels = 4;
+  const int64_t vectors = n / lanes, steps = vectors / kInterleaved;
+  int64_t ceil_log2 = 1;  // ATen's utils::CeilLog2
+  while (steps > 2 && (int64_t(1) << ceil_log2) < steps) ++ceil_log2;
+  const int64_t level_power = std::max<int64_t>(4, ceil_log2 / kLevels), level_step = int64_t(1) << level_power;
+  float acc[kLevels][kInterleaved][kMaxLanes] = {};
+  auto add = [lanes](float* into, const float* v) {
+    for (int l = 0; l < lanes; ++l) into[l] += v[l];
+  };
+  int64_t i = 0;
+  while (i + level_step <= steps) {
+    for (int64_t j = 0; j < level_step; ++j, ++i)
+      for (int k = 0; k < kInterleaved; ++k) add(acc[0][k], x + (i * kInterleaved + k) * lanes);
+    for (int j = 1; j < kLevels; ++j) {
+      for (int k = 0; k < kInterleaved; ++k) {
+        add(acc[j][k], acc[j - 1][k]);
+        std::fill_n(acc[j - 1][k], lanes, 0.0f);
+      }
+      if ((i & ((level_step - 1) << (j * level_power))) != 0) break;
+    }
+  }
+  for (; i < steps; ++i)
+    for (int k = 0; k < kInterleaved; ++k) add(acc[0][k], x + (i * kInterleaved + k) * lanes);
+  for (int j = 1; j < kLevels; ++j)
+    for (int k = 0; k < kInterleaved; ++k) add(acc[0][k], acc[j][k]);
+  for (int64_t v = steps * kInterleaved; v < vectors; ++v) add(acc[0][0], x + v * lanes);
+  for (int k = 1; k < kInterleaved; ++k) add(acc[0][0], acc[0][k]);
+  float total = 0.0f;
+  for (int64_t e = vectors * lanes; e < n; ++e) total += x[e];
+  for (int l = 0; l < lanes; ++l) total += acc[0][0][l];
+  return 0.0f + total;
+}
+
+// The lane count with which aten_row_sum gives at::cpu::sum's floats for rows of `width` on this machine (0:
+// none does, at::cpu::sum stays), found once per width on rows of random magnitudes.
+int aten_sum_lanes(int64_t width) {
+  static std::mutex lock;
+  static std::vector<std::pair<int64_t, int>> found;
+  const std::lock_guard<std::mutex> guard(lock);
+  for (const auto& [w, lanes] : found)
+    if (w == width) return lanes;
+  const at::Tensor rows = (at::randn({64, width}) * at::exp(4 * at::randn({64, width}))).contiguous();
+  const at::Tensor sums = at::cpu::sum(rows, {-1}, /*keepdim=*/false).contiguous();
+  int chosen = 0;
+  for (const int lanes : {16, 8}) {
+    const int effective = width < lanes ? 1 : lanes;
+    bool same = true;
+    for (int64_t r = 0; r < 64 && same; ++r)
+      same = aten_row_sum(rows.data_ptr<float>() + r * width, width, effective) == sums.data_ptr<float>()[r];
+    if (same) {
+      chosen = effective;
+      break;
+    }
+  }
+  found.emplace_back(width, chosen);
+  return chosen;
+}
+
 // Each row's rsqrt(mean(x * x) + eps) of contiguous float32 rows (..., width), as an RMSNorm computes it: the
-// mean's sum stays ATen's (its summation order is the reference's); the squares, the division by width
-// (what ATen's mean does after that sum: a float32 true division), the epsilon's addition and the
-// reciprocal square root (1 / sqrt, each correctly rounded, as ATen's rsqrt) are exact replicas.
+// mean's sum is ATen's (aten_row_sum: its summation order is the reference's; at::cpu::sum itself where the
+// replica was not found to match); the squares, the division by width (what ATen's mean does after that
+// sum: a float32 true division), the epsilon's addition and the reciprocal square root (1 / sqrt, each
+// correctly rounded, as ATen's rsqrt) are exact replicas.
 std::vector<float> inverse_rms(const at::Tensor& in, double eps) {
   const int64_t width = in.size(-1), rows = in.numel() / width;
-  at::Tensor squares = float_empty(in.sizes());
   const float* xp = in.data_ptr<float>();
-  float* sq = squares.data_ptr<float>();
-  for (int64_t i = 0; i < rows * width; ++i) sq[i] = xp[i] * xp[i];
-  const at::Tensor sums = at::cpu::sum(squares, {-1}, /*keepdim=*/true).contiguous();
-  const float* var = sums.data_ptr<float>();
+  std::vector<float> squares(rows * width), var(rows);
+  for (int64_t i = 0; i < rows * width; ++i) squares[i] = xp[i] * xp[i];
+  const int lanes = aten_sum_lanes(width);
+  if (lanes > 0) {
+    for (int64_t r = 0; r < rows; ++r) var[r] = aten_row_sum(squares.data() + r * width, width, lanes);
+  } else {
+    const at::Tensor sums =
+        at::cpu::sum(at::from_blob(squares.data(), {rows, width}, at::kFloat), {-1}, /*keepdim=*/false).contiguous();
+    std::copy_n(sums.data_ptr<float>(), rows, var.begin());
+  }
   const float count = static_cast<float>(width), epsilon = static_cast<float>(eps);
   std::vector<float> inverse(rows);
   for (int64_t r = 0; r < rows; ++r) inverse[r] = 1.0f / std::sqrt(var[r] / count + epsilon);
@@ -168,17 +242,121 @@ void copy_into(const Columns& from, int64_t rows, int64_t heads, int64_t head_di
 // The gated MLPs' activations: Llama's SiLU, Gemma-3's GELU with the tanh approximation.
 enum class Activation { kSilu, kGeluTanh };
 
-// act(gate) * up, gate (rows, inner) with unit column stride, up that many columns: the activation stays
-// ATen's (its exp or tanh is the reference's), the product an exact replica.
+// ATen's SiLU of n contiguous floats (silu_kernel: x / (1 + exp(-x)), vectors of Vectorized<float>::exp, which
+// is SLEEF's 1-ulp expf, two vectors a step, the values past the last whole step through std::exp),
+// replicated with SLEEF's own functions from libtorch (looked up at run time: a torch without them keeps
+// ATen's SiLU) for 16 or 8 lanes, whichever ATen runs here (silu_lanes). Each value is one expf and IEEE
+// operations in ATen's order, so the result is bitwise ATen's.
+constexpr int64_t kSiluReplicaMax = 32768;  // at::internal::GRAIN_SIZE: ATen splits more between threads
+#ifdef DRAFTSMITH_X86
+using ExpLanes16 = __m512 (*)(__m512);
+using ExpLanes8 = __m256 (*)(__m256);
+
+template <typename F>
+F sleef_function(const char* name) {
+#ifdef __linux__
+  return reinterpret_cast<F>(dlsym(RTLD_DEFAULT, name));
+#else
+  return nullptr;
+#endif
+}
+
+__attribute__((target("avx512f"))) void silu_16(const float* x, int64_t n, float* out, ExpLanes16 exp16) {
+  const int64_t whole = n / 32 * 32;
+  const __m512 one = _mm512_set1_ps(1.0f);
+  const __m512i sign = _mm512_set1_epi32(static_cast<int>(0x80000000u));
+  for (int64_t i = 0; i < whole; i += 16) {
+    const __m512 v = _mm512_loadu_ps(x + i);
+    const __m512 negated = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(v), sign));
+    _mm512_storeu_ps(out + i, _mm512_div_ps(v, _mm512_add_ps(one, exp16(negated))));
+  }
+  for (int64_t i = whole; i < n; ++i) out[i] = x[i] / (1.0f + std::exp(-x[i]));
+}
+
+__attribute__((target("avx2,fma"))) void silu_8(const float* x, int64_t n, float* out, ExpLanes8 exp8) {
+  const int64_t whole = n / 16 * 16;
+  const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
+  for (int64_t i = 0; i < whole; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    _mm256_storeu_ps(out + i, _mm256_div_ps(v, _mm256_add_ps(one, exp8(_mm256_xor_ps(v, sign)))));
+  }
+  for (int64_t i = whole; i < n; ++i) out[i] = x[i] / (1.0f + std::exp(-x[i]));
+}
+
+// The SiLU replica for this machine: silu_16 or silu_8 bound to its SLEEF function, the first that gives
+// at::cpu::silu's floats on random values of several lengths (found once), and its lanes; none (lanes 0)
+// where neither does.
+struct SiluReplica {
+  int lanes = 0;
+  std::function<void(const float*, int64_t, float*)> run;
+};
+
+const SiluReplica& silu_replica() {
+  static const SiluReplica replica = [] {
+    const auto exp16 = sleef_function<ExpLanes16>("Sleef_expf16_u10");
+    const auto exp8 = sleef_function<ExpLanes8>("Sleef_expf8_u10");
+    std::vector<SiluReplica> candidates;
+    if (__builtin_cpu_supports("avx512f") && exp16 != nullptr)
+      candidates.push_back({16, [exp16](const float* x, int64_t n, float* out) { silu_16(x, n, out, exp16); }});
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && exp8 != nullptr)
+      candidates.push_back({8, [exp8](const float* x, int64_t n, float* out) { silu_8(x, n, out, exp8); }});
+    for (const SiluReplica& candidate : candidates) {
+      // lengths whose last whole steps differ between 16 and 8 lanes (which values take std::exp), and longer ones
+      std::vector<int64_t> lengths = {1536, 1000, 5};
+      for (int64_t n = 16; n < 48; ++n) lengths.push_back(n);
+      bool same = true;
+      for (const int64_t n : lengths) {
+        const at::Tensor x = at::randn({n}) * 8, reference = at::cpu::silu(x);
+        std::vector<float> got(n);
+        candidate.run(x.data_ptr<float>(), n, got.data());
+        same = same && std::memcmp(got.data(), reference.data_ptr<float>(), n * sizeof(float)) == 0;
+      }
+      if (same) return candidate;
+    }
+    return SiluReplica{};
+  }();
+  return replica;
+}
+#endif
+
+// ATen's SiLU of gate (rows, inner) with unit column stride into out (rows, inner) through silu_replica, as
+// ATen's loop runs it (a contiguous gate as one run of values, else row by row, each with its own tail);
+// false (nothing written) where the replica does not serve.
+bool replicated_silu(const at::Tensor& gate, float* out) {
+#ifdef DRAFTSMITH_X86
+  const int64_t rows = gate.size(0), inner = gate.size(1);
+  if (rows * inner > kSiluReplicaMax || gate.stride(1) != 1) return false;
+  const SiluReplica& silu = silu_replica();
+  if (silu.lanes == 0) return false;
+  const float* g = gate.data_ptr<float>();
+  if (gate.is_contiguous()) {
+    silu.run(g, rows * inner, out);
+  } else {
+    for (int64_t r = 0; r < rows; ++r) silu.run(g + r * gate.stride(0), inner, out + r * inner);
+  }
+  return true;
+#else
+  return false;
+#endif
+}
+
+// act(gate) of gate (rows, inner) with unit column stride into out (rows, inner): ATen's (its exp or tanh is
+// the reference's: replicated_silu where it serves, else ATen's kernel).
+void activate(const at::Tensor& gate, Activation act, float* out) {
+  if (act == Activation::kSilu && replicated_silu(gate, out)) return;
+  const at::Tensor activated = (act == Activation::kSilu ? at::cpu::silu(gate) : at::cpu::gelu(gate, "tanh")).contiguous();
+  std::copy_n(activated.data_ptr<float>(), activated.numel(), out);
+}
+
+// act(gate) * up, gate (rows, inner) with unit column stride, up that many columns: activate's values, the
+// product an exact replica.
 at::Tensor gated_product(const at::Tensor& gate, const Columns& up, Activation act) {
-  const at::Tensor activated =
-      (act == Activation::kSilu ? at::cpu::silu(gate) : at::cpu::gelu(gate, "tanh")).contiguous();
-  const int64_t rows = activated.size(0), inner = activated.size(1);
+  const int64_t rows = gate.size(0), inner = gate.size(1);
   at::Tensor out = float_empty({rows, inner});
-  const float* a = activated.data_ptr<float>();
   float* o = out.data_ptr<float>();
+  activate(gate, act, o);
   for (int64_t r = 0; r < rows; ++r)
-    for (int64_t j = 0; j < inner; ++j) o[r * inner + j] = a[r * inner + j] * up.first[r * up.stride + j];
+    for (int64_t j = 0; j < inner; ++j) o[r * inner + j] *= up.first[r * up.stride + j];
   return out;
 }
 
@@ -2441,6 +2619,30 @@ at::Tensor greedy_tokens(const at::Tensor& rows, const at::Tensor& quantized, co
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def(
+      "silu_lanes",
+      []() {
+#ifdef DRAFTSMITH_X86
+        return silu_replica().lanes;
+#else
+        return 0;
+#endif
+      },
+      "The lanes of the layers' SiLU replica (0: ATen's SiLU serves)");
+  m.def(
+      "silu",
+      [](const at::Tensor& gate) {
+        TORCH_CHECK(gate.dim() == 2 && gate.scalar_type() == at::kFloat && gate.stride(1) == 1, "silu: float32 rows");
+        at::Tensor out = float_empty({gate.size(0), gate.size(1)});
+        activate(gate, Activation::kSilu, out.data_ptr<float>());
+        return out;
+      },
+      "SiLU of float32 rows as the C++ layers compute it (bitwise ATen's)");
+  m.def("norm_sum_lanes", &aten_sum_lanes,
+        "The lane count with which the norms' sums replicate ATen's for rows of this width (0: ATen's sum serves)");
+  m.def(
+      "rms_norm", [](const at::Tensor& x, const at::Tensor& weight, double eps) { return rms_norm(x, weight, eps).view(x.sizes()); },
+      "LlamaRMSNorm.forward of float32 rows (bitwise the same)");
   m.def("decoder_layers", &decoder_layers, "The lean path's decoder layers (bitwise the same)");
   m.def("gemma_layers", &gemma_layers, "Gemma-3's lean decoder layers (bitwise the same)");
   m.def("drafter_layer", &drafter_layer, "A feature drafter's decoder layer from its attention input and residual");

@@ -83,13 +83,29 @@ class DraftTree:
         return ancestry(self.parents)[0]
 
 
+_BITSET_ROWS = 62  # rows whose ancestor sets fit one int64 each, as bits
+
+
+def _small_ancestry(parents: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`ancestry` of a topological tree of fewer than ``_BITSET_ROWS`` rows, from one integer per row."""
+    seen, depths = [1], [0]  # the root sees itself
+    for row, parent in enumerate(parents, start=1):
+        seen.append(seen[parent + 1] | 1 << row)
+        depths.append(depths[parent + 1] + 1)
+    allowed = (torch.tensor(seen)[:, None] >> torch.arange(len(seen))) & 1
+    return allowed.bool(), torch.tensor(depths)
+
+
 def ancestry(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The ancestor-or-self matrix ``(n + 1, n + 1)`` bool and the depths ``(n + 1,)`` over
     ``[root, nodes]`` of the tree with ``parents`` (topological, -1 = root).
 
-    Every row climbs one level per step at once, so the Python loop runs once per tree level rather
-    than once per node (trees are wide and shallow)."""
+    A tree of up to ``_BITSET_ROWS`` rows (every round's, but ``tune``'s largest) takes each row's
+    ancestors as the bits of one integer, its parent's and its own; a larger one climbs every row one
+    level per step at once, so its Python loop runs once per tree level rather than once per node."""
     parents = parents.cpu()
+    if parents.numel() < _BITSET_ROWS:
+        return _small_ancestry(parents.tolist())
     rows = torch.arange(parents.numel() + 1)
     parent_row = torch.cat([torch.zeros(1, dtype=torch.long), parents + 1])  # the root is its own parent
     allowed = torch.zeros(rows.numel(), rows.numel(), dtype=torch.bool)

@@ -177,9 +177,11 @@ def test_sliding_layers_get_their_own_tree_mask_and_full_layers_the_plain_one(mo
     assert seen[2].nonzero().flatten().tolist() == [9, 10, 11, 12]
 
 
-def test_vectorised_ancestry_equals_the_per_node_loop():
+def test_ancestry_equals_the_per_node_loop():
+    """Both ways ``ancestry`` takes: one integer of bits per row (trees of up to 61 nodes), and every row
+    climbing a level at once (larger ones)."""
     rng = random.Random(0)
-    for size in [0, 1, 2, 5, 17, 60]:
+    for size in [0, 1, 2, 5, 17, 60, 61, 62, 63, 100]:
         for _ in range(5):
             tree = random_tree(rng, size)
             allowed, depths = ancestry(tree.parents)

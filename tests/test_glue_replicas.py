@@ -81,7 +81,13 @@ sys.path.insert(0, {tests!r})
 import test_glue_replicas as t
 from draftsmith.inference.kernels.native import native_extension
 native = native_extension()
-print(json.dumps({{"capability": torch.backends.cpu.get_cpu_capability(), "norms": t.norm_mismatches(native),
+torch.manual_seed(0)
+expected = torch.rand(4)
+torch.manual_seed(0)
+native.norm_sum_lanes(4099), native.silu_lanes()  # each copy's first check draws random values of its own
+untouched = torch.equal(torch.rand(4), expected)
+print(json.dumps({{"capability": torch.backends.cpu.get_cpu_capability(), "rng_untouched": untouched,
+                  "norms": t.norm_mismatches(native),
                   "silu": t.silu_mismatches(native), "norm_lanes": native.norm_sum_lanes(576),
                   "silu_lanes": native.silu_lanes()}}))
 """
@@ -99,6 +105,7 @@ def test_every_kernel_set_aten_can_run_here_gets_bitwise_copies(native, capabili
     if report["capability"].lower() != capability:
         pytest.skip(f"this CPU does not run ATen's {capability} kernels")
     assert report["norms"] == [] and report["silu"] == []
+    assert report["rng_untouched"]  # a user's seeded sampling draws the same numbers as without the copies
     if capability == "default":
         assert report["silu_lanes"] == 0
     else:

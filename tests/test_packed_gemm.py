@@ -652,6 +652,22 @@ def test_auto_times_again_where_the_stream_packs_hold_another_form(monkeypatch, 
     assert KernelContext(coded, KernelOptions(weight_codes=False)).linear == "onednn"
 
 
+def test_timing_the_kernels_leaves_torchs_random_numbers_alone(monkeypatch, tmp_path):
+    """The first run on a machine times the kernels on random rows of its own: a user who seeded torch for
+    sampling draws the same numbers on that run as on every later one, which reads the remembered choice."""
+    from draftsmith.inference.kernels import linear_choice
+
+    one_pack_kernel("stream")
+    one_pack_kernel("onednn")
+    monkeypatch.setattr(linear_choice, "choices_path", lambda: tmp_path / "choices.json")
+    model = fresh_model(seed=16)
+    torch.manual_seed(0)
+    expected = torch.rand(4)
+    torch.manual_seed(0)
+    assert packed_gemm.linear_kernel_for(model, "auto") in ("stream", "onednn")
+    assert torch.equal(torch.rand(4), expected)
+
+
 def test_auto_without_a_choice_takes_what_serves(monkeypatch, tmp_path):
     from draftsmith.inference.kernels import linear_choice
 

@@ -211,9 +211,10 @@ def _seconds(
     packs = {kernel: [pack(kernel, weight) for weight in weights] for kernel in set(kernels)}
     paths = isas or ("auto",) * len(kernels)
     totals = [0.0] * len(kernels)
+    generator = torch.Generator().manual_seed(0)  # not torch's default one, which a user may have seeded
     with torch.no_grad():
         for rows in TIMED_ROWS:
-            inputs = {weight.shape[1]: torch.randn(rows, weight.shape[1]) for weight in weights}
+            inputs = {weight.shape[1]: torch.randn(rows, weight.shape[1], generator=generator) for weight in weights}
 
             def products(kernel: str, isa: str) -> Callable[[], None]:
                 def run() -> None:

@@ -18,6 +18,7 @@
 //   or, where the CPU has it, AVX-512 (as the stream kernel).
 // - int16_screen: the same product for rows rounded to 16-bit integers, summed exactly with AVX-512 VNNI
 //   (greedy_head.py takes it where the CPU has it).
+#include <ATen/CPUGeneratorImpl.h>
 #include <ATen/EmptyTensor.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/gelu_cpu_dispatch.h>
@@ -118,6 +119,13 @@ float aten_row_sum(const float* x, int64_t n, int lanes) {
   return 0.0f + total;
 }
 
+// Random float32 values of varied magnitudes for checking a copy of an ATen kernel, from a generator of their
+// own: torch's default one, which a user seeds for sampling, is left where it was.
+at::Tensor probe_values(at::IntArrayRef sizes, double spread) {
+  const at::Generator own = at::detail::createCPUGenerator(20261207);
+  return (at::randn(sizes, own) * at::exp(spread * at::randn(sizes, own))).contiguous();
+}
+
 // The lane count with which aten_row_sum gives at::cpu::sum's floats for rows of `width` on this machine (0:
 // none does, at::cpu::sum stays), found once per width on rows of random magnitudes.
 int aten_sum_lanes(int64_t width) {
@@ -126,7 +134,7 @@ int aten_sum_lanes(int64_t width) {
   const std::lock_guard<std::mutex> guard(lock);
   for (const auto& [w, lanes] : found)
     if (w == width) return lanes;
-  const at::Tensor rows = (at::randn({64, width}) * at::exp(4 * at::randn({64, width}))).contiguous();
+  const at::Tensor rows = probe_values({64, width}, 4.0);
   const at::Tensor sums = at::cpu::sum(rows, {-1}, /*keepdim=*/false).contiguous();
   int chosen = 0;
   for (const int lanes : {16, 8}) {
@@ -306,7 +314,7 @@ const SiluReplica& silu_replica() {
       for (int64_t n = 16; n < 48; ++n) lengths.push_back(n);
       bool same = true;
       for (const int64_t n : lengths) {
-        const at::Tensor x = at::randn({n}) * 8, reference = at::cpu::silu(x);
+        const at::Tensor x = probe_values({n}, 1.5), reference = at::cpu::silu(x);
         std::vector<float> got(n);
         candidate.run(x.data_ptr<float>(), n, got.data());
         same = same && std::memcmp(got.data(), reference.data_ptr<float>(), n * sizeof(float)) == 0;

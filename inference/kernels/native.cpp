@@ -263,7 +263,12 @@ using ExpLanes8 = __m256 (*)(__m256);
 template <typename F>
 F sleef_function(const char* name) {
 #ifdef __linux__
-  return reinterpret_cast<F>(dlsym(RTLD_DEFAULT, name));
+  void* found = dlsym(RTLD_DEFAULT, name);
+  if (found == nullptr) {  // libtorch loaded with local symbols: ask the library itself (already loaded)
+    void* library = dlopen("libtorch_cpu.so", RTLD_LAZY | RTLD_NOLOAD);
+    if (library != nullptr) found = dlsym(library, name);
+  }
+  return reinterpret_cast<F>(found);
 #else
   return nullptr;
 #endif

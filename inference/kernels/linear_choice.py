@@ -39,7 +39,11 @@ from draftsmith.inference.kernels.native import build_directory, native_extensio
 
 T = TypeVar("T")
 CHOICES_FILE = "linear_kernel_choices.json"
-TIMED_ROWS = (1, 4)  # a plain decoding step and a small tree, weighted alike
+# A plain decoding step, a small tree and a larger one, weighted alike: on Gemma-3's float32 packs AVX2 timed
+# 5-8% faster at one row, tied at four and was 40% slower at eight, so timing one and four rows alone let
+# noise pick it and made its 8-row forwards 29% slower.
+TIMED_ROWS = (1, 4, 8)
+_TIMED_ROWS_KEY = "/".join(map(str, TIMED_ROWS))  # in the remembered choices' keys: other rows, timed again
 TIMED_BYTES = 96 << 20  # weights cycled through per timing: past the last-level cache, as in a forward
 # A stream pack's outputs come in blocks of 16 (native.cpp's kStreamBlock): a weight's first 16 rows take
 # the form its whole pack takes, unless only some of its rows are codes (a weight not met in practice).
@@ -94,7 +98,7 @@ def _timed_isa(model: nn.Module, paths: tuple[str, ...], codes: bool, round_to_c
 
     what = (
         f"isa | {'/'.join(paths)} | shapes {digest} | stream packs {_stream_forms(weights, **packing)} "
-        f"| narrower if {ISA_MARGIN:.0%} faster"
+        f"| narrower if {ISA_MARGIN:.0%} faster | rows {_TIMED_ROWS_KEY}"
     )
     return remembered(model, what, fastest, paths.__contains__)
 
@@ -132,7 +136,10 @@ def chosen_kernel(
         print(f"[kernels] linears: timed {timings} on this CPU; using {best} (remembered in {where})", file=sys.stderr)
         return best
 
-    what = f"linears | {'/'.join(candidates)} | shapes {digest} | stream packs {_stream_forms(weights, **packing)}"
+    what = (
+        f"linears | {'/'.join(candidates)} | shapes {digest} | stream packs {_stream_forms(weights, **packing)}"
+        f" | rows {_TIMED_ROWS_KEY}"
+    )
     return remembered(model, what, fastest, candidates.__contains__)
 
 

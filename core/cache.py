@@ -210,12 +210,16 @@ def _unchanged_prefix(keep: torch.Tensor) -> int:
     return int(moved[0]) if moved.numel() else keep.numel()
 
 
+_NO_ROWS = torch.empty(0, dtype=torch.long)  # a plain step's commit moves no row
+
+
 def commit_tree_path(cache, past_length: int, accepted_nodes: list[int]) -> None:
     """After a forward over ``[root, tree]`` on top of ``past_length`` cached tokens, keep the prefix,
     the root and the accepted nodes (tree node i sits at ``past_length + 1 + i``)."""
     # Leading accepted nodes that are already where they belong (node j at slot j) never move.
     in_place = next((j for j, node in enumerate(accepted_nodes) if node != j), len(accepted_nodes))
-    sources = torch.tensor(accepted_nodes[in_place:], dtype=torch.long) + past_length + 1
+    moving = accepted_nodes[in_place:]
+    sources = torch.tensor(moving, dtype=torch.long) + past_length + 1 if moving else _NO_ROWS
     destination = past_length + 1 + in_place
     for layer in cache.layers:
         if isinstance(layer, PreallocatedLayer):

@@ -23,9 +23,9 @@ def verify_greedy(tree: DraftTree, logits: torch.Tensor) -> Verdict:
     return verify_greedy_tokens(tree, logits.argmax(dim=-1))
 
 
-def verify_greedy_tokens(tree: DraftTree, predictions: torch.Tensor) -> Verdict:
+def verify_greedy_tokens(tree: DraftTree, predictions: torch.Tensor | list[int]) -> Verdict:
     """:func:`verify_greedy` from the target's argmax at ``[root, nodes]`` (``(n + 1,)`` token ids)."""
-    predictions = predictions.tolist()
+    predictions = predictions.tolist() if isinstance(predictions, torch.Tensor) else predictions
     tokens = tree.tokens.tolist()
     accepted, current = [], -1
     while True:

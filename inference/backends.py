@@ -47,7 +47,7 @@ DEFAULT_TREE_ROOM = 64
 class GreedyForward:
     """A verification forward that computed only the target's argmax at its rows (no logits)."""
 
-    predictions: torch.Tensor  # (1 + tree nodes,) token ids over [root, nodes]
+    predictions: list[int]  # token ids over [root, nodes]
     hidden_states: tuple[torch.Tensor, ...] | None
 
 
@@ -91,8 +91,11 @@ def verification_forward(
     else:  # the root alone sees every cached key: no mask, as in plain decoding
         mask, positions = None, torch.tensor([[past]], device=device)
     input_ids = torch.full((1, positions.shape[1]), root, dtype=torch.long)
-    input_ids[0, 1 : 1 + len(tree)] = tree.tokens
-    with gemm.rows() if gemm is not None else nullcontext(), _grouped_kv_heads(device):
+    if len(tree):
+        input_ids[0, 1 : 1 + len(tree)] = tree.tokens
+    # the row-invariant attention reads grouped K/V heads as they are under any mask: no SDPA call to switch
+    grouping = nullcontext() if direct is not None and direct.rows_attention else _grouped_kv_heads(device)
+    with gemm.rows() if gemm is not None else nullcontext(), grouping:
         if direct is not None:
             out = direct(input_ids.to(device), positions, mask, cache, hidden, head=greedy is None)
         else:
@@ -106,7 +109,7 @@ def verification_forward(
             )
         if greedy is None:
             return out
-        tokens = greedy(out.last_hidden_state[0, : 1 + len(tree)], paths.native)
+        tokens = greedy.token_list(out.last_hidden_state[0, : 1 + len(tree)], paths.native)
         return GreedyForward(tokens, out.hidden_states)
 
 

@@ -13,6 +13,7 @@ from draftsmith.core.tree import DraftTree, TreeInputBuffers
 from draftsmith.inference.backends import Backends, FastPaths, verification_forward
 from draftsmith.inference.kernels.attention import model_attention
 from draftsmith.inference.kernels.direct import direct_forward_for
+from draftsmith.inference.kernels.direct_forward import RotaryTable, _rotary_factors
 from draftsmith.inference.kernels.options import KernelOptions
 from draftsmith.inference.kernels.packed_gemm import PackedGemm
 from draftsmith.inference.methods.pld import PromptLookupDrafter
@@ -161,3 +162,66 @@ def test_other_architectures_keep_their_own_forward(capsys):
         assert generate(mistral, PROMPT, drafter, max_new_tokens=12, eos_token_ids=[2]).tokens == reference
     said = capsys.readouterr().err.strip().splitlines()
     assert len(said) == 1 and "MistralForCausalLM decodes through its own forward" in said[0]
+
+
+@pytest.mark.parametrize("config", [{}, {"hidden_size": 256, "head_dim": 64}, {"hidden_size": 72, "head_dim": 18}])
+def test_the_rotary_tables_rows_are_the_modules_floats(config):
+    """Every position's row, looked up alone, in a tree's positions or past the table's first length, is
+    bitwise what the rotary embedding computes for it (head sizes below, at and off a vector's width)."""
+    model = tiny_llama(VOCAB, **config)
+    rotary, x = model.model.rotary_emb, torch.zeros(1, 1, model.config.hidden_size)
+    table = RotaryTable()
+    asked = [[[p] for p in range(0, 700, 7)], [[3, 4, 4, 5, 6, 5]], [[1000, 1001, 1001]], [[5]]]
+    for positions in asked:
+        ids = torch.tensor([sum(positions, [])]) if len(positions) > 1 else torch.tensor(positions)
+        for one in [ids] if ids.shape[1] > 1 else [torch.tensor([p]) for p in positions]:
+            cos, signed_sin = table.factors(rotary, x, one)
+            expected_cos, expected_sin = _rotary_factors(rotary(x, position_ids=one))
+            assert torch.equal(cos, expected_cos) and torch.equal(signed_sin, expected_sin)
+
+
+def test_the_rotary_table_follows_its_module():
+    """Inverse frequencies changed in place, a new module, and a rotary type whose factors depend on the
+    positions asked for (computed by the module every time)."""
+    model = tiny_llama(VOCAB)
+    x, positions = torch.zeros(1, 1, model.config.hidden_size), torch.tensor([[9, 10, 10]])
+    table = RotaryTable()
+
+    def same(rotary) -> bool:
+        cos, signed_sin = table.factors(rotary, x, positions)
+        expected_cos, expected_sin = _rotary_factors(rotary(x, position_ids=positions))
+        return torch.equal(cos, expected_cos) and torch.equal(signed_sin, expected_sin)
+
+    rotary = model.model.rotary_emb
+    assert same(rotary)
+    rotary.inv_freq.mul_(1.5)
+    assert same(rotary)
+    other = type(rotary)(model.config.__class__(**{**model.config.to_dict(), "rope_theta": 500.0}))
+    assert same(other) and same(rotary)
+    calls = []
+    rotary.rope_type = "dynamic"
+    real = rotary.forward
+    rotary.forward = lambda *a, **k: calls.append(1) or real(*a, **k)
+    assert same(rotary) and same(rotary) and len(calls) == 4  # two looked up, two references
+
+
+def test_the_native_layers_follow_packs_taken_over_by_another_gemm():
+    """A second PackedGemm over the same model takes its linears (with other kernels' floats): the C++
+    layers multiply by the packs of the gemm now in use, not by those they read before."""
+    from draftsmith.inference.kernels.packed_gemm import linear_kernel_available
+
+    if not (linear_kernel_available("stream") and linear_kernel_available("onednn")):
+        pytest.skip("the stream and oneDNN kernels do not both run here")
+    model = tiny_llama(VOCAB, seed=4)
+    direct = direct_forward_for(model)
+    assert direct.native
+    tree = seeded_random_tree(3, 4, VOCAB)
+    for kernel in ("stream", "onednn", "stream"):
+        gemm = PackedGemm(model, kernel)
+        for change in (1.0, -1.5):  # then a weight changed in place: the gemm packs it again
+            with torch.no_grad():
+                model.model.layers[0].mlp.up_proj.weight.mul_(change)
+            with gemm.model_forwards():
+                reference, _ = verify_once(model, tree, gemm, None, rows_attention=True)
+                out, _ = verify_once(model, tree, gemm, direct)
+            assert torch.equal(out.logits, reference.logits), (kernel, change)

@@ -80,6 +80,7 @@ class DirectForward:
         served = native and native_layers_supported(self.layers, weight.dtype, weight.device)
         self._native = native_extension() if served else None
         self._native_plan: NativePlan | None = None
+        self._rotary = RotaryTable()
 
     def __call__(
         self,
@@ -94,19 +95,20 @@ class DirectForward:
         returns it (``last_hidden_state``: the normed last states, the head's input)."""
         base = self.model.model
         x = base.embed_tokens(input_ids)
-        position_embeddings = base.rotary_emb(x, position_ids=position_ids)
         hidden: list[torch.Tensor] = [x]
         steps = self._lean_steps(x, attention_mask, cache)
-        layers = self._native_layers(x, position_embeddings, attention_mask, cache) if steps is not None else None
+        layers = self._native_layers(x, position_ids, attention_mask, cache) if steps is not None else None
         if layers is not None:
             hidden.extend(layers)
             x = layers[-1]
-        elif steps is not None:
-            x = _lean_layers(steps, x, position_embeddings, attention_mask, cache, hidden, self._attention_function)
         else:
-            for layer in self.layers:
-                x = _decoder_layer(layer, x, position_embeddings, attention_mask, cache, self._attention_function)
-                hidden.append(x)
+            position_embeddings = base.rotary_emb(x, position_ids=position_ids)
+            if steps is not None:
+                x = _lean_layers(steps, x, position_embeddings, attention_mask, cache, hidden, self._attention_function)
+            else:
+                for layer in self.layers:
+                    x = _decoder_layer(layer, x, position_embeddings, attention_mask, cache, self._attention_function)
+                    hidden.append(x)
         if layers is None:
             x = base.norm(x)
         else:  # the extension's RMSNorm: the same floats without a module call and its small ATen calls
@@ -147,11 +149,7 @@ class DirectForward:
         return self._steps or None
 
     def _native_layers(
-        self,
-        x: torch.Tensor,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor],
-        attention_mask: torch.Tensor | None,
-        cache,
+        self, x: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor | None, cache
     ) -> list[torch.Tensor] | None:
         """Each layer's output from the C++ layers, for a lean forward (after :meth:`_lean_steps` accepted
         it) they can run: float32 on the CPU, a cache that already holds the prompt, and SDPA reading
@@ -160,7 +158,7 @@ class DirectForward:
             return None
         if not cache.layers[0].is_initialized:
             return None
-        cos, signed_sin = _rotary_factors(position_embeddings)
+        cos, signed_sin = self._rotary.factors(self.model.model.rotary_emb, x, position_ids)
         return native_decoder_layers(
             self._native, self._native_plan, x, cos, signed_sin, attention_mask, cache.layers, self.rows_attention
         )
@@ -329,6 +327,56 @@ def _rotary_factors(position_embeddings: tuple[torch.Tensor, torch.Tensor]) -> t
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     half = sin.shape[-1] // 2
     return cos, torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+
+
+class RotaryTable:
+    """The C++ layers' rotary factors (:func:`_rotary_factors` of the rotary embedding's ``cos`` and ``sin``) for
+    every position up to a length, made by the module itself and read by index: a decoding step then looks
+    its rows up instead of calling the module and four tensor operations. The module computes each element
+    alone (a position times an inverse frequency, then its cosine or sine, which ATen computes with one
+    vector function for every element, a vector's tail included), so a row's floats do not depend on which
+    other positions shared its call (``tests/test_direct_forward.py`` checks every row against the module,
+    for head sizes at and off a vector's width). Made again when the module, its inverse frequencies (in
+    place too) or its scaling change, or a position is past the end (the length doubles); a rotary
+    embedding of another kind (transformers' dynamic types change with the positions asked for) is called
+    every time."""
+
+    BLOCK = 128  # positions per module call while making the table
+
+    def __init__(self) -> None:
+        self._source: tuple | None = None
+        self._cos = self._signed_sin = torch.empty(0)
+
+    def factors(
+        self, rotary: nn.Module, x: torch.Tensor, position_ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``_rotary_factors(rotary(x, position_ids))`` for one sequence's positions (1, rows)."""
+        inv_freq = getattr(rotary, "inv_freq", None)
+        if getattr(rotary, "rope_type", None) != "default" or inv_freq is None or position_ids.shape[0] != 1:
+            return _rotary_factors(rotary(x, position_ids=position_ids))
+        source = (rotary, inv_freq, inv_freq._version, rotary.attention_scaling, x.dtype, x.device)
+        same = self._source is not None and all(map(operator.is_, source[:2], self._source[:2]))
+        same = same and source[2:] == self._source[2:]
+        last = int(position_ids.max())
+        if not same or last >= self._cos.shape[0]:
+            length = max(self._cos.shape[0] if same else 0, self.BLOCK)
+            while length <= last:
+                length *= 2
+            self._cos, self._signed_sin = self._made(rotary, x, length)
+            self._source = source
+        rows = position_ids[0]
+        shape = (1, 1, rows.shape[0], self._cos.shape[1])
+        return self._cos.index_select(0, rows).view(shape), self._signed_sin.index_select(0, rows).view(shape)
+
+    def _made(self, rotary: nn.Module, x: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, signed_sin = [], []
+        with torch.no_grad():
+            for start in range(0, length, self.BLOCK):
+                positions = torch.arange(start, start + self.BLOCK, device=x.device)[None]
+                block_cos, block_sin = _rotary_factors(rotary(x, position_ids=positions))
+                cos.append(block_cos[0, 0])
+                signed_sin.append(block_sin[0, 0])
+        return torch.cat(cos), torch.cat(signed_sin)
 
 
 def _projectors(step: _LeanLayer, rows: int) -> tuple[Callable[[torch.Tensor], torch.Tensor], ...]:

@@ -122,10 +122,14 @@ class GreedyHead:
         """The float32 head's argmax for each row of ``x`` (``(..., hidden)``), as a long tensor of
         ``x.shape[:-1]``. ``native``: the runtime's C++ extension (:mod:`native`), which computes the
         screen, finds the contenders in two passes over the vocabulary and runs the proof."""
+        return torch.tensor(self.token_list(x, native), dtype=torch.long).reshape(x.shape[:-1])
+
+    def token_list(self, x: torch.Tensor, native: ModuleType | None = None) -> list[int]:
+        """:meth:`__call__`'s tokens as a list, rows in order (what verification reads)."""
         rows = x.reshape(-1, x.shape[-1]).contiguous()
         if self.full_head_from is not None and rows.shape[0] >= self.full_head_from:
             self.rows += rows.shape[0]
-            return self.head(rows).argmax(dim=-1).reshape(x.shape[:-1])
+            return self.head(rows).argmax(dim=-1).tolist()
         if _vnni_screen(native):
             proven = native.greedy_tokens(
                 rows,
@@ -143,7 +147,7 @@ class GreedyHead:
         else:
             tokens = self._tokens(rows, native)
         self.rows += len(tokens)
-        return torch.tensor(tokens, dtype=torch.long).reshape(x.shape[:-1])
+        return tokens
 
     def _tokens(self, rows: torch.Tensor, native: ModuleType | None) -> list[int]:
         """Each row's token, step by step (the extension's ``greedy_tokens`` makes the same steps in one

@@ -1112,6 +1112,12 @@ AVX2 inline __m128 four_sums(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
   return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
 }
 
+constexpr int64_t kAheadKeys = 32;  // how far ahead of the keys and values in use the next ones are asked for
+
+// Asks the L1 cache for the `floats` floats from `row` (a key's or a value's), a line at a time.
+inline void prefetch_row(const float* row, int64_t floats) {
+  for (int64_t i = 0; i < floats; i += 16) _mm_prefetch(reinterpret_cast<const char*>(row + i), _MM_HINT_T0);
+}
 constexpr int64_t kAttendKeys = 4;  // keys whose dot products with a query are summed side by side
 alignas(32) const float kZeroRow[256] = {};  // the key of an empty slot in a block of keys
 
@@ -1208,6 +1214,7 @@ AVX512 void group_values_512(const float* weights, int64_t room, const float* va
   for (int i = 0; i < G; ++i)
     for (int u = 0; u < C; ++u) acc[i][u] = _mm512_setzero_ps();
   for (int64_t j = 0; j < count; ++j) {
+    if (j + kAheadKeys < count) prefetch_row(values + seen[j + kAheadKeys] * value_stride + 16 * c, 16 * C);
     const float* value = values + seen[j] * value_stride + 16 * c;
     __m512 vv[C];
     for (int u = 0; u < C; ++u) vv[u] = _mm512_loadu_ps(value + 16 * u);
@@ -1269,6 +1276,8 @@ AVX512 void group_scores_512(const float* const* q, const float* keys, int64_t k
   for (int64_t j0 = 0; j0 < count; j0 += kWideKeys) {
     const float* k[kWideKeys];
     for (int64_t t = 0; t < kWideKeys; ++t) k[t] = j0 + t < count ? keys + seen[j0 + t] * key_stride : kZeroRow;
+    for (int64_t t = 0; t < kWideKeys && j0 + kAheadKeys + t < count; ++t)
+      prefetch_row(keys + seen[j0 + kAheadKeys + t] * key_stride, head_dim);
     __m512 acc[P][kWideKeys];
     for (int p = 0; p < P; ++p)
       for (int64_t t = 0; t < kWideKeys; ++t) acc[p][t] = _mm512_setzero_ps();

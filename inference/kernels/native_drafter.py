@@ -38,8 +38,8 @@ _UNREAD = torch.empty(0)  # the input norm's slot in the extension's nine weight
 
 @dataclass(frozen=True)
 class _LayerPlan:
-    """What the extension reads, gathered once per layer; ``linears``, ``siblings`` and ``pack_inputs``
-    as :class:`~draftsmith.inference.kernels.native_layers.NativePlan` holds them (its pack reader)."""
+    """What the extension reads, gathered once per layer; ``linears``, ``siblings``, ``pack_inputs`` and
+    ``owners`` as :class:`~draftsmith.inference.kernels.native_layers.NativePlan` holds them (its pack reader)."""
 
     weights: list[torch.Tensor]
     linears: list[nn.Module]  # q, k, v, o, gate, up, down
@@ -50,6 +50,7 @@ class _LayerPlan:
     head_dim: int
     scaling: float
     pack_inputs: dict = field(default_factory=dict)
+    owners: list = field(default_factory=lambda: [-1, None])
 
 
 class NativeDrafterLayer:

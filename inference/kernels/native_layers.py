@@ -23,7 +23,7 @@ from transformers.activations import SiLUActivation
 from transformers.integrations.sdpa_attention import use_gqa_in_sdpa
 
 from draftsmith.core.cache import PreallocatedLayer
-from draftsmith.inference.kernels.packed_gemm import PackedLinear, active_pack, pack_kind
+from draftsmith.inference.kernels.packed_gemm import PackedGemm, PackedLinear, active_pack, pack_kind
 
 _WEIGHTS_PER_LAYER = 9  # the order of native.cpp's Weight enum
 
@@ -66,6 +66,8 @@ class NativePlan:
     # the packs, their kinds and the stacked packs a forward passes, by the state of the packs they were
     # read from (_pack_state): reading them costs ~500 Python calls, and they change only when packs do
     pack_inputs: dict = field(default_factory=dict)
+    # the linears' owners as _pack_state last read them, and PackedGemm.ownership_changes then
+    owners: list = field(default_factory=lambda: [-1, None])
 
 
 def native_plan(layers: list[nn.Module]) -> NativePlan:
@@ -161,10 +163,13 @@ def _pack_state(plan: NativePlan, rows: int) -> tuple | None:
     """What the pack inputs of a ``rows``-row forward depend on: the one owner of the plan's packed
     linears (its generation, whether its packs are active, which pack ``rows`` rows take) and autograd;
     None (not cached) where the linears have several owners."""
-    owners = {id(getattr(linear, "_owner", None)): getattr(linear, "_owner", None) for linear in plan.linears}
+    if plan.owners[0] != PackedGemm.ownership_changes:  # else no linear changed hands since they were read
+        found = {id(getattr(linear, "_owner", None)): getattr(linear, "_owner", None) for linear in plan.linears}
+        plan.owners[:] = [PackedGemm.ownership_changes, tuple(found.values())]
+    owners = plan.owners[1]
     if len(owners) != 1:
         return None
-    owner = next(iter(owners.values()))
+    owner = owners[0]
     if owner is None:
         return (None, torch.is_grad_enabled())
     return (id(owner), owner.generation, owner.active, owner.pack_key(rows), torch.is_grad_enabled())

@@ -222,6 +222,9 @@ class PackedGemm:
     (packing them again) when it is used next (:meth:`_reclaim`)."""
 
     takeovers = 0  # linears taken from another PackedGemm so far, process-wide: a gemm rescans when it changes
+    # times any PackedGemm took linears (new ones or another's), process-wide: while it stays, every linear
+    # has the owner it had (what native_layers' pack inputs read per forward)
+    ownership_changes = 0
 
     def __init__(self, model: nn.Module, kernel: str = "mkl", codes: bool = True, round_to_codes: bool = False) -> None:
         """``codes``: stream packs hold 4- or 8-bit codes where they rebuild every weight of a projection.
@@ -241,6 +244,7 @@ class PackedGemm:
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         self._head = head if isinstance(head, nn.Linear) else None
         self._linears: list[PackedLinear] = []
+        PackedGemm.ownership_changes += 1
         for module in model.modules():
             if type(module) in (nn.Linear, PackedLinear):
                 PackedGemm.takeovers += type(module) is PackedLinear
@@ -389,6 +393,7 @@ class PackedGemm:
             module._packs, module._owner = {}, self
         if taken:
             PackedGemm.takeovers += 1
+            PackedGemm.ownership_changes += 1
             self.generation += 1
             for key in sorted(self._made):
                 self._ensure(key)

@@ -29,7 +29,7 @@ from torch import nn
 
 from draftsmith.core.cache import PreallocatedCache
 from draftsmith.core.drafting import DraftingStep
-from draftsmith.inference.kernels.direct_forward import _rotary_factors
+from draftsmith.inference.kernels.direct_forward import RotaryTable, _rotary_factors
 from draftsmith.inference.kernels.native_layers import _NO_PACK, pack_inputs, projections_of, silu_gated
 from draftsmith.inference.kernels.packed_gemm import PackedLinear, active_pack, pack_kind
 
@@ -60,6 +60,8 @@ class NativeDrafterLayer:
     def __init__(self, extension: ModuleType) -> None:
         self.extension = extension
         self._plans: dict[tuple[int, int, int], _LayerPlan | None] = {}
+        # each drafter's rotary embedding with its table (by id, the module held beside it)
+        self._rotary: dict[int, tuple[nn.Module, RotaryTable]] = {}
 
     def __call__(
         self,
@@ -76,8 +78,9 @@ class NativeDrafterLayer:
         if plan is None:
             return None
         rows = attention_input.shape[1]
+        factors = _rotary_factors(position_embeddings)
         after, out = self.extension.drafter_layer(
-            attention_input, residual, *self._layer_arguments(plan, attention, rows, position_embeddings, mask, cache)
+            attention_input, residual, *self._layer_arguments(plan, attention, rows, factors, mask, cache)
         )
         return after, out.view(1, rows, -1)
 
@@ -102,7 +105,7 @@ class NativeDrafterLayer:
         eps = {norm.variance_epsilon for norm in (step.hidden_norm, step.input_norm, step.norm)}
         if plan is None or fc is None or head is None or len(eps) != 1 or hidden.dtype != torch.float32:
             return None
-        rotary = step.rotary(hidden, position_ids)
+        factors = self._rotary_table(step.rotary).factors(step.rotary, hidden, position_ids)
         features, values, columns = self.extension.eagle3_step(
             embeds[0],
             hidden[0],
@@ -114,7 +117,7 @@ class NativeDrafterLayer:
             *head,
             logit_rows,
             top_k,
-            *self._layer_arguments(plan, step.attention, rows, rotary, mask, cache),
+            *self._layer_arguments(plan, step.attention, rows, factors, mask, cache),
         )
         return features, values, columns
 
@@ -133,18 +136,19 @@ class NativeDrafterLayer:
         plan: _LayerPlan,
         attention: nn.Module,
         rows: int,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        rotary_factors: tuple[torch.Tensor, torch.Tensor],
         mask: torch.Tensor | None,
         cache: PreallocatedCache,
     ) -> tuple:
-        """drafter_layer's arguments after the attention input and residual; the cache's next ``rows``
-        rows taken for the keys and values this forward writes."""
+        """drafter_layer's arguments after the attention input and residual (``rotary_factors``: the
+        C++ layers' cos and signed sin, :func:`_rotary_factors`); the cache's next ``rows`` rows taken for
+        the keys and values this forward writes."""
         layer = cache.layers[attention.layer_idx]
         if not layer.is_initialized:
             empty = plan.weights[1].new_empty(1, plan.kv_heads, 0, plan.head_dim)
             layer.lazy_initialization(empty, empty)
         key_buffer, value_buffer, start = layer.append_rows(rows)
-        cos, signed_sin = _rotary_factors(position_embeddings)
+        cos, signed_sin = rotary_factors
         packs, kinds, fused = pack_inputs(plan, rows)
         return (
             plan.weights,
@@ -163,6 +167,11 @@ class NativeDrafterLayer:
             plan.head_dim,
             plan.scaling,
         )
+
+    def _rotary_table(self, rotary: nn.Module) -> RotaryTable:
+        if id(rotary) not in self._rotary:
+            self._rotary[id(rotary)] = (rotary, RotaryTable())
+        return self._rotary[id(rotary)][1]
 
     def _plan(self, attention: nn.Module, post_norm: nn.Module, mlp: nn.Module) -> _LayerPlan | None:
         key = (id(attention), id(post_norm), id(mlp))

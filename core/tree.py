@@ -143,19 +143,37 @@ class TreeInputBuffers:
         """What :func:`tree_attention_inputs` returns, the mask as a view of the buffer (valid until
         the next call). With ``padded_rows`` > the root and the tree's rows, the forward runs that many
         rows: padding rows see the committed tokens and themselves, and no real row sees them."""
-        allowed, depths = ancestry(tree.parents)
-        q = max(allowed.shape[0], padded_rows)
+        parents = tree.parents.tolist()
+        q = max(len(parents) + 1, padded_rows)
         rows, columns = self.mask.shape[-2:]
         if q > rows or past_length + q > columns or past_length < self._zeroed:
             self._allocate(max(q, rows), max(past_length + q, 2 * columns))
         if past_length > self._zeroed:
             self.mask[..., self._zeroed : past_length] = 0
             self._zeroed = past_length
-        block = tree_block(allowed, q, self.dtype)
+        if len(parents) < _BITSET_ROWS:  # a round's tree: its block and positions from Python lists, few calls
+            block, positions = self._small_block(parents, q, past_length)
+        else:
+            allowed, depths = ancestry(tree.parents)
+            block = tree_block(allowed, q, self.dtype)
+            positions = torch.full((1, q), past_length, dtype=torch.long)
+            positions[0, : depths.numel()] += depths
         self.mask[0, 0, :q, past_length : past_length + q].copy_(block, non_blocking=True)
-        positions = torch.full((1, q), past_length, dtype=torch.long)
-        positions[0, : depths.numel()] += depths
         return self.mask[:, :, :q, : past_length + q], positions.to(self.device, non_blocking=True)
+
+    def _small_block(self, parents: list[int], rows: int, past_length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """:func:`tree_block` and the positions of a tree of fewer than ``_BITSET_ROWS`` nodes, padded to
+        ``rows``: each row's ancestors-or-self as the bits of one integer (as :func:`_small_ancestry`)."""
+        seen, depths = [1], [0]
+        for row, parent in enumerate(parents, start=1):
+            seen.append(seen[parent + 1] | 1 << row)
+            depths.append(depths[parent + 1] + 1)
+        seen += [1 << row for row in range(len(seen), rows)]  # padding rows see themselves alone
+        depths += [0] * (rows - len(depths))
+        blocked = self._blocked
+        values = [0.0 if bits >> column & 1 else blocked for bits in seen for column in range(rows)]
+        block = torch.tensor(values, dtype=self.dtype).view(rows, rows)
+        return block, torch.tensor([[past_length + depth for depth in depths]], dtype=torch.long)
 
 
 def tree_block(allowed: torch.Tensor, rows: int, dtype: torch.dtype) -> torch.Tensor:

@@ -189,15 +189,26 @@ def test_ancestry_equals_the_per_node_loop():
             assert torch.equal(allowed, expected_allowed) and torch.equal(depths, expected_depths)
 
 
-def test_tree_input_buffers_equal_fresh_masks_round_after_round():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tree_input_buffers_equal_fresh_masks_round_after_round(dtype):
+    """Trees on both sides of the buffers' small-tree path (61 nodes), padded to more rows or not."""
     rng = random.Random(1)
-    buffers = TreeInputBuffers(rows=4, columns=24, dtype=torch.float32)  # small: rounds below outgrow it
+    buffers = TreeInputBuffers(rows=4, columns=24, dtype=dtype)  # small: rounds below outgrow it
     past = 3
-    for _ in range(30):
-        tree = random_tree(rng, rng.randint(0, 9))
-        mask, positions = buffers.build(tree, past)
-        expected_mask, expected_positions = tree_attention_inputs(tree, past, torch.float32)
-        assert torch.equal(mask, expected_mask) and torch.equal(positions, expected_positions)
+    for size in [rng.randint(0, 9) for _ in range(30)] + [60, 61, 62, 70, 5]:
+        tree = random_tree(rng, size)
+        padded = len(tree) + 1 + rng.choice([0, 0, 1, 3])
+        mask, positions = buffers.build(tree, past, padded)
+        expected_mask, expected_positions = tree_attention_inputs(tree, past, dtype)
+        real = len(tree) + 1
+        assert torch.equal(mask[..., :real, : past + real], expected_mask) and torch.equal(
+            positions[:, :real], expected_positions
+        )
+        padding = mask[0, 0, real:]  # padding rows: the committed columns and themselves
+        assert torch.equal(padding[:, :past], torch.zeros_like(padding[:, :past]))
+        assert torch.equal(padding[:, past:] == 0, torch.eye(padded, dtype=torch.bool)[real:])
+        assert bool((mask[0, 0, :real, past + real :] < 0).all())  # no real row sees a padding row
+        assert torch.equal(positions[0, real:], torch.full((padded - real,), past))
         past += rng.randint(1, 1 + len(tree))
 
 

@@ -171,13 +171,11 @@ def test_the_rotary_tables_rows_are_the_modules_floats(config):
     model = tiny_llama(VOCAB, **config)
     rotary, x = model.model.rotary_emb, torch.zeros(1, 1, model.config.hidden_size)
     table = RotaryTable()
-    asked = [[[p] for p in range(0, 700, 7)], [[3, 4, 4, 5, 6, 5]], [[1000, 1001, 1001]], [[5]]]
-    for positions in asked:
-        ids = torch.tensor([sum(positions, [])]) if len(positions) > 1 else torch.tensor(positions)
-        for one in [ids] if ids.shape[1] > 1 else [torch.tensor([p]) for p in positions]:
-            cos, signed_sin = table.factors(rotary, x, one)
-            expected_cos, expected_sin = _rotary_factors(rotary(x, position_ids=one))
-            assert torch.equal(cos, expected_cos) and torch.equal(signed_sin, expected_sin)
+    alone = [torch.tensor([[p]]) for p in range(0, 700, 7)]
+    for positions in [*alone, torch.tensor([[3, 4, 4, 5, 6, 5]]), torch.tensor([[1000, 1001, 1001]]), alone[1]]:
+        cos, signed_sin = table.factors(rotary, x, positions)
+        expected_cos, expected_sin = _rotary_factors(rotary(x, position_ids=positions))
+        assert torch.equal(cos, expected_cos) and torch.equal(signed_sin, expected_sin)
 
 
 def test_the_rotary_table_follows_its_module():

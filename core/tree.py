@@ -86,12 +86,19 @@ class DraftTree:
 _BITSET_ROWS = 62  # rows whose ancestor sets fit one int64 each, as bits
 
 
-def _small_ancestry(parents: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`ancestry` of a topological tree of fewer than ``_BITSET_ROWS`` rows, from one integer per row."""
+def _ancestor_bits(parents: list[int]) -> tuple[list[int], list[int]]:
+    """Each row of ``[root, nodes]`` (a topological tree) with its ancestors-or-self as the bits of one integer
+    (its parent's and its own), and each row's depth."""
     seen, depths = [1], [0]  # the root sees itself
     for row, parent in enumerate(parents, start=1):
         seen.append(seen[parent + 1] | 1 << row)
         depths.append(depths[parent + 1] + 1)
+    return seen, depths
+
+
+def _small_ancestry(parents: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`ancestry` of a topological tree of fewer than ``_BITSET_ROWS`` rows, from one integer per row."""
+    seen, depths = _ancestor_bits(parents)
     allowed = (torch.tensor(seen)[:, None] >> torch.arange(len(seen))) & 1
     return allowed.bool(), torch.tensor(depths)
 
@@ -163,11 +170,8 @@ class TreeInputBuffers:
 
     def _small_block(self, parents: list[int], rows: int, past_length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """:func:`tree_block` and the positions of a tree of fewer than ``_BITSET_ROWS`` nodes, padded to
-        ``rows``: each row's ancestors-or-self as the bits of one integer (as :func:`_small_ancestry`)."""
-        seen, depths = [1], [0]
-        for row, parent in enumerate(parents, start=1):
-            seen.append(seen[parent + 1] | 1 << row)
-            depths.append(depths[parent + 1] + 1)
+        ``rows``: each row's ancestors-or-self as the bits of one integer (:func:`_ancestor_bits`)."""
+        seen, depths = _ancestor_bits(parents)
         seen += [1 << row for row in range(len(seen), rows)]  # padding rows see themselves alone
         depths += [0] * (rows - len(depths))
         blocked = self._blocked

@@ -30,7 +30,13 @@ from torch import nn
 from draftsmith.core.cache import PreallocatedCache
 from draftsmith.core.drafting import DraftingStep
 from draftsmith.inference.kernels.direct_forward import RotaryTable, _rotary_factors
-from draftsmith.inference.kernels.native_layers import _NO_PACK, pack_inputs, projections_of, silu_gated
+from draftsmith.inference.kernels.native_layers import (
+    _NO_PACK,
+    PackReads,
+    pack_inputs,
+    projections_of,
+    silu_gated,
+)
 from draftsmith.inference.kernels.packed_gemm import PackedLinear, active_pack, pack_kind
 
 _UNREAD = torch.empty(0)  # the input norm's slot in the extension's nine weights: the drafter norms itself
@@ -38,8 +44,8 @@ _UNREAD = torch.empty(0)  # the input norm's slot in the extension's nine weight
 
 @dataclass(frozen=True)
 class _LayerPlan:
-    """What the extension reads, gathered once per layer; ``linears``, ``siblings``, ``pack_inputs`` and
-    ``owners`` as :class:`~draftsmith.inference.kernels.native_layers.NativePlan` holds them (its pack reader)."""
+    """What the extension reads, gathered once per layer; ``linears``, ``siblings`` and ``reads`` as
+    :class:`~draftsmith.inference.kernels.native_layers.NativePlan` holds them (its pack reader)."""
 
     weights: list[torch.Tensor]
     linears: list[nn.Module]  # q, k, v, o, gate, up, down
@@ -49,8 +55,7 @@ class _LayerPlan:
     kv_heads: int
     head_dim: int
     scaling: float
-    pack_inputs: dict = field(default_factory=dict)
-    owners: list = field(default_factory=lambda: [-1, None])
+    reads: PackReads = field(default_factory=PackReads)
 
 
 class NativeDrafterLayer:

@@ -48,6 +48,18 @@ def silu_gated(mlp: nn.Module) -> bool:
     return type(act) in (SiLUActivation, nn.SiLU) and "forward" not in vars(act)
 
 
+@dataclass
+class PackReads:
+    """What :func:`pack_inputs` keeps between forwards for one plan: the packs, their kinds and the stacked
+    packs a forward passes, by the state of the packs they were read from (:func:`_pack_state`; reading them
+    costs ~500 Python calls, and they change only when packs do), and the plan's linears' owners with the
+    ``PackedGemm.ownership_changes`` they were read at (no linear changes hands while it stays)."""
+
+    inputs: dict = field(default_factory=dict)
+    owners: tuple = ()
+    owners_read_at: int = -1
+
+
 @dataclass(frozen=True)
 class NativePlan:
     """What the extension reads on every forward, gathered once per lean plan: per layer, in the
@@ -63,11 +75,7 @@ class NativePlan:
     kv_heads: int
     head_dim: int
     scaling: float
-    # the packs, their kinds and the stacked packs a forward passes, by the state of the packs they were
-    # read from (_pack_state): reading them costs ~500 Python calls, and they change only when packs do
-    pack_inputs: dict = field(default_factory=dict)
-    # the linears' owners as _pack_state last read them, and PackedGemm.ownership_changes then
-    owners: list = field(default_factory=lambda: [-1, None])
+    reads: PackReads = field(default_factory=PackReads)
 
 
 def native_plan(layers: list[nn.Module]) -> NativePlan:
@@ -146,16 +154,17 @@ def pack_inputs(plan: NativePlan, rows: int) -> tuple[list[torch.Tensor], list[i
     """Each projection's active pack for ``rows`` rows and its kind, and each sibling group's stacked
     pack: read again only when the packs may have changed."""
     state = _pack_state(plan, rows)
-    made = plan.pack_inputs.get(state) if state is not None else None
+    kept = plan.reads.inputs
+    made = kept.get(state) if state is not None else None
     if made is None:
         packs = [_active_pack(linear, rows) for linear in plan.linears]
         kinds = [pack_kind(linear) for linear in plan.linears]
         fused = [stacked_pack(group) for group in plan.siblings]
         made = (packs, kinds, fused)
         if state is not None:
-            if len(plan.pack_inputs) >= _KEPT_PACK_STATES:
-                plan.pack_inputs.clear()
-            plan.pack_inputs[_pack_state(plan, rows)] = made  # the state after any stacked pack made now
+            if len(kept) >= _KEPT_PACK_STATES:
+                kept.clear()
+            kept[_pack_state(plan, rows)] = made  # the state after any stacked pack made now
     return made
 
 
@@ -163,13 +172,13 @@ def _pack_state(plan: NativePlan, rows: int) -> tuple | None:
     """What the pack inputs of a ``rows``-row forward depend on: the one owner of the plan's packed
     linears (its generation, whether its packs are active, which pack ``rows`` rows take) and autograd;
     None (not cached) where the linears have several owners."""
-    if plan.owners[0] != PackedGemm.ownership_changes:  # else no linear changed hands since they were read
+    reads = plan.reads
+    if reads.owners_read_at != PackedGemm.ownership_changes:
         found = {id(getattr(linear, "_owner", None)): getattr(linear, "_owner", None) for linear in plan.linears}
-        plan.owners[:] = [PackedGemm.ownership_changes, tuple(found.values())]
-    owners = plan.owners[1]
-    if len(owners) != 1:
+        reads.owners, reads.owners_read_at = tuple(found.values()), PackedGemm.ownership_changes
+    if len(reads.owners) != 1:
         return None
-    owner = owners[0]
+    owner = reads.owners[0]
     if owner is None:
         return (None, torch.is_grad_enabled())
     return (id(owner), owner.generation, owner.active, owner.pack_key(rows), torch.is_grad_enabled())

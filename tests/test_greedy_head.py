@@ -21,14 +21,15 @@ from helpers import hf_greedy, skip_without_avx512
 VOCAB, HIDDEN = 3000, 64
 # the contender search in Python and in the runtime's C++ extension (which the tests expect to build)
 SEARCHES = pytest.mark.parametrize(
-    "native", [False, "avx2", "avx512", "vnni"], ids=["python", "c++ avx2", "c++ avx512", "c++ vnni"]
+    "native", [False, "avx2", "avx512", "vnni", "amx"], ids=["python", "c++ avx2", "c++ avx512", "c++ vnni", "c++ amx"]
 )
 
 
 class FixedInstructions:
     """The C++ extension with its screen, contender search and proof held to one instruction set (``auto``
     picks AVX-512 where the CPU has it, so the other code would otherwise go untested on such a CPU), and
-    its screen to the bfloat16 rows' int8 product or to the 16-bit integer rows' VNNI one."""
+    its screen to the bfloat16 rows' int8 product or to the 16-bit integer rows' VNNI one (with ``isa``
+    ``"amx"``: their sums on AMX tiles, at any row count)."""
 
     def __init__(self, built, isa: str, vnni: bool = False) -> None:
         self.built, self.isa, self.vnni = built, isa, vnni
@@ -39,8 +40,8 @@ class FixedInstructions:
     def int16_screen_available(self):
         return self.vnni and self.built.int16_screen_available(isa=self.isa)
 
-    def int16_screen(self, *args):
-        return self.built.int16_screen(*args, isa=self.isa)
+    def int16_screen(self, *args, tiles_from: int = 0):
+        return self.built.int16_screen(*args, isa=self.isa, tiles_from=tiles_from)
 
     def int8_screen(self, *args):
         return self.built.int8_screen(*args, isa=self.isa)
@@ -51,14 +52,14 @@ class FixedInstructions:
     def proven_argmax(self, *args):
         return self.built.proven_argmax(*args, isa=self.isa)
 
-    def greedy_tokens(self, *args):
-        return self.built.greedy_tokens(*args, isa=self.isa)
+    def greedy_tokens(self, *args, tiles_from: int = 0):
+        return self.built.greedy_tokens(*args, isa=self.isa, tiles_from=tiles_from)
 
 
 def extension(native: bool | str):
     """None (Python and torch), the C++ extension (``True``), or the extension with its vector code held
-    to one instruction set (``"avx2"``, ``"avx512"``, or ``"vnni"``: AVX-512 with the 16-bit integer
-    screen; skipped where the CPU lacks it)."""
+    to one instruction set (``"avx2"``, ``"avx512"``, ``"vnni"``: AVX-512 with the 16-bit integer screen, or
+    ``"amx"``: that screen's sums on AMX tiles; skipped where the CPU lacks it)."""
     if not native:
         return None
     built = native_extension()
@@ -67,11 +68,14 @@ def extension(native: bool | str):
         return built
     if not built.simd_supported():
         pytest.skip("the C++ kernels need an x86-64 CPU with AVX2 and FMA")
-    if native in ("avx512", "vnni"):
+    if native in ("avx512", "vnni", "amx"):
         skip_without_avx512()
-    if native == "vnni" and not built.int16_screen_available():
+    if native in ("vnni", "amx") and not built.int16_screen_available():
         pytest.skip("this CPU has no AVX-512 VNNI")
-    return FixedInstructions(built, "avx512" if native == "vnni" else native, vnni=native == "vnni")
+    if native == "amx" and not built.amx_available():
+        pytest.skip("this CPU (or its OS) has no AMX tiles")
+    vnni = native in ("vnni", "amx")
+    return FixedInstructions(built, "avx512" if native == "vnni" else native, vnni=vnni)
 
 
 def head(seed: int, vocab: int = VOCAB, hidden: int = HIDDEN) -> nn.Linear:
@@ -179,6 +183,49 @@ def test_the_vnni_screen_is_the_integer_rows_product_to_its_output_rounding():
     assert bool(((screen.double() - exact).abs() <= exact.abs() * (2.0**-8 + 4 * 2.0**-24) + 1e-30).all())
     bfloat16 = greedy.screen_rows(x, extension("avx512"))[0].double()
     assert bool(((x.double() - screen_input).norm(dim=1) < (x.double() - bfloat16).norm(dim=1) / 4).all())
+
+
+@pytest.mark.parametrize(
+    ("count", "width", "vocab"),
+    [(1, 64, 1000), (3, 576, 1039), (8, 128, 48), (9, 640, 333), (17, 192, 77), (5, 96, 200)],
+    ids=["1-row", "3-rows", "8-rows", "9-rows", "17-rows", "width-96"],
+)
+def test_the_amx_screen_sums_the_vnni_integers(count, width, vocab):
+    """The tiles' two signed bytes per input summed to the same int32 as VNNI's, so the same screen bitwise:
+    passes of 8 rows, tokens past the last whole tile of 16 (VNNI's), a width that is no multiple of 64
+    (VNNI's alone), inputs at the ends of the range and one past it (that row's sums through VNNI), each
+    output the product of the exact sum, the row's scale and the token's rounded to float32 and then to
+    bfloat16 (NaN where a scale is)."""
+    native = extension("amx")
+    vnni = extension("vnni")
+    generator = torch.Generator().manual_seed(count * width)
+    quantized = torch.randint(-127, 128, (vocab, width), dtype=torch.int8, generator=generator)
+    scales = (torch.rand(vocab, generator=generator) + 0.01).to(torch.bfloat16)
+    top = min(127 * 256 + 127, (2**31 - 1) // (127 * width))
+    integers = torch.randint(-top, top + 1, (count, width), dtype=torch.int16, generator=generator)
+    integers[0, :3] = torch.tensor([top, -top, -32768 if width * 127 * 32768 < 2**31 else -top])
+    row_scales = torch.rand(count, generator=generator) * 1e-3
+    if count > 1:
+        row_scales[1] = float("nan")
+    exact = (integers.double() @ quantized.double().T).float()  # exact: the sums are below 2**31
+    expected = screen_bits(exact * row_scales[:, None] * scales.float()[None])
+    for isa_screen in (native, vnni):
+        got = isa_screen.int16_screen(integers, row_scales, quantized, scales)
+        assert torch.equal(got.view(torch.int16), expected)
+    auto = native_extension().int16_screen(integers, row_scales, quantized, scales, tiles_from=1)
+    assert torch.equal(auto.view(torch.int16), expected)
+    if top == 127 * 256 + 127:  # a hand-made input past the screen's range: its row through VNNI
+        integers[-1, -1] = 32767
+        beyond = (integers.double() @ quantized.double().T).float()
+        expected = screen_bits(beyond * row_scales[:, None] * scales.float()[None])
+        assert torch.equal(native.int16_screen(integers, row_scales, quantized, scales).view(torch.int16), expected)
+
+
+def screen_bits(values: torch.Tensor) -> torch.Tensor:
+    """float32 values rounded to bfloat16 as c10::BFloat16 rounds them (to nearest even; a NaN of either
+    sign becomes 0x7FC0), as int16 bits."""
+    bits = values.to(torch.bfloat16).view(torch.int16)
+    return bits.masked_fill(values.isnan(), 0x7FC0)
 
 
 def near_tie(margin: float) -> tuple[nn.Linear, torch.Tensor, int, int]:

@@ -548,19 +548,23 @@ def _has_avx512() -> bool:
     return True
 
 
-@pytest.mark.parametrize("cap, warned", [("avx3", True), ("avx2", False), ("", False)])
+@pytest.mark.parametrize(
+    "cap, warned", [("avx3", True), ("avx2", False), ("avx512", False), ("amx", False), ("", False)]
+)
 def test_an_unknown_instruction_set_cap_is_ignored_with_a_warning(cap, warned):
-    """``DRAFTSMITH_MAX_CPU_ISA`` (read once per process) names avx2 or avx512; a typo must not silently
-    leave a user believing the cap holds."""
-    assert native_extension() is not None  # built (cached) before the child process loads it
+    """``DRAFTSMITH_MAX_CPU_ISA`` (read once per process) names avx2, avx512 or amx; a typo must not silently
+    leave a user believing the cap holds. Below amx it keeps the screen off AMX tiles."""
+    built = native_extension()
+    assert built is not None  # built (cached) before the child process loads it
     code = (
         "import torch; from draftsmith.inference.kernels.native import native_extension as n; e = n(); "
-        "e.stream_linear(torch.zeros(1, 16), e.stream_pack(torch.zeros(16, 16)))"
+        "e.stream_linear(torch.zeros(1, 16), e.stream_pack(torch.zeros(16, 16))); print(e.amx_available())"
     )
     env = {**os.environ, "DRAFTSMITH_MAX_CPU_ISA": cap}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
-    assert ("DRAFTSMITH_MAX_CPU_ISA=avx3 is neither avx2 nor avx512; ignored" in done.stderr) == warned
+    assert ("DRAFTSMITH_MAX_CPU_ISA=avx3 is neither avx2, avx512 nor amx; ignored" in done.stderr) == warned
+    assert done.stdout.split()[-1] == str(built.amx_available() and cap not in ("avx2", "avx512"))
 
 
 @pytest.mark.parametrize("family", ["eagle3", "fspad"])
@@ -720,6 +724,25 @@ def test_the_hand_over_timing_runs_on_real_kernels(monkeypatch, tmp_path):
     monkeypatch.setattr(linear_choice, "choices_path", lambda: tmp_path / "choices.json")
     head = KernelContext(fresh_model(seed=14), KernelOptions(linear="stream")).greedy_head()
     assert head.full_head_from in (None, *context.FULL_HEAD_CANDIDATES)
+
+
+def test_the_screens_amx_row_count_is_timed_on_real_kernels_once_per_machine(monkeypatch, tmp_path):
+    """Where the CPU has AMX tiles, the row count from which they sum the screen is timed on the head's own
+    int8 copy (an answer it can hold), then read back instead of timed again; elsewhere there is none."""
+    from draftsmith.inference.kernels import context, linear_choice
+    from draftsmith.inference.kernels.native import native_extension
+
+    one_pack_kernel("stream")
+    monkeypatch.setattr(linear_choice, "choices_path", lambda: tmp_path / "choices.json")
+    model = fresh_model(seed=15)
+    first = KernelContext(model, KernelOptions(linear="stream")).greedy_head().tiles_from
+    built = native_extension()
+    if not (built.int16_screen_available() and built.amx_available()):
+        assert first is None
+        return
+    assert first in (None, *context.TILES_CANDIDATES)
+    monkeypatch.setattr(KernelContext, "_time_tiles_from", lambda self, screened, native: pytest.fail("timed again"))
+    assert KernelContext(model, KernelOptions(linear="stream")).greedy_head().tiles_from == first
 
 
 def test_huge_page_tensors_hold_their_values_apart():

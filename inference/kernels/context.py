@@ -38,6 +38,7 @@ T = TypeVar("T")
 # float32 packs, from ~200 with 4-bit codes (whose rows cost more multiply-adds' time than reading)
 LIBRARY_PROMPT_ROWS = 256
 FULL_HEAD_CANDIDATES = (2, 4, 8, 16, 32)  # verification row counts at which the screen and the full head are timed
+TILES_CANDIDATES = (1, 2, 3, 4, 5, 6, 8, 12, 16)  # row counts at which the screen's VNNI and AMX sums are timed
 
 
 class KernelContext:
@@ -119,6 +120,7 @@ class KernelContext:
         if extension is not None:
             head.move_to_huge_pages(extension)
         head.full_head_from = self._full_head_from(head)
+        head.tiles_from = self._tiles_from(head)
         return head
 
     def _full_head_from(self, screened: GreedyHead) -> int | None:
@@ -158,6 +160,41 @@ class KernelContext:
                 faster.append(full < screen)
         return next((rows for i, rows in enumerate(FULL_HEAD_CANDIDATES) if all(faster[i:])), None)
 
+    def _tiles_from(self, screened: GreedyHead) -> int | None:
+        """The row count from which the screen's integer sums run faster on AMX tiles than with VNNI (the
+        same integers either way) on this machine, timed once per machine, torch release, thread count and
+        head shape and remembered as :meth:`_full_head_from` is; None where the CPU has no tiles, the 16-bit
+        screen does not run, or VNNI is never slower. Each timed screen follows a one-token forward, as in
+        verification (with the int8 copy warm in the cache the tiles' faster arithmetic looks worth more)."""
+        native = self.extension()
+        if native is None or not native.int16_screen_available() or not native.amx_available():
+            return None
+        shape = "x".join(str(size) for size in self.model.lm_head.weight.shape)
+        what = f"screen tiles from | head {shape} | rows {TILES_CANDIDATES}"
+        measure = functools.partial(self._time_tiles_from, screened, native)
+        return remembered(self.model, what, measure, lambda rows: rows in (None, *TILES_CANDIDATES))
+
+    def _time_tiles_from(self, screened: GreedyHead, native: ModuleType) -> int | None:
+        states = self._sample_states(max(TILES_CANDIDATES))
+        token = torch.zeros(1, 1, dtype=torch.long, device=states.device)
+        faster = []
+        with torch.no_grad(), self.gemm.rows() if self.gemm is not None else nullcontext():
+
+            def stream_the_layers() -> None:
+                self.model.model(input_ids=token, use_cache=False)
+
+            for rows in TILES_CANDIDATES:
+                screen = functools.partial(
+                    native.int16_screen, *screened.screen_integers(states[:rows]), screened.quantized, screened.scales
+                )
+                vnni, tiles = side_by_side_seconds(
+                    [functools.partial(screen, isa=isa) for isa in ("avx512", "amx")],
+                    repeats=5,
+                    before=stream_the_layers,
+                )
+                faster.append(tiles < vnni)
+        return next((rows for i, rows in enumerate(TILES_CANDIDATES) if all(faster[i:])), None)
+
     @torch.no_grad()
     def _sample_states(self, rows: int) -> torch.Tensor:
         """``rows`` last hidden states (the head's inputs) of the model over a fixed token sequence."""
@@ -169,9 +206,9 @@ class KernelContext:
     def linear_record(self) -> dict[str, Any]:
         """Which kernel ran the target's linears, as ``bench`` and ``bench-tree`` record it: a one-pack
         kernel, the stream kernel or oneDNN's (every forward; whether its rows are bitwise row-invariant
-        on this machine, and from how many rows greedy verification took the float32 head), MKL's packed
-        GEMM (its row buckets) or PyTorch's default; and the seconds spent packing (kept out of every
-        speed figure)."""
+        on this machine, from how many rows greedy verification took the float32 head and the screen summed
+        on AMX tiles), MKL's packed GEMM (its row buckets) or PyTorch's default; and the seconds spent
+        packing (kept out of every speed figure)."""
         gemm = self.gemm
         if gemm is None:
             return {"kernel": "default"}
@@ -179,7 +216,11 @@ class KernelContext:
         if gemm.kernel == "stream":
             record["isa"] = native_extension().isa_in_use()
         if gemm.kernel in ONE_PACK_KERNELS:
-            invariant = {"row_invariant": gemm.row_invariant(), "full_head_from": self.full_head_from}
+            invariant = {
+                "row_invariant": gemm.row_invariant(),
+                "full_head_from": self.full_head_from,
+                "screen_tiles_from": self._head.tiles_from if self._head is not None else None,
+            }
             return {**record, **invariant, "pack_forms": gemm.pack_forms()}
         return {**record, "buckets": gemm.buckets}
 

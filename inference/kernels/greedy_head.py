@@ -28,7 +28,9 @@ an int8 copy of the head (a bfloat16 scale per row; a quarter of the bytes) and 
 torch's int8 product reads its weights once per row (the extension's once per forward), so past some rows the
 float32 head through a row-invariant prepacked kernel (the stream kernel or oneDNN: every row's logits
 bitwise what one row gets, so its argmax is what plain decoding takes, proof or fallback) is faster: with
-``full_head_from``, forwards of that many rows or more take it.
+``full_head_from``, forwards of that many rows or more take it. Where the CPU has AMX (Intel since Sapphire
+Rapids), the 16-bit screen's integer sums run on its int8 tiles from ``tiles_from`` rows on (the same integers
+as VNNI's, whose multiply-adds bound a screen of many rows; at a few rows reading the weights bounds both).
 
 So the tokens are those of plain greedy decoding (``tests/test_greedy_head.py`` checks random rows,
 forced near ties, that the bound holds for every token of this machine's kernel, and that the screen
@@ -57,6 +59,9 @@ _BF16_UNIT = 2.0**-8  # bfloat16 keeps 8 significant bits
 _SAFETY = 1.0 + 1e-6  # covers the rounding of the bound's own arithmetic
 # per unit of |screen|: its bfloat16 output rounding, and float32 rounding of the bound and the comparisons
 _OUTPUT_ROUNDING = _BF16_UNIT / (1.0 - _BF16_UNIT) + 8.0 * _FP32_UNIT
+# The largest 16-bit screen input: 127 * 256 + 127, so that each one is two signed bytes (the AMX tiles' inputs);
+# it binds below a width of 517 only (K * top * 127 < 2**31 keeps top lower from there on).
+_SCREEN_TOP = 127 * 256 + 127
 _CHUNK_ROWS = 4096  # weight rows per chunk when measuring the bf16 copy's error
 
 
@@ -73,6 +78,7 @@ class GreedyHead:
         start = time.perf_counter()
         self.source = CopySource(head.weight)
         self.head, self.full_head_from = head, full_head_from
+        self.tiles_from: int | None = None  # rows from which AMX tiles sum the screen (the kernel context times it)
         weight = head.weight.detach()
         self.weight = weight
         self.scales, self.quantized = _int8_rows(weight)
@@ -142,6 +148,7 @@ class GreedyHead:
                 _FP32_UNIT,
                 _OUTPUT_ROUNDING,
                 _SAFETY,
+                tiles_from=self.tiles_from or 0,
             ).tolist()
             tokens = [token if token >= 0 else self._fallback(rows[r]) for r, token in enumerate(proven)]
         else:
@@ -175,10 +182,16 @@ class GreedyHead:
         :meth:`screen` of the bfloat16 rows."""
         if _vnni_screen(native):
             integers, row_scales = _int16_rows(rows)
-            screen = native.int16_screen(integers, row_scales, self.quantized, self.scales)
+            tiles_from = self.tiles_from or 0
+            screen = native.int16_screen(integers, row_scales, self.quantized, self.scales, tiles_from=tiles_from)
             return integers.double() * row_scales.double()[:, None], screen
         screen_input = rows.to(torch.bfloat16)
         return screen_input, self.screen(screen_input, native)
+
+    @staticmethod
+    def screen_integers(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Float32 ``rows`` as the 16-bit screen reads them: int16 rows and a float32 scale per row."""
+        return _int16_rows(rows.contiguous())
 
     def screen(self, screen_input: torch.Tensor, native: ModuleType | None = None) -> torch.Tensor:
         """``a`` for bfloat16 rows (``(R, V)``, bfloat16): through the C++ extension's int8 product where it
@@ -241,8 +254,9 @@ def _int8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _int16_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Each float32 row as int16 times a float32 scale (``max |x| / top``), with ``top`` small enough that
-    no int32 sum of the screen can overflow (``K * top * 127 < 2**31``): the VNNI screen's input."""
-    top = min(2**15 - 1, (2**31 - 1) // (127 * rows.shape[1]))
+    no int32 sum of the screen can overflow (``K * top * 127 < 2**31``) and each value is two signed bytes
+    (:data:`_SCREEN_TOP`): the VNNI and AMX screens' input."""
+    top = min(_SCREEN_TOP, (2**31 - 1) // (127 * rows.shape[1]))
     scales = (rows.abs().amax(dim=1) / top).clamp_min(torch.finfo(torch.float32).tiny)
     integers = torch.round(rows / scales[:, None]).clamp_(-top, top).to(torch.int16)
     return integers, scales

@@ -48,8 +48,13 @@
 #include <vector>
 
 #if defined(__x86_64__)
+#include <cpuid.h>
 #include <immintrin.h>
 #define DRAFTSMITH_X86 1
+#endif
+#if defined(__x86_64__) && defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
 #endif
 
 at::Tensor stream_linear(const at::Tensor& rows, const at::Tensor& pack, const std::string& isa = "auto");
@@ -62,6 +67,9 @@ enum Weight { kInputNorm, kQuery, kKey, kValue, kOutput, kGate, kUp, kDown, kPos
 constexpr int64_t kProjections = 7;  // kQuery .. kDown
 constexpr int64_t kContenderSpan = 8192;  // tokens per task of screen_contenders
 constexpr int64_t kSeenKeysGrain = 32768;  // mask entries per task of attend's seen-key lists
+// The screened head's largest 16-bit input (screen_inputs): 127 * 256 + 127, so that every input is two signed
+// bytes for AMX's tile products (tile_digits).
+constexpr int64_t kScreenTop = 127 * 256 + 127;
 constexpr int64_t kProofGrain = 2048;  // contenders per task of proven_argmax (fewer: one thread)
 constexpr int64_t kStreamBlock = 16;  // outputs per block of a stream pack (stream_pack): two vectors
 constexpr int64_t kCodeGroup = 32;  // inputs sharing a step (and a 4-bit pack's offset) in a code pack (group_pack)
@@ -584,6 +592,140 @@ struct VnniScreen {
     vnni_block<R, T>(x, q, K, V, i, sums);
   }
 };
+
+// ---- the screen's exact sums on AMX tiles ----
+// int16_screen's int32 sums from AMX's int8 tile products (Intel since Sapphire Rapids): each 16-bit input
+// x = 256 h + l is two signed bytes (greedy_head.py keeps |x| <= 32639, so l = ((x + 128) mod 256) - 128 and
+// h = (x - l) / 256 lie in -128..127), and a tile product of 16 tokens' weights (64 inputs each, read from the
+// weight rows in place) with the digits of up to 8 rows (16 columns: h of row r in column 2r, l in 2r + 1)
+// sums every token's products with both digits exactly in int32; 256 H + L is then the same integer the VNNI
+// kernel sums, so the screen's floats are too. One product does the multiply-adds of 32 VNNI instructions in
+// about the time of one, so the screen of many rows is bound by reading the weights, not by multiplying them;
+// at a few rows, where reading bounds VNNI too, the tiles' loads read them slower (int16_screen's tiles_from).
+constexpr int64_t kTileInputs = 64;   // a tile row's bytes: a token's inputs per product
+constexpr int64_t kTileTokens = 16;   // a tile's rows
+constexpr int64_t kTileScreenRows = 8;  // screen rows per product: two digits each, a tile's 16 columns
+constexpr int64_t kTileDigitBytes = kTileTokens * kTileTokens * 4;  // one product's digit tile (16 x 64 bytes)
+constexpr int64_t kTilesAhead = 8;    // token tiles ahead whose weights are asked for (into L2) as tiles are read
+
+// rows [r0, r0 + 8) of x (int16, R x K; absent rows zero) as AMX's right-hand tiles, one per 64 inputs: byte
+// (kk, 4 n + j) of tile c is digit n of input 64 c + 4 kk + j.
+// Returns false where a value lies past 32639 (its h would be 128): the VNNI kernel sums such rows.
+bool tile_digits(const int16_t* x, int64_t rows, int64_t K, int64_t r0, int8_t* out) {
+  std::fill_n(out, K / kTileInputs * kTileDigitBytes, int8_t{0});
+  for (int64_t r = r0; r < std::min(rows, r0 + kTileScreenRows); ++r)
+    for (int64_t k = 0; k < K; ++k) {
+      const int32_t value = x[r * K + k], low = ((value + 128) & 255) - 128, high = (value - low) / 256;
+      if (high > 127) return false;
+      int8_t* at = out + k / kTileInputs * kTileDigitBytes + (k % kTileInputs) / 4 * 64 + 2 * (r - r0) * 4 + k % 4;
+      at[0] = static_cast<int8_t>(high);
+      at[4] = static_cast<int8_t>(low);
+    }
+  return true;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t bytes_per_row[16] = {};
+  uint8_t rows[16] = {};
+};
+
+#define AMX_INT8 __attribute__((target("avx512f,avx512bw,avx512vnni,amx-tile,amx-int8")))
+
+// `tiles` tiles of 16 tokens from `first` summed with one pass of digits (tile_digits, K / 64 tiles), four
+// tiles side by side (tiles 0-3 accumulate, 4 holds the digits, 5 and 6 the weights), into sums[r * V + token]
+// for rows [r0, r0 + live).
+AMX_INT8 void tile_screen_pass(const int8_t* digits, const int8_t* q, int64_t K, int64_t V, int64_t first,
+                               int64_t tiles, int64_t r0, int64_t live, int32_t* sums) {
+  alignas(64) int32_t out[4][kTileTokens][kTileTokens];
+  const int64_t chunks = K / kTileInputs, last_ahead = V - kTileTokens;
+  auto ask_ahead = [&](int64_t token, int64_t c) {
+    const int64_t ahead = std::min(token + kTilesAhead * kTileTokens, last_ahead);
+    for (int64_t u = 0; u < kTileTokens; ++u)
+      _mm_prefetch(reinterpret_cast<const char*>(q + (ahead + u) * K + c * kTileInputs), _MM_HINT_T1);
+  };
+  for (int64_t t = 0; t < tiles; t += 4) {
+    const int64_t here = std::min<int64_t>(4, tiles - t), token = first + t * kTileTokens;
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t c = 0; c < chunks; ++c) {
+      const int8_t* w = q + token * K + c * kTileInputs;
+      _tile_loadd(4, digits + c * kTileDigitBytes, 64);
+      _tile_loadd(5, w, K);
+      _tile_dpbssd(0, 5, 4);
+      ask_ahead(token, c);
+      if (here > 1) {
+        _tile_loadd(6, w + kTileTokens * K, K);
+        _tile_dpbssd(1, 6, 4);
+        ask_ahead(token + kTileTokens, c);
+      }
+      if (here > 2) {
+        _tile_loadd(5, w + 2 * kTileTokens * K, K);
+        _tile_dpbssd(2, 5, 4);
+        ask_ahead(token + 2 * kTileTokens, c);
+      }
+      if (here > 3) {
+        _tile_loadd(6, w + 3 * kTileTokens * K, K);
+        _tile_dpbssd(3, 6, 4);
+        ask_ahead(token + 3 * kTileTokens, c);
+      }
+    }
+    _tile_stored(0, out[0], 64);
+    _tile_stored(1, out[1], 64);
+    _tile_stored(2, out[2], 64);
+    _tile_stored(3, out[3], 64);
+    for (int64_t b = 0; b < here; ++b)
+      for (int64_t u = 0; u < kTileTokens; ++u)
+        for (int64_t r = 0; r < live; ++r) {
+          const int64_t total = 256 * static_cast<int64_t>(out[b][u][2 * r]) + out[b][u][2 * r + 1];
+          sums[(r0 + r) * V + token + b * kTileTokens + u] = static_cast<int32_t>(total);  // exact: |total| < 2^31
+        }
+  }
+}
+
+// int16_screen's floats for tokens [begin, end) of one row: bfloat16((float(sum) * x_scale) * scale_i), rounded
+// to nearest even as c10::BFloat16 rounds (a NaN becomes 0x7FC0), 16 tokens at a time.
+AVX512 void screen_floats(const int32_t* sums, float x_scale, const at::BFloat16* scales, int64_t begin, int64_t end,
+                          at::BFloat16* out) {
+  const __m512 row = _mm512_set1_ps(x_scale);
+  const __m512i one = _mm512_set1_epi32(1), half = _mm512_set1_epi32(0x7FFF), nan = _mm512_set1_epi32(0x7FC0);
+  int64_t i = begin;
+  for (; i + 16 <= end; i += 16) {
+    const __m512i scale_bits = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + i)));
+    const __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(scale_bits, 16));
+    const __m512 value = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(sums + i)), row), scale);
+    const __m512i bits = _mm512_castps_si512(value);
+    const __m512i bias = _mm512_add_epi32(_mm512_and_si512(_mm512_srli_epi32(bits, 16), one), half);
+    __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, bias), 16);
+    rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(value, value, _CMP_UNORD_Q), nan);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), _mm512_cvtepi32_epi16(rounded));
+  }
+  for (; i < end; ++i) out[i] = at::BFloat16(static_cast<float>(sums[i]) * x_scale * static_cast<float>(scales[i]));
+}
+
+// The screen's sums for tokens [begin, end) and every row: whole tiles of 16 tokens on AMX (`digits`: one
+// tile_digits pass per 8 rows), the last few tokens through the VNNI kernel (the same integers).
+AMX_INT8 void tile_screen_rows(const int16_t* x, const int8_t* digits, int64_t rows, const int8_t* q, int64_t K,
+                               int64_t V, int64_t begin, int64_t end, int32_t* sums) {
+  TileConfig config;
+  for (int t = 0; t < 7; ++t) {
+    config.rows[t] = kTileTokens;
+    config.bytes_per_row[t] = 64;
+  }
+  _tile_loadconfig(&config);
+  const int64_t tiles = (end - begin) / kTileTokens, passes = (rows + kTileScreenRows - 1) / kTileScreenRows;
+  constexpr int64_t kTilesPerStretch = 16;  // a stretch of tokens all passes sum while its weights are in L2
+  for (int64_t t = 0; t < tiles; t += kTilesPerStretch)
+    for (int64_t pass = 0; pass < passes; ++pass)
+      tile_screen_pass(digits + pass * (K / kTileInputs) * kTileDigitBytes, q, K, V, begin + t * kTileTokens,
+                       std::min(kTilesPerStretch, tiles - t), pass * kTileScreenRows,
+                       std::min(kTileScreenRows, rows - pass * kTileScreenRows), sums);
+  _tile_release();
+  screen_rows<VnniScreen>(x, rows, q, K, V, begin + tiles * kTileTokens, end, sums);
+}
 
 // ---- the stream linear kernel ----
 // A stream pack has the weight's shape (O, I): its first O / 16 * 16 outputs in blocks of 16, each
@@ -1636,35 +1778,59 @@ at::Tensor stream_pack(const at::Tensor& weight, bool narrow, bool codes) {
 constexpr int kNoChoice = -1, kAvx2 = 0, kAvx512 = 1;
 std::atomic<int> chosen_isa{kNoChoice};
 
-// Whether this CPU runs the AVX-512 kernels and DRAFTSMITH_MAX_CPU_ISA (read once, as oneDNN's
-// ONEDNN_MAX_CPU_ISA) does not cap them at AVX2.
+// The widest instruction set DRAFTSMITH_MAX_CPU_ISA (read once, as oneDNN's ONEDNN_MAX_CPU_ISA) lets the
+// kernels take: "avx2", "avx512" (no AMX tiles) or "amx" (the default: no cap).
+const std::string& isa_cap() {
+  static const std::string cap = [] {
+    const std::string value = std::getenv("DRAFTSMITH_MAX_CPU_ISA") ? std::getenv("DRAFTSMITH_MAX_CPU_ISA") : "";
+    if (value == "avx2" || value == "avx512" || value == "amx") return value;
+    if (!value.empty())
+      TORCH_WARN("DRAFTSMITH_MAX_CPU_ISA=", value, " is neither avx2, avx512 nor amx; ignored (the kernels take ",
+                 "the widest instructions this CPU has)");
+    return std::string("amx");
+  }();
+  return cap;
+}
+
+// Whether this CPU runs the AVX-512 kernels and DRAFTSMITH_MAX_CPU_ISA does not cap them at AVX2.
 bool avx512_allowed() {
 #ifdef DRAFTSMITH_X86
-  static const bool capped = [] {
-    const std::string cap = std::getenv("DRAFTSMITH_MAX_CPU_ISA") ? std::getenv("DRAFTSMITH_MAX_CPU_ISA") : "";
-    if (!cap.empty() && cap != "avx2" && cap != "avx512")
-      TORCH_WARN("DRAFTSMITH_MAX_CPU_ISA=", cap, " is neither avx2 nor avx512; ignored (the kernels take AVX-512 ",
-                 "where this CPU has it)");
-    return cap == "avx2";
+  return __builtin_cpu_supports("avx512f") && isa_cap() != "avx2";
+#else
+  return false;
+#endif
+}
+
+// Whether the screen's sums may run on AMX tiles: a CPU with AMX-TILE and AMX-INT8 (CPUID leaf 7), Linux
+// granting this process the tiles' state (asked once), the VNNI screen's instructions, and no cap below "amx".
+bool amx_allowed() {
+#if defined(DRAFTSMITH_X86) && defined(__linux__)
+  static const bool granted = [] {
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) || !(edx & (1u << 24)) || !(edx & (1u << 25))) return false;
+    constexpr long kRequestPermission = 0x1023, kTileData = 18;  // ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
+    return syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
   }();
-  return __builtin_cpu_supports("avx512f") && !capped;
+  return granted && isa_cap() == "amx" && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni");
 #else
   return false;
 #endif
 }
 
 // Whether a kernel (`what`: stream_linear, int8_screen, screen_contenders, proven_argmax, attend) runs its
-// AVX-512 code: `isa` "auto" (the path set_isa chose, else AVX-512 where avx512_allowed()), "avx2" or
-// "avx512". The choice is speed only: the stream kernel's floats are the same either way, the screen's sums
+// AVX-512 code: `isa` "auto" (the path set_isa chose, else AVX-512 where avx512_allowed()), "avx2", "avx512"
+// or "amx" (AVX-512, and the screen's sums on AMX tiles: screen_tiles). The choice is speed only: the stream kernel's floats are the same either way, the screen's sums
 // are of the same exact products (its bound holds in any order), the contender search and the attention
 // compute the same floats, and the proof's float64 sums are of the same exact products (its bound holds in
 // any order too).
 bool wide_vectors(const std::string& isa, const char* what) {
-  TORCH_CHECK(isa == "auto" || isa == "avx2" || isa == "avx512", what, ": isa 'auto', 'avx2' or 'avx512', not '",
-              isa, "'");
+  TORCH_CHECK(isa == "auto" || isa == "avx2" || isa == "avx512" || isa == "amx", what,
+              ": isa 'auto', 'avx2', 'avx512' or 'amx', not '", isa, "'");
 #ifdef DRAFTSMITH_X86
-  TORCH_CHECK(__builtin_cpu_supports("avx512f") || isa != "avx512", what, ": this CPU has no AVX-512F");
-  if (isa != "auto") return isa == "avx512";
+  TORCH_CHECK(__builtin_cpu_supports("avx512f") || isa == "avx2" || isa == "auto", what, ": this CPU has no AVX-512F");
+  TORCH_CHECK(isa != "amx" || amx_allowed(), what, ": AMX tiles do not run here (",
+              isa_cap() == "amx" ? "this CPU or OS has none" : "DRAFTSMITH_MAX_CPU_ISA caps them", ")");
+  if (isa != "auto") return isa != "avx2";
   const int chosen = chosen_isa.load(std::memory_order_relaxed);
   return chosen == kNoChoice ? avx512_allowed() : chosen == kAvx512;
 #else
@@ -1787,6 +1953,16 @@ at::Tensor int8_screen(const at::Tensor& input, const at::Tensor& quantized, con
   return screen;
 }
 
+// Whether int16_screen sums `rows` rows on AMX tiles for `isa`: "amx" (any rows), or "auto" where the AVX-512
+// path is taken, amx_allowed() and rows >= tiles_from > 0. The tiles sum the same integers as VNNI, so which
+// runs is speed alone: reading the weights bounds both at a few rows, where the tiles read them slower, and
+// VNNI's multiply-adds bound it past that (the row count the tiles win from is timed per machine:
+// context.py's tiles_from).
+bool screen_tiles(const std::string& isa, int64_t rows, int64_t tiles_from) {
+  const bool wide = wide_vectors(isa, "int16_screen");
+  return isa == "amx" || (isa == "auto" && wide && tiles_from > 0 && rows >= tiles_from && amx_allowed());
+}
+
 // Whether int16_screen runs on this CPU for `isa` ("auto" or "avx512": AVX-512 with its byte/word
 // instructions and VNNI, Intel since Cascade Lake, AMD since Zen 4; "avx2": never).
 bool int16_screen_available(const std::string& isa) {
@@ -1800,12 +1976,13 @@ bool int16_screen_available(const std::string& isa) {
 
 // The screened head's product for 16-bit integer rows: a_ri = bfloat16((float(S_ri) * x_scales_r) * s_i) with
 // S_ri = sum_k x_rk q_ik exact in int32 (greedy_head.py picks |x| so that it cannot overflow) and each
-// product after it rounded to float32. input (R, K) int16, x_scales (R) float32, quantized (V, K) int8 with
-// K a multiple of 32, scales (V) bfloat16. Only where int16_screen_available(isa).
+// product after it rounded to float32; S summed by VNNI, or on AMX tiles where screen_tiles says so, K is a
+// multiple of 64 and every |x| is at most kScreenTop. input (R, K) int16, x_scales (R) float32, quantized
+// (V, K) int8 with K a multiple of 32, scales (V) bfloat16. Only where int16_screen_available(isa).
 at::Tensor int16_screen(const at::Tensor& input, const at::Tensor& x_scales, const at::Tensor& quantized,
-                        const at::Tensor& scales, const std::string& isa) {
+                        const at::Tensor& scales, const std::string& isa, int64_t tiles_from) {
   RECORD_FUNCTION("draftsmith::int16_screen", std::vector<c10::IValue>());  // named in bench-tree --profile
-  TORCH_CHECK(int16_screen_available(isa), "int16_screen: needs AVX-512 with VNNI (isa 'auto' or 'avx512')");
+  TORCH_CHECK(int16_screen_available(isa), "int16_screen: needs AVX-512 with VNNI (isa 'auto', 'avx512' or 'amx')");
   TORCH_CHECK(input.dim() == 2 && input.scalar_type() == at::kShort, "int16_screen: input");
   TORCH_CHECK(x_scales.dim() == 1 && x_scales.scalar_type() == at::kFloat && x_scales.size(0) == input.size(0),
               "int16_screen: x_scales");
@@ -1826,11 +2003,20 @@ at::Tensor int16_screen(const at::Tensor& input, const at::Tensor& x_scales, con
   int32_t* sp = sums.data_ptr<int32_t>();
   const at::BFloat16* scale = scales.data_ptr<at::BFloat16>();
   at::BFloat16* out = screen.data_ptr<at::BFloat16>();
+  bool tiles = K % kTileInputs == 0 && screen_tiles(isa, rows, tiles_from);
+  std::vector<int8_t> digits;
+  if (tiles) {
+    const int64_t pass_bytes = K / kTileInputs * kTileDigitBytes;
+    digits.resize((rows + kTileScreenRows - 1) / kTileScreenRows * pass_bytes);
+    for (int64_t r0 = 0; r0 < rows && tiles; r0 += kTileScreenRows)
+      tiles = tile_digits(xp, rows, K, r0, digits.data() + r0 / kTileScreenRows * pass_bytes);
+  }
   at::parallel_for(0, V, 2048, [&](int64_t begin, int64_t end) {
-    screen_rows<VnniScreen>(xp, rows, qp, K, V, begin, end, sp);
-    for (int64_t r = 0; r < rows; ++r)
-      for (int64_t i = begin; i < end; ++i)
-        out[r * V + i] = at::BFloat16(static_cast<float>(sp[r * V + i]) * xs[r] * static_cast<float>(scale[i]));
+    if (tiles)
+      tile_screen_rows(xp, digits.data(), rows, qp, K, V, begin, end, sp);
+    else
+      screen_rows<VnniScreen>(xp, rows, qp, K, V, begin, end, sp);
+    for (int64_t r = 0; r < rows; ++r) screen_floats(sp + r * V, xs[r], scale, begin, end, out + r * V);
   });
 #endif
   return screen;
@@ -2603,7 +2789,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> screen_inputs(const at::Tensor& r
   TORCH_CHECK(rows.dim() == 2 && rows.scalar_type() == at::kFloat, "screen_inputs: rows (R, K) float32");
   const at::Tensor x = rows.contiguous();
   const int64_t R = x.size(0), K = x.size(1);
-  const float top = static_cast<float>(std::min<int64_t>(32767, 2147483647 / (127 * K)));
+  const float top = static_cast<float>(std::min<int64_t>(kScreenTop, 2147483647 / (127 * K)));
   at::Tensor integers = at::zeros({R, K}, x.options().dtype(at::kShort));
   at::Tensor scales = at::full({R}, std::numeric_limits<float>::min(), x.options());
   at::Tensor coefficients = at::zeros({R, 2}, x.options());
@@ -2625,11 +2811,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> screen_inputs(const at::Tensor& r
 // other waited.
 at::Tensor greedy_tokens(const at::Tensor& rows, const at::Tensor& quantized, const at::Tensor& scales,
                          const at::Tensor& row_bounds, const at::Tensor& weight, double gamma32, double gamma64,
-                         double fp32_unit, double output, double safety, const std::string& isa) {
+                         double fp32_unit, double output, double safety, const std::string& isa, int64_t tiles_from) {
   RECORD_FUNCTION("draftsmith::greedy_tokens", std::vector<c10::IValue>());  // named in bench-tree --profile
   const at::Tensor x = rows.contiguous();
   const auto [integers, row_scales, coefficients] = screen_inputs(x, gamma32, fp32_unit, safety);
-  const at::Tensor screen = int16_screen(integers, row_scales, quantized, scales, isa);
+  const at::Tensor screen = int16_screen(integers, row_scales, quantized, scales, isa, tiles_from);
   const auto [floors, contenders] = screen_contenders(screen, row_bounds, coefficients, output, safety, isa);
   const at::Tensor finite = at::isfinite(x).all(1).logical_and(at::isfinite(floors)).contiguous();
   at::Tensor tokens = at::empty({x.size(0)}, x.options().dtype(at::kLong));
@@ -2690,14 +2876,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("isa") = "auto");
   m.def("int8_screen", &int8_screen, "The screened head's int8 product, weights read once for all rows",
         py::arg("input"), py::arg("quantized"), py::arg("scales"), py::arg("isa") = "auto");
+  m.def("amx_available", &amx_allowed, "Whether the screen's sums run on AMX tiles here (isa 'amx')");
   m.def("int16_screen_available", &int16_screen_available, "Whether int16_screen runs on this CPU",
         py::arg("isa") = "auto");
   m.def("greedy_tokens", &greedy_tokens, "The screened head's proven tokens for float32 rows (-1: the float32 head decides)",
         py::arg("rows"), py::arg("quantized"), py::arg("scales"), py::arg("row_bounds"), py::arg("weight"),
         py::arg("gamma32"), py::arg("gamma64"), py::arg("fp32_unit"), py::arg("output"), py::arg("safety"),
-        py::arg("isa") = "auto");
+        py::arg("isa") = "auto", py::arg("tiles_from") = 0);
   m.def("screen_inputs", &screen_inputs, "The screened head's 16-bit integer rows, their scales and the bounds' coefficients",
         py::arg("rows"), py::arg("gamma32"), py::arg("fp32_unit"), py::arg("safety"));
-  m.def("int16_screen", &int16_screen, "The screened head's product for 16-bit integer rows (VNNI, exact sums)",
-        py::arg("input"), py::arg("x_scales"), py::arg("quantized"), py::arg("scales"), py::arg("isa") = "auto");
+  m.def("int16_screen", &int16_screen,
+        "The screened head's product for 16-bit integer rows (exact sums: VNNI, or AMX tiles from tiles_from rows)",
+        py::arg("input"), py::arg("x_scales"), py::arg("quantized"), py::arg("scales"), py::arg("isa") = "auto",
+        py::arg("tiles_from") = 0);
 }

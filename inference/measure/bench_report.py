@@ -155,6 +155,8 @@ def linear_note(linear: dict[str, Any]) -> str:
         invariant = "bitwise row-invariant" if linear.get("row_invariant") else "NOT row-invariant on this machine"
         handover = linear.get("full_head_from")
         head = f"; greedy verification of {handover}+ rows through its float32 head" if handover else ""
+        tiles = linear.get("screen_tiles_from")
+        head += f"; the screen's sums of {tiles}+ rows on AMX tiles" if tiles else ""
         forms = linear.get("pack_forms")
         held = "; packs: " + ", ".join(f"{count} {form}" for form, count in forms.items()) if forms else ""
         packing = f", {linear['pack_seconds']} s packing, not counted"

@@ -21,15 +21,17 @@ from helpers import hf_greedy, skip_without_avx512
 VOCAB, HIDDEN = 3000, 64
 # the contender search in Python and in the runtime's C++ extension (which the tests expect to build)
 SEARCHES = pytest.mark.parametrize(
-    "native", [False, "avx2", "avx512", "vnni", "amx"], ids=["python", "c++ avx2", "c++ avx512", "c++ vnni", "c++ amx"]
+    "native",
+    [False, "avx2", "avx512", "madd", "vnni", "amx"],
+    ids=["python", "c++ avx2", "c++ avx512", "c++ int16 avx2", "c++ vnni", "c++ amx"],
 )
 
 
 class FixedInstructions:
     """The C++ extension with its screen, contender search and proof held to one instruction set (``auto``
     picks AVX-512 where the CPU has it, so the other code would otherwise go untested on such a CPU), and
-    its screen to the bfloat16 rows' int8 product or to the 16-bit integer rows' VNNI one (with ``isa``
-    ``"amx"``: their sums on AMX tiles, at any row count)."""
+    its screen to the bfloat16 rows' int8 product or to the 16-bit integer rows' exact one (with ``isa``
+    ``"avx2"`` AVX2's sums, ``"avx512"`` VNNI's where the CPU has it, ``"amx"`` AMX tiles' at any row count)."""
 
     def __init__(self, built, isa: str, vnni: bool = False) -> None:
         self.built, self.isa, self.vnni = built, isa, vnni
@@ -58,8 +60,8 @@ class FixedInstructions:
 
 def extension(native: bool | str):
     """None (Python and torch), the C++ extension (``True``), or the extension with its vector code held
-    to one instruction set (``"avx2"``, ``"avx512"``, ``"vnni"``: AVX-512 with the 16-bit integer screen, or
-    ``"amx"``: that screen's sums on AMX tiles; skipped where the CPU lacks it)."""
+    to one instruction set (``"avx2"``, ``"avx512"``; with the 16-bit integer screen: ``"madd"`` its AVX2 sums,
+    ``"vnni"`` AVX-512 VNNI's, ``"amx"`` AMX tiles'; skipped where the CPU lacks it)."""
     if not native:
         return None
     built = native_extension()
@@ -70,12 +72,12 @@ def extension(native: bool | str):
         pytest.skip("the C++ kernels need an x86-64 CPU with AVX2 and FMA")
     if native in ("avx512", "vnni", "amx"):
         skip_without_avx512()
-    if native in ("vnni", "amx") and not built.int16_screen_available():
+    if native in ("vnni", "amx") and not built.vnni_available():
         pytest.skip("this CPU has no AVX-512 VNNI")
     if native == "amx" and not built.amx_available():
         pytest.skip("this CPU (or its OS) has no AMX tiles")
-    vnni = native in ("vnni", "amx")
-    return FixedInstructions(built, "avx512" if native == "vnni" else native, vnni=vnni)
+    isa = {"vnni": "avx512", "madd": "avx2"}.get(native, native)
+    return FixedInstructions(built, isa, vnni=native in ("madd", "vnni", "amx"))
 
 
 def head(seed: int, vocab: int = VOCAB, hidden: int = HIDDEN) -> nn.Linear:
@@ -185,19 +187,19 @@ def test_the_vnni_screen_is_the_integer_rows_product_to_its_output_rounding():
     assert bool(((x.double() - screen_input).norm(dim=1) < (x.double() - bfloat16).norm(dim=1) / 4).all())
 
 
+@pytest.mark.parametrize("sums", ["madd", "vnni", "amx"], ids=["avx2", "vnni", "amx"])
 @pytest.mark.parametrize(
     ("count", "width", "vocab"),
     [(1, 64, 1000), (3, 576, 1039), (8, 128, 48), (9, 640, 333), (17, 192, 77), (5, 96, 200)],
     ids=["1-row", "3-rows", "8-rows", "9-rows", "17-rows", "width-96"],
 )
-def test_the_amx_screen_sums_the_vnni_integers(count, width, vocab):
-    """The tiles' two signed bytes per input summed to the same int32 as VNNI's, so the same screen bitwise:
-    passes of 8 rows, tokens past the last whole tile of 16 (VNNI's), a width that is no multiple of 64
-    (VNNI's alone), inputs at the ends of the range and one past it (that row's sums through VNNI), each
-    output the product of the exact sum, the row's scale and the token's rounded to float32 and then to
-    bfloat16 (NaN where a scale is)."""
-    native = extension("amx")
-    vnni = extension("vnni")
+def test_every_int16_screen_sums_the_exact_integers(sums, count, width, vocab):
+    """AVX2's, VNNI's and the AMX tiles' sums (two signed bytes per input there) are the same exact int32, so
+    the same screen bitwise: passes of 8 rows, tokens past the last whole tile of 16 (VNNI's), a width that is
+    no multiple of 64 (VNNI's alone on AMX), inputs at the ends of the range and one past the tiles' (that row's
+    sums through VNNI), each output the product of the exact sum, the row's scale and the token's rounded to
+    float32 and then to bfloat16 (NaN where a scale is)."""
+    native = extension(sums)
     generator = torch.Generator().manual_seed(count * width)
     quantized = torch.randint(-127, 128, (vocab, width), dtype=torch.int8, generator=generator)
     scales = (torch.rand(vocab, generator=generator) + 0.01).to(torch.bfloat16)
@@ -207,18 +209,19 @@ def test_the_amx_screen_sums_the_vnni_integers(count, width, vocab):
     row_scales = torch.rand(count, generator=generator) * 1e-3
     if count > 1:
         row_scales[1] = float("nan")
-    exact = (integers.double() @ quantized.double().T).float()  # exact: the sums are below 2**31
-    expected = screen_bits(exact * row_scales[:, None] * scales.float()[None])
-    for isa_screen in (native, vnni):
-        got = isa_screen.int16_screen(integers, row_scales, quantized, scales)
-        assert torch.equal(got.view(torch.int16), expected)
+
+    def expected() -> torch.Tensor:
+        exact = (integers.double() @ quantized.double().T).float()  # exact: the sums are below 2**31
+        return screen_bits(exact * row_scales[:, None] * scales.float()[None])
+
+    assert torch.equal(native.int16_screen(integers, row_scales, quantized, scales).view(torch.int16), expected())
+    if sums != "amx":
+        return
     auto = native_extension().int16_screen(integers, row_scales, quantized, scales, tiles_from=1)
-    assert torch.equal(auto.view(torch.int16), expected)
-    if top == 127 * 256 + 127:  # a hand-made input past the screen's range: its row through VNNI
+    assert torch.equal(auto.view(torch.int16), expected())
+    if top == 127 * 256 + 127:  # a hand-made input past the tiles' range: its row through VNNI
         integers[-1, -1] = 32767
-        beyond = (integers.double() @ quantized.double().T).float()
-        expected = screen_bits(beyond * row_scales[:, None] * scales.float()[None])
-        assert torch.equal(native.int16_screen(integers, row_scales, quantized, scales).view(torch.int16), expected)
+        assert torch.equal(native.int16_screen(integers, row_scales, quantized, scales).view(torch.int16), expected())
 
 
 def screen_bits(values: torch.Tensor) -> torch.Tensor:

@@ -8,12 +8,12 @@ an int8 copy of the head (a bfloat16 scale per row; a quarter of the bytes) and 
 ``x``, exactly ``argmax(F.linear(x, W))`` as the float32 head computes it:
 
 1. **Screen.** ``a = x' @ (q * s).T`` with a bfloat16 output, where ``x'`` is ``x`` rounded: to 16-bit
-   integers times a scale per row where the C++ extension's VNNI product runs (AVX-512 VNNI: exact
-   integer sums, and a ~20x finer input than bfloat16 on SmolLM2's hidden states, whose largest value is
-   ~10x their RMS), else to bfloat16 (the extension's int8 product or ``torch._weight_int8pack_mm``:
-   float32 accumulation). For every token ``i`` a bound ``D_i`` holds: ``|f_i - a_i| <= D_i``, where
-   ``f_i`` is the float32 head's logit in whatever summation order its kernel uses (``|f_i - x.W_i| <=
-   gamma_K sum_k |x_k W_ik|``, Higham's bound). ``D_i`` adds the weight rounding
+   integers times a scale per row where the C++ extension runs (exact integer sums with AVX2, AVX-512 VNNI
+   or AMX tiles, the same integers on each, and a ~20x finer input than bfloat16 on SmolLM2's hidden
+   states, whose largest value is ~10x their RMS), else to bfloat16 (``torch._weight_int8pack_mm``, or the
+   extension's int8 product where asked: float32 accumulation). For every token ``i`` a bound ``D_i``
+   holds: ``|f_i - a_i| <= D_i``, where ``f_i`` is the float32 head's logit in whatever summation order its
+   kernel uses (``|f_i - x.W_i| <= gamma_K sum_k |x_k W_ik|``, Higham's bound). ``D_i`` adds the weight rounding
    (``||x|| ||W_i - Q_i||``, Cauchy-Schwarz with the row's measured error), the input's rounding
    (``||x - x'||``, measured), the accumulations and the output rounding (:meth:`GreedyHead.screen_bounds`).
 2. **Candidates.** Some token's ``f`` is at least ``L = max_i (a_i - D_i)``; a token with ``a_i + D_i
@@ -136,7 +136,7 @@ class GreedyHead:
         if self.full_head_from is not None and rows.shape[0] >= self.full_head_from:
             self.rows += rows.shape[0]
             return self.head(rows).argmax(dim=-1).tolist()
-        if _vnni_screen(native):
+        if _int16_screen(native):
             proven = native.greedy_tokens(
                 rows,
                 self.quantized,
@@ -158,7 +158,7 @@ class GreedyHead:
 
     def _tokens(self, rows: torch.Tensor, native: ModuleType | None) -> list[int]:
         """Each row's token, step by step (the extension's ``greedy_tokens`` makes the same steps in one
-        call where the VNNI screen runs)."""
+        call where the 16-bit screen runs)."""
         floors, contenders = self.contenders(rows, native)
         finite = torch.isfinite(floors) & torch.isfinite(rows).all(dim=1)
         tokens = []
@@ -177,10 +177,9 @@ class GreedyHead:
 
     def screen_rows(self, rows: torch.Tensor, native: ModuleType | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The rows as the screen reads them (``x'``: float64 for 16-bit integer rows, else bfloat16) and
-        their screen ``a`` (``(R, V)``, bfloat16): 16-bit integer rows through the extension's VNNI
-        product where it runs on this CPU (exact sums, twice the products an instruction), else
-        :meth:`screen` of the bfloat16 rows."""
-        if _vnni_screen(native):
+        their screen ``a`` (``(R, V)``, bfloat16): 16-bit integer rows through the extension's exact
+        integer product where it runs on this CPU, else :meth:`screen` of the bfloat16 rows."""
+        if _int16_screen(native):
             integers, row_scales = _int16_rows(rows)
             tiles_from = self.tiles_from or 0
             screen = native.int16_screen(integers, row_scales, self.quantized, self.scales, tiles_from=tiles_from)
@@ -240,8 +239,8 @@ class GreedyHead:
         return int(self.head(x[None]).argmax())
 
 
-def _vnni_screen(native: ModuleType | None) -> bool:
-    """Whether the extension's 16-bit integer screen (AVX-512 VNNI) runs here."""
+def _int16_screen(native: ModuleType | None) -> bool:
+    """Whether the extension's 16-bit integer screen (exact int32 sums: AVX2, AVX-512 VNNI or AMX) runs here."""
     return native is not None and native.simd_supported() and native.int16_screen_available()
 
 
@@ -255,7 +254,7 @@ def _int8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def _int16_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Each float32 row as int16 times a float32 scale (``max |x| / top``), with ``top`` small enough that
     no int32 sum of the screen can overflow (``K * top * 127 < 2**31``) and each value is two signed bytes
-    (:data:`_SCREEN_TOP`): the VNNI and AMX screens' input."""
+    (:data:`_SCREEN_TOP`): the 16-bit screen's input."""
     top = min(_SCREEN_TOP, (2**31 - 1) // (127 * rows.shape[1]))
     scales = (rows.abs().amax(dim=1) / top).clamp_min(torch.finfo(torch.float32).tiny)
     integers = torch.round(rows / scales[:, None]).clamp_(-top, top).to(torch.int16)

@@ -567,6 +567,42 @@ AVX512VNNI inline void vnni_block(const int16_t* x, const int8_t* q, int64_t K, 
     for (int r = 0; r < R; ++r) sums[r * V + i + t] = _mm512_reduce_add_epi32(acc[t][r]);
 }
 
+// vnni_block with AVX2 (any CPU the kernels run on): the same exact int32 sums, each instruction multiplying
+// 16 int16 pairs and adding neighbours into 8 lanes (vpmaddwd), then added to the sums (vpaddd).
+AVX2 inline int32_t lane_sum_epi32(__m256i v) {
+  const __m128i half = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  const __m128i pairs = _mm_add_epi32(half, _mm_unpackhi_epi64(half, half));
+  return _mm_cvtsi128_si32(_mm_add_epi32(pairs, _mm_shuffle_epi32(pairs, 1)));
+}
+
+template <int R, int T>
+AVX2 inline void madd_block(const int16_t* x, const int8_t* q, int64_t K, int64_t V, int64_t i, int32_t* sums) {
+  __m256i acc[T][R];
+#pragma GCC unroll 8
+  for (int t = 0; t < T; ++t)
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) acc[t][r] = _mm256_setzero_si256();
+  const int64_t ahead = std::min(i + kPrefetchRows, V - T);
+  for (int64_t k = 0; k < K; k += 16) {
+    if ((k & 63) == 0)
+#pragma GCC unroll 8
+      for (int t = 0; t < T; ++t) _mm_prefetch(reinterpret_cast<const char*>(q + (ahead + t) * K + k), kPrefetchHint);
+#pragma GCC unroll 8
+    for (int t = 0; t < T; ++t) {
+      const __m256i w = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + (i + t) * K + k)));
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + r * K + k));
+        acc[t][r] = _mm256_add_epi32(acc[t][r], _mm256_madd_epi16(w, xv));
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int t = 0; t < T; ++t)
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) sums[r * V + i + t] = lane_sum_epi32(acc[t][r]);
+}
+
 // The three screen kernels for screen_rows: float32 sums with AVX2 and with AVX-512, exact int32 ones with
 // AVX-512 VNNI (more tokens a block where there are 32 vector registers).
 struct Avx2Screen {
@@ -582,6 +618,14 @@ struct Avx512Screen {
   template <int R, int T>
   AVX512 static void block(const float* x, const int8_t* q, int64_t K, int64_t V, int64_t i, float* sums) {
     screen_block_512<R, T>(x, q, K, V, i, sums);
+  }
+};
+
+struct MaddScreen {
+  static constexpr int kTokens[9] = {0, 4, 4, 3, 2, 2, 2, 1, 1};
+  template <int R, int T>
+  AVX2 static void block(const int16_t* x, const int8_t* q, int64_t K, int64_t V, int64_t i, int32_t* sums) {
+    madd_block<R, T>(x, q, K, V, i, sums);
   }
 };
 
@@ -1953,25 +1997,31 @@ at::Tensor int8_screen(const at::Tensor& input, const at::Tensor& quantized, con
   return screen;
 }
 
+// Whether int16_screen's sums take AVX-512 VNNI for `isa`.
+bool vnni_sums(const std::string& isa) {
+#ifdef DRAFTSMITH_X86
+  return wide_vectors(isa, "int16_screen") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni");
+#else
+  return false;
+#endif
+}
+
 // Whether int16_screen sums `rows` rows on AMX tiles for `isa`: "amx" (any rows), or "auto" where the AVX-512
 // path is taken, amx_allowed() and rows >= tiles_from > 0. The tiles sum the same integers as VNNI, so which
 // runs is speed alone: reading the weights bounds both at a few rows, where the tiles read them slower, and
 // VNNI's multiply-adds bound it past that (the row count the tiles win from is timed per machine:
 // context.py's tiles_from).
 bool screen_tiles(const std::string& isa, int64_t rows, int64_t tiles_from) {
-  const bool wide = wide_vectors(isa, "int16_screen");
+  const bool wide = vnni_sums(isa);
   return isa == "amx" || (isa == "auto" && wide && tiles_from > 0 && rows >= tiles_from && amx_allowed());
 }
 
-// Whether int16_screen runs on this CPU for `isa` ("auto" or "avx512": AVX-512 with its byte/word
-// instructions and VNNI, Intel since Cascade Lake, AMD since Zen 4; "avx2": never).
+// Whether int16_screen runs on this CPU: wherever the kernels run (AVX2 and FMA); its sums take VNNI where
+// `isa` takes the AVX-512 path and the CPU has AVX-512 VNNI (Intel since Cascade Lake, AMD since Zen 4), AVX2's
+// vpmaddwd elsewhere, and AMX tiles where screen_tiles says so: the same integers on every path.
 bool int16_screen_available(const std::string& isa) {
-#ifdef DRAFTSMITH_X86
-  return simd_supported() && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni") &&
-         isa != "avx2" && wide_vectors(isa, "int16_screen");
-#else
-  return false;
-#endif
+  wide_vectors(isa, "int16_screen");  // checks isa
+  return simd_supported();
 }
 
 // The screened head's product for 16-bit integer rows: a_ri = bfloat16((float(S_ri) * x_scales_r) * s_i) with
@@ -1982,7 +2032,7 @@ bool int16_screen_available(const std::string& isa) {
 at::Tensor int16_screen(const at::Tensor& input, const at::Tensor& x_scales, const at::Tensor& quantized,
                         const at::Tensor& scales, const std::string& isa, int64_t tiles_from) {
   RECORD_FUNCTION("draftsmith::int16_screen", std::vector<c10::IValue>());  // named in bench-tree --profile
-  TORCH_CHECK(int16_screen_available(isa), "int16_screen: needs AVX-512 with VNNI (isa 'auto', 'avx512' or 'amx')");
+  TORCH_CHECK(int16_screen_available(isa), "int16_screen: needs an x86-64 CPU with AVX2 and FMA");
   TORCH_CHECK(input.dim() == 2 && input.scalar_type() == at::kShort, "int16_screen: input");
   TORCH_CHECK(x_scales.dim() == 1 && x_scales.scalar_type() == at::kFloat && x_scales.size(0) == input.size(0),
               "int16_screen: x_scales");
@@ -2011,12 +2061,20 @@ at::Tensor int16_screen(const at::Tensor& input, const at::Tensor& x_scales, con
     for (int64_t r0 = 0; r0 < rows && tiles; r0 += kTileScreenRows)
       tiles = tile_digits(xp, rows, K, r0, digits.data() + r0 / kTileScreenRows * pass_bytes);
   }
+  const bool vnni = vnni_sums(isa), wide = wide_vectors(isa, "int16_screen");
   at::parallel_for(0, V, 2048, [&](int64_t begin, int64_t end) {
     if (tiles)
       tile_screen_rows(xp, digits.data(), rows, qp, K, V, begin, end, sp);
-    else
+    else if (vnni)
       screen_rows<VnniScreen>(xp, rows, qp, K, V, begin, end, sp);
-    for (int64_t r = 0; r < rows; ++r) screen_floats(sp + r * V, xs[r], scale, begin, end, out + r * V);
+    else
+      screen_rows<MaddScreen>(xp, rows, qp, K, V, begin, end, sp);
+    for (int64_t r = 0; r < rows; ++r)
+      if (wide)
+        screen_floats(sp + r * V, xs[r], scale, begin, end, out + r * V);
+      else
+        for (int64_t i = begin; i < end; ++i)
+          out[r * V + i] = at::BFloat16(static_cast<float>(sp[r * V + i]) * xs[r] * static_cast<float>(scale[i]));
   });
 #endif
   return screen;
@@ -2877,6 +2935,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_screen", &int8_screen, "The screened head's int8 product, weights read once for all rows",
         py::arg("input"), py::arg("quantized"), py::arg("scales"), py::arg("isa") = "auto");
   m.def("amx_available", &amx_allowed, "Whether the screen's sums run on AMX tiles here (isa 'amx')");
+  m.def(
+      "vnni_available",
+      []() {
+#ifdef DRAFTSMITH_X86
+        return simd_supported() && avx512_allowed() && __builtin_cpu_supports("avx512bw") &&
+               __builtin_cpu_supports("avx512vnni");
+#else
+        return false;
+#endif
+      },
+      "Whether the screen's sums take AVX-512 VNNI here (isa 'avx512')");
   m.def("int16_screen_available", &int16_screen_available, "Whether int16_screen runs on this CPU",
         py::arg("isa") = "auto");
   m.def("greedy_tokens", &greedy_tokens, "The screened head's proven tokens for float32 rows (-1: the float32 head decides)",

@@ -109,6 +109,23 @@ def test_greedy_decoding_through_each_path_is_plain_decoding(isa):
     assert native_extension().isa_in_use() == isa
 
 
+def test_the_screens_amx_tiles_follow_the_path(isa, monkeypatch, tmp_path):
+    """The screen's sums go on AMX tiles only beside the AVX-512 path (its VNNI sums the tiles' tails), so a
+    process on the AVX2 path neither times them nor names them in its records."""
+    from draftsmith.inference.kernels.context import TILES_CANDIDATES, KernelContext
+
+    monkeypatch.setattr(linear_choice, "choices_path", lambda: tmp_path / "choices.json")
+    model = coded_llama(seed=3)
+    context = KernelContext(model, KernelOptions(linear="stream"))
+    tiles_from = context.greedy_head().tiles_from
+    built = native_extension()
+    if isa == "avx2" or not (built.amx_available() and built.vnni_available()):
+        assert tiles_from is None
+    else:
+        assert tiles_from in (None, *TILES_CANDIDATES)
+    assert context.linear_record()["screen_tiles_from"] == tiles_from
+
+
 def test_the_widest_path_is_kept_unless_a_narrower_one_is_clearly_faster():
     """The choice is process-wide (the head's VNNI screen, the attention and the proof follow it), so a
     tie of the stream kernel's timings keeps the widest path; a narrower one needs a clear margin."""

@@ -163,11 +163,13 @@ class KernelContext:
     def _tiles_from(self, screened: GreedyHead) -> int | None:
         """The row count from which the screen's integer sums run faster on AMX tiles than with VNNI (the
         same integers either way) on this machine, timed once per machine, torch release, thread count and
-        head shape and remembered as :meth:`_full_head_from` is; None where the CPU has no tiles, the 16-bit
-        screen does not run, or VNNI is never slower. Each timed screen follows a one-token forward, as in
+        head shape and remembered as :meth:`_full_head_from` is; None where the CPU has no tiles or no VNNI, the
+        process's kernels took AVX2, or VNNI is never slower. Each timed screen follows a one-token forward, as in
         verification (with the int8 copy warm in the cache the tiles' faster arithmetic looks worth more)."""
         native = self.extension()
-        if native is None or not native.int16_screen_available() or not native.amx_available():
+        if native is None or not native.amx_available() or not native.vnni_available():
+            return None
+        if native.isa_in_use() != "avx512":  # the process took AVX2 (timed or forced): no tiles follow from it
             return None
         shape = "x".join(str(size) for size in self.model.lm_head.weight.shape)
         what = f"screen tiles from | head {shape} | rows {TILES_CANDIDATES}"

@@ -142,23 +142,33 @@ class KernelContext:
 
     def _time_full_head_from(self, screened: GreedyHead) -> int | None:
         head, native = self.model.lm_head, self.extension()
-        states = self._sample_states(max(FULL_HEAD_CANDIDATES))
+
+        def screen_and_full(x: torch.Tensor) -> list[Callable[[], object]]:
+            return [lambda: screened.contenders(x, native), lambda: head(x).argmax(dim=-1)]
+
+        return self._rows_from_which_second_wins(FULL_HEAD_CANDIDATES, screen_and_full)
+
+    def _rows_from_which_second_wins(
+        self, candidates: tuple[int, ...], runs: Callable[[torch.Tensor], list[Callable[[], object]]]
+    ) -> int | None:
+        """The fewest of ``candidates`` rows from which the second of ``runs(x)`` beats the first at that count
+        and every larger one (None: at none), ``x`` that many of the model's own last hidden states; the two
+        timed side by side, each after a one-token forward that streams the decoder's weights, so that the
+        caches hold what they hold after a verification's layers."""
+        states = self._sample_states(max(candidates))
         token = torch.zeros(1, 1, dtype=torch.long, device=states.device)
         faster = []
-        with torch.no_grad(), self.gemm.rows():
+        with torch.no_grad(), self.gemm.rows() if self.gemm is not None else nullcontext():
 
             def stream_the_layers() -> None:
                 self.model.model(input_ids=token, use_cache=False)
 
-            for rows in FULL_HEAD_CANDIDATES:
-                x = states[:rows].contiguous()
-                screen, full = side_by_side_seconds(
-                    [lambda: screened.contenders(x, native), lambda: head(x).argmax(dim=-1)],
-                    repeats=5,
-                    before=stream_the_layers,
+            for rows in candidates:
+                first, second = side_by_side_seconds(
+                    runs(states[:rows].contiguous()), repeats=5, before=stream_the_layers
                 )
-                faster.append(full < screen)
-        return next((rows for i, rows in enumerate(FULL_HEAD_CANDIDATES) if all(faster[i:])), None)
+                faster.append(second < first)
+        return next((rows for i, rows in enumerate(candidates) if all(faster[i:])), None)
 
     def _tiles_from(self, screened: GreedyHead) -> int | None:
         """The row count from which the screen's integer sums run faster on AMX tiles than with VNNI (the
@@ -177,25 +187,12 @@ class KernelContext:
         return remembered(self.model, what, measure, lambda rows: rows in (None, *TILES_CANDIDATES))
 
     def _time_tiles_from(self, screened: GreedyHead, native: ModuleType) -> int | None:
-        states = self._sample_states(max(TILES_CANDIDATES))
-        token = torch.zeros(1, 1, dtype=torch.long, device=states.device)
-        faster = []
-        with torch.no_grad(), self.gemm.rows() if self.gemm is not None else nullcontext():
+        def vnni_and_tiles(x: torch.Tensor) -> list[Callable[[], object]]:
+            integers, scales = screened.screen_integers(x)
+            screen = functools.partial(native.int16_screen, integers, scales, screened.quantized, screened.scales)
+            return [functools.partial(screen, isa=isa) for isa in ("avx512", "amx")]
 
-            def stream_the_layers() -> None:
-                self.model.model(input_ids=token, use_cache=False)
-
-            for rows in TILES_CANDIDATES:
-                screen = functools.partial(
-                    native.int16_screen, *screened.screen_integers(states[:rows]), screened.quantized, screened.scales
-                )
-                vnni, tiles = side_by_side_seconds(
-                    [functools.partial(screen, isa=isa) for isa in ("avx512", "amx")],
-                    repeats=5,
-                    before=stream_the_layers,
-                )
-                faster.append(tiles < vnni)
-        return next((rows for i, rows in enumerate(TILES_CANDIDATES) if all(faster[i:])), None)
+        return self._rows_from_which_second_wins(TILES_CANDIDATES, vnni_and_tiles)
 
     @torch.no_grad()
     def _sample_states(self, rows: int) -> torch.Tensor:

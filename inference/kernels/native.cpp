@@ -1845,6 +1845,19 @@ bool avx512_allowed() {
 #endif
 }
 
+// Whether this CPU has AVX-512's byte/word instructions and VNNI, which the screen's VNNI sums take (Intel since
+// Cascade Lake, AMD since Zen 4).
+bool cpu_has_vnni() {
+#ifdef DRAFTSMITH_X86
+  return __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni");
+#else
+  return false;
+#endif
+}
+
+// Whether the screen's sums take AVX-512 VNNI here with isa "auto": the AVX-512 kernels allowed, and VNNI.
+bool vnni_supported() { return simd_supported() && avx512_allowed() && cpu_has_vnni(); }
+
 // Whether the screen's sums may run on AMX tiles: a CPU with AMX-TILE and AMX-INT8 (CPUID leaf 7), Linux
 // granting this process the tiles' state (asked once), the VNNI screen's instructions, and no cap below "amx".
 bool amx_allowed() {
@@ -1855,7 +1868,7 @@ bool amx_allowed() {
     constexpr long kRequestPermission = 0x1023, kTileData = 18;  // ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
     return syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
   }();
-  return granted && isa_cap() == "amx" && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni");
+  return granted && isa_cap() == "amx" && cpu_has_vnni();
 #else
   return false;
 #endif
@@ -1998,13 +2011,7 @@ at::Tensor int8_screen(const at::Tensor& input, const at::Tensor& quantized, con
 }
 
 // Whether int16_screen's sums take AVX-512 VNNI for `isa`.
-bool vnni_sums(const std::string& isa) {
-#ifdef DRAFTSMITH_X86
-  return wide_vectors(isa, "int16_screen") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni");
-#else
-  return false;
-#endif
-}
+bool vnni_sums(const std::string& isa) { return wide_vectors(isa, "int16_screen") && cpu_has_vnni(); }
 
 // Whether int16_screen sums `rows` rows on AMX tiles for `isa`: "amx" (any rows), or "auto" where the AVX-512
 // path is taken, amx_allowed() and rows >= tiles_from > 0. The tiles sum the same integers as VNNI, so which
@@ -2935,17 +2942,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_screen", &int8_screen, "The screened head's int8 product, weights read once for all rows",
         py::arg("input"), py::arg("quantized"), py::arg("scales"), py::arg("isa") = "auto");
   m.def("amx_available", &amx_allowed, "Whether the screen's sums run on AMX tiles here (isa 'amx')");
-  m.def(
-      "vnni_available",
-      []() {
-#ifdef DRAFTSMITH_X86
-        return simd_supported() && avx512_allowed() && __builtin_cpu_supports("avx512bw") &&
-               __builtin_cpu_supports("avx512vnni");
-#else
-        return false;
-#endif
-      },
-      "Whether the screen's sums take AVX-512 VNNI here (isa 'avx512')");
+  m.def("vnni_available", &vnni_supported, "Whether the screen's sums take AVX-512 VNNI here (isa 'avx512')");
   m.def("int16_screen_available", &int16_screen_available, "Whether int16_screen runs on this CPU",
         py::arg("isa") = "auto");
   m.def("greedy_tokens", &greedy_tokens, "The screened head's proven tokens for float32 rows (-1: the float32 head decides)",

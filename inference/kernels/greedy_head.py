@@ -10,8 +10,8 @@ an int8 copy of the head (a bfloat16 scale per row; a quarter of the bytes) and 
 1. **Screen.** ``a = x' @ (q * s).T`` with a bfloat16 output, where ``x'`` is ``x`` rounded: to 16-bit
    integers times a scale per row where the C++ extension runs (exact integer sums with AVX2, AVX-512 VNNI
    or AMX tiles, the same integers on each, and a ~20x finer input than bfloat16 on SmolLM2's hidden
-   states, whose largest value is ~10x their RMS), else to bfloat16 (``torch._weight_int8pack_mm``, or the
-   extension's int8 product where asked: float32 accumulation). For every token ``i`` a bound ``D_i``
+   states, whose largest value is ~10x their RMS), else to bfloat16 (``torch._weight_int8pack_mm``: float32
+   accumulation). For every token ``i`` a bound ``D_i``
    holds: ``|f_i - a_i| <= D_i``, where ``f_i`` is the float32 head's logit in whatever summation order its
    kernel uses (``|f_i - x.W_i| <= gamma_K sum_k |x_k W_ik|``, Higham's bound). ``D_i`` adds the weight rounding
    (``||x|| ||W_i - Q_i||``, Cauchy-Schwarz with the row's measured error), the input's rounding
@@ -185,19 +185,17 @@ class GreedyHead:
             screen = native.int16_screen(integers, row_scales, self.quantized, self.scales, tiles_from=tiles_from)
             return integers.double() * row_scales.double()[:, None], screen
         screen_input = rows.to(torch.bfloat16)
-        return screen_input, self.screen(screen_input, native)
+        return screen_input, self.screen(screen_input)
 
     @staticmethod
     def screen_integers(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Float32 ``rows`` as the 16-bit screen reads them: int16 rows and a float32 scale per row."""
         return _int16_rows(rows.contiguous())
 
-    def screen(self, screen_input: torch.Tensor, native: ModuleType | None = None) -> torch.Tensor:
-        """``a`` for bfloat16 rows (``(R, V)``, bfloat16): through the C++ extension's int8 product where it
-        runs on this CPU (each weight row read from memory once for all R rows), else torch's (once per row).
-        Both sum exact products in float32 and scale after the sum, as the bound assumes."""
-        if native is not None and native.simd_supported():
-            return native.int8_screen(screen_input, self.quantized, self.scales)
+    def screen(self, screen_input: torch.Tensor) -> torch.Tensor:
+        """``a`` for bfloat16 rows (``(R, V)``, bfloat16) through torch's int8 product (the weights read once
+        per row): exact products summed in float32 and scaled after the sum, as the bound assumes. Where the
+        C++ extension runs, the 16-bit integer screen takes its place (:meth:`screen_rows`)."""
         return torch._weight_int8pack_mm(screen_input, self.quantized, self.scales)
 
     def _contenders(

@@ -13,11 +13,9 @@
 //   over the vocabulary instead of ten tensor-wide operations.
 // - proven_argmax: the screened head's proof for one row, reading the contenders' weight rows in place
 //   (a flat row's many contenders split between threads, each one's sums the same).
-// - int8_screen: the screened head's int8 product (greedy_head.py) reading each weight row from memory
-//   once for all rows of a tree (torch's int8 product reads the weights once per row), with AVX2 and FMA
-//   or, where the CPU has it, AVX-512 (as the stream kernel).
-// - int16_screen: the same product for rows rounded to 16-bit integers, summed exactly with AVX-512 VNNI
-//   (greedy_head.py takes it where the CPU has it).
+// - int16_screen: the screened head's int8 product (greedy_head.py) for rows rounded to 16-bit integers,
+//   reading each weight row from memory once for all rows of a tree, summed exactly with AVX2, AVX-512 VNNI
+//   or AMX tiles (the same integers on each).
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/EmptyTensor.h>
 #include <ATen/Parallel.h>
@@ -468,71 +466,7 @@ void screen_rows(const X* x, int64_t rows, const int8_t* q, int64_t K, int64_t V
   }
 }
 
-// sums[r * V + i + t] for R rows of x (float32, R x K) and tokens [i, i + T) of q (int8, V x K): float32
-// sums of products that are exact (a bfloat16 value times an int8 one needs 15 significant bits).
-template <int R, int T>
-AVX2 inline void screen_block(const float* x, const int8_t* q, int64_t K, int64_t V, int64_t i, float* sums) {
-  // the loops over t and r unrolled, so that the accumulators live in registers at -O2 too
-  __m256 acc[T][R];
-#pragma GCC unroll 8
-  for (int t = 0; t < T; ++t)
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) acc[t][r] = _mm256_setzero_ps();
-  const int64_t ahead = std::min(i + kPrefetchRows, V - T);
-  for (int64_t k = 0; k < K; k += 8) {
-    if ((k & 63) == 0)
-#pragma GCC unroll 8
-      for (int t = 0; t < T; ++t) _mm_prefetch(reinterpret_cast<const char*>(q + (ahead + t) * K + k), kPrefetchHint);
-    __m256 xv[R];
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) xv[r] = _mm256_loadu_ps(x + r * K + k);
-#pragma GCC unroll 8
-    for (int t = 0; t < T; ++t) {
-      const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + (i + t) * K + k));
-      const __m256 w = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
-#pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) acc[t][r] = _mm256_fmadd_ps(w, xv[r], acc[t][r]);
-    }
-  }
-#pragma GCC unroll 8
-  for (int t = 0; t < T; ++t)
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) sums[r * V + i + t] = lane_sum(acc[t][r]);
-}
-
 #define AVX512 __attribute__((target("avx512f")))
-
-// screen_block with AVX-512: 16 inputs a step (K a multiple of 16), so half the instructions a product
-// where the CPU has two 512-bit units. The sums are of the same exact products in another order.
-template <int R, int T>
-AVX512 inline void screen_block_512(const float* x, const int8_t* q, int64_t K, int64_t V, int64_t i, float* sums) {
-  __m512 acc[T][R];
-#pragma GCC unroll 8
-  for (int t = 0; t < T; ++t)
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) acc[t][r] = _mm512_setzero_ps();
-  const int64_t ahead = std::min(i + kPrefetchRows, V - T);
-  for (int64_t k = 0; k < K; k += 16) {
-    if ((k & 63) == 0)
-#pragma GCC unroll 8
-      for (int t = 0; t < T; ++t) _mm_prefetch(reinterpret_cast<const char*>(q + (ahead + t) * K + k), kPrefetchHint);
-    __m512 xv[R];
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) xv[r] = _mm512_loadu_ps(x + r * K + k);
-#pragma GCC unroll 8
-    for (int t = 0; t < T; ++t) {
-      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + (i + t) * K + k));
-      const __m512 w = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
-#pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) acc[t][r] = _mm512_fmadd_ps(w, xv[r], acc[t][r]);
-    }
-  }
-#pragma GCC unroll 8
-  for (int t = 0; t < T; ++t)
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) sums[r * V + i + t] = _mm512_reduce_add_ps(acc[t][r]);
-}
-
 #define AVX512VNNI __attribute__((target("avx512f,avx512bw,avx512vnni")))
 
 // sums[r * V + i + t] = sum_k x_rk q_(i+t)k for R rows of x (int16, R x K, K a multiple of 32) and tokens
@@ -603,24 +537,8 @@ AVX2 inline void madd_block(const int16_t* x, const int8_t* q, int64_t K, int64_
     for (int r = 0; r < R; ++r) sums[r * V + i + t] = lane_sum_epi32(acc[t][r]);
 }
 
-// The three screen kernels for screen_rows: float32 sums with AVX2 and with AVX-512, exact int32 ones with
-// AVX-512 VNNI (more tokens a block where there are 32 vector registers).
-struct Avx2Screen {
-  static constexpr int kTokens[9] = {0, 4, 4, 3, 2, 2, 2, 1, 1};
-  template <int R, int T>
-  AVX2 static void block(const float* x, const int8_t* q, int64_t K, int64_t V, int64_t i, float* sums) {
-    screen_block<R, T>(x, q, K, V, i, sums);
-  }
-};
-
-struct Avx512Screen {
-  static constexpr int kTokens[9] = {0, 8, 6, 4, 4, 3, 3, 2, 2};
-  template <int R, int T>
-  AVX512 static void block(const float* x, const int8_t* q, int64_t K, int64_t V, int64_t i, float* sums) {
-    screen_block_512<R, T>(x, q, K, V, i, sums);
-  }
-};
-
+// The screen kernels for screen_rows: exact int32 sums with AVX2 and with AVX-512 VNNI (more tokens a block
+// where there are 32 vector registers).
 struct MaddScreen {
   static constexpr int kTokens[9] = {0, 4, 4, 3, 2, 2, 2, 1, 1};
   template <int R, int T>
@@ -1615,7 +1533,7 @@ int64_t seen_keys(const at::Tensor* mask, const int64_t* mask_strides, bool caus
 
 }  // namespace
 
-// Whether int8_screen and stream_linear run on this CPU (an x86-64 one with AVX2 and FMA); elsewhere the
+// Whether int16_screen and stream_linear run on this CPU (an x86-64 one with AVX2 and FMA); elsewhere the
 // runtime keeps torch's int8 product and another linear kernel.
 bool simd_supported() {
 #ifdef DRAFTSMITH_X86
@@ -1874,12 +1792,12 @@ bool amx_allowed() {
 #endif
 }
 
-// Whether a kernel (`what`: stream_linear, int8_screen, screen_contenders, proven_argmax, attend) runs its
+// Whether a kernel (`what`: stream_linear, int16_screen, screen_contenders, proven_argmax, attend) runs its
 // AVX-512 code: `isa` "auto" (the path set_isa chose, else AVX-512 where avx512_allowed()), "avx2", "avx512"
-// or "amx" (AVX-512, and the screen's sums on AMX tiles: screen_tiles). The choice is speed only: the stream kernel's floats are the same either way, the screen's sums
-// are of the same exact products (its bound holds in any order), the contender search and the attention
-// compute the same floats, and the proof's float64 sums are of the same exact products (its bound holds in
-// any order too).
+// or "amx" (AVX-512, and the screen's sums on AMX tiles: screen_tiles). The choice is speed only: the stream
+// kernel's floats are the same either way, the screen's integer sums are exact, the contender search and the
+// attention compute the same floats, and the proof's float64 sums are of the same exact products (its bound
+// holds in any order).
 bool wide_vectors(const std::string& isa, const char* what) {
   TORCH_CHECK(isa == "auto" || isa == "avx2" || isa == "avx512" || isa == "amx", what,
               ": isa 'auto', 'avx2', 'avx512' or 'amx', not '", isa, "'");
@@ -1970,44 +1888,6 @@ at::Tensor stream_linear(const at::Tensor& rows, const at::Tensor& pack, const s
   std::vector<int64_t> shape(rows.sizes().begin(), rows.sizes().end());
   shape.back() = O;
   return y.view(shape);
-}
-
-// What torch._weight_int8pack_mm(input, quantized, scales) computes, as greedy_head.py's bound assumes
-// it: a_ri = bfloat16(s_i * sum_k x_rk q_ik), the sum in float32 (any order) of exact products, the
-// scale applied after it, rounded to the nearest bfloat16. input (R, K) bfloat16, quantized (V, K) int8
-// with K a multiple of 8, scales (V) bfloat16. Only where simd_supported().
-at::Tensor int8_screen(const at::Tensor& input, const at::Tensor& quantized, const at::Tensor& scales,
-                       const std::string& isa) {
-  RECORD_FUNCTION("draftsmith::int8_screen", std::vector<c10::IValue>());  // named in bench-tree --profile
-  TORCH_CHECK(simd_supported(), "int8_screen: needs an x86-64 CPU with AVX2 and FMA");
-  TORCH_CHECK(input.dim() == 2 && input.scalar_type() == at::kBFloat16, "int8_screen: input");
-  TORCH_CHECK(quantized.dim() == 2 && quantized.scalar_type() == at::kChar && quantized.is_contiguous() &&
-                  quantized.size(1) == input.size(1) && quantized.size(1) % 8 == 0,
-              "int8_screen: quantized");
-  TORCH_CHECK(scales.dim() == 1 && scales.scalar_type() == at::kBFloat16 && scales.is_contiguous() &&
-                  scales.size(0) == quantized.size(0),
-              "int8_screen: scales");
-  const int64_t rows = input.size(0), K = input.size(1), V = quantized.size(0);
-  const at::Tensor x = input.to(at::kFloat).contiguous();  // exact
-  at::Tensor sums = at::empty({rows, V}, x.options());
-  at::Tensor screen = at::empty({rows, V}, input.options());
-#ifdef DRAFTSMITH_X86
-  const float* xp = x.data_ptr<float>();
-  const int8_t* qp = quantized.data_ptr<int8_t>();
-  float* sp = sums.data_ptr<float>();
-  const at::BFloat16* scale = scales.data_ptr<at::BFloat16>();
-  at::BFloat16* out = screen.data_ptr<at::BFloat16>();
-  const bool wide = wide_vectors(isa, "int8_screen") && K % 16 == 0;
-  at::parallel_for(0, V, 2048, [&](int64_t begin, int64_t end) {
-    if (wide)
-      screen_rows<Avx512Screen>(xp, rows, qp, K, V, begin, end, sp);
-    else
-      screen_rows<Avx2Screen>(xp, rows, qp, K, V, begin, end, sp);
-    for (int64_t r = 0; r < rows; ++r)
-      for (int64_t i = begin; i < end; ++i) out[r * V + i] = at::BFloat16(sp[r * V + i] * static_cast<float>(scale[i]));
-  });
-#endif
-  return screen;
 }
 
 // Whether int16_screen's sums take AVX-512 VNNI for `isa`.
@@ -2926,7 +2806,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("proven_argmax", &proven_argmax, "The screened head's proof for one row (-1: not proven)", py::arg("x"),
         py::arg("weight"), py::arg("contenders"), py::arg("gamma32"), py::arg("gamma64"), py::arg("safety"),
         py::arg("isa") = "auto");
-  m.def("simd_supported", &simd_supported, "Whether int8_screen and stream_linear run on this CPU");
+  m.def("simd_supported", &simd_supported, "Whether int16_screen and stream_linear run on this CPU");
   m.def("isas_available", &isas_available, "The instruction sets whose kernels run on this CPU, narrowest first");
   m.def("set_isa", &set_isa, "The instruction set every kernel's isa='auto' takes from now on", py::arg("isa"));
   m.def("isa_in_use", &isa_in_use, "The instruction set isa='auto' takes now");
@@ -2939,8 +2819,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attend", &attend, "Attention whose every row is computed alone (row-invariant)", py::arg("query"),
         py::arg("keys"), py::arg("values"), py::arg("mask"), py::arg("scaling"), py::arg("causal"),
         py::arg("isa") = "auto");
-  m.def("int8_screen", &int8_screen, "The screened head's int8 product, weights read once for all rows",
-        py::arg("input"), py::arg("quantized"), py::arg("scales"), py::arg("isa") = "auto");
   m.def("amx_available", &amx_allowed, "Whether the screen's sums run on AMX tiles here (isa 'amx')");
   m.def("vnni_available", &vnni_supported, "Whether the screen's sums take AVX-512 VNNI here (isa 'avx512')");
   m.def("int16_screen_available", &int16_screen_available, "Whether int16_screen runs on this CPU",

@@ -85,7 +85,7 @@ def test_missing_llamacpp_tools_are_one_line_before_anything_decodes(tmp_path, t
 # (llama-cpp-python 0.3.36's vendored copy) print, text on stdout, a time-and-level-prefixed log on stderr.
 # The drafter run with `--spec-draft-n-max 1` fails as a broken draft would.
 STAND_IN = """#!{python}
-import sys
+import os, sys
 args = sys.argv[1:]
 prompt = args[args.index("-p") + 1]
 answer = "Paris is the capital."
@@ -102,6 +102,8 @@ if "-md" in args:
     )
 else:
     sys.stdout.write(answer + " [end of text]\\n\\n\\n")
+    built = " LLAMAFILE = 1 |" if os.environ.get("STAND_IN_LLAMAFILE") else ""
+    sys.stderr.write("0.00.050.000 I system_info: n_threads = 2 | CPU : AVX2 = 1 | OPENMP = 1 |" + built + "\\n")
     sys.stderr.write("0.00.100.000 I main: prompt: '" + prompt + "'\\n")
     sys.stderr.write("0.00.100.001 I main: number of tokens in prompt = 2\\n")
     sys.stderr.write("0.00.100.002 I      7 -> 'a\\n'\\n0.00.100.003 I      9 -> 'b'\\n0.00.100.004 I \\n")
@@ -145,3 +147,26 @@ def test_bench_accounts_for_llamacpp_runs_and_keeps_results_when_one_fails(tmp_p
     table = markdown_table(results)
     assert f"| {drafted} | 3 | 3.00 | 60.0 | 20.0 | 67% | 2.40x | 1.20x |" in table
     assert "did not run: llama.cpp" in table
+    assert "llamafile" not in info
+
+
+def test_bench_says_when_llama_cpp_was_built_with_llamafiles_products(tmp_path, tiny, gguf_export, monkeypatch, capsys):
+    """llama.cpp's default build (llamafile's matrix products) rounds a verification's batch otherwise than one-row
+    decoding, so its drafted runs may leave its plain tokens: the bench reads its system_info and says so in one
+    line where a drafter runs, and records it."""
+    from draftsmith.inference.measure.bench import LLAMAFILE_BUILD, ExternalEngines, Question, run_bench
+    from draftsmith.inference.measure.llamacpp_engine import COMPLETION, SPECULATIVE
+
+    tools = tmp_path / "bin"
+    tools.mkdir()
+    for name in (COMPLETION, SPECULATIVE):
+        (tools / name).write_text(STAND_IN.format(python=sys.executable))
+        (tools / name).chmod(0o755)
+    engines = ExternalEngines(llamacpp_bin=str(tools), llamacpp_model=tmp_path / "t.gguf")
+    questions = [Question("q1", "qa", ["Hello there"])]
+    monkeypatch.setenv("STAND_IN_LLAMAFILE", "1")
+    results = run_bench(tiny, questions, ["llamacpp", f"llamacpp={gguf_export}:depth=3"], 4, engines=engines)
+    assert results["llamacpp"]["llamafile"] is True
+    assert capsys.readouterr().out.count(LLAMAFILE_BUILD) == 1
+    run_bench(tiny, questions, ["llamacpp"], 4, engines=engines)  # no drafter: nothing to compare, nothing said
+    assert LLAMAFILE_BUILD not in capsys.readouterr().out

@@ -515,6 +515,13 @@ class LlamaCppSums:
         return summary
 
 
+LLAMAFILE_BUILD = (
+    "this llama.cpp was built with llamafile's matrix products (LLAMAFILE = 1 in its system info), whose batches "
+    "round otherwise than one-row decoding: its drafted runs may leave its plain tokens, which their `identical` "
+    "column counts; build it with -DGGML_LLAMAFILE=OFF for that comparison (docs/engines.md)"
+)
+
+
 @dataclass
 class LlamaCppBench:
     """The ``llamacpp`` methods over every benchmarked turn: llama.cpp's plain decoding of each prompt first
@@ -545,6 +552,10 @@ class LlamaCppBench:
         references = [self.encoded(run.text) for run in plains]
         matching = sum(list(run.prompt_ids) == turn.prompt for run, turn in zip(plains, turns))
         info: dict[str, Any] = {"model": str(self.model), "prompt_ids_match": f"{matching}/{len(turns)}"}
+        if any(run.llamafile for run in plains):
+            info["llamafile"] = True
+            if any(method.draft is not None for method in methods):
+                print(f"bench: {LLAMAFILE_BUILD}", flush=True)
         sums = {}
         for method in methods:
             try:

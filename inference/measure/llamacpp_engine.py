@@ -52,6 +52,7 @@ class LlamaCppRun:
     prompt_ids: tuple[int, ...] = ()
     steps: int = 0
     accepted: int = 0
+    llamafile: bool = False  # its build runs llamafile's matrix products (plain runs read it from system_info)
 
 
 SPELLING = EngineMethodSpelling(LLAMACPP, "depth", "llama.cpp", LlamaCppError)
@@ -139,7 +140,13 @@ def run_plain(tools: Path, model: Path, prompt: str, max_new_tokens: int, thread
     prompt_ms = number(r"prompt eval time =\s*([\d.]+) ms", log, LLAMACPP)
     decode_ms = number(r"\beval time =\s*([\d.]+) ms", log.split("prompt eval time", 1)[-1], LLAMACPP)
     runs = number(r"\beval time =\s*[\d.]+ ms /\s*(\d+) runs", log.split("prompt eval time", 1)[-1], LLAMACPP)
-    return LlamaCppRun(text, prompt_ms / 1000, decode_ms / 1000, int(runs), prompt_ids(log))
+    return LlamaCppRun(text, prompt_ms / 1000, decode_ms / 1000, int(runs), prompt_ids(log), llamafile=llamafile(log))
+
+
+def llamafile(log: str) -> bool:
+    """Whether the tool's ``system_info`` line says it was built with llamafile's matrix products (llama.cpp's
+    default, ``-DGGML_LLAMAFILE=OFF`` turns them off), whose batches round otherwise than one-row decoding."""
+    return re.search(r"system_info:.*\bLLAMAFILE = 1\b", log) is not None
 
 
 def prompt_ids(log: str) -> tuple[int, ...]:
